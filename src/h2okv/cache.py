@@ -1,0 +1,421 @@
+"""Fixed-capacity slot buffers with per-slot bookkeeping: the KV cache that really evicts.
+
+Each layer keeps ``[batch, kv_heads, capacity, head_dim]`` key/value buffers plus, per slot, the
+accumulated attention it received (``score``), the index of its token among the real (non-pad)
+tokens of its sequence (``ordinal``) and whether it holds a live token (``valid``). Attention is
+invariant to the order of keys once RoPE is baked in, so a new token is written into any free slot
+in place: no per-step gather, no reallocation once the buffer has reached ``budget + 1`` slots.
+
+The work of a forward call (write, attend, accumulate, evict) happens in ``SlotLayer.attend``,
+called from the registered attention function (``attention.py``), because that is where the query
+is available. ``update`` only hands the new key/value states over.
+"""
+
+from __future__ import annotations
+
+import math
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .errors import H2OError
+from .policies import Budget, Policy, make_policy
+from .slot_attention import slot_attention
+
+DEFAULT_CHUNK = 512
+
+# (layer, key_states, value_states) recorded by SlotLayer.update for the attention call that
+# follows it in the same thread; the attention function checks the key is the same object
+PENDING: ContextVar[tuple | None] = ContextVar("h2okv_pending", default=None)
+
+
+@dataclass(frozen=True)
+class BudgetSpec:
+    """Either absolute slot counts or fractions of each sequence's prompt length (paper's setting)."""
+
+    heavy: int | None = None
+    recent: int | None = None
+    heavy_ratio: float | None = None
+    recent_ratio: float | None = None
+
+    @classmethod
+    def build(cls, policy: Policy, heavy, recent, heavy_ratio, recent_ratio) -> BudgetSpec:
+        absolute = heavy is not None or recent is not None
+        ratio = heavy_ratio is not None or recent_ratio is not None
+        if not policy.evicts:
+            if absolute or ratio:
+                raise H2OError("policy 'full' keeps every token; do not give it a budget")
+            return cls()
+        if absolute and ratio:
+            raise H2OError("give either --heavy/--recent or --heavy-ratio/--recent-ratio, not both")
+        if not absolute and not ratio:
+            # the paper's setting: 10% heavy hitters + 10% recent of the prompt ("20% KV cache")
+            heavy_ratio, recent_ratio = 0.1, 0.1
+        elif absolute:
+            heavy, recent = int(heavy or 0), int(recent or 0)
+            if heavy < 0 or recent < 0 or heavy + recent <= 0:
+                raise H2OError(f"budget must be positive: heavy={heavy}, recent={recent}")
+            if policy.name == "h2o" and (heavy <= 0 or recent <= 0):
+                raise H2OError(f"h2o needs heavy > 0 and recent > 0 (got heavy={heavy}, recent={recent})")
+            return cls(heavy=heavy, recent=recent)
+        heavy_ratio = float(heavy_ratio or 0.0)
+        recent_ratio = float(recent_ratio or 0.0)
+        for name, value in (("heavy_ratio", heavy_ratio), ("recent_ratio", recent_ratio)):
+            if not (0.0 <= value <= 1.0) or math.isnan(value):
+                raise H2OError(f"{name} must be in (0, 1], got {value}")
+        if heavy_ratio + recent_ratio <= 0:
+            raise H2OError("heavy_ratio + recent_ratio must be > 0")
+        if policy.name == "h2o" and (heavy_ratio <= 0 or recent_ratio <= 0):
+            raise H2OError(f"h2o needs heavy_ratio and recent_ratio in (0, 1] (got {heavy_ratio}, {recent_ratio})")
+        return cls(heavy_ratio=heavy_ratio, recent_ratio=recent_ratio)
+
+    @property
+    def is_ratio(self) -> bool:
+        return self.heavy_ratio is not None
+
+    def resolve(self, prompt_len: int) -> tuple[int, int]:
+        """(heavy, recent) slots for a sequence whose prompt has ``prompt_len`` real tokens."""
+        if not self.is_ratio:
+            return self.heavy, self.recent
+        # at least one slot for each part whose ratio is > 0 (a 5-token prompt still gets a budget)
+        heavy = max(1, int(self.heavy_ratio * prompt_len)) if self.heavy_ratio > 0 else 0
+        recent = max(1, int(self.recent_ratio * prompt_len)) if self.recent_ratio > 0 else 0
+        return heavy, recent
+
+
+class SlotLayer(CacheLayerMixin):
+    """One decoder layer's slot buffers. See the module docstring."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, owner: H2OCache, layer_idx: int):
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.tokens_seen = 0  # positions consumed, pads included: what generate needs for positions
+        self.peak_capacity = 0
+
+    # -- transformers Cache layer protocol ---------------------------------------------------
+    def lazy_initialization(self, key_states, value_states):
+        b, h, _, d = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states.new_zeros((b, h, 0, d))
+        self.values = value_states.new_zeros((b, h, 0, value_states.shape[-1]))
+        self.score = torch.zeros((b, h, 0), dtype=torch.float32, device=self.device)
+        self.ordinal = torch.zeros((b, h, 0), dtype=torch.long, device=self.device)
+        self.valid = torch.zeros((b, h, 0), dtype=torch.bool, device=self.device)
+        self.n_real = torch.zeros((b,), dtype=torch.long, device=self.device)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        # the attention function picks these up (see attention.py); K/V are written into slots
+        # there, chunk by chunk, interleaved with eviction
+        PENDING.set((self, key_states, value_states))
+        self.tokens_seen += key_states.shape[-2]
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # The model builds its mask over the *new* tokens only (causal + padding among them); the
+        # old tokens' visibility is the slots' valid flag. kv_offset lines the padding mask up.
+        return query_length, self.tokens_seen
+
+    def get_seq_length(self) -> int:
+        return self.tokens_seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.keys = self.values = None
+        self.tokens_seen = 0
+        self.peak_capacity = 0
+
+    def _select_batch(self, index: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        index = index.to(self.device)
+        for name in ("keys", "values", "score", "ordinal", "valid", "n_real", "heavy", "recent"):
+            if hasattr(self, name) and getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).index_select(0, index))
+
+    def reorder_cache(self, beam_idx):
+        self._select_batch(beam_idx)
+
+    def batch_select_indices(self, indices):
+        self._select_batch(torch.as_tensor(indices))
+
+    def batch_repeat_interleave(self, repeats: int):
+        if self.is_initialized:
+            b = self.keys.shape[0]
+            self._select_batch(torch.arange(b).repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise H2OError("H2OCache cannot be cropped: evicted tokens are gone (assisted decoding is not supported)")
+
+    # -- slot bookkeeping ----------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def _resize(self, new_capacity: int, compact: bool) -> None:
+        """Reallocate to ``new_capacity`` slots; ``compact`` moves live slots to the front first."""
+        cap = self.capacity
+        if compact:
+            order = torch.argsort((~self.valid).to(torch.int8), dim=-1, stable=True)[..., :new_capacity]
+            keep = min(cap, new_capacity)
+            order = order[..., :keep]
+            d = self.keys.shape[-1]
+            parts = {
+                "keys": self.keys.gather(2, order[..., None].expand(-1, -1, -1, d)),
+                "values": self.values.gather(2, order[..., None].expand(-1, -1, -1, self.values.shape[-1])),
+                "score": self.score.gather(2, order),
+                "ordinal": self.ordinal.gather(2, order),
+                "valid": self.valid.gather(2, order),
+            }
+        else:
+            keep = cap
+            parts = {n: getattr(self, n) for n in ("keys", "values", "score", "ordinal", "valid")}
+        for name, old in parts.items():
+            shape = list(old.shape)
+            shape[2] = new_capacity
+            new = old.new_zeros(shape)
+            new[:, :, :keep] = old[:, :, :keep]
+            setattr(self, name, new)
+        self.peak_capacity = max(self.peak_capacity, new_capacity)
+
+    def ensure_free(self, m: int) -> None:
+        """Make room for ``m`` new tokens in every (sequence, head)."""
+        if self.capacity >= self.max_budget + m:
+            return  # steady state: eviction keeps every (sequence, head) at <= budget
+        live = int(self.valid.sum(-1).max()) if self.capacity else 0
+        needed = live + m
+        if needed <= self.capacity:
+            return
+        limit = self.max_budget + m
+        if m == 1:
+            # decode before the budget is reached: grow in steps so growth is amortised
+            needed = min(max(needed, self.capacity + max(32, self.capacity // 8)), limit)
+        self._resize(needed, compact=False)
+
+    def shrink_to_budget(self) -> None:
+        """After a prefill, give back the chunk's extra slots: decode needs budget + 1."""
+        target = self.max_budget + 1
+        if self.capacity > target and int(self.valid.sum(-1).max()) < target:
+            self._resize(target, compact=True)
+
+    @property
+    def max_budget(self) -> int | float:
+        return self.owner.max_budget
+
+    # -- the step ------------------------------------------------------------------------------
+    def attend(self, query, key_new, value_new, new_mask, scaling, sliding_window=None):
+        """Write, attend, accumulate and evict for one forward call; returns ``[B, q, Hq, D]``."""
+        owner = self.owner
+        q_len = query.shape[2]
+        pad_free = new_mask is None
+        if new_mask is not None:
+            new_mask = new_mask.to(torch.bool)
+            nonpad = new_mask[:, 0, -1, :]  # the last query row sees every non-pad new key
+        else:
+            nonpad = torch.ones(query.shape[0], q_len, dtype=torch.bool, device=query.device)
+        if not hasattr(self, "heavy"):
+            self.heavy, self.recent = owner.budgets_for(nonpad, self.device)
+        chunk = owner.chunk_size if q_len > 1 else 1
+        outputs = []
+        for start in range(0, q_len, chunk):
+            stop = min(start + chunk, q_len)
+            sub_mask = None if pad_free else new_mask[:, :, start:stop, start:stop]
+            outputs.append(
+                self._step(
+                    query[:, :, start:stop],
+                    key_new[:, :, start:stop],
+                    value_new[:, :, start:stop],
+                    nonpad[:, start:stop],
+                    sub_mask,
+                    scaling,
+                    sliding_window,
+                )
+            )
+        if q_len > 1:
+            self.shrink_to_budget()
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+        return out.transpose(1, 2).contiguous()
+
+    def _step(self, query, k_new, v_new, nonpad, sub_mask, scaling, sliding_window):
+        policy = self.owner.policy
+        b, hkv, m, d = k_new.shape
+        self.ensure_free(m)
+        cap = self.capacity
+
+        # free slots: first m free per (b, h); real tokens get the first of them so a padded row
+        # lays its tokens out exactly like the same sequence run alone
+        if m == 1:
+            free = (~self.valid).to(torch.int8).argmax(dim=-1, keepdim=True)
+            all_real = True
+        else:
+            free = torch.argsort(self.valid.to(torch.int8), dim=-1, stable=True)[..., :m]
+            all_real = bool(nonpad.all())
+        if all_real:
+            slot_of_token = free
+        else:
+            order = torch.argsort((~nonpad).to(torch.int8), dim=-1, stable=True)
+            slot_of_token = torch.empty_like(free).scatter_(-1, order[:, None, :].expand(b, hkv, m), free)
+
+        idx = slot_of_token[..., None]
+        self.keys.scatter_(2, idx.expand(-1, -1, -1, d), k_new)
+        self.values.scatter_(2, idx.expand(-1, -1, -1, v_new.shape[-1]), v_new)
+        ordinals = self.n_real[:, None] + torch.cumsum(nonpad, dim=-1) - 1  # [B, m]
+        self.ordinal.scatter_(2, slot_of_token, ordinals[:, None, :].expand(b, hkv, m))
+        self.score.scatter_(2, slot_of_token, 0.0)
+
+        # which slots each new query may see: live old slots, plus new tokens causally (self always,
+        # so a pad query never has an empty row)
+        if m == 1:
+            allowed = self.valid.scatter(2, slot_of_token, True)[:, :, None, :]
+        else:
+            token_of_slot = torch.full((b, hkv, cap), -1, dtype=torch.long, device=self.device)
+            token_of_slot.scatter_(2, slot_of_token, torch.arange(m, device=self.device).expand(b, hkv, m))
+            tok = token_of_slot[:, :, None, :]  # [B, H, 1, cap]
+            q_idx = torch.arange(m, device=self.device)[:, None]  # [m, 1]
+            is_new = tok >= 0
+            if sub_mask is None:
+                new_ok = is_new & (tok <= q_idx)
+            else:
+                gathered = sub_mask.expand(b, hkv, m, m).gather(3, tok.clamp(min=0).expand(b, hkv, m, cap))
+                new_ok = is_new & (gathered | (tok == q_idx))
+            allowed = self.valid[:, :, None, :] | new_ok
+        if sliding_window is not None and int(self.n_real.max()) + m > sliding_window:
+            q_ord = ordinals[:, None, :, None]  # [B, 1, m, 1]
+            allowed = allowed & (self.ordinal[:, :, None, :] > q_ord - sliding_window)
+
+        out, mass = slot_attention(
+            query, self.keys, self.values, allowed, scaling, need_mass=policy.needs_scores,
+            query_weight=None if all_real else nonpad,
+        )
+        if mass is not None:
+            self.score += mass
+
+        self.valid.scatter_(2, slot_of_token, nonpad[:, None, :].expand(b, hkv, m))
+        self.n_real = self.n_real + nonpad.sum(-1)
+        if policy.evicts:
+            self._evict(m)
+        return out
+
+    def _evict(self, m: int) -> None:
+        """Free the lowest-ranked candidates until every (sequence, head) is within budget."""
+        policy = self.owner.policy
+        budget = (self.heavy + self.recent)[:, None]  # [B, 1]
+        excess = (self.valid.sum(-1) - budget).clamp(min=0)  # [B, H]
+        # candidates: live, not among the last `recent` real tokens of their sequence
+        recent_start = (self.n_real - self.recent)[:, None, None]
+        candidate = self.valid & (self.ordinal < recent_start)
+        key = policy.eviction_key(self.score, self.ordinal).masked_fill(~candidate, math.inf)
+        if m == 1:
+            n_evict = 1
+            _, victims = key.min(dim=-1, keepdim=True)
+        else:
+            n_evict = int(excess.max())
+            if n_evict == 0:
+                return
+            _, victims = key.topk(n_evict, dim=-1, largest=False)
+        rank = torch.arange(n_evict, device=self.device)
+        drop = (rank < excess[..., None]) & candidate.gather(2, victims)
+        self.valid.scatter_(2, victims, self.valid.gather(2, victims) & ~drop)
+
+    # -- accounting ----------------------------------------------------------------------------
+    def live_slots(self) -> torch.Tensor:
+        return self.valid.sum(-1) if self.is_initialized else torch.zeros(0, dtype=torch.long)
+
+    def kv_bytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def full_kv_bytes(self) -> int:
+        """What a plain cache would hold: every position seen, for every row and head."""
+        if not self.is_initialized:
+            return 0
+        b, h, _, d = self.keys.shape
+        return 2 * b * h * self.tokens_seen * d * self.keys.element_size()
+
+
+class H2OCache(Cache):
+    """A ``transformers.Cache`` that keeps at most ``heavy + recent`` tokens per (sequence, layer, KV head).
+
+    ``H2OCache(model, policy="h2o", heavy=102, recent=102)`` or
+    ``H2OCache(model, policy="h2o", heavy_ratio=0.1, recent_ratio=0.1)``; pass it as
+    ``past_key_values`` to ``model.generate`` or ``model(...)``. One cache serves one generation.
+    """
+
+    def __init__(
+        self,
+        model,
+        policy: str | Policy = "h2o",
+        heavy: int | None = None,
+        recent: int | None = None,
+        heavy_ratio: float | None = None,
+        recent_ratio: float | None = None,
+        chunk_size: int = DEFAULT_CHUNK,
+        seed: int = 0,
+    ):
+        from .attention import prepare_model
+
+        self.policy = make_policy(policy, seed=seed)
+        self.spec = BudgetSpec.build(self.policy, heavy, recent, heavy_ratio, recent_ratio)
+        if int(chunk_size) < 1:
+            raise H2OError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.chunk_size = int(chunk_size)
+        num_layers = prepare_model(model)
+        super().__init__(layers=[SlotLayer(self, i) for i in range(num_layers)])
+        self._row_budgets: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # per-row budgets are fixed by the first forward (the prompt), then shared by all layers
+    def budgets_for(self, nonpad: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._row_budgets is None:
+            lengths = nonpad.sum(-1).tolist()
+            pairs = [self._split(self.spec.resolve(n)) for n in lengths]
+            heavy = torch.tensor([p.heavy for p in pairs], dtype=torch.long)
+            recent = torch.tensor([p.recent for p in pairs], dtype=torch.long)
+            self._row_budgets = (heavy, recent)
+        heavy, recent = self._row_budgets
+        return heavy.to(device), recent.to(device)
+
+    def _split(self, pair) -> Budget:
+        if not self.policy.evicts:
+            return Budget(0, 0)
+        return self.policy.split(*pair)
+
+    @property
+    def max_budget(self) -> int | float:
+        if not self.policy.evicts:
+            return math.inf
+        if self._row_budgets is None:
+            return math.inf
+        heavy, recent = self._row_budgets
+        return int((heavy + recent).max())
+
+    def budget(self) -> list[int] | None:
+        """Slots per (layer, head) for each sequence, or None for ``full`` / before the first call."""
+        if self._row_budgets is None or not self.policy.evicts:
+            return None
+        heavy, recent = self._row_budgets
+        return (heavy + recent).tolist()
+
+    def stats(self) -> dict:
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        slots = [int(layer.live_slots().max()) for layer in layers]
+        return {
+            "policy": self.policy.name,
+            "tokens_seen": self.get_seq_length(),
+            "budget": self.budget(),
+            "slots": slots,  # the most live tokens any (sequence, head) of each layer holds
+            "capacity": [layer.capacity for layer in layers],
+            "kv_bytes": sum(layer.kv_bytes() for layer in layers),
+            "full_kv_bytes": sum(layer.full_kv_bytes() for layer in layers),
+        }

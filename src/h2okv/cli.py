@@ -1,0 +1,45 @@
+"""``h2okv`` command line. Each subcommand lives in its own module and registers itself here.
+
+User errors (``H2OError``, bad arguments) print one line and exit with code 2; no tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import H2OError
+
+# subcommand modules; each defines ``register(subparsers)`` which sets ``func`` on its parser
+SUBCOMMANDS = ["h2okv.commands.generate", "h2okv.commands.demo"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse's default prints usage first)
+        self.exit(2, f"h2okv: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="h2okv", description="H2O heavy-hitter KV-cache eviction for transformers")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name in SUBCOMMANDS:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except H2OError as exc:
+        print(f"h2okv: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("h2okv: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

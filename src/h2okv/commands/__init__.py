@@ -1,0 +1,1 @@
+"""One module per ``h2okv`` subcommand, plus shared argument helpers (``common``)."""

