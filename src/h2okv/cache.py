@@ -240,6 +240,7 @@ class SlotLayer(CacheLayerMixin):
                     sub_mask,
                     scaling,
                     sliding_window,
+                    pad_free,
                 )
             )
         if q_len > 1:
@@ -247,7 +248,7 @@ class SlotLayer(CacheLayerMixin):
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
         return out.transpose(1, 2).contiguous()
 
-    def _step(self, query, k_new, v_new, nonpad, sub_mask, scaling, sliding_window):
+    def _step(self, query, k_new, v_new, nonpad, sub_mask, scaling, sliding_window, pad_free):
         policy = self.owner.policy
         b, hkv, m, d = k_new.shape
         self.ensure_free(m)
@@ -255,12 +256,11 @@ class SlotLayer(CacheLayerMixin):
 
         # free slots: first m free per (b, h); real tokens get the first of them so a padded row
         # lays its tokens out exactly like the same sequence run alone
+        all_real = pad_free or bool(nonpad.all())
         if m == 1:
             free = (~self.valid).to(torch.int8).argmax(dim=-1, keepdim=True)
-            all_real = True
         else:
             free = torch.argsort(self.valid.to(torch.int8), dim=-1, stable=True)[..., :m]
-            all_real = bool(nonpad.all())
         if all_real:
             slot_of_token = free
         else:

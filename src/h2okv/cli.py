@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import pkgutil
 import sys
 
 from .errors import H2OError
 
-# subcommand modules; each defines ``register(subparsers)`` which sets ``func`` on its parser
-SUBCOMMANDS = ["h2okv.commands.generate", "h2okv.commands.demo"]
+
+def subcommand_modules() -> list[str]:
+    """Every module of ``h2okv.commands`` that defines ``register(subparsers)``: adding a
+    subcommand is adding one file."""
+    from . import commands
+
+    names = sorted(m.name for m in pkgutil.iter_modules(commands.__path__) if not m.name.startswith("_"))
+    return [f"{commands.__name__}.{n}" for n in names if n != "common"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -23,8 +30,10 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="h2okv", description="H2O heavy-hitter KV-cache eviction for transformers")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for name in SUBCOMMANDS:
-        importlib.import_module(name).register(sub)
+    for name in subcommand_modules():
+        module = importlib.import_module(name)
+        if hasattr(module, "register"):
+            module.register(sub)
     return parser
 
 

@@ -1,0 +1,43 @@
+"""Tiny random-weight models built from configs, for tests and quick experiments (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 96
+
+# architecture -> config overrides; small but with the structure that matters (GQA where the
+# architecture has it, RoPE or learned positions, fused or split projections)
+TINY_CONFIGS: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
+    "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
+    "phi3": ("Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)),
+    "opt": ("OPTConfig", dict(num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64, pad_token_id=1)),
+    "gpt_neox": ("GPTNeoXConfig", dict(num_attention_heads=4, rotary_pct=0.5)),
+}
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, **overrides):
+    """A random-weight causal LM of the given architecture, float32, eval mode, on CPU."""
+    import transformers
+
+    cls_name, extra = TINY_CONFIGS[arch]
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=VOCAB - 1,
+    )
+    if arch == "opt":
+        base.pop("intermediate_size")
+    base.update(extra)
+    base.update(overrides)
+    config = getattr(transformers, cls_name)(**base)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    return model.eval()
