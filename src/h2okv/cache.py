@@ -215,94 +215,97 @@ class SlotLayer(CacheLayerMixin):
 
     # -- the step ------------------------------------------------------------------------------
     def attend(self, query, key_new, value_new, new_mask, scaling, sliding_window=None):
-        """Write, attend, accumulate and evict for one forward call; returns ``[B, q, Hq, D]``."""
+        """Write, attend, accumulate and evict for one forward call; returns ``[B, q, Hq, D]``.
+
+        ``new_mask`` is the model's boolean mask over the new tokens only (``get_mask_sizes``);
+        we read padding from it and nothing else: causality among new tokens and the model's
+        sliding window are applied from the slots' ordinals.
+        """
         owner = self.owner
-        q_len = query.shape[2]
-        pad_free = new_mask is None
+        b, _, q_len, _ = query.shape
+        nonpad = None
         if new_mask is not None:
-            new_mask = new_mask.to(torch.bool)
-            nonpad = new_mask[:, 0, -1, :]  # the last query row sees every non-pad new key
-        else:
-            nonpad = torch.ones(query.shape[0], q_len, dtype=torch.bool, device=query.device)
+            # a real token always sees itself; a pad key is seen by no query
+            nonpad = new_mask.to(torch.bool)[:, 0].diagonal(dim1=-2, dim2=-1)
+            if bool(nonpad.all()):
+                nonpad = None
         if not hasattr(self, "heavy"):
-            self.heavy, self.recent = owner.budgets_for(nonpad, self.device)
+            full = torch.ones(b, q_len, dtype=torch.bool, device=query.device)
+            self.heavy, self.recent = owner.budgets_for(full if nonpad is None else nonpad, self.device)
+
+        order = None
+        if nonpad is not None:
+            # Move every row's real tokens to the front (a right-padded layout): a row's chunks
+            # then start at its own first token, as when the sequence runs alone.
+            order = torch.argsort((~nonpad).to(torch.int8), dim=-1, stable=True)
+            nonpad = nonpad.gather(1, order)
+            query = query.gather(2, order[:, None, :, None].expand_as(query))
+            key_new = key_new.gather(2, order[:, None, :, None].expand_as(key_new))
+            value_new = value_new.gather(2, order[:, None, :, None].expand_as(value_new))
+
         chunk = owner.chunk_size if q_len > 1 else 1
         outputs = []
         for start in range(0, q_len, chunk):
             stop = min(start + chunk, q_len)
-            sub_mask = None if pad_free else new_mask[:, :, start:stop, start:stop]
             outputs.append(
                 self._step(
                     query[:, :, start:stop],
                     key_new[:, :, start:stop],
                     value_new[:, :, start:stop],
-                    nonpad[:, start:stop],
-                    sub_mask,
+                    None if nonpad is None else nonpad[:, start:stop],
                     scaling,
                     sliding_window,
-                    pad_free,
                 )
             )
         if q_len > 1:
             self.shrink_to_budget()
-        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # [B, Hq, q, D]
+        if order is not None:
+            out = torch.empty_like(out).scatter_(2, order[:, None, :, None].expand_as(out), out)
         return out.transpose(1, 2).contiguous()
 
-    def _step(self, query, k_new, v_new, nonpad, sub_mask, scaling, sliding_window, pad_free):
+    def _step(self, query, k_new, v_new, nonpad, scaling, sliding_window):
+        """One chunk of ``m`` new tokens (real tokens first in each row; ``nonpad=None``: all real)."""
         policy = self.owner.policy
         b, hkv, m, d = k_new.shape
         self.ensure_free(m)
         cap = self.capacity
 
-        # free slots: first m free per (b, h); real tokens get the first of them so a padded row
-        # lays its tokens out exactly like the same sequence run alone
-        all_real = pad_free or bool(nonpad.all())
+        # the first m free slots of each (b, h), in token order
         if m == 1:
-            free = (~self.valid).to(torch.int8).argmax(dim=-1, keepdim=True)
+            slot_of_token = (~self.valid).to(torch.int8).argmax(dim=-1, keepdim=True)
         else:
-            free = torch.argsort(self.valid.to(torch.int8), dim=-1, stable=True)[..., :m]
-        if all_real:
-            slot_of_token = free
-        else:
-            order = torch.argsort((~nonpad).to(torch.int8), dim=-1, stable=True)
-            slot_of_token = torch.empty_like(free).scatter_(-1, order[:, None, :].expand(b, hkv, m), free)
+            slot_of_token = torch.argsort(self.valid.to(torch.int8), dim=-1, stable=True)[..., :m]
 
         idx = slot_of_token[..., None]
         self.keys.scatter_(2, idx.expand(-1, -1, -1, d), k_new)
         self.values.scatter_(2, idx.expand(-1, -1, -1, v_new.shape[-1]), v_new)
-        ordinals = self.n_real[:, None] + torch.cumsum(nonpad, dim=-1) - 1  # [B, m]
+        real = nonpad if nonpad is not None else torch.ones(b, m, dtype=torch.bool, device=self.device)
+        ordinals = self.n_real[:, None] + torch.arange(m, device=self.device)  # [B, m]
         self.ordinal.scatter_(2, slot_of_token, ordinals[:, None, :].expand(b, hkv, m))
         self.score.scatter_(2, slot_of_token, 0.0)
 
-        # which slots each new query may see: live old slots, plus new tokens causally (self always,
-        # so a pad query never has an empty row)
+        # which slots each new query may see: live old slots, plus new tokens up to itself (pads
+        # sit after the real tokens of their row, so a real query never sees one)
         if m == 1:
             allowed = self.valid.scatter(2, slot_of_token, True)[:, :, None, :]
         else:
-            token_of_slot = torch.full((b, hkv, cap), -1, dtype=torch.long, device=self.device)
+            token_of_slot = torch.full((b, hkv, cap), m, dtype=torch.long, device=self.device)
             token_of_slot.scatter_(2, slot_of_token, torch.arange(m, device=self.device).expand(b, hkv, m))
-            tok = token_of_slot[:, :, None, :]  # [B, H, 1, cap]
             q_idx = torch.arange(m, device=self.device)[:, None]  # [m, 1]
-            is_new = tok >= 0
-            if sub_mask is None:
-                new_ok = is_new & (tok <= q_idx)
-            else:
-                gathered = sub_mask.expand(b, hkv, m, m).gather(3, tok.clamp(min=0).expand(b, hkv, m, cap))
-                new_ok = is_new & (gathered | (tok == q_idx))
-            allowed = self.valid[:, :, None, :] | new_ok
+            allowed = self.valid[:, :, None, :] | (token_of_slot[:, :, None, :] <= q_idx)
         if sliding_window is not None and int(self.n_real.max()) + m > sliding_window:
             q_ord = ordinals[:, None, :, None]  # [B, 1, m, 1]
             allowed = allowed & (self.ordinal[:, :, None, :] > q_ord - sliding_window)
 
         out, mass = slot_attention(
-            query, self.keys, self.values, allowed, scaling, need_mass=policy.needs_scores,
-            query_weight=None if all_real else nonpad,
+            query, self.keys, self.values, allowed, scaling, need_mass=policy.needs_scores, query_weight=nonpad,
         )
         if mass is not None:
             self.score += mass
 
-        self.valid.scatter_(2, slot_of_token, nonpad[:, None, :].expand(b, hkv, m))
-        self.n_real = self.n_real + nonpad.sum(-1)
+        self.valid.scatter_(2, slot_of_token, real[:, None, :].expand(b, hkv, m))
+        self.n_real = self.n_real + real.sum(-1)
         if policy.evicts:
             self._evict(m)
         return out

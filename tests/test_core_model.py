@@ -1,0 +1,195 @@
+"""H2OCache inside real (tiny, random-weight) transformers models."""
+
+import pytest
+import torch
+from conftest import random_ids
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+
+from h2okv import H2OCache
+from h2okv.testing import tiny_model
+
+
+def greedy_with_scores(model, ids, cache=None, attention_mask=None, steps=12):
+    out = model.generate(
+        ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=steps, min_new_tokens=steps,
+        do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+    )
+    return out.sequences, torch.stack(out.logits, dim=1)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 512])
+def test_exact_when_budget_covers_everything(arch_model, chunk):
+    """Budget >= total length: logits match a plain DynamicCache (fp32, 1e-4), tokens identical."""
+    _, model = arch_model
+    ids = random_ids(30, batch=2)
+    ref_tokens, ref_logits = greedy_with_scores(model, ids, DynamicCache(config=model.config))
+    cache = H2OCache(model, policy="h2o", heavy=100, recent=100, chunk_size=chunk)
+    tokens, logits = greedy_with_scores(model, ids, cache)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    assert cache.get_seq_length() == 30 + 12 - 1
+
+
+@pytest.mark.parametrize("policy", ["full", "local", "sink", "random"])
+def test_other_policies_exact_without_eviction(llama, policy):
+    ids = random_ids(25)
+    ref_tokens, ref_logits = greedy_with_scores(llama, ids)
+    budget = {} if policy == "full" else {"heavy": 50, "recent": 50}
+    tokens, logits = greedy_with_scores(llama, ids, H2OCache(llama, policy=policy, **budget))
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+
+
+def test_model_still_works_without_h2o_cache(llama):
+    ids = random_ids(20)
+    before = llama(ids).logits
+    H2OCache(llama, heavy=2, recent=2)
+    llama.generate(ids, past_key_values=H2OCache(llama, heavy=2, recent=2), max_new_tokens=3, pad_token_id=0)
+    torch.testing.assert_close(llama(ids).logits, before, atol=1e-5, rtol=0)
+    llama.generate(ids, max_new_tokens=3, pad_token_id=0)  # plain generation still fine
+
+
+class BudgetWatch(LogitsProcessor):
+    """Called once per generated token: records what every layer holds at that step."""
+
+    def __init__(self, cache):
+        self.cache, self.history = cache, []
+
+    def __call__(self, input_ids, scores):
+        self.history.append(self.cache.stats())
+        return scores
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt", "gpt_neox"])
+def test_budget_respected_every_step(arch):
+    model = tiny_model(arch)
+    ids = random_ids(40, batch=2)
+    cache = H2OCache(model, policy="h2o", heavy=5, recent=3, chunk_size=16)
+    watch = BudgetWatch(cache)
+    model.generate(ids, past_key_values=cache, max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                   logits_processor=LogitsProcessorList([watch]), pad_token_id=0)
+    assert len(watch.history) == 20
+    for stats in watch.history:
+        assert max(stats["slots"]) <= 8
+        assert max(stats["capacity"]) <= 9  # budget + the slot the next token is written into
+    final = cache.stats()
+    assert final["tokens_seen"] == 59
+    assert final["kv_bytes"] < final["full_kv_bytes"] * 9 / 59 + 1
+
+
+def test_chunked_prefill_memory_bounded(llama):
+    """KV memory during prefill stays <= budget + chunk, and the buffer shrinks to budget + 1 after."""
+    ids = random_ids(300)
+    cache = H2OCache(llama, policy="h2o", heavy=20, recent=20, chunk_size=64)
+    llama(ids, past_key_values=cache)
+    for layer in cache.layers:
+        assert layer.peak_capacity <= 40 + 64
+        assert layer.capacity == 41
+        assert int(layer.valid.sum(-1).max()) == 40
+    one_chunk = H2OCache(llama, policy="h2o", heavy=20, recent=20, chunk_size=300)
+    llama(ids, past_key_values=one_chunk)
+    assert one_chunk.layers[0].peak_capacity == 300
+
+
+def test_positions_true_after_eviction():
+    """`local` with budget W-1 is exactly a sliding window of W: compare with Mistral's own
+    sliding-window attention on a plain cache. Any position error after eviction (RoPE) shows."""
+    window = 9
+    plain = tiny_model("mistral", sliding_window=window)
+    ours = tiny_model("mistral", sliding_window=None)
+    ours.load_state_dict(plain.state_dict())
+    ids = random_ids(20)
+    ref_tokens, ref_logits = greedy_with_scores(plain, ids, DynamicCache(config=plain.config), steps=25)
+    cache = H2OCache(ours, policy="local", heavy=0, recent=window - 1, chunk_size=1)
+    tokens, logits = greedy_with_scores(ours, ids, cache, steps=25)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    assert torch.equal(tokens, ref_tokens)
+    assert cache.get_seq_length() == 20 + 25 - 1
+
+
+def test_model_sliding_window_honoured():
+    """A model with its own sliding window keeps it under H2OCache (budget larger than the window)."""
+    model = tiny_model("mistral", sliding_window=6)
+    ids = random_ids(20)
+    ref_tokens, ref_logits = greedy_with_scores(model, ids, DynamicCache(config=model.config), steps=10)
+    tokens, logits = greedy_with_scores(model, ids, H2OCache(model, policy="full", chunk_size=5), steps=10)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+
+
+def left_pad(seqs, pad=0):
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(s)
+        mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize(
+    "budget",
+    [{"heavy": 4, "recent": 3}, {"heavy_ratio": 0.2, "recent_ratio": 0.2}],
+    ids=["absolute", "ratio"],
+)
+@pytest.mark.parametrize("chunk", [1, 8, 512])
+def test_batch_equals_single(llama, budget, chunk):
+    """Left-padded batch of different lengths: each row equals its batch-of-one run."""
+    lengths = [30, 17, 24]
+    seqs = [random_ids(n, seed=10 + i)[0].tolist() for i, n in enumerate(lengths)]
+    ids, mask = left_pad(seqs)
+    cache = H2OCache(llama, policy="h2o", chunk_size=chunk, **budget)
+    tokens, logits = greedy_with_scores(llama, ids, cache, attention_mask=mask, steps=15)
+    for i, s in enumerate(seqs):
+        single = H2OCache(llama, policy="h2o", chunk_size=chunk, **budget)
+        ref_tokens, ref_logits = greedy_with_scores(llama, torch.tensor([s]), single, steps=15)
+        assert tokens[i, ids.shape[1]:].tolist() == ref_tokens[0, len(s):].tolist()
+        torch.testing.assert_close(logits[i], ref_logits[0], atol=1e-4, rtol=0)
+        if "heavy_ratio" in budget:
+            assert cache.budget()[i] == single.budget()[0] == 2 * max(1, int(0.2 * len(s)))
+
+
+def test_padding_never_kept(llama):
+    seqs = [random_ids(12, seed=1)[0].tolist(), random_ids(4, seed=2)[0].tolist()]
+    ids, mask = left_pad(seqs)
+    cache = H2OCache(llama, policy="h2o", heavy=50, recent=50)
+    llama.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=3, min_new_tokens=3,
+                   do_sample=False, pad_token_id=0)
+    for layer in cache.layers:
+        live = layer.valid.sum(-1)  # [B, H]
+        assert live[0].tolist() == [12 + 2] * live.shape[1]
+        assert live[1].tolist() == [4 + 2] * live.shape[1]
+
+
+def test_ratio_budget_from_prompt_length(llama):
+    cache = H2OCache(llama, policy="h2o", heavy_ratio=0.1, recent_ratio=0.1)
+    llama(random_ids(205), past_key_values=cache)
+    assert cache.budget() == [40]  # 20 + 20 of 205 tokens
+    tiny = H2OCache(llama, policy="h2o", heavy_ratio=0.01, recent_ratio=0.01)
+    llama(random_ids(30), past_key_values=tiny)
+    assert tiny.budget() == [2]  # at least one slot each
+
+
+def test_bfloat16_runs_within_budget():
+    model = tiny_model("qwen2").to(torch.bfloat16)
+    ids = random_ids(30)
+    cache = H2OCache(model, policy="h2o", heavy=4, recent=4)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert out.shape[1] == 35
+    assert cache.layers[0].keys.dtype == torch.bfloat16
+    assert cache.layers[0].score.dtype == torch.float32
+    assert max(cache.stats()["slots"]) == 8
+
+
+def test_kv_heads_never_expanded():
+    model = tiny_model("llama")  # 4 query heads, 2 KV heads
+    cache = H2OCache(model, policy="h2o", heavy=3, recent=3)
+    model(random_ids(20), past_key_values=cache)
+    assert cache.layers[0].keys.shape[1] == 2
+
+
+def test_beam_and_batch_reordering(llama):
+    ids = random_ids(20)
+    cache = H2OCache(llama, policy="h2o", heavy=4, recent=4)
+    out = llama.generate(ids, past_key_values=cache, max_new_tokens=6, num_beams=2, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 26)
+    assert cache.layers[0].keys.shape[0] == 2
