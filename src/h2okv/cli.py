@@ -39,7 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2, already printed)
+        return int(exc.code or 0)
     try:
         return int(args.func(args) or 0)
     except H2OError as exc:

@@ -1,0 +1,64 @@
+"""The command line: one-line errors with exit code 2, and a real generate run on a tiny model."""
+
+import pytest
+
+from h2okv import cli
+
+
+def run_cli(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["generate", "--prompt", "hi", "--policy", "bogus"], "unknown policy"),
+        (["generate", "--prompt", "hi", "--heavy", "0", "--recent", "4"], "heavy > 0"),
+        (["generate", "--prompt", "hi", "--heavy-ratio", "1.5", "--recent-ratio", "0.1"], "(0, 1]"),
+        (["generate", "--prompt-file", "/nonexistent/prompt.txt"], "prompt file not found"),
+        (["generate", "--prompt", "   "], "prompt is empty"),
+        (["generate"], "--prompt"),
+        (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "must be > 0"),
+        (["generate", "--prompt", "hi", "--model", "/nonexistent/model-dir"], "not found"),
+        (["generate", "--prompt", "hi", "--model", "/nonexistent/model.gguf"], "not found"),
+    ],
+)
+def test_bad_input_one_line_exit_2(capsys, argv, fragment):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert fragment in err
+    assert len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err
+
+
+def test_generate_on_tiny_model(capsys, monkeypatch, tmp_path):
+    """`generate` end to end with the tokenizer of the default model and a tiny model in its place."""
+    import h2okv.commands.generate as gen
+    from h2okv.testing import tiny_model
+
+    model = tiny_model("llama", vocab_size=49152)
+
+    class Tok:
+        pad_token_id = 0
+
+        def __call__(self, text, return_tensors=None):
+            import torch
+
+            ids = torch.tensor([[(ord(c) % 90) + 2 for c in text]])
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(str(int(i)) for i in ids)
+
+    monkeypatch.setattr(gen, "load_model", lambda *a, **k: (model, Tok()))
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("x" * 50)
+    code, out, err = run_cli(capsys, "generate", "--prompt-file", str(prompt), "--heavy", "3", "--recent", "4",
+                             "--max-new-tokens", "6")
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert len(lines[0].split()) == 6  # six generated token ids
+    assert lines[-1].startswith("[h2o] tokens seen 55, slots kept 7 per layer/head")
+    assert "MiB vs full-cache" in lines[-1]
