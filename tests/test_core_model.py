@@ -3,10 +3,10 @@
 import pytest
 import torch
 from conftest import random_ids
-from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+from transformers import DynamicCache, LogitsProcessorList
 
 from h2okv import H2OCache
-from h2okv.testing import tiny_model
+from h2okv.testing import BudgetWatch, tiny_model
 
 
 def greedy_with_scores(model, ids, cache=None, attention_mask=None, steps=12):
@@ -47,17 +47,6 @@ def test_model_still_works_without_h2o_cache(llama):
     llama.generate(ids, past_key_values=H2OCache(llama, heavy=2, recent=2), max_new_tokens=3, pad_token_id=0)
     torch.testing.assert_close(llama(ids).logits, before, atol=1e-5, rtol=0)
     llama.generate(ids, max_new_tokens=3, pad_token_id=0)  # plain generation still fine
-
-
-class BudgetWatch(LogitsProcessor):
-    """Called once per generated token: records what every layer holds at that step."""
-
-    def __init__(self, cache):
-        self.cache, self.history = cache, []
-
-    def __call__(self, input_ids, scores):
-        self.history.append(self.cache.stats())
-        return scores
 
 
 @pytest.mark.parametrize("arch", ["llama", "opt", "gpt_neox"])

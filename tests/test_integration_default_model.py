@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from test_core_model import BudgetWatch
 from transformers import DynamicCache, LogitsProcessorList
 
 from h2okv import H2OCache
 from h2okv.corpus import read_play
+from h2okv.testing import BudgetWatch
 
 pytestmark = pytest.mark.integration
 

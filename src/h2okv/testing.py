@@ -41,3 +41,15 @@ def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, **overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     return model.eval()
+
+
+class BudgetWatch:
+    """A ``LogitsProcessor`` for ``model.generate`` that records ``cache.stats()`` at every
+    generated token, to check what the cache holds step by step."""
+
+    def __init__(self, cache):
+        self.cache, self.history = cache, []
+
+    def __call__(self, input_ids, scores):
+        self.history.append(self.cache.stats())
+        return scores
