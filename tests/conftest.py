@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from h2okv.testing import TINY_CONFIGS, VOCAB, tiny_model
+from h2okv.testing import TINY_CONFIGS, tiny_model
 
 torch.set_grad_enabled(False)
 
@@ -14,11 +14,6 @@ def llama():
 @pytest.fixture(params=sorted(TINY_CONFIGS))
 def arch_model(request):
     return request.param, tiny_model(request.param)
-
-
-def random_ids(n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, VOCAB - 2, (batch, n), generator=g)
 
 
 @pytest.fixture(scope="session")

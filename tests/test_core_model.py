@@ -2,11 +2,10 @@
 
 import pytest
 import torch
-from conftest import random_ids
 from transformers import DynamicCache, LogitsProcessorList
 
 from h2okv import H2OCache
-from h2okv.testing import BudgetWatch, tiny_model
+from h2okv.testing import BudgetWatch, random_ids, tiny_model
 
 
 def greedy_with_scores(model, ids, cache=None, attention_mask=None, steps=12):

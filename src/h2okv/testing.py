@@ -53,3 +53,9 @@ class BudgetWatch:
     def __call__(self, input_ids, scores):
         self.history.append(self.cache.stats())
         return scores
+
+
+def random_ids(n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
+    """Random token ids for the tiny models (avoiding 0/1 and the eos id)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, VOCAB - 2, (batch, n), generator=g)

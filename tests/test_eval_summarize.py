@@ -1,0 +1,164 @@
+"""``h2okv eval summarize`` on a tiny random Llama and a temporary JSONL (offline)."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from h2okv import H2OError
+from h2okv.cli import main as cli_main
+from h2okv.eval import summarize as S
+from h2okv.testing import VOCAB, tiny_model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: the intra-op pool only adds waiting on a shared machine
+    yield
+    torch.set_num_threads(before)
+
+
+def word_tokenizer():
+    """A word-level tokenizer over the tiny models' 96 ids ("w2" ... "w94")."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "<pad>": 1, **{f"w{i}": i for i in range(2, VOCAB - 1)}, "</s>": VOCAB - 1}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                  unk_token="<pad>")
+    tok.padding_side = "left"
+    return tok
+
+
+def words(rng, n):
+    return " ".join(f"w{rng.randint(2, VOCAB - 3)}" for _ in range(n))
+
+
+def make_records(n=6, seed=0):
+    rng = random.Random(seed)
+    return [{"id": f"r{i}", "document": words(rng, rng.randint(15, 30)), "summary": words(rng, 4)} for i in range(n)]
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama_sum")
+    tiny_model("llama").save_pretrained(path)
+    word_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_rouge_matches_rouge_score_directly():
+    from rouge_score import rouge_scorer
+
+    preds = ["the cat sat on the mat", "a quick brown fox jumps"]
+    refs = ["the cat was sitting on the mat", "the quick brown fox jumped over the dog"]
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+    expected = {k: sum(scorer.score(r, p)[k].fmeasure for p, r in zip(preds, refs)) / 2 for k in S.ROUGE_TYPES}
+    got = S.rouge_scores(preds, refs)
+    assert got == pytest.approx(expected, abs=1e-12)
+    # and by hand for one pair: "the cat sat on the mat" vs "the cat was sitting on the mat" (stemmed:
+    # sitting -> sit, sat stays): unigram overlap the, cat, on, the, mat = 5; P = 5/6, R = 5/7
+    one = S.rouge_scores(preds[:1], refs[:1])
+    assert one["rouge1"] == pytest.approx(2 * (5 / 6) * (5 / 7) / (5 / 6 + 5 / 7))
+    assert S.rouge_scores(["same words here"], ["same words here"]) == pytest.approx(dict.fromkeys(S.ROUGE_TYPES, 1.0))
+
+
+def test_prompt_is_k_shot_without_the_test_item():
+    records = make_records(6)
+    for index in range(6):
+        prompt, shots = S.build_prompt(records, index, shots=3, seed=0)
+        assert len(shots) == 3 and index not in shots and len(set(shots)) == 3
+        assert records[index]["summary"] not in prompt  # the answer never leaks in
+        assert prompt.endswith(f"Article: {records[index]['document']}\nSummary:")
+        for j in shots:
+            assert f"Article: {records[j]['document']}\nSummary: {records[j]['summary']}\n\n" in prompt
+        assert prompt.count("Article:") == 4
+        assert S.build_prompt(records, index, shots=3, seed=0) == (prompt, shots)  # deterministic
+    assert S.build_prompt(records, 0, shots=0)[1] == []
+    with pytest.raises(H2OError, match="needs at least 7 records"):
+        S.build_prompt(records, 0, shots=6)
+
+
+def test_malformed_jsonl_names_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"document": "a b", "summary": "a"}\n\n{"document": "c d", "summary": \n')
+    with pytest.raises(H2OError, match=r"bad.jsonl:3: not valid JSON"):
+        S.read_jsonl(path)
+    path.write_text('{"document": "a b", "summary": "a"}\n{"document": "c d"}\n')
+    with pytest.raises(H2OError, match=r"bad.jsonl:2: missing or empty string field 'summary'"):
+        S.read_jsonl(path)
+    with pytest.raises(H2OError, match="data file not found"):
+        S.read_jsonl(tmp_path / "nope.jsonl")
+
+
+def test_malformed_jsonl_cli_is_one_line(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"document": "a b", "summary": "a"}\nnot json\n')
+    assert cli_main(["eval", "summarize", "--data", str(path), "--json", str(tmp_path / "o.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("h2okv: error: ") and "bad.jsonl:2" in err and len(err.splitlines()) == 1
+
+
+def test_summarize_policies_budget_and_scores():
+    model, tok = tiny_model("llama"), word_tokenizer()
+    records = make_records(5)
+    out = S.summarize_policies(model, tok, records, ["full", "h2o"], budget=0.2, shots=1, limit=3,
+                               max_new_tokens=6, batch_size=2)
+    full, h2o = out["results"]["full"], out["results"]["h2o"]
+    assert full["items"] == h2o["items"] == 3
+    assert len(out["samples"]) == 3 and all(s["id"] not in s["shots"] for s in out["samples"])
+    for sample in out["samples"]:
+        for text in sample["predictions"].values():
+            assert "\n" not in text and len(text.split()) <= 6
+    # the scores are the ROUGE of what was generated
+    refs = [records[i]["summary"] for i in range(3)]
+    assert full["rouge1"] == pytest.approx(S.rouge_scores([s["predictions"]["full"] for s in out["samples"]], refs)["rouge1"])
+    # h2o kept 20% of each prompt (10% + 10%, rounded down per part); full kept the whole prompt
+    assert h2o["mean_kv_slots"] < 0.25 * out["mean_prompt_tokens"]
+    assert full["mean_kv_slots"] == pytest.approx(out["mean_prompt_tokens"])
+
+
+def test_summarize_command_writes_json_and_plot(tiny_dir, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl", make_records(5))
+    out = tmp_path / "res" / "sum.json"
+    code = cli_main(["eval", "summarize", "--data", str(data), "--shots", "2", "--policies", "full,local",
+                     "--limit", "2", "--max-new-tokens", "4", "--model", str(tiny_dir), "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"full", "local"}
+    assert all(0.0 <= report["results"][p][k] <= 1.0 for p in ("full", "local") for k in S.ROUGE_TYPES)
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "ROUGE-1" in capsys.readouterr().out
+
+
+def test_hub_dataset_offline_is_one_line(tmp_path, monkeypatch, capsys):
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'EdinburghNLP/xsum' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    assert cli_main(["eval", "summarize", "--dataset", "xsum", "--limit", "2", "--json", str(tmp_path / "o.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("h2okv: error: could not download dataset 'xsum'") and len(err.splitlines()) == 1
+
+
+def test_offline_package_set_is_well_formed():
+    records = S.installed_package_summaries()
+    assert len(records) >= 5
+    assert records == sorted(records, key=lambda r: r["id"].lower())
+    for r in records:
+        assert 60 <= len(r["document"].split()) <= 150
+        assert 5 <= len(r["summary"].split()) <= 30
+        assert r["summary"].rstrip(".").lower() not in r["document"].lower()
+        assert "](" not in r["document"] and "```" not in r["document"]
