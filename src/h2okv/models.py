@@ -25,6 +25,50 @@ def default_model_path() -> tuple[Path, str]:
     return directory, _DEFAULT_GGUF
 
 
+def converted_cache_dir() -> Path:
+    """Where the dequantized default model is kept, so later loads skip the GGUF conversion."""
+    root = Path(os.environ.get("H2OKV_CACHE", Path.home() / ".cache" / "h2okv"))
+    directory, gguf = default_model_path()
+    size = (directory / gguf).stat().st_size
+    return root / f"{Path(gguf).stem}-{size}"
+
+
+def _convert_default_model(target: Path) -> None:
+    """Dequantize the GGUF once and save plain safetensors + tokenizer (atomic rename)."""
+    import shutil
+    import tempfile
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    directory, gguf = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf)
+    quantized = AutoModelForCausalLM.from_pretrained(str(directory), gguf_file=gguf, dtype=torch.float32)
+    config = quantized.config.to_dict()
+    config.pop("quantization_config", None)
+    config = AutoConfig.for_model(**config)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantized.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not target.is_dir():  # another process won the race: fine; anything else: report
+            raise
+
+
+def default_model_source() -> str:
+    """A directory loadable with ``from_pretrained``: the converted cache, made on first use."""
+    target = converted_cache_dir()
+    if not (target / "config.json").is_file():
+        _convert_default_model(target)
+    return str(target)
+
+
 def _resolve_dtype(dtype, device):
     import torch
 
@@ -53,8 +97,7 @@ def _load(name, device, dtype, device_map):
     if device_map:
         kwargs["device_map"] = device_map
     if name in (None, "", DEFAULT_MODEL):
-        directory, gguf = default_model_path()
-        source, extra = str(directory), {"gguf_file": gguf}
+        source, extra = default_model_source(), {}
     else:
         source, extra = name, {}
         path = Path(name)
