@@ -85,6 +85,18 @@ class BudgetSpec:
         return heavy, recent
 
 
+@dataclass
+class _FastDecode:
+    """What ``SlotLayer._decode_step`` reuses between steps while every row is at its budget."""
+
+    valid: torch.Tensor  # the buffers this was built for (identity is checked before each use)
+    n_real: torch.Tensor
+    dense_capacity: int
+    ordinal_src: torch.Tensor
+    recent_start: torch.Tensor
+    next_free: torch.Tensor | None = None
+
+
 class SlotLayer(CacheLayerMixin):
     """One decoder layer's slot buffers. See the module docstring."""
 
@@ -108,6 +120,7 @@ class SlotLayer(CacheLayerMixin):
         self.ordinal = torch.zeros((b, h, 0), dtype=torch.long, device=self.device)
         self.valid = torch.zeros((b, h, 0), dtype=torch.bool, device=self.device)
         self.n_real = torch.zeros((b,), dtype=torch.long, device=self.device)
+        self._fast = None  # see _check_at_budget
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -211,7 +224,15 @@ class SlotLayer(CacheLayerMixin):
 
     @property
     def max_budget(self) -> int | float:
-        return self.owner.max_budget
+        # fixed once the first forward call has set the row budgets; cached because ensure_free
+        # asks on every step of every layer and the owner computes it with a device sync
+        cached = getattr(self, "_max_budget", None)
+        if cached is not None:
+            return cached
+        value = self.owner.max_budget
+        if value != math.inf or not self.owner.policy.evicts:
+            self._max_budget = value
+        return value
 
     # -- the step ------------------------------------------------------------------------------
     def attend(self, query, key_new, value_new, new_mask, scaling, sliding_window=None):
@@ -223,6 +244,8 @@ class SlotLayer(CacheLayerMixin):
         """
         owner = self.owner
         b, _, q_len, _ = query.shape
+        if q_len == 1 and new_mask is None and sliding_window is None and hasattr(self, "heavy"):
+            return self._decode_step(query, key_new, value_new, scaling)
         nonpad = None
         if new_mask is not None:
             # a real token always sees itself; a pad key is seen by no query
@@ -259,9 +282,87 @@ class SlotLayer(CacheLayerMixin):
             )
         if q_len > 1:
             self.shrink_to_budget()
+        self._check_at_budget()
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # [B, Hq, q, D]
         if order is not None:
             out = torch.empty_like(out).scatter_(2, order[:, None, :, None].expand_as(out), out)
+        return out.transpose(1, 2).contiguous()
+
+    def _check_at_budget(self) -> None:
+        """One device sync: does every (sequence, head) hold exactly its row's budget of live tokens?
+
+        If so, the next one-real-token step must evict exactly one slot in every (sequence, head)
+        (there are always candidates: budget + 1 live tokens with distinct ordinals, at most
+        ``recent`` of them recent), and a step keeps the property; ``_decode_step`` then needs no
+        excess counts or drop masks. It keeps what it reuses from step to step in ``_fast``, tied
+        to the tensors it was built for: anything that replaces them (a resize, a batch selection,
+        the general path) makes it rebuild.
+        """
+        self._fast = None
+        if not self.owner.policy.evicts or not hasattr(self, "heavy"):
+            return
+        budget = self.heavy + self.recent
+        if not bool((self.valid.sum(-1) == budget[:, None]).all()):
+            return
+        b, h = self.valid.shape[:2]
+        self._fast = _FastDecode(
+            valid=self.valid,
+            n_real=self.n_real,
+            # all rows share one budget and the buffer has budget + 1 slots: once the new token is
+            # written no slot is free, so attention needs no mask, and the one slot the eviction
+            # frees is where the next token goes
+            dense_capacity=int(budget[0]) + 1 if bool((budget == budget[0]).all()) else -1,
+            ordinal_src=self.n_real.view(b, 1, 1).expand(b, h, 1),  # a view: follows n_real in place
+            recent_start=(self.n_real - self.recent).view(b, 1, 1),  # advanced with n_real
+        )
+
+    def _decode_step(self, query, k_new, v_new, scaling):
+        """``_step`` for one real token per row and no sliding window (every ``generate`` step)
+        in the fewest tensor ops: the same slots, scores and evictions as ``_step``, without the
+        masks and counts that ``_check_at_budget`` shows are not needed. A step is ~30 small ops
+        per layer, each costing microseconds of dispatch on CPU, so the count is the cost."""
+        policy = self.owner.policy
+        b, hkv, _, d = k_new.shape
+        self.ensure_free(1)
+        fast = self._fast
+        if fast is not None and (fast.valid is not self.valid or fast.n_real is not self.n_real):
+            self._check_at_budget()
+            fast = self._fast
+        dense = fast is not None and self.capacity == fast.dense_capacity
+        if dense and fast.next_free is not None:
+            slot = fast.next_free  # the only free slot: last step's victim
+        else:
+            slot = self.valid.view(torch.uint8).argmin(dim=-1, keepdim=True)  # first free slot, [B, H, 1]
+        index = slot.unsqueeze(-1).expand(b, hkv, 1, d)
+        self.keys.scatter_(2, index, k_new)
+        if v_new.shape[-1] != d:
+            index = slot.unsqueeze(-1).expand(b, hkv, 1, v_new.shape[-1])
+        self.values.scatter_(2, index, v_new)
+        ordinal = fast.ordinal_src if fast is not None else self.n_real.view(b, 1, 1).expand(b, hkv, 1)
+        self.ordinal.scatter_(2, slot, ordinal)
+        self.score.scatter_(2, slot, 0.0)
+        self.valid.scatter_(2, slot, True)
+        out, mass = slot_attention(
+            query, self.keys, self.values, None if dense else self.valid[:, :, None, :], scaling,
+            need_mass=policy.needs_scores,
+        )
+        if mass is not None:
+            self.score += mass
+        self.n_real += 1
+        if policy.evicts:
+            if fast is not None:
+                fast.recent_start += 1  # = n_real - recent
+                key = policy.eviction_key(self.score, self.ordinal)
+                if dense:
+                    key = key.masked_fill(self.ordinal >= fast.recent_start, math.inf)
+                else:
+                    key = key.masked_fill(~(self.valid & (self.ordinal < fast.recent_start)), math.inf)
+                victims = key.argmin(dim=-1, keepdim=True)
+                self.valid.scatter_(2, victims, False)
+                fast.next_free = victims if dense else None
+            else:  # still filling up to the budget: the general eviction, then look again
+                self._evict(1)
+                self._check_at_budget()
         return out.transpose(1, 2).contiguous()
 
     def _step(self, query, k_new, v_new, nonpad, scaling, sliding_window):
