@@ -1,0 +1,73 @@
+"""``h2okv serve`` (OpenAI-compatible server) and ``h2okv serve-bench`` (the same server under load,
+one run per policy at the same KV memory)."""
+
+from __future__ import annotations
+
+from ..errors import H2OError
+from .common import add_budget_args, add_model_args, budget_from_args, check_policy, positive_int
+
+
+def _add_max_batch(p, default: int) -> None:
+    p.add_argument("--max-batch", type=positive_int, default=default,
+                   help=f"most requests running at once (default: {default})")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching and H2O eviction")
+    add_model_args(p)
+    add_budget_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model or smollm2)")
+    p.add_argument("--kv-memory", default=None,
+                   help="KV-cache bytes for all running requests, e.g. 512M (default: no limit)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests that may wait; more get HTTP 429")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _add_max_batch(p, 32)
+    # a prefill chunk runs between two decode steps of everyone else: keep it short
+    chunk = next(a for a in p._actions if a.dest == "chunk_size")
+    chunk.default, chunk.help = 128, "prefill chunk length: one chunk per engine step (default: 128)"
+    p.set_defaults(func=run_serve)
+
+    b = sub.add_parser("serve-bench", help="throughput and latency of `serve` per policy at the same KV memory")
+    add_model_args(b)
+    b.add_argument("--kv-memory", required=True, help="KV-cache bytes shared by running requests, e.g. 64M")
+    b.add_argument("--policies", default="full,h2o", help="comma-separated policies to compare (default: full,h2o)")
+    b.add_argument("--heavy", type=int, default=None, help="heavy-hitter slots (evicting policies)")
+    b.add_argument("--recent", type=int, default=None, help="recent slots (evicting policies)")
+    b.add_argument("--heavy-ratio", type=float, default=None, help="heavy slots as a fraction of the prompt")
+    b.add_argument("--recent-ratio", type=float, default=None, help="recent slots as a fraction of the prompt")
+    b.add_argument("--chunk-size", type=positive_int, default=128, help="prefill chunk length: one chunk per engine step (default: 128)")
+    b.add_argument("--requests", type=positive_int, default=24)
+    b.add_argument("--concurrency", type=positive_int, default=24, help="clients in flight at once")
+    b.add_argument("--prompt-tokens", type=positive_int, default=256)
+    b.add_argument("--max-tokens", type=positive_int, default=32)
+    b.add_argument("--json", default=None, help="write the results here")
+    _add_max_batch(b, 64)
+    b.set_defaults(func=run_bench)
+
+
+def run_serve(args) -> int:
+    from ..models import load_model
+    from ..serve import EvictionDefaults, create_app, serve_forever
+    from ..serve.memory import kv_limit
+
+    eviction = EvictionDefaults(policy=check_policy(args.policy), **budget_from_args(args))
+    eviction.validate()  # before the (slow) model load
+    kv_memory = kv_limit(args.kv_memory)
+    if args.max_queue < 0:
+        raise H2OError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not 0 < args.port < 65536:
+        raise H2OError(f"--port must be in 1..65535, got {args.port}")
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    app = create_app(model, tokenizer, model_name=args.served_model_name or args.model or "smollm2",
+                     eviction=eviction, kv_memory=kv_memory, max_batch=args.max_batch, max_queue=args.max_queue,
+                     prefill_chunk=args.chunk_size)
+    serve_forever(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def run_bench(args) -> int:
+    from ..serve.loadgen import run
+
+    return run(args)

@@ -1,0 +1,316 @@
+"""The FastAPI application: OpenAI-compatible routes in front of one ``Engine``.
+
+Requests are validated and tokenised here (so bad input never reaches the engine thread), turned
+into a ``GenerationRequest`` with its eviction budget resolved to absolute slots, and submitted.
+Responses are JSON or server-sent events in OpenAI's chunk format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..cache import BudgetSpec
+from ..errors import H2OError
+from ..policies import make_policy
+from .engine import Engine, GenerationRequest, Handle
+from .metrics import ServeMetrics
+from .schemas import APIError, ChatCompletionRequest, CompletionRequest, H2OSettings
+
+log = logging.getLogger("h2okv.serve")
+
+CHAT_DEFAULT_MAX_TOKENS = 256  # when a chat request gives none (completions default to 16, as OpenAI's)
+
+
+@dataclass(frozen=True)
+class EvictionDefaults:
+    """The server's eviction settings (``--policy``, ``--heavy``...), which a request may override."""
+
+    policy: str = "h2o"
+    heavy: int | None = None
+    recent: int | None = None
+    heavy_ratio: float | None = None
+    recent_ratio: float | None = None
+
+    def budget(self) -> dict:
+        return {"heavy": self.heavy, "recent": self.recent, "heavy_ratio": self.heavy_ratio,
+                "recent_ratio": self.recent_ratio}
+
+    def validate(self) -> None:
+        BudgetSpec.build(make_policy(self.policy), **self.budget())
+
+    def resolve(self, override: H2OSettings | None, prompt_len: int) -> tuple[str, int | None, int | None]:
+        """(policy, heavy, recent) slots for one request; raises ``H2OError`` for bad settings."""
+        name = override.policy if override is not None and override.policy is not None else self.policy
+        policy = make_policy(name)
+        if override is not None and override.budget_given():
+            budget = override.model_dump(exclude={"policy"})
+        elif policy.evicts and make_policy(self.policy).evicts:
+            budget = self.budget()
+        else:  # switching to/from "full": the server's budget does not carry over
+            budget = dict.fromkeys(("heavy", "recent", "heavy_ratio", "recent_ratio"))
+        spec = BudgetSpec.build(policy, **budget)
+        if not policy.evicts:
+            return policy.name, None, None
+        heavy, recent = spec.resolve(prompt_len)
+        return policy.name, heavy, recent
+
+
+def model_context_limit(model) -> int:
+    config = model.config.get_text_config()
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 1 << 30
+
+
+def create_app(
+    model,
+    tokenizer,
+    *,
+    model_name: str = "smollm2",
+    eviction: EvictionDefaults | None = None,
+    kv_memory: int | None = None,
+    max_batch: int = 32,
+    max_queue: int = 256,
+    prefill_chunk: int = 128,
+    max_context: int | None = None,
+) -> FastAPI:
+    """An app serving ``model``/``tokenizer`` (injectable: tests pass tiny models). The engine thread
+    starts and stops with the app's lifespan; ``app.state.engine`` and ``app.state.metrics`` are
+    exposed for in-process callers."""
+    eviction = eviction or EvictionDefaults()
+    eviction.validate()
+    engine = Engine(model, tokenizer, kv_memory=kv_memory, max_batch=max_batch, max_queue=max_queue,
+                    prefill_chunk=prefill_chunk)
+    metrics = ServeMetrics(engine)
+    limit = max_context or model_context_limit(model)
+    vocab = len(tokenizer)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="h2okv", lifespan=lifespan)
+    app.state.engine, app.state.metrics = engine, metrics
+
+    # -- errors: always OpenAI's {"error": {...}} ----------------------------------------------
+    def error_response(err: APIError) -> JSONResponse:
+        metrics.http_errors.labels(str(err.status)).inc()
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {"type": "", "loc": (), "msg": "invalid request"}
+        if first["type"] == "json_invalid":
+            detail = (first.get("ctx") or {}).get("error", "")
+            return error_response(APIError(400, f"the request body is not valid JSON: {detail}".rstrip(": ")))
+        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
+        message = f"{param}: {first['msg']}" if param else first["msg"]
+        return error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(APIError(exc.status_code, str(exc.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception):
+        log.exception("unexpected error")
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+
+    # -- routes ----------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            raise APIError(503, "the engine is not running", type="server_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list",
+                "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "h2okv"}]}
+
+    def prepare(body, prompt_ids: list[int], max_tokens: int | None, default_max: int) -> GenerationRequest:
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param="prompt" if isinstance(body, CompletionRequest)
+                           else "messages")
+        if max_tokens is None:
+            max_tokens = max(1, min(default_max, limit - len(prompt_ids)))
+        if max_tokens > limit:
+            raise APIError(400, f"max_tokens={max_tokens} exceeds the model's context length {limit}",
+                           param="max_tokens")
+        if len(prompt_ids) + max_tokens > limit:
+            raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                           f"model's context length {limit}", param="max_tokens", code="context_length_exceeded")
+        try:
+            policy, heavy, recent = eviction.resolve(body.h2o, len(prompt_ids))
+        except H2OError as exc:
+            raise APIError(400, f"h2o: {exc}", param="h2o") from None
+        return GenerationRequest(
+            prompt_ids=prompt_ids, max_tokens=max_tokens, policy=policy, heavy=heavy, recent=recent,
+            temperature=body.temperature, top_p=body.top_p, stops=body.stop_list(), seed=body.seed,
+            ignore_eos=body.ignore_eos,
+        )
+
+    def check_model(body) -> None:
+        if body.model != model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+        body.check_supported()
+
+    def encode_prompt(prompt) -> list[int]:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise APIError(400, f"only one prompt per request is supported (got {len(prompt)})", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            with engine.tokenizer_lock:
+                return list(tokenizer(prompt)["input_ids"]) if prompt else []
+        if any(not 0 <= t < vocab for t in prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return list(prompt)
+
+    def encode_chat(body: ChatCompletionRequest) -> list[int]:
+        if not body.messages:
+            raise APIError(400, "messages must not be empty", param="messages")
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, f"the model {model_name!r} has no chat template; use /v1/completions")
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
+                    for m in body.messages]
+        with engine.tokenizer_lock:
+            enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+        return list(enc["input_ids"])
+
+    def submit(gen: GenerationRequest) -> Handle:
+        return engine.submit(gen, asyncio.get_running_loop())
+
+    def budget_info(gen: GenerationRequest) -> dict:
+        return {"policy": gen.policy, "heavy": gen.heavy, "recent": gen.recent,
+                "kv_slots": engine.reservation(gen).slots}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body)
+        gen = prepare(body, encode_prompt(body.prompt), body.max_tokens, 16)
+        handle = submit(gen)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(text: str, finish: str | None) -> dict:
+            return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+        if body.stream:
+            return sse_response(handle, lambda text, finish, first: chunk(text, finish), body)
+        text, done = await collect(handle, request)
+        result = chunk(text, done.finish_reason)
+        return {**result, "usage": done.usage, "h2o": budget_info(gen)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        gen = prepare(body, encode_chat(body), max_tokens, CHAT_DEFAULT_MAX_TOKENS)
+        handle = submit(gen)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def stream_chunk(text: str, finish: str | None, first: bool) -> dict:
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+        if body.stream:
+            return sse_response(handle, stream_chunk, body)
+        text, done = await collect(handle, request)
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": None, "finish_reason": done.finish_reason}],
+                "usage": done.usage, "h2o": budget_info(gen)}
+
+    async def collect(handle: Handle, request: Request):
+        """Wait for the whole completion; a client that goes away cancels it."""
+        watcher = asyncio.create_task(watch_disconnect(handle, request))
+        parts = []
+        try:
+            while True:
+                event = await handle.next()
+                parts.append(event.text)
+                if event.kind == "error":
+                    raise event.error
+                if event.kind == "cancelled":
+                    raise APIError(499, "the request was cancelled")
+                if event.kind == "done":
+                    return "".join(parts), event
+        finally:
+            watcher.cancel()
+            handle.cancel()
+
+    async def watch_disconnect(handle: Handle, request: Request) -> None:
+        while not handle.finished.is_set():
+            if await request.is_disconnected():
+                handle.cancel()
+                return
+            await asyncio.sleep(0.25)
+
+    def sse_response(handle: Handle, make_chunk, body) -> StreamingResponse:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def data(obj) -> str:
+            if include_usage and "choices" in obj and "usage" not in obj:
+                obj["usage"] = None
+            return f"data: {json.dumps(obj)}\n\n"
+
+        async def events() -> AsyncIterator[str]:
+            first = True
+            try:
+                while True:
+                    event = await handle.next()
+                    if event.kind == "error":
+                        metrics.http_errors.labels(str(event.error.status)).inc()
+                        yield data(event.error.body())
+                        return
+                    if event.kind == "cancelled":
+                        return
+                    if event.text or first:
+                        yield data(make_chunk(event.text, None, first))
+                        first = False
+                    if event.kind == "done":
+                        yield data(make_chunk("", event.finish_reason, False))
+                        if include_usage:
+                            last = make_chunk("", None, False)
+                            last["choices"], last["usage"] = [], event.usage
+                            yield data(last)
+                        yield "data: [DONE]\n\n"
+                        return
+            finally:  # normal end, client gone (generator closed or cancelled): free the slots
+                handle.cancel()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    return app

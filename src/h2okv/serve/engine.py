@@ -1,0 +1,426 @@
+"""The continuous-batching engine: one background thread owns the model and runs, per iteration,
+
+1. drop cancelled requests (their slots are free from this step on);
+2. admit waiting requests, in arrival order, while their KV reservation fits under ``kv_memory``
+   (see ``memory.py``) and the batch has room;
+3. prefill one chunk of the oldest admitted request (alone, in its own batch-1 ``H2OCache``), so a
+   long prompt never stalls the others for more than one chunk; a finished prefill samples the
+   first token and joins the decode batch of its policy (``batch.py``);
+4. one decode step for every decode batch: each row feeds its last token at its own position.
+
+Each sequence keeps its own budget, policy settings and positions. Sequences with the same policy
+decode in one forward; different policies are different batches (the cache holds one policy).
+An exception in one request's work fails that request; a failing batch forward fails that batch's
+requests; the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache import H2OCache
+from .batch import DecodeBatch
+from .memory import Reservation, bytes_per_slot, footprint_slots, prefill_chunks, reservation
+from .sampling import make_generator, sample
+from .schemas import APIError
+from .text import TextStream
+
+log = logging.getLogger("h2okv.serve")
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    policy: str
+    heavy: int | None = None  # absolute slots, resolved from ratios by the caller; None for "full"
+    recent: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stops: list[str] = field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    @property
+    def budget(self) -> int | None:
+        return None if self.heavy is None else self.heavy + self.recent
+
+
+@dataclass
+class Event:
+    kind: str  # "text" | "done" | "error" | "cancelled"
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict | None = None
+    error: APIError | None = None
+    token_ids: list[int] | None = None  # "done": every generated id (EOS included)
+
+    @property
+    def final(self) -> bool:
+        return self.kind != "text"
+
+
+class Handle:
+    """The client side of one request: a stream of ``Event``s, and ``cancel()``.
+
+    With an asyncio ``loop`` the events arrive on an ``asyncio.Queue`` (``await handle.next()``),
+    else on a thread-safe queue (``handle.next_blocking()``)."""
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop | None = None):
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue | queue.Queue = asyncio.Queue() if loop is not None else queue.Queue()
+        self.cancelled = threading.Event()
+        self.finished = threading.Event()
+
+    def push(self, event: Event) -> None:
+        if event.final:
+            self.finished.set()
+        if self._loop is None:
+            self._queue.put(event)
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:  # the client's event loop is gone (server shut down)
+            pass
+
+    async def next(self) -> Event:
+        return await self._queue.get()
+
+    def next_blocking(self, timeout: float | None = None) -> Event:
+        return self._queue.get(timeout=timeout)
+
+    def cancel(self) -> None:
+        """Free this request's slots at the next step boundary (no-op once finished)."""
+        if not self.finished.is_set():
+            self.cancelled.set()
+            self._engine.wake()
+
+    def result_blocking(self, timeout: float = 60.0) -> tuple[str, Event]:
+        """Collect the whole text and the final event (for callers without asyncio)."""
+        parts = []
+        deadline = time.monotonic() + timeout
+        while True:
+            event = self.next_blocking(timeout=max(0.0, deadline - time.monotonic()))
+            parts.append(event.text)
+            if event.final:
+                return "".join(parts), event
+
+
+class Sequence:
+    def __init__(self, request: GenerationRequest, handle: Handle, reservation: Reservation, engine: Engine):
+        self.request = request
+        self.handle = handle
+        self.reservation = reservation
+        self.generated: list[int] = []
+        self.chunks = prefill_chunks(len(request.prompt_ids), engine.prefill_chunk)
+        self.next_chunk = 0
+        self.cache: H2OCache | None = None  # own cache while prefilling, then the batch's
+        self.generator = make_generator(request.seed, engine.device)
+        self.text = TextStream(engine.decode, request.stops)
+        self.done = False
+
+    @property
+    def tokens_fed(self) -> int:
+        if self.generated:
+            return len(self.request.prompt_ids) + len(self.generated) - 1
+        return self.chunks[self.next_chunk - 1][1] if self.next_chunk else 0
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_bytes: int = 0
+    kv_bytes_peak: int = 0
+    full_kv_bytes: int = 0
+    reserved_bytes: int = 0
+    batch_size: int = 0
+    batch_size_max: int = 0
+    generated_tokens: int = 0
+    finished: dict = field(default_factory=lambda: {"completed": 0, "cancelled": 0, "failed": 0})
+
+
+class Engine:
+    def __init__(self, model, tokenizer, *, kv_memory: int | None = None, max_batch: int = 32,
+                 max_queue: int = 256, prefill_chunk: int = 128):
+        if max_batch < 1 or max_queue < 0 or prefill_chunk < 1:
+            raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue >= 0")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = model.device
+        self.kv_memory = kv_memory
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.prefill_chunk = prefill_chunk
+        self.slot_bytes = bytes_per_slot(model)
+        self.tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self._keep_last = (
+            {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        )
+        self._cond = threading.Condition()
+        self._waiting: deque[Sequence] = deque()
+        self._prefilling: list[Sequence] = []
+        self._batches: dict[str, DecodeBatch] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.stats = EngineStats()
+
+    # -- client side (any thread) ----------------------------------------------------------------
+    def decode(self, ids: list[int]) -> str:
+        with self.tokenizer_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def reservation(self, request: GenerationRequest) -> Reservation:
+        return reservation(len(request.prompt_ids), request.max_tokens, request.budget, self.prefill_chunk)
+
+    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> Handle:
+        """Queue a request; raises ``APIError`` (400 never fits, 429 queue full, 503 not running)."""
+        res = self.reservation(request)
+        need = (res.slots + res.prefill_extra) * self.slot_bytes
+        if self.kv_memory is not None and need > self.kv_memory:
+            raise APIError(
+                400, f"this request needs {need} bytes of KV cache ({res.slots} slots per layer/head), more than "
+                f"the server's --kv-memory {self.kv_memory}; lower max_tokens or use an evicting policy",
+                param="max_tokens", code="kv_memory_exceeded",
+            )
+        handle = Handle(self, loop)
+        seq = Sequence(request, handle, res, self)
+        with self._cond:
+            if self._stopping or self._thread is None:
+                raise APIError(503, "the engine is not running", type="server_error", code="engine_stopped")
+            if len(self._waiting) >= self.max_queue:
+                raise APIError(429, f"server busy: {len(self._waiting)} requests already waiting (--max-queue)",
+                               type="rate_limit_error", code="queue_full")
+            self._waiting.append(seq)
+            self.stats.waiting = len(self._waiting)
+            self._cond.notify()
+        return handle
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="h2okv-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- the engine thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    if self._stopping:
+                        break
+                    if not (self._waiting or self._prefilling or any(len(b) for b in self._batches.values())):
+                        self._cond.wait(timeout=0.5)
+                        continue
+                try:
+                    self._iteration()
+                except Exception:  # a bug in the bookkeeping: fail what is running, keep serving
+                    log.exception("engine iteration failed")
+                    for seq in self._active():
+                        self._fail(seq, "internal error in the engine")
+                    self._prefilling, self._batches = [], {}
+                self._publish()
+            self._shutdown()
+
+    def _iteration(self) -> None:
+        self._drop_cancelled()
+        self._admit()
+        if self._prefilling:
+            self._prefill_step(self._prefilling[0])
+        decoded = 0
+        for batch in list(self._batches.values()):
+            if len(batch):
+                decoded += len(batch)
+                self._decode_step(batch)
+        self.stats.batch_size = decoded
+        self.stats.batch_size_max = max(self.stats.batch_size_max, decoded)
+
+    def _active(self) -> list[Sequence]:
+        return self._prefilling + [s for b in self._batches.values() for s in b.rows]
+
+    def _drop_cancelled(self) -> None:
+        with self._cond:
+            for seq in [s for s in self._waiting if s.handle.cancelled.is_set()]:
+                self._waiting.remove(seq)
+                self._finish(seq, Event("cancelled"), "cancelled")
+        for seq in [s for s in self._prefilling if s.handle.cancelled.is_set()]:
+            self._prefilling.remove(seq)
+            self._finish(seq, Event("cancelled"), "cancelled")
+        for batch in self._batches.values():
+            for seq in batch.rows:
+                if seq.handle.cancelled.is_set():
+                    self._finish(seq, Event("cancelled"), "cancelled")
+            self._compact(batch)
+
+    def _admit(self) -> None:
+        with self._cond:
+            while self._waiting:
+                seq = self._waiting[0]
+                if len(self._active()) >= self.max_batch or not self._fits(seq):
+                    break
+                self._waiting.popleft()
+                self._prefilling.append(seq)
+
+    def _fits(self, candidate: Sequence) -> bool:
+        if self.kv_memory is None:
+            return True
+        return self._footprint([candidate]) * self.slot_bytes <= self.kv_memory
+
+    def _footprint(self, extra: list[Sequence] = ()) -> int:
+        rows: dict[str, list[Reservation]] = {}
+        prefilling = self._prefilling + list(extra)
+        for seq in self._active() + list(extra):
+            rows.setdefault(seq.request.policy, []).append(seq.reservation)
+        return footprint_slots(rows, [s.reservation for s in prefilling])
+
+    def _prefill_step(self, seq: Sequence) -> None:
+        req = seq.request
+        try:
+            if seq.cache is None:
+                budget = {} if req.heavy is None else {"heavy": req.heavy, "recent": req.recent}
+                seq.cache = H2OCache(self.model, policy=req.policy, chunk_size=self.prefill_chunk,
+                                     seed=req.seed or 0, **budget)
+            start, stop = seq.chunks[seq.next_chunk]
+            ids = torch.tensor([req.prompt_ids[start:stop]], dtype=torch.long, device=self.device)
+            positions = torch.arange(start, stop, device=self.device)[None]
+            out = self.model(input_ids=ids, position_ids=positions, past_key_values=seq.cache, use_cache=True,
+                             **self._keep_last)
+            seq.next_chunk += 1
+            if seq.next_chunk < len(seq.chunks):
+                return
+            self._prefilling.remove(seq)
+            self._advance(seq, out.logits[0, -1])
+        except Exception as exc:  # this request's failure, not the engine's
+            log.exception("prefill failed")
+            if seq in self._prefilling:
+                self._prefilling.remove(seq)
+            self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
+            return
+        if seq.done:
+            seq.cache = None
+            return
+        batch = self._batches.setdefault(req.policy, DecodeBatch(req.policy))
+        batch.add(seq, seq.cache, seq.reservation.slots)
+        seq.cache = None
+
+    def _decode_step(self, batch: DecodeBatch) -> None:
+        rows = list(batch.rows)
+        ids = torch.tensor([[s.generated[-1]] for s in rows], dtype=torch.long, device=self.device)
+        positions = torch.tensor([[s.tokens_fed] for s in rows], dtype=torch.long, device=self.device)
+        try:
+            logits = self.model(input_ids=ids, position_ids=positions, past_key_values=batch.cache, use_cache=True,
+                                **self._keep_last).logits[:, -1]
+        except Exception as exc:
+            log.exception("decode step failed")
+            for seq in rows:
+                self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
+            batch.keep([], 0)
+            return
+        for i, seq in enumerate(rows):
+            try:
+                self._advance(seq, logits[i])
+            except Exception as exc:
+                log.exception("token step failed")
+                self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
+        self._compact(batch)
+
+    def _compact(self, batch: DecodeBatch) -> None:
+        keep = [s for s in batch.rows if not s.done]
+        batch.keep(keep, max((s.reservation.slots for s in keep), default=0))
+
+    def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Choose the next token of ``seq`` and tell its client."""
+        req = seq.request
+        token = sample(logits, req.temperature, req.top_p, seq.generator)
+        seq.generated.append(token)
+        self.stats.generated_tokens += 1
+        if token in self.eos_ids and not req.ignore_eos:
+            self._complete(seq, seq.text.flush(), "stop")
+            return
+        piece, stopped = seq.text.push(token)
+        if stopped:
+            self._complete(seq, piece, "stop")
+        elif len(seq.generated) >= req.max_tokens:
+            self._complete(seq, piece + seq.text.flush(), "length")
+        elif piece:
+            seq.handle.push(Event("text", piece))
+
+    def _complete(self, seq: Sequence, text: str, reason: str) -> None:
+        prompt = len(seq.request.prompt_ids)
+        usage = {"prompt_tokens": prompt, "completion_tokens": len(seq.generated),
+                 "total_tokens": prompt + len(seq.generated)}
+        done = Event("done", text, finish_reason=reason, usage=usage, token_ids=list(seq.generated))
+        self._finish(seq, done, "completed")
+
+    def _fail(self, seq: Sequence, message: str, status: int = 500) -> None:
+        error = APIError(status, message, type="server_error" if status >= 500 else "invalid_request_error")
+        self._finish(seq, Event("error", error=error), "failed")
+
+    def _finish(self, seq: Sequence, event: Event, outcome: str) -> None:
+        if seq.done:
+            return
+        seq.done = True
+        seq.cache = None
+        self.stats.finished[outcome] += 1
+        seq.handle.push(event)
+
+    def _publish(self) -> None:
+        active = self._active()
+        kv = sum(b.kv_bytes() for b in self._batches.values())
+        kv += sum(layer.kv_bytes() for s in self._prefilling if s.cache is not None for layer in s.cache.layers)
+        s = self.stats
+        s.running = len(active)
+        with self._cond:
+            s.waiting = len(self._waiting)
+        s.kv_bytes = kv
+        s.kv_bytes_peak = max(s.kv_bytes_peak, kv)
+        s.full_kv_bytes = sum(seq.tokens_fed for seq in active) * self.slot_bytes
+        s.reserved_bytes = self._footprint() * self.slot_bytes if active else 0
+
+    def _shutdown(self) -> None:
+        with self._cond:
+            pending = list(self._waiting) + self._active()
+            self._waiting.clear()
+        for seq in pending:
+            self._fail(seq, "the server is shutting down", status=503)
+        self._prefilling, self._batches = [], {}
+        self._publish()
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for value in (getattr(tokenizer, "eos_token_id", None), getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids

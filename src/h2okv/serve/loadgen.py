@@ -1,0 +1,271 @@
+"""Load generation against an OpenAI-compatible server, and ``h2okv serve-bench``.
+
+``drive`` sends streaming completions from concurrent clients and checks every stream is well formed
+(each event is ``data: <json>``, a ``finish_reason`` arrives, the usage chunk agrees with the text
+chunks, ``[DONE]`` ends it). ``bench`` serves the same model in-process once per policy at the same
+``--kv-memory`` and drives each with the same prompts, so the only difference is how much KV memory a
+request holds, hence how many run at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from ..errors import H2OError
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    latency_s: float
+    ttft_s: float | None = None
+    completion_tokens: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    events: int = 0
+
+
+@dataclass
+class LoadReport:
+    results: list[RequestResult]
+    wall_s: float
+    summary: dict = field(default_factory=dict)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, payload: dict) -> RequestResult:
+    """One streaming ``/v1/completions`` call, validated event by event."""
+    start = time.perf_counter()
+    result = RequestResult(ok=False, latency_s=0.0)
+    body = {**payload, "stream": True, "stream_options": {"include_usage": True}}
+    texts, usage, done = [], None, False
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                detail = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {detail[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line:
+                    continue
+                if done:
+                    raise ValueError(f"data after [DONE]: {line[:80]!r}")
+                if not line.startswith("data: "):
+                    raise ValueError(f"not an SSE data line: {line[:80]!r}")
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    done = True
+                    continue
+                event = json.loads(data)
+                result.events += 1
+                if "error" in event:
+                    raise ValueError(f"error event: {event['error'].get('message')}")
+                if event.get("usage"):
+                    usage = event["usage"]
+                for choice in event.get("choices", []):
+                    if choice.get("text"):
+                        if result.ttft_s is None:
+                            result.ttft_s = time.perf_counter() - start
+                        texts.append(choice["text"])
+                    if choice.get("finish_reason"):
+                        result.finish_reason = choice["finish_reason"]
+        if not done:
+            raise ValueError("stream ended without [DONE]")
+        if result.finish_reason is None:
+            raise ValueError("no finish_reason in the stream")
+        if usage is None:
+            raise ValueError("no usage chunk despite stream_options.include_usage")
+        result.completion_tokens = usage["completion_tokens"]
+        result.text = "".join(texts)
+        result.ok = True
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        result.latency_s = time.perf_counter() - start
+    return result
+
+
+async def drive(base_url: str, payloads: list[dict], concurrency: int, timeout: float = 600.0) -> LoadReport:
+    """Send ``payloads`` as streaming completions, at most ``concurrency`` in flight."""
+    limit = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        async def one(payload):
+            async with limit:
+                return await stream_completion(client, base_url, payload)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(p) for p in payloads))
+        wall = time.perf_counter() - start
+    return LoadReport(list(results), wall, summarize(list(results), wall))
+
+
+def summarize(results: list[RequestResult], wall_s: float) -> dict:
+    ok = [r for r in results if r.ok]
+    latencies = [r.latency_s for r in ok]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    tokens = sum(r.completion_tokens for r in ok)
+    return {
+        "requests": len(results),
+        "ok": len(ok),
+        "errors": [r.error for r in results if not r.ok][:5],
+        "wall_s": round(wall_s, 3),
+        "requests_per_s": round(len(ok) / wall_s, 4) if wall_s else None,
+        "tokens_per_s": round(tokens / wall_s, 3) if wall_s else None,
+        "completion_tokens": tokens,
+        "latency_p50_s": _round(percentile(latencies, 0.5)),
+        "latency_p95_s": _round(percentile(latencies, 0.95)),
+        "ttft_p50_s": _round(percentile(ttfts, 0.5)),
+        "ttft_p95_s": _round(percentile(ttfts, 0.95)),
+    }
+
+
+def _round(value):
+    return None if value is None else round(value, 3)
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    """Unlabelled samples of ``/metrics`` by name (counters carry their ``_total`` suffix)."""
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.labels:
+                samples[sample.name] = sample.value
+    return samples
+
+
+def hamlet_prompts(tokenizer, count: int, tokens: int) -> list[list[int]]:
+    """``count`` different prompts of exactly ``tokens`` token ids, cut from Hamlet at spread offsets."""
+    from ..corpus import read_play
+
+    ids = tokenizer(read_play("hamlet_gut"), add_special_tokens=False)["input_ids"]
+    if len(ids) < tokens + 1:
+        raise H2OError(f"--prompt-tokens {tokens} is longer than the corpus ({len(ids)} tokens)")
+    span = len(ids) - tokens
+    return [ids[(i * 7919) % span:(i * 7919) % span + tokens] for i in range(count)]
+
+
+def bench(model, tokenizer, *, policies: list[str], kv_memory: int, requests: int, concurrency: int,
+          prompt_tokens: int, max_tokens: int, budget: dict | None = None, prefill_chunk: int = 128,
+          max_batch: int = 64, model_name: str = "bench", progress=print) -> dict:
+    """Serve ``model`` once per policy at the same ``kv_memory``; drive each with the same prompts."""
+    from ..policies import make_policy
+    from .app import EvictionDefaults, create_app
+    from .server import running_server
+
+    prompts = hamlet_prompts(tokenizer, requests, prompt_tokens)
+    payloads = [{"model": model_name, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
+                 "ignore_eos": True} for p in prompts]
+    rows = []
+    for policy in policies:
+        evicts = make_policy(policy).evicts
+        eviction = EvictionDefaults(policy=policy, **((budget or {}) if evicts else {}))
+        app = create_app(model, tokenizer, model_name=model_name, eviction=eviction, kv_memory=kv_memory,
+                         max_batch=max_batch, max_queue=max(256, requests), prefill_chunk=prefill_chunk)
+        engine = app.state.engine
+        load_before = os.getloadavg()[0]
+        with running_server(app) as url:
+            report = asyncio.run(drive(url, payloads, concurrency))
+            after = scrape(url)
+        probe = engine.reservation(_probe_request(payloads[0], eviction, engine))
+        row = {
+            "policy": policy,
+            **report.summary,
+            "max_concurrent_batch": int(after["h2okv_batch_size_max"]),
+            "kv_slots_per_request": probe.slots,
+            "kv_bytes_per_request": probe.slots * engine.slot_bytes,
+            "kv_bytes_peak": int(after["h2okv_kv_bytes_peak"]),
+            "kv_bytes_in_use_after": int(after["h2okv_kv_bytes_in_use"]),
+            # the machine may be shared: 1-minute load averages around the run, for context
+            "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        }
+        rows.append(row)
+        progress(format_row(row))
+    return {
+        "config": {"kv_memory": kv_memory, "requests": requests, "concurrency": concurrency,
+                   "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "budget": budget or {},
+                   "prefill_chunk": prefill_chunk, "max_batch": max_batch,
+                   "bytes_per_token": app.state.engine.slot_bytes, "device": str(model.device),
+                   "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "results": rows,
+    }
+
+
+def _probe_request(payload, eviction, engine):
+    from .engine import GenerationRequest
+
+    policy, heavy, recent = eviction.resolve(None, len(payload["prompt"]))
+    return GenerationRequest(prompt_ids=payload["prompt"], max_tokens=payload["max_tokens"], policy=policy,
+                             heavy=heavy, recent=recent)
+
+
+def format_row(row: dict) -> str:
+    return (f"{row['policy']:>6}: {row['ok']}/{row['requests']} ok, {row['requests_per_s']} req/s, "
+            f"{row['tokens_per_s']} tok/s, latency p50 {row['latency_p50_s']} s p95 {row['latency_p95_s']} s, "
+            f"max batch {row['max_concurrent_batch']}, KV/request {row['kv_bytes_per_request'] / 2**20:.2f} MiB, "
+            f"peak KV {row['kv_bytes_peak'] / 2**20:.2f} MiB")
+
+
+def bench_command(args) -> str:
+    """The command line that reproduces this run (from the parsed arguments, not ``sys.argv``)."""
+    parts = ["h2okv serve-bench", f"--kv-memory {args.kv_memory}", f"--policies {args.policies}",
+             f"--requests {args.requests}", f"--concurrency {args.concurrency}",
+             f"--prompt-tokens {args.prompt_tokens}", f"--max-tokens {args.max_tokens}",
+             f"--chunk-size {args.chunk_size}", f"--max-batch {args.max_batch}"]
+    for name in ("heavy", "recent", "heavy_ratio", "recent_ratio", "model", "json"):
+        if getattr(args, name, None) is not None:
+            parts.append(f"--{name.replace('_', '-')} {getattr(args, name)}")
+    return " ".join(parts)
+
+
+def run(args) -> int:
+    """``h2okv serve-bench``: load the model, bench each policy, print and write JSON."""
+    from ..models import load_model
+    from ..policies import make_policy
+    from .app import EvictionDefaults
+    from .memory import kv_limit
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        raise H2OError("--policies needs at least one policy")
+    budget = {k: getattr(args, k) for k in ("heavy", "recent", "heavy_ratio", "recent_ratio")
+              if getattr(args, k, None) is not None}
+    for policy in policies:  # validate before the slow model load
+        EvictionDefaults(policy=policy, **({} if not make_policy(policy).evicts else budget)).validate()
+    kv_memory = kv_limit(args.kv_memory)
+    if kv_memory is None:
+        raise H2OError("serve-bench needs a finite --kv-memory")
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    result = bench(model, tokenizer, policies=policies, kv_memory=kv_memory, requests=args.requests,
+                   concurrency=args.concurrency, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                   budget=budget, prefill_chunk=args.chunk_size, max_batch=args.max_batch,
+                   model_name=args.model or "smollm2")
+    result["command"] = bench_command(args)
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {path}")
+    failed = [r for r in result["results"] if r["ok"] != r["requests"]]
+    return 1 if failed else 0
+

@@ -1,0 +1,98 @@
+"""KV memory accounting for admission: what a request will hold, in slots and bytes.
+
+A slot is one token's keys and values in every layer and KV head, so its size in bytes is a property
+of the model (measured once, see ``bytes_per_slot``). A request holds:
+
+- while decoding: ``min(budget + 1, prompt + max_tokens)`` slots (``prompt + max_tokens`` for policy
+  ``full``), since an evicting cache keeps ``budget`` tokens plus the one being written;
+- while prefilling (alone, in chunks): up to ``min(prompt, budget + chunk)`` slots, as every chunk is
+  written before the eviction that follows it.
+
+Rows of one decode batch share a capacity (the largest reservation among them), so a batch costs
+``rows * max(slots)``; only one request prefills at a time, so the prefill overshoot counts once.
+The engine admits a request only if that total, with the request added, stays under ``--kv-memory``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import H2OCache
+from ..errors import H2OError
+
+# ensure_free in cache.py grows an empty layer by this many slots on a single-token write
+_FIRST_GROWTH = 32
+
+
+def bytes_per_slot(model) -> int:
+    """Bytes of one token's K and V across all layers and KV heads, measured on a 2-token forward."""
+    cache = H2OCache(model, policy="full")
+    with torch.inference_mode():
+        model(torch.zeros((1, 2), dtype=torch.long, device=model.device), past_key_values=cache, use_cache=True)
+    return sum(layer.kv_bytes() // layer.capacity for layer in cache.layers if layer.is_initialized)
+
+
+def prefill_chunks(prompt_len: int, chunk: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` chunks of at most ``chunk`` tokens, never a lone 1-token tail (a 1-token write
+    into a growing cache over-allocates, which would break the bound above)."""
+    bounds = []
+    start = 0
+    while start < prompt_len:
+        stop = min(start + chunk, prompt_len)
+        if prompt_len - stop == 1 and stop - start > 1:
+            stop -= 1
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+@dataclass(frozen=True)
+class Reservation:
+    slots: int  # held while decoding
+    prefill_peak: int  # held by its own cache at worst while prefilling
+
+    @property
+    def prefill_extra(self) -> int:
+        return max(0, self.prefill_peak - self.slots)
+
+
+def reservation(prompt_len: int, max_tokens: int, budget: int | None, chunk: int) -> Reservation:
+    """``budget``: heavy + recent slots, or None for policy ``full``."""
+    total = prompt_len + max_tokens
+    if budget is None:
+        slots = total
+        peak = prompt_len if prompt_len > 1 else _FIRST_GROWTH
+    else:
+        slots = min(budget + 1, total)
+        peak = min(prompt_len, budget + chunk) if prompt_len > 1 else min(_FIRST_GROWTH, budget + 1)
+    return Reservation(slots, peak)
+
+
+def footprint_slots(batches: dict[str, list[Reservation]], prefilling: list[Reservation]) -> int:
+    """Slots the engine may hold: each policy batch at its widest row, plus one prefill overshoot."""
+    decode = sum(len(rows) * max(r.slots for r in rows) for rows in batches.values() if rows)
+    return decode + max((r.prefill_extra for r in prefilling), default=0)
+
+
+def kv_limit(value) -> int | None:
+    """``--kv-memory``: bytes, with an optional K/M/G (binary) suffix; None or 'inf' for no limit."""
+    if value is None:
+        return None
+    text = str(value).strip().upper().removesuffix("B").removesuffix("I")
+    scale = 1
+    for suffix, factor in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+        if text.endswith(suffix):
+            text, scale = text[:-1], factor
+            break
+    try:
+        number = float(text)
+    except ValueError:
+        raise H2OError(f"--kv-memory must be a byte count like 64M or 2G, got {value!r}") from None
+    if math.isinf(number):
+        return None
+    if not number > 0:
+        raise H2OError(f"--kv-memory must be > 0, got {value!r}")
+    return int(number * scale)

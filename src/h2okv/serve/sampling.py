@@ -1,0 +1,29 @@
+"""Next-token choice per request: greedy at temperature 0, else temperature + nucleus (top-p) sampling
+with the request's own seeded generator (so ``seed`` reproduces a completion whatever the batch)."""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+
+
+def make_generator(seed: int | None, device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else secrets.randbits(63))
+    return gen
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """One token id from ``logits`` ``[vocab]``."""
+    if temperature == 0.0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        choice = torch.multinomial(sorted_probs, 1, generator=generator)
+        return int(order[choice])
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,131 @@
+"""Request bodies of the OpenAI-compatible API (pydantic) and the OpenAI error format.
+
+Unknown top-level fields are ignored, as OpenAI-compatible servers commonly do; fields we accept
+but cannot honour (``n > 1``, ``logprobs``, ``echo``, ...) are rejected with a 400 instead of being
+silently dropped. The one extension is ``"h2o"``: per-request eviction settings.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class APIError(Exception):
+    """An error the client caused (4xx) or one request's failure (5xx), in OpenAI's format."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class H2OSettings(BaseModel):
+    """``"h2o": {"policy": "local", "heavy_ratio": 0.1, "recent_ratio": 0.1}`` (or ``heavy``/``recent``).
+
+    Giving any budget field replaces the server's budget; giving only ``policy`` keeps it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: str | None = None
+    heavy: int | None = None
+    recent: int | None = None
+    heavy_ratio: float | None = None
+    recent_ratio: float | None = None
+
+    def budget_given(self) -> bool:
+        return any(v is not None for v in (self.heavy, self.recent, self.heavy_ratio, self.recent_ratio))
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, gt=0)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+    user: str | None = None
+    # extensions
+    h2o: H2OSettings | None = None
+    ignore_eos: bool = False  # as in vLLM: generate exactly max_tokens (benchmarks)
+
+    def stop_list(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 4:
+            raise APIError(400, "stop may hold at most 4 sequences", param="stop")
+        if any(s == "" for s in stops):
+            raise APIError(400, "stop sequences must not be empty", param="stop")
+        return stops
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise APIError(400, f"only n=1 is supported (got n={self.n})", param="n")
+        if self.logprobs not in (None, False, 0):
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        if self.presence_penalty or self.frequency_penalty:
+            param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
+            raise APIError(400, f"{param} is not supported", param=param)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "best_of is not supported", param="best_of")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(default=None, gt=0)
+    tools: list | None = None
+    response_format: dict | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise APIError(400, "tools are not supported", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError(400, "only response_format type 'text' is supported", param="response_format")

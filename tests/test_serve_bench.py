@@ -1,0 +1,64 @@
+"""``h2okv serve-bench`` and the ``serve`` command line, on a tiny model (the real run is in docs/results)."""
+
+import json
+
+import pytest
+
+from h2okv.cli import main
+from h2okv.serve.testing import tiny_chat_model
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    """``load_model`` returns the tiny model, so the CLI runs end to end in seconds."""
+    import h2okv.models
+
+    pair = tiny_chat_model(layers=2)
+    monkeypatch.setattr(h2okv.models, "load_model", lambda *args, **kwargs: pair)
+    return pair
+
+
+def test_bench_compares_policies_at_the_same_kv_memory(tiny, tmp_path, capsys):
+    model, _ = tiny
+    from h2okv.serve.memory import bytes_per_slot, reservation
+
+    prompt, new = 96, 32  # decode long enough, relative to the 3-chunk prefills, for batches to fill up
+    full = reservation(prompt, new, None, 32)
+    kv_memory = 2 * full.slots * bytes_per_slot(model)  # room for two full-cache requests
+    out = tmp_path / "bench.json"
+    code = main(["serve-bench", "--kv-memory", str(kv_memory), "--policies", "full,h2o", "--requests", "10",
+                 "--concurrency", "10", "--prompt-tokens", str(prompt), "--max-tokens", str(new),
+                 "--chunk-size", "32", "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    rows = {r["policy"]: r for r in result["results"]}
+    for row in rows.values():
+        assert row["ok"] == row["requests"] == 10 and not row["errors"]
+        assert row["completion_tokens"] == 10 * new  # ignore_eos: every request generates max_tokens
+        assert row["kv_bytes_in_use_after"] == 0 and row["kv_bytes_peak"] <= kv_memory
+        assert row["latency_p50_s"] <= row["latency_p95_s"]
+    assert rows["full"]["max_concurrent_batch"] == 2
+    assert rows["h2o"]["max_concurrent_batch"] >= 3 * rows["full"]["max_concurrent_batch"]
+    assert rows["h2o"]["kv_slots_per_request"] == 2 * (prompt // 10) + 1
+    assert result["command"].startswith("h2okv serve-bench --kv-memory")
+    assert "max batch" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve-bench", "--kv-memory", "0"],
+    ["serve-bench", "--kv-memory", "lots"],
+    ["serve-bench", "--kv-memory", "1M", "--policies", "h2o", "--heavy", "0", "--recent", "2"],
+    ["serve-bench", "--kv-memory", "1M", "--policies", "full,nope"],
+    ["serve", "--policy", "full", "--heavy", "3"],
+    ["serve", "--kv-memory", "-5"],
+    ["serve", "--port", "70000"],
+])
+def test_bad_arguments_exit_2_before_loading(argv, capsys, monkeypatch):
+    import h2okv.models
+
+    def no_load(*args, **kwargs):  # pragma: no cover - must not be reached
+        raise AssertionError("validation must happen before the model load")
+
+    monkeypatch.setattr(h2okv.models, "load_model", no_load)
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith("h2okv: error:")
