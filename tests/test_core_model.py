@@ -181,3 +181,24 @@ def test_beam_and_batch_reordering(llama):
     out = llama.generate(ids, past_key_values=cache, max_new_tokens=6, num_beams=2, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 26)
     assert cache.layers[0].keys.shape[0] == 2
+
+
+def test_row_selection_keeps_budgets_in_step(llama):
+    """Dropping a row (as generate and the server do) keeps per-row budgets and decoding right."""
+    seqs = [random_ids(30, seed=1)[0].tolist(), random_ids(12, seed=2)[0].tolist()]
+    ids, mask = left_pad(seqs)
+    cache = H2OCache(llama, policy="h2o", heavy_ratio=0.2, recent_ratio=0.2)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # what generate derives from a left-padded mask
+    llama(ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+    assert cache.budget() == [12, 4]
+    cache.batch_select_indices(torch.tensor([1]))
+    assert cache.budget() == [4]
+    assert cache.max_budget == 4
+    # the remaining row decodes exactly like the same sequence alone
+    alone = H2OCache(llama, policy="h2o", heavy_ratio=0.2, recent_ratio=0.2)
+    llama(torch.tensor([seqs[1]]), past_key_values=alone)
+    token = torch.tensor([[5]])
+    a = llama(token, past_key_values=cache, position_ids=torch.tensor([[12]])).logits
+    b = llama(token, past_key_values=alone, position_ids=torch.tensor([[12]])).logits
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert int(cache.layers[0].valid.sum(-1).max()) == 4

@@ -156,6 +156,15 @@ class SlotLayer(CacheLayerMixin):
         for name in ("keys", "values", "score", "ordinal", "valid", "n_real", "heavy", "recent"):
             if hasattr(self, name) and getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).index_select(0, index))
+        self.rows_changed()
+
+    def rows_changed(self) -> None:
+        """Forget what was derived for the previous set of rows (largest budget, fast-decode
+        state). Call after adding or removing rows by hand; row selection calls it itself."""
+        self.__dict__.pop("_max_budget", None)
+        self._fast = None
+        if self.is_initialized and hasattr(self, "heavy"):
+            self._check_at_budget()
 
     def reorder_cache(self, beam_idx):
         self._select_batch(beam_idx)
@@ -478,6 +487,26 @@ class H2OCache(Cache):
         num_layers = prepare_model(model)
         super().__init__(layers=[SlotLayer(self, i) for i in range(num_layers)])
         self._row_budgets: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # row selection (beam search, generate's batch expansion) must keep the per-row budgets in step
+    def _select_rows(self, index: torch.Tensor) -> None:
+        if self._row_budgets is not None:
+            heavy, recent = self._row_budgets
+            self._row_budgets = (heavy.index_select(0, index.cpu()), recent.index_select(0, index.cpu()))
+
+    def reorder_cache(self, beam_idx):
+        self._select_rows(beam_idx)
+        super().reorder_cache(beam_idx)
+
+    def batch_select_indices(self, indices):
+        self._select_rows(torch.as_tensor(indices))
+        super().batch_select_indices(indices)
+
+    def batch_repeat_interleave(self, repeats: int):
+        if self._row_budgets is not None:
+            rows = self._row_budgets[0].shape[0]
+            self._select_rows(torch.arange(rows).repeat_interleave(repeats))
+        super().batch_repeat_interleave(repeats)
 
     # per-row budgets are fixed by the first forward (the prompt), then shared by all layers
     def budgets_for(self, nonpad: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,18 +56,10 @@ def fit_capacity(layer: SlotLayer, capacity: int) -> None:
 
 
 def refresh_derived_state(cache: H2OCache) -> None:
-    """Recompute what a ``SlotLayer`` caches about its rows after rows joined or left.
-
-    The core caches facts that hold for a fixed set of rows (the largest budget; whether every row
-    is exactly at its budget, which lets a decode step skip masks and counts). Rows joining or
-    leaving break those facts, so they are dropped and re-derived here. Defensive on purpose: the
-    names are the core's private ones and absent attributes are simply skipped.
-    """
+    """Recompute what a ``SlotLayer`` derives from its rows (largest budget, fast-decode state)
+    after rows joined or left by hand."""
     for layer in cache.layers:
-        layer.__dict__.pop("_max_budget", None)
-        check = getattr(layer, "_check_at_budget", None)
-        if check is not None and layer.is_initialized:
-            check()
+        layer.rows_changed()
 
 
 def _row_budgets(cache: H2OCache) -> tuple[torch.Tensor, torch.Tensor]:
