@@ -1,0 +1,107 @@
+"""``h2okv analyze``: per-layer attention sparsity and the power law of accumulated attention, the
+two observations behind H2O, measured on a model and a text (see ``h2okv.analysis``)."""
+
+from __future__ import annotations
+
+import time
+
+from tqdm.auto import tqdm
+
+from ..analysis import layer_stats, ranked, record_attention
+from ..attention import attention_modules
+from ..errors import H2OError
+from ..eval.ppl import add_text_args, source_text, text_segments
+from ..models import load_model
+from ..plots import check_output_paths, format_table, new_figure, save_figure, write_json
+from .common import add_model_args, positive_int
+
+DEFAULT_PLOT = "results/sparsity.png"
+DEFAULT_POWERLAW_PLOT = "results/powerlaw.png"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("analyze", help="attention sparsity per layer and the power law of accumulated attention")
+    add_model_args(p)
+    add_text_args(p)
+    p.add_argument("--tokens", type=positive_int, default=2048, help="tokens of the text to analyse (default: 2048)")
+    p.add_argument("--threshold", type=float, default=0.01, help="sparse = below this fraction of the row max (default: 0.01)")
+    p.add_argument("--json", default=None, help="write one row per layer as JSON to this file")
+    p.add_argument("--plot", default=DEFAULT_PLOT, help=f"sparsity-per-layer PNG (default: {DEFAULT_PLOT})")
+    p.add_argument("--powerlaw-plot", default=DEFAULT_POWERLAW_PLOT,
+                   help=f"log-log accumulated attention vs rank PNG (default: {DEFAULT_POWERLAW_PLOT})")
+    p.set_defaults(func=run)
+
+
+def plot_sparsity(rows, path, title: str, threshold: float):
+    fig, axes = new_figure(width=7.5)
+    ax = axes[0][0]
+    layers = [r.layer for r in rows]
+    ax.bar(layers, [100 * r.sparsity for r in rows], color="tab:red", alpha=0.8, label="all heads")
+    ax.errorbar(layers, [100 * r.sparsity for r in rows],
+                yerr=[[100 * (r.sparsity - r.min_head_sparsity) for r in rows],
+                      [100 * (r.max_head_sparsity - r.sparsity) for r in rows]],
+                fmt="none", ecolor="black", capsize=2, linewidth=0.8, label="least / most sparse head")
+    ax.axhline(95, color="gray", linestyle="--", linewidth=1, label="95%")
+    low = min(r.min_head_sparsity for r in rows) * 100
+    ax.set_ylim(max(0.0, low - 5), 100)
+    ax.set_xlabel("layer")
+    ax.set_ylabel(f"% of attention probabilities < {threshold:g} x row max")
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    return save_figure(fig, path)
+
+
+def plot_powerlaw(recorder, rows, path, title: str):
+    fig, axes = new_figure(width=6.4)
+    ax = axes[0][0]
+    layers = sorted(recorder.accumulated)
+    picks = sorted({layers[round(i * (len(layers) - 1) / 4)] for i in range(5)})  # five layers, first to last
+    from matplotlib import colormaps
+
+    cmap = colormaps["viridis"]
+    slopes = {r.layer: r.powerlaw_slope for r in rows}
+    for i, layer in enumerate(picks):
+        values = ranked(recorder.accumulated[layer].sum(0))
+        ax.loglog(range(1, len(values) + 1), values, color=cmap(i / max(len(picks) - 1, 1)),
+                  label=f"layer {layer} (slope {slopes[layer]:.2f})")
+    ax.set_xlabel("token rank by accumulated attention")
+    ax.set_ylabel("share of the layer's accumulated attention")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+def run(args) -> int:
+    if not 0.0 < args.threshold < 1.0:
+        raise H2OError(f"--threshold must be in (0, 1), got {args.threshold}")
+    check_output_paths(args.json, args.plot)
+    check_output_paths(None, args.powerlaw_plot)
+    text, label = source_text(args)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    ids = text_segments(tokenizer, text, args.tokens)
+    start = time.perf_counter()
+    n_layers = len(list(attention_modules(model)))
+    with tqdm(total=n_layers, desc="analyze", unit="layer") as bar:
+        recorder = record_attention(model, ids, args.threshold, progress=bar)
+    rows = layer_stats(recorder)
+    seconds = time.perf_counter() - start
+
+    print(f"Attention of {type(model).__name__} on {args.tokens} tokens of {label}")
+    headers = ["layer", "sparsity", "least sparse head", "most sparse head", "power-law slope", "R^2", "top 10% share", "top 20% share"]
+    print(format_table(headers, [[r.layer, f"{r.sparsity:.1%}", f"{r.min_head_sparsity:.1%}", f"{r.max_head_sparsity:.1%}",
+                                  round(r.powerlaw_slope, 3), round(r.powerlaw_r2, 3), f"{r.top10_share:.1%}",
+                                  f"{r.top20_share:.1%}"] for r in rows]))
+    mean = sum(r.sparsity for r in rows) / len(rows)
+    above = sum(r.sparsity > 0.95 for r in rows)
+    print(f"mean sparsity {mean:.1%} (threshold {args.threshold:g} x row max); {above}/{len(rows)} layers above 95%; {seconds:.1f} s")
+    if args.json:
+        write_json([vars(r) for r in rows], args.json)
+        print(f"wrote {args.json}")
+    name = args.model or "SmolLM2-135M-Instruct"
+    if args.plot:
+        print(f"wrote {plot_sparsity(rows, args.plot, f'Attention sparsity per layer, {name}, {args.tokens} tokens of {label}', args.threshold)}")
+    if args.powerlaw_plot:
+        print(f"wrote {plot_powerlaw(recorder, rows, args.powerlaw_plot, f'Accumulated attention vs rank, {name}, {label}')}")
+    return 0

@@ -1,0 +1,302 @@
+"""``h2okv eval retrieval``: synthetic passkey retrieval (needle in a haystack), generated offline.
+
+A prompt of exactly ``context`` tokens: an instruction, a haystack (repeated filler sentences or
+Shakespeare), a needle "The pass key is 48213. Remember it. 48213 is the pass key." at a given
+depth, and the question at the end. Greedy decoding of a few tokens; a trial is correct when the
+passkey appears in the answer. The grid is policy x budget x context x depth, ``trials`` passkeys
+per cell; all prompts of one context length have the same length, so they run as one batch with no
+padding (and the same per-row budget).
+
+Besides accuracy, each cell reports ``needle_kept``: the share of the needle's tokens still in the
+cache after generation (mean over layers, KV heads and trials), which shows *where* a policy lost it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from ..cache import DEFAULT_CHUNK, H2OCache
+from ..commands.common import add_model_args, positive_int
+from ..corpus import read_play
+from ..errors import H2OError
+from ..models import load_model
+from ..plots import annotated_heatmap, check_output_paths, format_table, new_figure, save_figure, write_json
+from ..policies import POLICIES
+from .ppl import add_threads_arg, apply_threads, parse_budgets, parse_policies
+
+INSTRUCTION = (
+    "There is an important piece of information hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about it.\n\n"
+)
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+DEFAULT_POLICIES = "full,h2o,local,sink,random"
+DEFAULT_BUDGETS = "0.2,0.5"
+DEFAULT_CONTEXTS = "512,1024"
+DEFAULT_DEPTHS = "0,0.5,1"
+DEFAULT_PLOT = "results/retrieval_heatmap.png"
+
+
+@dataclass
+class PasskeyPrompt:
+    ids: list[int]
+    passkey: str
+    depth: float
+    needle: tuple[int, int]  # [start, stop) token positions of the needle
+
+
+class Haystack:
+    """Token ids to fill a prompt with, and the positions where a needle may be inserted
+    (sentence or line ends, so the needle never splits a word)."""
+
+    def __init__(self, tokenizer, spec: str = "filler"):
+        self.spec = spec
+        if spec == "filler":
+            unit = tokenizer(FILLER, add_special_tokens=False)["input_ids"]
+            self.ids = unit * (8192 // len(unit) + 1)
+            period = len(unit)
+            self.breaks = set(range(0, len(self.ids) + 1, period))
+        elif spec.startswith("shakespeare:"):
+            text = read_play(spec.split(":", 1)[1])
+            # skip the Project Gutenberg header: the play proper starts well after it
+            text = text[len(text) // 10 :]
+            self.ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            newline = {i for i, t in enumerate(self.ids) if "\n" in tokenizer.decode([t])}
+            self.breaks = {i + 1 for i in newline} | {0}
+        else:
+            raise H2OError(f"--haystack must be 'filler' or shakespeare:NAME, got {spec!r}")
+
+    def take(self, length: int, offset: int = 0) -> tuple[list[int], list[int]]:
+        """``length`` ids starting at ``offset`` and the break positions inside them."""
+        if offset + length > len(self.ids):
+            raise H2OError(f"the {self.spec} haystack has only {len(self.ids)} tokens, {offset + length} needed")
+        ids = self.ids[offset : offset + length]
+        # the two ends always qualify: depth 0 and 1 put the needle next to the instruction/question
+        breaks = {b - offset for b in self.breaks if offset <= b <= offset + length} | {0, length}
+        return ids, sorted(breaks)
+
+
+def build_prompt(tokenizer, haystack: Haystack, context: int, depth: float, passkey: str, offset: int = 0) -> PasskeyPrompt:
+    """A prompt of exactly ``context`` tokens with the needle at ``depth`` of the haystack
+    (0: right after the instruction, 1: right before the question)."""
+    if not 0.0 <= depth <= 1.0:
+        raise H2OError(f"depth must be in [0, 1], got {depth}")
+    enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    head, needle, question = enc(INSTRUCTION), enc(NEEDLE.format(key=passkey)), enc(QUESTION)
+    hay_len = context - len(head) - len(needle) - len(question)
+    if hay_len < 16:
+        raise H2OError(f"context {context} is too short: the instruction, needle and question alone take {context - hay_len} tokens")
+    hay, breaks = haystack.take(hay_len, offset)
+    cut = min(breaks, key=lambda b: abs(b - depth * hay_len))
+    ids = head + hay[:cut] + needle + hay[cut:] + question
+    start = len(head) + cut
+    return PasskeyPrompt(ids, passkey, depth, (start, start + len(needle)))
+
+
+def make_prompts(tokenizer, haystack: Haystack, context: int, depths: list[float], trials: int, seed: int = 0):
+    """``trials`` prompts per depth; passkeys and haystack offsets depend only on the seed, the
+    context, the depth and the trial, so every policy and budget sees the same prompts."""
+    prompts = []
+    for d_index, depth in enumerate(depths):
+        for trial in range(trials):
+            rng = random.Random(f"{seed}/{context}/{d_index}/{trial}")
+            passkey = str(rng.randint(10000, 99999))
+            slack = max(0, len(haystack.ids) - context - 1) if haystack.spec != "filler" else 0
+            offset = rng.randint(0, min(slack, 20000)) if slack else 0
+            prompts.append(build_prompt(tokenizer, haystack, context, depth, passkey, offset))
+    return prompts
+
+
+def is_correct(answer: str, passkey: str) -> bool:
+    return passkey in answer
+
+
+def needle_kept(cache: H2OCache, prompts: list[PasskeyPrompt]) -> list[float]:
+    """Per prompt: the share of its needle tokens still live, averaged over layers and KV heads."""
+    if not cache.policy.evicts:
+        return [1.0] * len(prompts)
+    kept = torch.zeros(len(prompts))
+    layers = [layer for layer in cache.layers if layer.is_initialized]
+    for layer in layers:
+        for row, prompt in enumerate(prompts):
+            start, stop = prompt.needle
+            ordinal, valid = layer.ordinal[row], layer.valid[row]  # [H, cap]
+            in_needle = valid & (ordinal >= start) & (ordinal < stop)
+            kept[row] += in_needle.sum(-1).float().mean() / (stop - start)
+    return (kept / max(len(layers), 1)).tolist()
+
+
+@dataclass
+class Cell:
+    policy: str
+    budget: float
+    context: int
+    depth: float
+    trials: int
+    correct: int
+    accuracy: float
+    needle_kept: float
+    haystack: str
+    chunk_size: int
+    answers: list[str] = field(default_factory=list)
+
+
+def run_batch(model, tokenizer, prompts, policy, budget, chunk_size, max_new_tokens, seed=0):
+    """Greedy answers for prompts of equal length under one policy/budget; ``(answers, kept)``."""
+    if POLICIES[policy].evicts:
+        cache = H2OCache(model, policy=policy, heavy_ratio=budget / 2, recent_ratio=budget / 2, chunk_size=chunk_size, seed=seed)
+    else:
+        cache = H2OCache(model, policy=policy, chunk_size=chunk_size, seed=seed)
+    ids = torch.tensor([p.ids for p in prompts], dtype=torch.long, device=model.device)
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=tokenizer.pad_token_id,
+        )
+    answers = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
+    return answers, needle_kept(cache, prompts)
+
+
+def retrieval_grid(model, tokenizer, policies, budgets, contexts, depths, trials, haystack="filler",
+                   chunk_size=DEFAULT_CHUNK, max_new_tokens=8, seed=0, progress=True) -> list[Cell]:
+    hay = Haystack(tokenizer, haystack)
+    prompts_by_context = {c: make_prompts(tokenizer, hay, c, depths, trials, seed) for c in contexts}
+    runs = [(p, None) for p in policies if not POLICIES[p].evicts]
+    runs += [(p, b) for p in policies if POLICIES[p].evicts for b in budgets]
+    cells = []
+    with tqdm(total=len(runs) * len(contexts), desc="retrieval", unit="batch", disable=not progress) as bar:
+        for policy, budget in runs:
+            for context in contexts:
+                bar.set_postfix_str(f"{policy}@{budget:g} ctx {context}" if budget else f"{policy} ctx {context}")
+                prompts = prompts_by_context[context]
+                answers, kept = run_batch(model, tokenizer, prompts, policy, budget, chunk_size, max_new_tokens, seed)
+                for d_index, depth in enumerate(depths):
+                    rows = range(d_index * trials, (d_index + 1) * trials)
+                    correct = sum(is_correct(answers[i], prompts[i].passkey) for i in rows)
+                    cells.append(Cell(
+                        policy=policy, budget=1.0 if budget is None else budget, context=context, depth=depth,
+                        trials=trials, correct=correct, accuracy=correct / trials,
+                        needle_kept=round(sum(kept[i] for i in rows) / trials, 4), haystack=haystack,
+                        chunk_size=chunk_size, answers=[answers[i] for i in rows],
+                    ))
+                bar.update(1)
+    return cells
+
+
+# -- outputs -------------------------------------------------------------------------------------
+def configs(cells: list[Cell]) -> list[tuple[str, float]]:
+    return list(dict.fromkeys((c.policy, c.budget) for c in cells))
+
+
+def plot_heatmap(cells: list[Cell], path, title: str):
+    """One panel per policy/budget: needle depth (rows) x context length (columns) -> accuracy,
+    with the share of needle tokens still cached under each number."""
+    panels = configs(cells)
+    contexts = sorted({c.context for c in cells})
+    depths = sorted({c.depth for c in cells})
+    ncols = min(len(panels), 3)
+    nrows = -(-len(panels) // ncols)
+    fig, axes = new_figure(ncols=ncols, nrows=nrows, width=1.0 + 1.1 * len(contexts), height=0.6 + 0.5 * len(depths))
+    for index, (policy, budget) in enumerate(panels):
+        ax = axes[index // ncols][index % ncols]
+        by_key = {(c.depth, c.context): c for c in cells if (c.policy, c.budget) == (policy, budget)}
+        grid = [[by_key[d, ctx].accuracy if (d, ctx) in by_key else float("nan") for ctx in contexts] for d in depths]
+        notes = None
+        if POLICIES[policy].evicts:
+            notes = [[f"kept {by_key[d, ctx].needle_kept:.0%}" if (d, ctx) in by_key else "" for ctx in contexts]
+                     for d in depths]
+        annotated_heatmap(ax, grid, [f"{d:g}" for d in depths], [str(c) for c in contexts], notes=notes)
+        ax.set_title(policy if policy == "full" else f"{policy}, {budget:.0%} cache", fontsize=10)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("needle depth")
+    for index in range(len(panels), nrows * ncols):
+        axes[index // ncols][index % ncols].axis("off")
+    fig.suptitle(title + "\ncell: accuracy; kept = share of the needle's tokens still cached after generation", fontsize=10)
+    return save_figure(fig, path)
+
+
+def summary_table(cells: list[Cell]) -> str:
+    depths = sorted({c.depth for c in cells})
+    headers = ["policy", "budget", "context", *[f"d={d:g}" for d in depths], "mean", "needle kept"]
+    rows = []
+    for policy, budget in configs(cells):
+        for context in sorted({c.context for c in cells}):
+            group = [c for c in cells if (c.policy, c.budget, c.context) == (policy, budget, context)]
+            by_depth = {c.depth: c for c in group}
+            accuracy = [f"{by_depth[d].correct}/{by_depth[d].trials}" for d in depths]
+            mean = sum(c.accuracy for c in group) / len(group)
+            kept = sum(c.needle_kept for c in group) / len(group)
+            rows.append([policy, budget, context, *accuracy, f"{mean:.0%}", f"{kept:.0%}"])
+    return format_table(headers, rows)
+
+
+def parse_ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise H2OError(f"--{what} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise H2OError(f"--{what} must be positive integers, got {text!r}")
+    return sorted(set(values))
+
+
+def parse_depths(text: str) -> list[float]:
+    try:
+        values = [float(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise H2OError(f"--depths must be comma-separated fractions, got {text!r}") from None
+    if not values or not all(0.0 <= v <= 1.0 for v in values):
+        raise H2OError(f"--depths must be fractions in [0, 1], got {text!r}")
+    return sorted(set(values))
+
+
+def register_eval(kinds) -> None:
+    p = kinds.add_parser("retrieval", help="passkey retrieval (needle in a haystack) under eviction")
+    add_model_args(p)
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default: {DEFAULT_POLICIES})")
+    p.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"cache budgets as fractions of the prompt (default: {DEFAULT_BUDGETS})")
+    p.add_argument("--contexts", default=DEFAULT_CONTEXTS, help=f"prompt lengths in tokens (default: {DEFAULT_CONTEXTS})")
+    p.add_argument("--depths", default=DEFAULT_DEPTHS, help=f"needle depths, 0 = start, 1 = end (default: {DEFAULT_DEPTHS})")
+    p.add_argument("--trials", type=positive_int, default=2, help="passkeys per cell (default: 2)")
+    p.add_argument("--haystack", default="filler", help="filler (repeated sentences) or shakespeare:NAME (default: filler)")
+    p.add_argument("--chunk-size", type=positive_int, default=DEFAULT_CHUNK,
+                   help=f"prefill chunk; 1 = evict after every prompt token (default: {DEFAULT_CHUNK})")
+    p.add_argument("--max-new-tokens", type=positive_int, default=8)
+    p.add_argument("--seed", type=int, default=0, help="seed of the passkeys, haystack offsets and random policy")
+    add_threads_arg(p)
+    p.add_argument("--json", default=None, help="write one row per cell as JSON to this file")
+    p.add_argument("--plot", default=DEFAULT_PLOT, help=f"heat-map PNG (default: {DEFAULT_PLOT})")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    policies = parse_policies(args.policies)
+    budgets = parse_budgets(args.budgets)
+    contexts = parse_ints(args.contexts, "contexts")
+    depths = parse_depths(args.depths)
+    if args.haystack != "filler" and not args.haystack.startswith("shakespeare:"):
+        raise H2OError(f"--haystack must be 'filler' or shakespeare:NAME, got {args.haystack!r}")
+    check_output_paths(args.json, args.plot)
+    apply_threads(args.threads)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    start = time.perf_counter()
+    cells = retrieval_grid(model, tokenizer, policies, budgets, contexts, depths, args.trials, args.haystack,
+                           args.chunk_size, args.max_new_tokens, args.seed)
+    seconds = time.perf_counter() - start
+    print(f"Passkey retrieval, {args.haystack} haystack, prefill chunk {args.chunk_size}, {args.trials} trials per cell")
+    print(summary_table(cells))
+    print(f"{len(cells)} cells in {seconds:.1f} s")
+    if args.json:
+        write_json([vars(c) for c in cells], args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        title = f"Passkey accuracy ({args.haystack} haystack, prefill chunk {args.chunk_size}, {args.trials} trials/cell)"
+        print(f"wrote {plot_heatmap(cells, args.plot, title)}")
+    return 0

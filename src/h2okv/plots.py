@@ -1,0 +1,118 @@
+"""Output helpers shared by the evaluation commands: headless (Agg) PNG figures, JSON rows, text tables.
+
+Importing pyplot is deferred to the first figure so that commands which never plot do not pay for
+it, and the Agg backend is selected before pyplot is imported so no display is ever needed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import H2OError
+
+# one colour per policy everywhere, so figures can be compared side by side
+POLICY_COLORS = {
+    "full": "black",
+    "h2o": "tab:red",
+    "local": "tab:blue",
+    "sink": "tab:green",
+    "random": "tab:gray",
+}
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def new_figure(ncols: int = 1, nrows: int = 1, width: float = 6.4, height: float = 4.2, **kwargs):
+    """``(fig, axes)``; ``width``/``height`` are per panel."""
+    plt = pyplot()
+    return plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False, **kwargs)
+
+
+def save_figure(fig, path: str | Path, dpi: int = 130) -> Path:
+    """Write ``fig`` as PNG to ``path`` (parent folders created) and release it."""
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise H2OError(f"plot path must end in .png, got {str(path)!r}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.tight_layout()
+        fig.savefig(path, dpi=dpi)
+    except OSError as exc:
+        raise H2OError(f"cannot write plot {str(path)!r}: {exc.strerror or exc}") from None
+    finally:
+        pyplot().close(fig)
+    return path
+
+
+def policy_color(policy: str) -> str | None:
+    return POLICY_COLORS.get(policy)
+
+
+def annotated_heatmap(ax, values, row_labels, col_labels, vmin=0.0, vmax=1.0, fmt="{:.0%}", cmap="RdYlGn", notes=None):
+    """``values[r][c]`` as coloured cells with the number written in each (and ``notes[r][c]``, a
+    second smaller line, if given); NaN cells stay blank."""
+    import math
+
+    image = ax.imshow(values, vmin=vmin, vmax=vmax, cmap=cmap, aspect="auto")
+    ax.set_xticks(range(len(col_labels)), labels=col_labels)
+    ax.set_yticks(range(len(row_labels)), labels=row_labels)
+    for r, row in enumerate(values):
+        for c, value in enumerate(row):
+            if value is None or (isinstance(value, float) and math.isnan(value)):
+                continue
+            # white on the dark ends of the colour map, black in the light middle
+            share = (value - vmin) / (vmax - vmin) if vmax > vmin else 0.5
+            color = "white" if share < 0.2 or share > 0.8 else "black"
+            text = fmt.format(value)
+            if notes is not None and notes[r][c]:
+                text += f"\n{notes[r][c]}"
+            ax.text(c, r, text, ha="center", va="center", fontsize=7.5, color=color)
+    return image
+
+
+# -- the other two outputs every evaluation command writes ------------------------------------
+def write_json(data, path: str | Path) -> Path:
+    """``data`` (rows, or a dict of them) as indented JSON; parent folders created."""
+    import json
+
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise H2OError(f"cannot write JSON {str(path)!r}: {exc.strerror or exc}") from None
+    return path
+
+
+def format_table(headers: list[str], rows: list[list]) -> str:
+    """A plain fixed-width text table (floats to 4 significant digits, None as '-')."""
+
+    def cell(value) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return str(value)
+
+    cells = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def check_output_paths(json_path: str | None, plot_path: str | None) -> None:
+    """Fail before minutes of work, not after, when an output path cannot be used."""
+    if plot_path and Path(plot_path).suffix.lower() != ".png":
+        raise H2OError(f"--plot must end in .png, got {plot_path!r}")
+    for path in (json_path, plot_path):
+        if path and Path(path).is_dir():
+            raise H2OError(f"output path {path!r} is a directory")

@@ -1,0 +1,167 @@
+import json
+import string
+
+import pytest
+
+from h2okv.cli import main
+from h2okv.errors import H2OError
+from h2okv.eval import retrieval as retrieval_mod
+from h2okv.eval.retrieval import (
+    INSTRUCTION,
+    NEEDLE,
+    QUESTION,
+    Haystack,
+    build_prompt,
+    is_correct,
+    make_prompts,
+    parse_depths,
+    parse_ints,
+    retrieval_grid,
+    run_batch,
+)
+from h2okv.testing import tiny_model
+
+
+class CharTokenizer:
+    """A reversible one-id-per-character tokenizer inside the tiny models' vocabulary (96)."""
+
+    pad_token_id = 1
+    chars = "\n .?,!'" + string.digits + string.ascii_letters
+
+    def __init__(self):
+        self.index = {c: i + 2 for i, c in enumerate(self.chars)}
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [self.index.get(c, 3) for c in text]}  # unknown characters read as a space
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.chars[i - 2] if 2 <= i < 2 + len(self.chars) else "" for i in ids)
+
+    def batch_decode(self, rows, skip_special_tokens=False):
+        return [self.decode(list(map(int, row))) for row in rows]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return CharTokenizer()
+
+
+@pytest.fixture(scope="module")
+def filler(tok):
+    return Haystack(tok, "filler")
+
+
+def test_prompt_has_exact_length_and_needle_where_asked(tok, filler):
+    head = len(INSTRUCTION)
+    for depth in (0.0, 0.5, 1.0):
+        p = build_prompt(tok, filler, 600, depth, "48213")
+        assert len(p.ids) == 600
+        text = tok.decode(p.ids)
+        start, stop = p.needle
+        assert tok.decode(p.ids[start:stop]) == NEEDLE.format(key="48213")
+        assert text.startswith(INSTRUCTION) and text.endswith(QUESTION)
+        hay_len = 600 - head - len(NEEDLE.format(key="48213")) - len(QUESTION)
+        if depth == 0.0:
+            assert start == head
+        elif depth == 1.0:
+            assert stop == 600 - len(QUESTION)
+        else:  # at a sentence boundary of the filler, within one filler sentence group of the middle
+            assert text[start - 2 : start] == ". "
+            assert abs((start - head) - hay_len / 2) <= 90
+
+
+def test_prompt_too_short_and_bad_depth(tok, filler):
+    with pytest.raises(H2OError, match="context 100 is too short"):
+        build_prompt(tok, filler, 100, 0.5, "12345")
+    with pytest.raises(H2OError, match=r"depth must be in \[0, 1\]"):
+        build_prompt(tok, filler, 600, 1.5, "12345")
+
+
+def test_prompts_are_reproducible_and_varied(tok, filler):
+    a = make_prompts(tok, filler, 500, [0.0, 1.0], trials=3, seed=7)
+    b = make_prompts(tok, filler, 500, [0.0, 1.0], trials=3, seed=7)
+    assert [p.passkey for p in a] == [p.passkey for p in b]
+    assert len({p.passkey for p in a}) == 6
+    assert [p.depth for p in a] == [0.0] * 3 + [1.0] * 3
+    assert [p.passkey for p in make_prompts(tok, filler, 500, [0.0, 1.0], trials=3, seed=8)] != [p.passkey for p in a]
+
+
+def test_scoring():
+    assert is_correct(" 48213. Remember", "48213")
+    assert not is_correct(" 4821 3", "48213")
+    assert not is_correct(" the pass key", "48213")
+
+
+def test_needle_kept_shows_where_local_eviction_loses_it(tok, filler):
+    model = tiny_model("llama", seed=1)
+    prompts = make_prompts(tok, filler, 400, [0.0, 1.0], trials=1)
+    _, kept_full = run_batch(model, tok, prompts, "full", None, chunk_size=64, max_new_tokens=4)
+    assert kept_full == [1.0, 1.0]
+    # a sliding window of 200 tokens: the early needle is gone, the late one (within the last
+    # 200 tokens with the question and the answer) is intact
+    _, kept = run_batch(model, tok, prompts, "local", 0.5, chunk_size=32, max_new_tokens=4)
+    assert kept[0] == 0.0
+    assert kept[1] == pytest.approx(1.0)
+
+
+def test_grid_cells(tok):
+    model = tiny_model("llama", seed=2)
+    cells = retrieval_grid(model, tok, ["full", "h2o"], [0.5], [300], [0.0, 1.0], trials=2, chunk_size=128,
+                           max_new_tokens=3, progress=False)
+    assert [(c.policy, c.budget, c.depth) for c in cells] == [("full", 1.0, 0.0), ("full", 1.0, 1.0), ("h2o", 0.5, 0.0), ("h2o", 0.5, 1.0)]
+    for c in cells:
+        assert c.trials == 2 and len(c.answers) == 2 and c.accuracy == c.correct / 2
+        assert 0.0 <= c.needle_kept <= 1.0
+
+
+@pytest.mark.parametrize(
+    "text, ok",
+    [("512,1024", [512, 1024]), ("1024,512,512", [512, 1024])],
+)
+def test_parse_ints(text, ok):
+    assert parse_ints(text, "contexts") == ok
+
+
+def test_parse_depths():
+    assert parse_depths("1,0,0.5") == [0.0, 0.5, 1.0]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--contexts", "512,abc"], "--contexts must be comma-separated integers"),
+        (["--contexts", "0"], "--contexts must be positive"),
+        (["--depths", "0.5,2"], "--depths must be fractions in [0, 1]"),
+        (["--haystack", "lorem"], "--haystack must be 'filler' or shakespeare:NAME"),
+        (["--policies", "h2o,lru"], "unknown policy 'lru'"),
+        (["--budgets", "0"], "must be a fraction"),
+        (["--json", "/"], "is a directory"),
+    ],
+)
+def test_cli_bad_input_is_one_line_exit_2(argv, message, capsys):
+    assert main(["eval", "retrieval", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("h2okv: error:") and message in err and "\n" not in err
+
+
+def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
+    model = tiny_model("llama", seed=3)
+    monkeypatch.setattr(retrieval_mod, "load_model", lambda *a, **k: (model, CharTokenizer()))
+    out_json, out_png = tmp_path / "r.json", tmp_path / "h.png"
+    argv = ["eval", "retrieval", "--contexts", "300", "--depths", "0,1", "--trials", "1", "--policies", "full,local",
+            "--budgets", "0.3,0.6", "--max-new-tokens", "2", "--json", str(out_json), "--plot", str(out_png)]
+    assert main(argv) == 0
+    rows = json.loads(out_json.read_text())
+    assert {(r["policy"], r["budget"]) for r in rows} == {("full", 1.0), ("local", 0.3), ("local", 0.6)}
+    assert len(rows) == 3 * 2
+    assert out_png.read_bytes()[:4] == b"\x89PNG"
+    assert "needle kept" in capsys.readouterr().out
+
+
+def test_shakespeare_haystack_cuts_at_line_ends(tok):
+    hay = Haystack(tok, "shakespeare:hamlet_gut")
+    prompts = make_prompts(tok, hay, 700, [0.5], trials=2, seed=1)
+    assert prompts[0].ids != prompts[1].ids  # different stretches of the play
+    for p in prompts:
+        start, _ = p.needle
+        assert len(p.ids) == 700 and tok.decode([p.ids[start - 1]]) == "\n"
