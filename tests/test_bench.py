@@ -189,3 +189,20 @@ def test_bad_grid_values_exit_2(argv, capsys):
     assert main(["bench", *argv, "--json", "x.json"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("h2okv: error:") and "\n" not in err
+
+
+@pytest.mark.integration
+def test_quick_bench_on_default_model(tmp_path):
+    """`h2okv bench --quick` as a user runs it: the JSON carries every promised key (not speed)."""
+    out = tmp_path / "quick.json"
+    assert main(["bench", "--quick", "--no-progress", "--json", str(out), "--plot-dir", str(tmp_path)]) == 0
+    result = json.loads(out.read_text())
+    keys = {"policy", "batch", "context", "budget", "prefill_s", "decode_step_ms", "decode_tokens_per_s",
+            "kv_bytes", "peak_mem_bytes"}
+    assert {r["policy"] for r in result["rows"]} == {"full", "h2o", "reference"}
+    for row in result["rows"]:
+        assert keys <= row.keys()
+        assert row["decode_tokens_per_s"] > 0 and row["kv_bytes"] > 0
+    summary = json.dumps(result)
+    for ratio in ("h2o_vs_full_throughput", "h2o_vs_reference_step", "h2o_vs_full_kv_bytes", "h2o_vs_full_prefill"):
+        assert ratio in summary
