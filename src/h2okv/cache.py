@@ -361,7 +361,7 @@ class SlotLayer(CacheLayerMixin):
         if policy.evicts:
             if fast is not None:
                 fast.recent_start += 1  # = n_real - recent
-                key = policy.eviction_key(self.score, self.ordinal)
+                key = policy.eviction_key(self.score, self.ordinal, self.layer_idx)
                 if dense:
                     key = key.masked_fill(self.ordinal >= fast.recent_start, math.inf)
                 else:
@@ -428,7 +428,7 @@ class SlotLayer(CacheLayerMixin):
         # candidates: live, not among the last `recent` real tokens of their sequence
         recent_start = (self.n_real - self.recent)[:, None, None]
         candidate = self.valid & (self.ordinal < recent_start)
-        key = policy.eviction_key(self.score, self.ordinal).masked_fill(~candidate, math.inf)
+        key = policy.eviction_key(self.score, self.ordinal, self.layer_idx).masked_fill(~candidate, math.inf)
         if m == 1:
             n_evict = 1
             _, victims = key.min(dim=-1, keepdim=True)

@@ -39,13 +39,14 @@ class Policy:
 
     def __init__(self, seed: int = 0):
         self.seed = seed
-        self._generator: dict[torch.device, torch.Generator] = {}
+        self._generator: dict[tuple[torch.device, int], torch.Generator] = {}
 
     def split(self, heavy: int, recent: int) -> Budget:
         """How a (heavy, recent) budget is used by this policy; the total is always kept."""
         return Budget(heavy, recent)
 
-    def eviction_key(self, score: torch.Tensor, ordinal: torch.Tensor) -> torch.Tensor:
+    def eviction_key(self, score: torch.Tensor, ordinal: torch.Tensor, layer_idx: int = 0) -> torch.Tensor:
+        """Rank ``[B, H, capacity]`` slots of one layer; the lowest candidates are evicted."""
         raise NotImplementedError
 
 
@@ -53,7 +54,7 @@ class FullPolicy(Policy):
     name = "full"
     evicts = False
 
-    def eviction_key(self, score, ordinal):  # pragma: no cover - never asked
+    def eviction_key(self, score, ordinal, layer_idx=0):  # pragma: no cover - never asked
         raise AssertionError("full never evicts")
 
 
@@ -63,7 +64,7 @@ class H2OPolicy(Policy):
     name = "h2o"
     needs_scores = True
 
-    def eviction_key(self, score, ordinal):
+    def eviction_key(self, score, ordinal, layer_idx=0):
         return score
 
 
@@ -75,7 +76,7 @@ class LocalPolicy(Policy):
     def split(self, heavy, recent):
         return Budget(0, heavy + recent)
 
-    def eviction_key(self, score, ordinal):
+    def eviction_key(self, score, ordinal, layer_idx=0):
         return ordinal.to(torch.float32)
 
 
@@ -90,7 +91,7 @@ class SinkPolicy(Policy):
         sinks = min(self.sink_tokens, max(total - 1, 0))
         return Budget(sinks, total - sinks)
 
-    def eviction_key(self, score, ordinal):
+    def eviction_key(self, score, ordinal, layer_idx=0):
         key = ordinal.to(torch.float32)
         return key.masked_fill(ordinal < self.sink_tokens, math.inf)
 
@@ -100,12 +101,14 @@ class RandomPolicy(Policy):
 
     name = "random"
 
-    def eviction_key(self, score, ordinal):
-        gen = self._generator.get(score.device)
+    def eviction_key(self, score, ordinal, layer_idx=0):
+        # one stream per layer: the draws of a layer do not depend on how the forward calls
+        # interleave layers (one pass over a whole text == a token-by-token loop)
+        gen = self._generator.get((score.device, layer_idx))
         if gen is None:
             gen = torch.Generator(device=score.device)
-            gen.manual_seed(self.seed)
-            self._generator[score.device] = gen
+            gen.manual_seed(self.seed * 1_000_003 + layer_idx)
+            self._generator[(score.device, layer_idx)] = gen
         return torch.rand(score.shape, generator=gen, device=score.device)
 
 
