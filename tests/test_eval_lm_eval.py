@@ -18,7 +18,7 @@ from h2okv import H2OCache, H2OError  # noqa: E402
 from h2okv.cli import main as cli_main  # noqa: E402
 from h2okv.eval import tasks as tasks_mod  # noqa: E402
 from h2okv.eval.lm_eval_model import H2OLM, cut_at_stops  # noqa: E402
-from h2okv.testing import VOCAB, tiny_model  # noqa: E402
+from h2okv.testing import VOCAB, tiny_model, word_tokenizer, words  # noqa: E402
 
 TASK = "toy_mc"
 
@@ -31,23 +31,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def word_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<s>": 0, "<pad>": 1, **{f"w{i}": i for i in range(2, VOCAB - 1)}, "</s>": VOCAB - 1}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                  unk_token="<pad>")
-    tok.padding_side = "left"
-    return tok
-
-
-def words(rng, n):
-    return " ".join(f"w{rng.randint(2, VOCAB - 3)}" for _ in range(n))
 
 
 @pytest.fixture(scope="module")

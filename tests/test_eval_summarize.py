@@ -9,7 +9,7 @@ import torch
 from h2okv import H2OError
 from h2okv.cli import main as cli_main
 from h2okv.eval import summarize as S
-from h2okv.testing import VOCAB, tiny_model
+from h2okv.testing import tiny_model, word_tokenizer, words
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -18,24 +18,6 @@ def one_thread():
     torch.set_num_threads(1)  # tiny ops: the intra-op pool only adds waiting on a shared machine
     yield
     torch.set_num_threads(before)
-
-
-def word_tokenizer():
-    """A word-level tokenizer over the tiny models' 96 ids ("w2" ... "w94")."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<s>": 0, "<pad>": 1, **{f"w{i}": i for i in range(2, VOCAB - 1)}, "</s>": VOCAB - 1}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                  unk_token="<pad>")
-    tok.padding_side = "left"
-    return tok
-
-
-def words(rng, n):
-    return " ".join(f"w{rng.randint(2, VOCAB - 3)}" for _ in range(n))
 
 
 def make_records(n=6, seed=0):

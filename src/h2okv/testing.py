@@ -59,3 +59,23 @@ def random_ids(n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
     """Random token ids for the tiny models (avoiding 0/1 and the eos id)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(2, VOCAB - 2, (batch, n), generator=g)
+
+
+def word_tokenizer():
+    """A word-level tokenizer over the tiny models' ids ("w2" ... "w94"), left-padding, so text
+    pipelines (lm-eval, summarization) can run on tiny models with no download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "<pad>": 1, **{f"w{i}": i for i in range(2, VOCAB - 1)}, "</s>": VOCAB - 1}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                  unk_token="<pad>")
+    tok.padding_side = "left"
+    return tok
+
+
+def words(rng, n: int) -> str:
+    """``n`` random in-vocabulary words for ``word_tokenizer``."""
+    return " ".join(f"w{rng.randint(2, VOCAB - 3)}" for _ in range(n))
