@@ -189,9 +189,9 @@ class SlotLayer(CacheLayerMixin):
         """Reallocate to ``new_capacity`` slots; ``compact`` moves live slots to the front first."""
         cap = self.capacity
         if compact:
+            # live slots first; at most new_capacity of them (fewer when the buffer is smaller)
             order = torch.argsort((~self.valid).to(torch.int8), dim=-1, stable=True)[..., :new_capacity]
-            keep = min(cap, new_capacity)
-            order = order[..., :keep]
+            keep = order.shape[-1]
             d = self.keys.shape[-1]
             parts = {
                 "keys": self.keys.gather(2, order[..., None].expand(-1, -1, -1, d)),
