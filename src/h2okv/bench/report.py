@@ -193,33 +193,25 @@ def plot(result: dict, directory: str | Path, prefix: str = "bench") -> list[Pat
         pts = sorted((r["context"], r[key]) for r in rows if r["policy"] == policy and r["batch"] == batch)
         return [p[0] for p in pts], [p[1] for p in pts]
 
-    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
-    for ax, batch in zip(axes[0], batches):
-        for policy in policies:
-            x, y = series(policy, batch, "decode_tokens_per_s")
-            ax.plot(x, y, styles[policy], label=policy)
-        ax.set(title=f"decode throughput, batch {batch}", xlabel="context (tokens)", ylabel="tokens / s")
-        _context_axis(ax, contexts)
-        ax.set_ylim(bottom=0)
-        ax.legend()
-    fig.tight_layout()
-    paths.append(directory / f"{prefix}_throughput.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
-    for ax, batch in zip(axes[0], batches):
-        for policy in policies:
-            x, y = series(policy, batch, "kv_bytes")
-            ax.plot(x, [v / MIB for v in y], styles[policy], label=policy)
-        ax.set(title=f"KV cache memory, batch {batch}", xlabel="context (tokens)", ylabel="MiB")
-        _context_axis(ax, contexts)
-        ax.set_ylim(bottom=0)
-        ax.legend()
-    fig.tight_layout()
-    paths.append(directory / f"{prefix}_kv_memory.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    # (row key, scale, panel title, y label, file suffix)
+    panels = [
+        ("decode_tokens_per_s", 1, "decode throughput", "tokens / s", "throughput"),
+        ("kv_bytes", MIB, "KV cache memory", "MiB", "kv_memory"),
+    ]
+    for key, scale, title, ylabel, suffix in panels:
+        fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+        for ax, batch in zip(axes[0], batches):
+            for policy in policies:
+                x, y = series(policy, batch, key)
+                ax.plot(x, [v / scale for v in y], styles[policy], label=policy)
+            ax.set(title=f"{title}, batch {batch}", xlabel="context (tokens)", ylabel=ylabel)
+            _context_axis(ax, contexts)
+            ax.set_ylim(bottom=0)
+            ax.legend()
+        fig.tight_layout()
+        paths.append(directory / f"{prefix}_{suffix}.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
 
     prefill = result.get("prefill") or []
     if prefill:
