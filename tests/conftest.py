@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from h2okv.testing import TINY_CONFIGS, tiny_model
+from h2okv.testing import TINY_CONFIGS, tiny_model, word_tokenizer
 
 torch.set_grad_enabled(False)
 
@@ -22,3 +22,12 @@ def default_model():
     from h2okv import load_model
 
     return load_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny Llama checkpoint + word-level tokenizer on disk, for code that loads by path."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    tiny_model("llama").save_pretrained(path)
+    word_tokenizer().save_pretrained(path)
+    return path

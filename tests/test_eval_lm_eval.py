@@ -34,14 +34,6 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_llama")
-    tiny_model("llama").save_pretrained(path)
-    word_tokenizer().save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def tiny():
     return tiny_model("llama"), word_tokenizer()
 

@@ -30,14 +30,6 @@ def write_jsonl(path, records):
     return path
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_llama_sum")
-    tiny_model("llama").save_pretrained(path)
-    word_tokenizer().save_pretrained(path)
-    return path
-
-
 def test_rouge_matches_rouge_score_directly():
     from rouge_score import rouge_scorer
 
