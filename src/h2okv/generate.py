@@ -15,6 +15,7 @@ class Generation:
     text: str
     new_tokens: int
     stats: dict
+    token_ids: list[int]
 
 
 def budget_kwargs(heavy=None, recent=None, heavy_ratio=None, recent_ratio=None) -> dict:
@@ -57,7 +58,7 @@ def generate(
             pad_token_id=tokenizer.pad_token_id,
         )
     new = out[0, inputs["input_ids"].shape[1] :]
-    return Generation(tokenizer.decode(new, skip_special_tokens=True), int(new.numel()), cache.stats())
+    return Generation(tokenizer.decode(new, skip_special_tokens=True), int(new.numel()), cache.stats(), new.tolist())
 
 
 def summary_line(stats: dict) -> str:
