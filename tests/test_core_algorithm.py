@@ -83,6 +83,139 @@ def test_slot_layer_matches_reference_algorithm(n, heavy, recent, chunk, groups,
     torch.testing.assert_close(out[0], ref_out, atol=1e-5, rtol=1e-5)
 
 
+
+# -- every policy's rule, token by token ----------------------------------------------------------
+SINKS = {"h2o-sink": 4, "sink": 4}
+
+
+def split(policy, heavy, recent):
+    if policy == "local":
+        return 0, heavy + recent
+    if policy == "sink":
+        sinks = min(4, heavy + recent - 1)
+        return sinks, heavy + recent - sinks
+    return heavy, recent
+
+
+def reference_policy(q, k, v, heavy, recent, calls, chunk, scale, h, policy, window=32, kernel=7):
+    """One KV head, plain Python: the tokens arrive in forward calls ``calls`` ([(start, stop)]),
+    each read in chunks of ``chunk``. Returns (out [g, n, D] of the group's query heads, kept)."""
+    g = q.shape[0] // k.shape[0]
+    n = q.shape[1]
+    heavy, recent = split(policy, heavy, recent)
+    sinks = min(SINKS.get(policy, 0), heavy)
+    out = torch.zeros(g, n, q.shape[-1])
+    kept, score = [], {}
+
+    def probs(i, visible, qh):
+        logits = torch.stack([q[qh, i] @ k[h, j] for j in visible]) * scale
+        return torch.softmax(logits.double(), 0)
+
+    for c0, c1 in calls:
+        snap = None
+        if policy == "snapkv" and c1 - c0 > 1 and chunk > 1:
+            # the call's last `window` queries over the kept old tokens and the call up to themselves
+            mass = {}
+            for i in range(max(c0, c1 - window), c1):
+                visible = kept + list(range(c0, i + 1))
+                for qh in range(h * g, (h + 1) * g):
+                    for a, j in enumerate(visible):
+                        mass[j] = mass.get(j, 0.0) + float(probs(i, visible, qh)[a])
+            for j in kept:
+                score[j] = mass.get(j, 0.0)
+            new = [mass.get(j, 0.0) for j in range(c0, c1)]
+            half = kernel // 2
+            snap = {j: sum(new[max(0, a - half): a + half + 1]) / len(new[max(0, a - half): a + half + 1])
+                    for a, j in enumerate(range(c0, c1))}
+        for start in range(c0, c1, chunk if c1 - c0 > 1 else 1):
+            stop = min(start + chunk, c1)
+            mass = {}
+            for i in range(start, stop):
+                visible = kept + list(range(start, i + 1))
+                for qh in range(h * g, (h + 1) * g):
+                    p = probs(i, visible, qh)
+                    out[qh - h * g, i] = sum(float(p[a]) * v[h, j] for a, j in enumerate(visible))
+                    if policy != "tova" or i == stop - 1:  # tova: only the latest query counts
+                        for a, j in enumerate(visible):
+                            mass[j] = mass.get(j, 0.0) + float(p[a])
+            for j in range(start, stop):
+                score[j] = snap[j] if snap is not None else 0.0
+            if snap is None:
+                for j, m in mass.items():
+                    score[j] = m if policy == "tova" else score[j] + m
+            kept = kept + list(range(start, stop))
+            while len(kept) > heavy + recent:
+                candidates = [j for j in kept if sinks <= j < stop - recent]
+                kept.remove(min(candidates, key=lambda j, seen=stop: rank(policy, score, j, seen)))
+    return out, sorted(kept)
+
+
+def rank(policy, score, j, seen):
+    """The policy's eviction key of token ``j`` once ``seen`` tokens have been read (lowest goes)."""
+    if policy == "h2o-mean":
+        return score[j] / (seen - j)  # divided by the number of queries that saw j
+    if policy in ("local", "sink"):
+        return j  # oldest first
+    return score[j]
+
+
+RULE_POLICIES = ["h2o", "tova", "h2o-sink", "h2o-mean", "snapkv", "local", "sink"]
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    n=st.integers(1, 24),
+    heavy=st.integers(1, 6),
+    recent=st.integers(1, 6),
+    chunk=st.sampled_from([1, 2, 5, 64]),
+    groups=st.sampled_from([1, 3]),
+    seed=st.integers(0, 10_000),
+)
+@pytest.mark.parametrize("policy", RULE_POLICIES)
+def test_every_policy_matches_its_reference_rule(policy, n, heavy, recent, chunk, groups, seed):
+    """One forward call, chunked inside: same kept sets and outputs as the policy's rule in a loop."""
+    g = torch.Generator().manual_seed(seed)
+    hkv, d = 2, 8
+    q = torch.randn(1, hkv * groups, n, d, generator=g)
+    k = torch.randn(1, hkv, n, d, generator=g)
+    v = torch.randn(1, hkv, n, d, generator=g)
+    scale = d**-0.5
+    spec = "snapkv:window=5,kernel=3" if policy == "snapkv" else policy
+    out, kept = run_layer(q, k, v, heavy, recent, chunk, scale, policy=spec)
+    for h in range(hkv):
+        ref_out, ref_kept = reference_policy(q[0], k[0], v[0], heavy, recent, [(0, n)], chunk, scale, h, policy,
+                                             window=5, kernel=3)
+        assert kept[0][h] == ref_kept, h
+        torch.testing.assert_close(out[0, h * groups:(h + 1) * groups], ref_out.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", RULE_POLICIES)
+def test_every_policy_decodes_like_its_reference_rule(policy):
+    """A chunked prompt in one call, then one token per call (generate's pattern)."""
+    g = torch.Generator().manual_seed(11)
+    hq, hkv, n, d, heavy, recent, prompt = 6, 2, 36, 8, 5, 4, 20
+    q = torch.randn(1, hq, n, d, generator=g)
+    k = torch.randn(1, hkv, n, d, generator=g)
+    v = torch.randn(1, hkv, n, d, generator=g)
+    spec = "snapkv:window=6,kernel=3" if policy == "snapkv" else policy
+    cache = H2OCache(MODEL, policy=spec, heavy=heavy, recent=recent, chunk_size=4)
+    layer = cache.layers[0]
+    outs = []
+    for c0, c1 in [(0, prompt)] + [(t, t + 1) for t in range(prompt, n)]:
+        sl = slice(c0, c1)
+        layer.update(k[:, :, sl], v[:, :, sl])
+        outs.append(layer.attend(q[:, :, sl], k[:, :, sl], v[:, :, sl], None, d**-0.5).transpose(1, 2))
+        total = sum(split(policy, heavy, recent))
+        assert int(layer.valid.sum(-1).max()) <= total
+    out = torch.cat(outs, dim=2)
+    calls = [(0, prompt)] + [(t, t + 1) for t in range(prompt, n)]
+    for h in range(hkv):
+        ref_out, ref_kept = reference_policy(q[0], k[0], v[0], heavy, recent, calls, 4, d**-0.5, h, policy,
+                                             window=6, kernel=3)
+        assert sorted(layer.ordinal[0, h][layer.valid[0, h]].tolist()) == ref_kept
+        torch.testing.assert_close(out[0, 3 * h:3 * (h + 1)], ref_out.float(), atol=1e-5, rtol=1e-5)
+
+
 def test_decode_steps_match_reference_and_never_readmit():
     """Prompt then one token per call, like generate: same kept sets as the reference; an
     evicted token never comes back; the last `recent` tokens are always kept."""
@@ -191,3 +324,32 @@ def test_scores_sum_to_queries_seen():
     total = layer.score.sum(-1)  # nothing evicted: all mass is still on the slots
     assert torch.allclose(total, torch.full_like(total, n * 3.0), atol=1e-4)
     assert math.isclose(float(layer.score[layer.valid].min() > 0), 1.0)
+
+
+def test_snapkv_window_reaches_earlier_chunks():
+    """A needle in the first of many chunks that only the prompt's last queries look at: snapkv
+    keeps it (its scores exist before the first chunk runs), h2o has evicted it long before, and
+    the prefill never holds more than budget + chunk slots."""
+    g = torch.Generator().manual_seed(5)
+    n, d, needle, window = 64, 8, 20, 4
+    # dims 0-3 carry the needle: no other key has them, only the question's queries ask for them;
+    # dims 4-7 make tokens 0-2 the heavy hitters every query looks at
+    k = torch.randn(1, 2, n, d, generator=g)
+    k[:, :, :, :4] = 0.0
+    k[:, :, needle, :4] = 3.0
+    k[:, :, :3, 4:] = 2.0
+    q = torch.randn(1, 2, n, d, generator=g)
+    q[:, :, :, :4] = 0.0
+    q[:, :, n - window:, :4] = 3.0
+    q[:, :, :, 4:] = 1.0
+    v = torch.randn(1, 2, n, d, generator=g)
+    kept = {}
+    for policy in ("snapkv:window=4,kernel=1", "h2o"):
+        cache = H2OCache(MODEL, policy=policy, heavy=3, recent=4, chunk_size=8)
+        layer = cache.layers[0]
+        layer.update(k, v)
+        layer.attend(q, k, v, None, d**-0.5)
+        kept[policy] = [set(layer.ordinal[0, h][layer.valid[0, h]].tolist()) for h in range(2)]
+        assert layer.peak_capacity <= 3 + 4 + 8
+    assert all(needle in heads for heads in kept["snapkv:window=4,kernel=1"])
+    assert not any(needle in heads for heads in kept["h2o"])

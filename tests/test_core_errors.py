@@ -19,6 +19,14 @@ from h2okv import H2OCache, H2OError
         ({"policy": "nope"}, "unknown policy"),
         ({"policy": "full", "heavy": 4, "recent": 4}, "keeps every token"),
         ({"policy": "h2o", "heavy": 4, "recent": 4, "chunk_size": 0}, "chunk_size"),
+        ({"policy": "snapkv:window=0"}, "window must be >= 1"),
+        ({"policy": "snapkv:-3"}, "window must be >= 1"),
+        ({"policy": "snapkv:kernel=4"}, "odd number"),
+        ({"policy": "snapkv:window=abc"}, "is not a int"),
+        ({"policy": "snapkv:size=3"}, "has no option 'size'"),
+        ({"policy": "h2o:window=3"}, "has no option 'window'"),
+        ({"policy": "tova", "heavy": 0, "recent": 5}, "heavy > 0"),
+        ({"policy": "h2o-mean", "heavy_ratio": 0.1, "recent_ratio": 0.0}, "(0, 1]"),
     ],
 )
 def test_bad_settings(llama, kwargs, message):

@@ -29,7 +29,10 @@ def test_exact_when_budget_covers_everything(arch_model, chunk):
     assert cache.get_seq_length() == 30 + 12 - 1
 
 
-@pytest.mark.parametrize("policy", ["full", "local", "sink", "random"])
+NEW_POLICIES = ["tova", "h2o-sink", "h2o-mean", "snapkv"]
+
+
+@pytest.mark.parametrize("policy", ["full", "local", "sink", "random", *NEW_POLICIES])
 def test_other_policies_exact_without_eviction(llama, policy):
     ids = random_ids(25)
     ref_tokens, ref_logits = greedy_with_scores(llama, ids)
@@ -48,11 +51,12 @@ def test_model_still_works_without_h2o_cache(llama):
     llama.generate(ids, max_new_tokens=3, pad_token_id=0)  # plain generation still fine
 
 
-@pytest.mark.parametrize("arch", ["llama", "opt", "gpt_neox"])
-def test_budget_respected_every_step(arch):
+@pytest.mark.parametrize("arch, policy", [("llama", "h2o"), ("opt", "h2o"), ("gpt_neox", "h2o"),
+                                          *[("qwen2", p) for p in NEW_POLICIES]])
+def test_budget_respected_every_step(arch, policy):
     model = tiny_model(arch)
     ids = random_ids(40, batch=2)
-    cache = H2OCache(model, policy="h2o", heavy=5, recent=3, chunk_size=16)
+    cache = H2OCache(model, policy=policy, heavy=5, recent=3, chunk_size=16)
     watch = BudgetWatch(cache)
     model.generate(ids, past_key_values=cache, max_new_tokens=20, min_new_tokens=20, do_sample=False,
                    logits_processor=LogitsProcessorList([watch]), pad_token_id=0)
@@ -119,16 +123,17 @@ def left_pad(seqs, pad=0):
     [{"heavy": 4, "recent": 3}, {"heavy_ratio": 0.2, "recent_ratio": 0.2}],
     ids=["absolute", "ratio"],
 )
-@pytest.mark.parametrize("chunk", [1, 8, 512])
-def test_batch_equals_single(llama, budget, chunk):
+@pytest.mark.parametrize("chunk, policy", [(1, "h2o"), (8, "h2o"), (512, "h2o"),
+                                           *[(8, p) for p in NEW_POLICIES], (512, "snapkv")])
+def test_batch_equals_single(llama, budget, chunk, policy):
     """Left-padded batch of different lengths: each row equals its batch-of-one run."""
     lengths = [30, 17, 24]
     seqs = [random_ids(n, seed=10 + i)[0].tolist() for i, n in enumerate(lengths)]
     ids, mask = left_pad(seqs)
-    cache = H2OCache(llama, policy="h2o", chunk_size=chunk, **budget)
+    cache = H2OCache(llama, policy=policy, chunk_size=chunk, **budget)
     tokens, logits = greedy_with_scores(llama, ids, cache, attention_mask=mask, steps=15)
     for i, s in enumerate(seqs):
-        single = H2OCache(llama, policy="h2o", chunk_size=chunk, **budget)
+        single = H2OCache(llama, policy=policy, chunk_size=chunk, **budget)
         ref_tokens, ref_logits = greedy_with_scores(llama, torch.tensor([s]), single, steps=15)
         assert tokens[i, ids.shape[1]:].tolist() == ref_tokens[0, len(s):].tolist()
         torch.testing.assert_close(logits[i], ref_logits[0], atol=1e-4, rtol=0)
@@ -168,11 +173,13 @@ def test_bfloat16_runs_within_budget():
     assert max(cache.stats()["slots"]) == 8
 
 
-def test_kv_heads_never_expanded():
+@pytest.mark.parametrize("policy", ["h2o", *NEW_POLICIES])
+def test_kv_heads_never_expanded(policy):
     model = tiny_model("llama")  # 4 query heads, 2 KV heads
-    cache = H2OCache(model, policy="h2o", heavy=3, recent=3)
-    model(random_ids(20), past_key_values=cache)
+    cache = H2OCache(model, policy=policy, heavy=3, recent=3)
+    model.generate(random_ids(20), past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert cache.layers[0].keys.shape[1] == 2
+    assert max(cache.stats()["slots"]) == 6
 
 
 def test_beam_and_batch_reordering(llama):
