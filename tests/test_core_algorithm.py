@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from h2okv import H2OCache
-from h2okv.testing import tiny_model
+from h2okv.testing import random_ids, tiny_model
 
 MODEL = tiny_model("llama")
 
@@ -353,3 +353,32 @@ def test_snapkv_window_reaches_earlier_chunks():
         assert layer.peak_capacity <= 3 + 4 + 8
     assert all(needle in heads for heads in kept["snapkv:window=4,kernel=1"])
     assert not any(needle in heads for heads in kept["h2o"])
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova", "h2o-sink", "h2o-mean", "snapkv", "local", "sink"])
+def test_token_scan_equals_slot_by_slot_steps(policy, monkeypatch):
+    """Per-token eviction over whole calls (core/scan.py) against the same calls run slot by slot
+    (chunk_step per token): same logits and kept tokens, through a second call that starts with
+    live old slots inside the recent window, and decode steps after it."""
+    import h2okv.core.layer as layer_mod
+
+    model = tiny_model("qwen2")  # GQA: 4 query heads on 2 KV heads
+    ids = random_ids(40, batch=2, seed=3)
+
+    def run(scan):
+        monkeypatch.setattr(layer_mod, "can_scan", layer_mod.can_scan if scan else (lambda *a: False))
+        cache = H2OCache(model, policy=policy, heavy=6, recent=5, chunk_size=1)
+        logits = [model(ids[:, :25], past_key_values=cache).logits,
+                  model(ids[:, 25:36], past_key_values=cache).logits]
+        for t in range(36, 40):
+            logits.append(model(ids[:, t:t + 1], past_key_values=cache).logits)
+        kept = [[sorted(layer.ordinal[r, h][layer.valid[r, h]].tolist()) for r in range(2) for h in range(2)]
+                for layer in cache.layers]
+        return torch.cat(logits, dim=1), kept, cache
+
+    fast_logits, fast_kept, fast_cache = run(True)
+    slow_logits, slow_kept, _ = run(False)
+    torch.testing.assert_close(fast_logits, slow_logits, atol=1e-5, rtol=1e-5)
+    assert fast_kept == slow_kept
+    assert max(fast_cache.stats()["slots"]) == 11
+    assert max(fast_cache.stats()["capacity"]) == 12

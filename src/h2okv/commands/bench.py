@@ -73,6 +73,11 @@ def register(sub) -> None:
     p.add_argument("--threads", default="auto",
                    help="torch CPU threads, or 'auto' (default): one per core, but 1 when other jobs already load every core")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--policies", default=None, metavar="LIST",
+                   help="instead of the grid: decode step of each policy vs the same-size reference, and per-token "
+                   "scoring vs a plain forward (e.g. h2o,tova,h2o-sink,h2o-mean,snapkv)")
+    p.add_argument("--scoring-tokens", type=positive_int, default=2048, help="tokens of the --policies scoring pass (default 2048)")
+    p.add_argument("--scoring-repeats", type=positive_int, default=1, help="passes per policy in the --policies scoring study (default 1)")
     p.add_argument("--serve", nargs=argparse.REMAINDER, default=None, metavar="SERVE_BENCH_ARGS",
                    help="instead: the serving load generator (h2okv.serve.loadgen) with the `serve-bench` "
                    "arguments that follow, e.g. --serve --kv-memory 2GiB --policies full,h2o")
@@ -161,11 +166,51 @@ def run_serve(args) -> int:
     return int(importlib.import_module("h2okv.serve.loadgen").run(serve_args) or 0)
 
 
+def run_policies(args) -> int:
+    """The --policies study (``bench/policy_speed.py``)."""
+    from tqdm.auto import tqdm
+
+    from ..bench.policy_speed import decode_costs, markdown, scoring_costs
+    from ..bench.runner import prompt_ids
+    from ..eval.args import parse_policies
+
+    policies = [p for p in parse_policies(args.policies) if p != "full"]
+    context = (args.context or [2048])[0]
+    steps = args.steps or 32
+    if not 0.0 < args.budget < 1.0:
+        raise H2OError(f"--budget must be in (0, 1), got {args.budget}")
+    threads, why = choose_threads(args.threads, args.device)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    model, tokenizer = load_bench_model(args.model, args.device, args.dtype)
+    vocab = model.config.get_text_config().vocab_size
+    ids = prompt_ids(tokenizer, args.play, max(context, args.scoring_tokens), vocab).to(model.device)
+    units = (len(policies) + 1) * args.scoring_repeats
+    with tqdm(total=units, desc="scoring", unit="pass", disable=args.no_progress) as bar:
+        scoring = scoring_costs(model, ids[:, :args.scoring_tokens], policies, args.budget, args.scoring_repeats, bar)
+    decode = decode_costs(model, tokenizer, policies, context, args.budget, steps)
+    result = {"context": context, "budget": args.budget, "steps": steps, "scoring_tokens": args.scoring_tokens,
+              "threads": why, "decode": decode, "scoring": scoring,
+              "arguments": {k: v for k, v in vars(args).items() if k != "func"}}
+    report = markdown(result)
+    print(report)
+    json_path = Path(args.json)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    json_path.with_suffix(".md").write_text(report)
+    print(f"wrote {json_path}, {json_path.with_suffix('.md')}")
+    return 0
+
+
 def run(args) -> int:
     if args.serve is not None:
         return run_serve(args)
     if not args.json:
         raise H2OError("give --json PATH for the result")
+    if args.policies:
+        return run_policies(args)
     cfg = config_from_args(args)
     cfg.validate()  # bad settings fail before the (slow) model load
     from ..bench import run_bench

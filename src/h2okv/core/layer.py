@@ -16,6 +16,7 @@ from transformers.cache_utils import CacheLayerMixin
 from ..errors import H2OError
 from ..pending import PENDING
 from .decode import check_at_budget, decode_step
+from .scan import can_scan, token_scan
 from .step import chunk_step
 from .storage import SlotStorage
 
@@ -154,6 +155,11 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
             value_new = value_new.gather(2, order[:, None, :, None].expand_as(value_new))
 
         chunk = owner.chunk_size if q_len > 1 else 1
+        if chunk == 1 and q_len > 1 and can_scan(self, nonpad, sliding_window):
+            # per-token eviction over the whole call: the logits at once, the recurrence per token
+            out = token_scan(self, query, key_new, value_new, scaling)
+            self.fast = check_at_budget(self)
+            return out.transpose(1, 2).contiguous()
         init = self._prefill_scores(query, key_new, nonpad, scaling) if q_len > 1 and chunk > 1 else None
         outputs = []
         for start in range(0, q_len, chunk):

@@ -48,6 +48,9 @@ class Policy:
     sink_tokens: int = 0
     #: which queries of a chunk add to the scores: "all" real queries, or only each row's "last"
     score_queries: str = "all"
+    #: whether ``eviction_key`` depends only on its arguments (not on how many calls came before
+    #: or the buffer's shape), so the per-token scan (``core/scan.py``) may rank keys in its own layout
+    scan_safe: bool = True
     #: the options ``make_policy`` accepts for this policy (name -> type)
     options: dict[str, type] = {}
 

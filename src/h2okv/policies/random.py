@@ -7,6 +7,7 @@ from .base import Policy
 
 class RandomPolicy(Policy):
     name = "random"
+    scan_safe = False  # its draws follow the buffer's shape: keep the slot-by-slot path
 
     def __init__(self, seed: int = 0, **options):
         super().__init__(seed, **options)

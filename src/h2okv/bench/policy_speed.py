@@ -1,0 +1,105 @@
+"""``h2okv bench --policies ...``: what each eviction policy costs, against baselines timed in the same run.
+
+- decode: one prompt of ``context`` tokens per policy at the budget, then interleaved one-token
+  steps (``Bench.decode``); each policy's median step over the ``reference`` step (a plain
+  ``DynamicCache`` holding the same number of tokens, no bookkeeping).
+- scoring: a teacher-forced pass over ``scoring_tokens`` tokens with per-token eviction
+  (``chunk_size=1``, what ``eval ppl`` and log-likelihoods use) over a plain forward pass
+  (``DynamicCache``, SDPA) of the same tokens, alternating so machine drift hits both alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache
+
+from ..core import H2OCache
+from ..eval.scoring import make_cache
+from ..policies import policy_class
+from .runner import Bench, BenchConfig
+
+
+class PolicyBench(Bench):
+    """``Bench`` whose evicting caches use any policy name (``reference`` and ``full`` stay plain)."""
+
+    def _new_cache(self, policy: str):
+        if policy in ("full", "reference"):
+            return DynamicCache(config=self.model.config)
+        r = self.cfg.ratio
+        return H2OCache(self.model, policy=policy, heavy_ratio=r, recent_ratio=r, chunk_size=self.cfg.chunk_size)
+
+
+def decode_costs(model, tokenizer, policies: list[str], context: int, budget: float, steps: int, progress=None) -> dict:
+    cfg = BenchConfig(batches=[1], contexts=[context], memory_contexts=[], budget=budget, steps=steps)
+    bench = PolicyBench(model, tokenizer, cfg, progress=progress)
+    names = [*policies, "reference"]
+    bench.warm_up()
+    prefilled = {}
+    for policy in names:
+        pre = bench.prefill(policy, context)
+        if isinstance(pre.cache, H2OCache):
+            pre.kept_tokens = max(pre.cache.budget())
+        prefilled[policy] = pre
+    stats = bench.decode(prefilled, dict.fromkeys(names, 1), steps)
+    ref = stats["reference"]
+    return {
+        p: {**stats[p], "vs_reference_step": stats[p]["decode_step_ms"] / ref["decode_step_ms"],
+            "vs_reference_step_cpu": stats[p]["decode_step_cpu_ms"] / ref["decode_step_cpu_ms"],
+            "kept_tokens": prefilled[p].kept_tokens}
+        for p in names
+    }
+
+
+def scoring_costs(model, ids: torch.Tensor, policies: list[str], budget: float, repeats: int = 1, progress=None) -> dict:
+    """Seconds of a per-token-eviction pass per policy and of a plain forward, and their ratio."""
+    def plain():
+        model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
+
+    def scored(policy):
+        def run():
+            model(ids, past_key_values=make_cache(model, policy, budget if policy_class(policy).evicts else None),
+                  use_cache=True)
+        return run
+
+    runs = {"plain": plain, **{p: scored(p) for p in policies}}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    with torch.inference_mode():
+        plain()  # warm-up: thread pools, allocator
+        for r in range(repeats):
+            order = list(runs)[r % len(runs):] + list(runs)[:r % len(runs)]
+            for name in order:
+                start = time.perf_counter()
+                runs[name]()
+                times[name].append(time.perf_counter() - start)
+                if progress is not None:
+                    progress.update(1)
+    base = statistics.median(times["plain"])
+    return {name: {"seconds": statistics.median(t), "seconds_all": t, "vs_plain_forward": statistics.median(t) / base}
+            for name, t in times.items()}
+
+
+def markdown(result: dict) -> str:
+    d, s = result["decode"], result["scoring"]
+    lines = [
+        f"Decode step, context {result['context']}, budget {result['budget']:g}, batch 1, "
+        f"{result['steps']} interleaved steps (median):",
+        "",
+        "| policy | kept tokens | step ms | step CPU ms | / reference step | / reference (CPU) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for p, r in d.items():
+        lines.append(f"| {p} | {r['kept_tokens']} | {r['decode_step_ms']:.2f} | {r['decode_step_cpu_ms']:.2f} | "
+                     f"{r['vs_reference_step']:.3f} | {r['vs_reference_step_cpu']:.3f} |")
+    lines += [
+        "",
+        f"Per-token scoring (chunk_size=1) over {result['scoring_tokens']} tokens, budget {result['budget']:g}:",
+        "",
+        "| pass | seconds | / plain forward |",
+        "| --- | --- | --- |",
+    ]
+    for p, r in s.items():
+        lines.append(f"| {p} | {r['seconds']:.2f} | {r['vs_plain_forward']:.3f} |")
+    return "\n".join(lines) + "\n"

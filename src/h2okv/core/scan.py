@@ -1,0 +1,151 @@
+"""Per-token eviction over a whole forward call in one pass: the cheap recurrence only.
+
+With ``chunk_size=1`` (``eval ppl``, log-likelihoods) every token is a step: attend over the live
+set, add the mass to the scores, evict one. Done as ``chunk_step`` calls that is ~30 tensor ops
+per token and layer, most of them bookkeeping. But within one call every key is known up front,
+so this module computes the logits of a block of queries against all keys at once
+(``[B, Hkv, g, block, keys]``, blocks bound the memory), runs only the recurrence per token
+(``scan_block``: mask the row by the live set, softmax, fold the mass into the scores, pick the
+victim: ~12 small ops), and multiplies probabilities by values once per block. ``scan_block`` is
+a pure function of tensors so a fused kernel can replace it.
+
+Keys are indexed ``[old slots..., new tokens...]``; ``bias`` is 0 for live keys and -inf else,
+``shield`` is 0 for eviction candidates and +inf for protected or free keys. It produces the same
+kept sets and outputs as ``chunk_step`` with ``m = 1`` (tested); slot order differs afterwards,
+which no result depends on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# bytes of float32 logits one query block may take, and its most queries: a block's logits span
+# every key up to its last query, so small blocks waste little on keys that are not written yet
+BLOCK_BYTES = 64 * 2**20
+BLOCK_QUERIES = 128
+
+
+@dataclass
+class ScanState:
+    """What the recurrence carries from token to token (all ``[B, Hkv, keys]``)."""
+
+    bias: torch.Tensor  # float32: 0 live, -inf free or not yet written
+    shield: torch.Tensor  # float32: 0 candidate, +inf protected (recent, sink) or free
+    score: torch.Tensor  # float32: the policy's per-key score
+    ordinal: torch.Tensor  # long: the key's ordinal among its sequence's real tokens
+
+
+@dataclass
+class ScanPlan:
+    """Per-token constants of one call: where new tokens sit, when they leave the recent window."""
+
+    first_new: int  # index of new token 0 among the keys (= old capacity)
+    n0: int  # real tokens seen before the call (the same in every row)
+    recent: int
+    evict_from: int  # the first step that evicts (the row is at its budget after it writes)
+    release: torch.Tensor  # [B, n] float32: shield value once new token j leaves the recent window
+    release_old: torch.Tensor | None  # [B, Hkv, old] ordinals of old live non-sink slots (else -1)
+
+
+def scan_block(probs: torch.Tensor, state: ScanState, plan: ScanPlan, start: int, policy, layer_idx: int) -> None:
+    """Run tokens ``start .. start + block - 1``: ``probs`` ``[B, Hkv, g, block, keys]`` holds their
+    scaled logits on entry and their attention probabilities on return; ``state`` is advanced."""
+    bias, shield, score = state.bias, state.shield, state.score
+    evicts = policy.evicts
+    # n_real after token i, as the [B, 1, 1]-broadcastable tensor the policy's key expects
+    n_real = (plan.n0 + 1 + torch.arange(start, start + probs.shape[3], device=bias.device)).view(-1, 1, 1, 1)
+    for t in range(probs.shape[3]):
+        i = start + t
+        key_i = plan.first_new + i
+        bias[:, :, key_i] = 0.0  # write token i
+        j = i - plan.recent  # the new token that leaves the recent window now
+        if j >= 0:
+            shield[:, :, plan.first_new + j] = plan.release[:, None, j]
+        elif plan.release_old is not None:
+            shield[:, :, : plan.first_new].masked_fill_(plan.release_old == plan.n0 + j, 0.0)
+        row = probs[:, :, :, t, :]
+        row += bias[:, :, None, :]
+        p = torch.softmax(row, dim=-1)
+        row.copy_(p)
+        if policy.needs_scores:
+            policy.accumulate(score, p.sum(dim=2))
+        if evicts and i >= plan.evict_from:
+            key = policy.eviction_key(score, state.ordinal, n_real[t], layer_idx) + shield
+            victim = key.argmin(dim=-1, keepdim=True)
+            bias.scatter_(-1, victim, -math.inf)
+            shield.scatter_(-1, victim, math.inf)
+
+
+def can_scan(layer, nonpad, sliding_window) -> bool:
+    """The scan covers calls of real tokens only, rows alike (same budget and live count)."""
+    policy = layer.owner.policy
+    if nonpad is not None or sliding_window is not None or not policy.scan_safe:
+        return False
+    if not policy.evicts:
+        return False
+    live = layer.valid.sum(-1)
+    budget = layer.heavy + layer.recent
+    return bool((live == live.flatten()[0]).all()) and bool((budget == budget[0]).all()) \
+        and bool((layer.n_real == layer.n_real[0]).all()) and bool((layer.sinks == layer.sinks[0]).all())
+
+
+def token_scan(layer, query, key_new, value_new, scaling) -> torch.Tensor:
+    """Per-token eviction over a whole call (see the module docstring); returns ``[B, Hq, n, Dv]``."""
+    policy = layer.owner.policy
+    b, hq, n, d = query.shape
+    hkv, cap = key_new.shape[1], layer.capacity
+    g = hq // hkv
+    device = layer.device
+    keys = torch.cat([layer.keys, key_new], dim=2)
+    values = torch.cat([layer.values, value_new], dim=2)
+    total = cap + n
+    n0 = int(layer.n_real[0])
+    recent, sinks = int(layer.recent[0]), int(layer.sinks[0])
+    budget = int(layer.heavy[0]) + recent
+    live0 = int(layer.valid[0, 0].sum())
+
+    old_ord = layer.ordinal
+    new_ord = (n0 + torch.arange(n, device=device)).expand(b, hkv, n)
+    ordinal = torch.cat([old_ord, new_ord], dim=2)
+    bias = torch.full((b, hkv, total), -math.inf, device=device)
+    bias[:, :, :cap].masked_fill_(layer.valid, 0.0)
+    shield = torch.full((b, hkv, total), math.inf, device=device)
+    old_free = layer.valid & (old_ord < n0 - recent) & (old_ord >= sinks)
+    shield[:, :, :cap].masked_fill_(old_free, 0.0)
+    release_old = None
+    if cap and bool((layer.valid & (old_ord >= n0 - recent)).any()):
+        release_old = torch.where(layer.valid & (old_ord >= sinks), old_ord, -1)
+    release = torch.where(n0 + torch.arange(n, device=device) >= sinks, 0.0, math.inf).expand(b, n)
+    score = torch.cat([layer.score, torch.zeros(b, hkv, n, device=device)], dim=2)
+    plan = ScanPlan(cap, n0, recent, budget - live0, release, release_old)
+
+    packed = query.reshape(b, hkv, g, n, d)
+    block = max(1, min(n, BLOCK_QUERIES, BLOCK_BYTES // max(1, 4 * b * hq * total)))
+    outs = []
+    for start in range(0, n, block):
+        stop = min(start + block, n)
+        width = cap + stop  # later keys are not written yet
+        logits = torch.matmul(packed[:, :, :, start:stop], keys[:, :, None, :width].transpose(-1, -2))
+        logits = logits.float() if logits.dtype != torch.float32 else logits
+        logits.mul_(scaling)
+        sub = ScanState(bias[..., :width], shield[..., :width], score[..., :width], ordinal[..., :width])
+        scan_block(logits, sub, plan, start, policy, layer.layer_idx)
+        probs = logits if logits.dtype == values.dtype else logits.to(values.dtype)
+        outs.append(torch.matmul(probs, values[:, :, None, :width]))  # [B, Hkv, g, blk, Dv]
+    out = torch.cat(outs, dim=3).reshape(b, hq, n, values.shape[-1])
+
+    # back into slots: the live keys first, the buffer cut to what decode needs
+    valid = bias == 0
+    capacity = min(total, int(layer.max_budget) + 1)
+    order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)[..., :capacity]
+    layer.keys = keys.gather(2, order[..., None].expand(-1, -1, -1, d))
+    layer.values = values.gather(2, order[..., None].expand(-1, -1, -1, values.shape[-1]))
+    layer.score = score.gather(2, order)
+    layer.ordinal = ordinal.gather(2, order)
+    layer.valid = valid.gather(2, order)
+    layer.n_real = layer.n_real + n
+    layer.peak_capacity = max(layer.peak_capacity, total)
+    return out
