@@ -206,3 +206,21 @@ def test_quick_bench_on_default_model(tmp_path):
     summary = json.dumps(result)
     for ratio in ("h2o_vs_full_throughput", "h2o_vs_reference_step", "h2o_vs_full_kv_bytes", "h2o_vs_full_prefill"):
         assert ratio in summary
+
+
+def test_policy_study_on_a_tiny_model(tmp_path, capsys):
+    """bench --policies: every policy's decode step against the same-size reference, and per-token
+    scoring against a plain forward, all timed in one run."""
+    out = tmp_path / "p.json"
+    assert main(["bench", "--model", "tiny:llama", "--policies", "h2o,tova,snapkv:8", "--context", "64",
+                 "--steps", "3", "--scoring-tokens", "48", "--no-progress", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["decode"]) == {"h2o", "tova", "snapkv:8", "reference"}
+    assert set(result["scoring"]) == {"plain", "h2o", "tova", "snapkv:8"}
+    assert result["decode"]["reference"]["vs_reference_step"] == 1.0
+    assert all(r["kept_tokens"] == 12 for r in result["decode"].values())  # 20% of 64, as the reference
+    assert result["scoring"]["plain"]["vs_plain_forward"] == 1.0
+    assert all(r["seconds"] > 0 for r in result["scoring"].values())
+    assert "/ reference step" in out.with_suffix(".md").read_text()
+    assert main(["bench", "--model", "tiny:llama", "--policies", "h2o,nope", "--json", str(out)]) == 2
+    assert "unknown policy 'nope'" in capsys.readouterr().err

@@ -34,7 +34,7 @@ def test_perplexity_matches_hand_computation():
 
 # "random" too: each layer draws from its own seeded stream, so the order in which a forward
 # interleaves layers does not change which slots it picks
-@pytest.mark.parametrize("policy", ["h2o", "local", "sink", "random"])
+@pytest.mark.parametrize("policy", ["h2o", "local", "sink", "random", "tova", "h2o-sink", "h2o-mean", "snapkv"])
 def test_one_forward_with_chunk_1_equals_token_by_token_decode(llama, policy):
     """The streaming pass is exactly Algorithm 1: same logits as feeding one token at a time."""
     n, budget = 40, 0.3
@@ -110,6 +110,8 @@ def test_parse_budgets_sorted_unique():
     "argv, message",
     [
         (["--policies", "h2o,bogus"], "unknown policy 'bogus'"),
+        (["--policies", "h2o,snapkv:window=0"], "snapkv window must be >= 1"),
+        (["--policies", "snapkv:span=3"], "has no option 'span'"),
         (["--budgets", "2"], "budget 2 must be a fraction"),
         (["--text", "/nonexistent/file.txt"], "text file not found"),
         (["--corpus", "gutenberg:x"], "--corpus must look like shakespeare:NAME"),
@@ -137,11 +139,12 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     text = tmp_path / "t.txt"
     text.write_text("To be, or not to be, that is the question. " * 10)
     out_json, out_png = tmp_path / "r.json", tmp_path / "p.png"
-    argv = ["eval", "ppl", "--text", str(text), "--tokens", "64", "--segments", "2", "--policies", "full,h2o,sink",
+    argv = ["eval", "ppl", "--text", str(text), "--tokens", "64", "--segments", "2", "--policies", "full,h2o,sink,snapkv:16",
             "--budgets", "0.25,0.5", "--json", str(out_json), "--plot", str(out_png)]
     assert main(argv) == 0
     rows = json.loads(out_json.read_text())
-    assert [(r["policy"], r["budget"]) for r in rows] == [("full", 1.0), ("h2o", 0.25), ("h2o", 0.5), ("sink", 0.25), ("sink", 0.5)]
+    assert [(r["policy"], r["budget"]) for r in rows] == [("full", 1.0), ("h2o", 0.25), ("h2o", 0.5), ("sink", 0.25),
+                                                          ("sink", 0.5), ("snapkv:16", 0.25), ("snapkv:16", 0.5)]
     assert {"policy", "budget", "tokens", "ppl", "ppl_ratio_to_full"} <= set(rows[0])
     assert out_png.read_bytes()[:4] == b"\x89PNG"
     table = capsys.readouterr().out
