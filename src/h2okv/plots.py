@@ -17,6 +17,10 @@ POLICY_COLORS = {
     "local": "tab:blue",
     "sink": "tab:green",
     "random": "tab:gray",
+    "tova": "tab:purple",
+    "h2o-sink": "tab:orange",
+    "h2o-mean": "tab:olive",
+    "snapkv": "tab:brown",
 }
 
 
@@ -52,7 +56,7 @@ def save_figure(fig, path: str | Path, dpi: int = 130) -> Path:
 
 
 def policy_color(policy: str) -> str | None:
-    return POLICY_COLORS.get(policy)
+    return POLICY_COLORS.get(policy.partition(":")[0])  # snapkv:window=16 is still snapkv
 
 
 def annotated_heatmap(ax, values, row_labels, col_labels, vmin=0.0, vmax=1.0, fmt="{:.0%}", cmap="RdYlGn", notes=None):
