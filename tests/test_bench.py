@@ -219,7 +219,7 @@ def test_policy_study_on_a_tiny_model(tmp_path, capsys):
     assert set(result["scoring"]) == {"plain", "h2o", "tova", "snapkv:8"}
     assert result["decode"]["reference"]["vs_reference_step"] == 1.0
     assert all(r["kept_tokens"] == 12 for r in result["decode"].values())  # 20% of 64, as the reference
-    assert result["scoring"]["plain"]["vs_plain_forward"] == 1.0
+    assert result["scoring"]["plain"]["vs_plain_forward"] == result["scoring"]["plain"]["vs_plain_forward_cpu"] == 1.0
     assert all(r["seconds"] > 0 for r in result["scoring"].values())
     assert "/ reference step" in out.with_suffix(".md").read_text()
     assert main(["bench", "--model", "tiny:llama", "--policies", "h2o,nope", "--json", str(out)]) == 2
