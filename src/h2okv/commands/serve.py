@@ -3,13 +3,39 @@ one run per policy at the same KV memory)."""
 
 from __future__ import annotations
 
+import os
+
 from ..errors import H2OError
 from .common import add_budget_args, add_model_args, budget_from_args, check_policy, positive_int
+
+API_KEY_ENV = "H2OKV_API_KEY"
 
 
 def _add_max_batch(p, default: int) -> None:
     p.add_argument("--max-batch", type=positive_int, default=default,
                    help=f"most requests running at once (default: {default})")
+
+
+def _add_schedule(p) -> None:
+    p.add_argument("--schedule", choices=["budget", "serial"], default="budget",
+                   help="prefill scheduling: 'budget' advances several prompts per engine step, round-robin, "
+                        "up to --step-tokens prompt tokens; 'serial' runs one chunk of the oldest prompt per "
+                        "step (the original behaviour) (default: budget)")
+    p.add_argument("--step-tokens", type=positive_int, default=512,
+                   help="prompt tokens one engine step may prefill with --schedule budget: the most a decoding "
+                        "request waits between two tokens, in prefill work (default: 512)")
+
+
+def positive_float(text: str) -> float:
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
 
 
 def register(sub) -> None:
@@ -23,7 +49,18 @@ def register(sub) -> None:
                    help="KV-cache bytes for all running requests, e.g. 512M (default: no limit)")
     p.add_argument("--max-queue", type=int, default=256, help="requests that may wait; more get HTTP 429")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on every route but /health (default: the "
+                        f"{API_KEY_ENV} environment variable; neither: no key)")
+    p.add_argument("--request-timeout", type=positive_float, default=None,
+                   help="seconds a request may take from arrival; then it ends with finish_reason 'timeout' "
+                        "and the text so far (default: none)")
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=None,
+                   help="longer prompts get HTTP 400 (default: the model's context length - 1)")
+    p.add_argument("--drain-timeout", type=positive_float, default=30.0,
+                   help="on SIGTERM, seconds running requests get to finish before they are ended (default: 30)")
     _add_max_batch(p, 32)
+    _add_schedule(p)
     # a prefill chunk runs between two decode steps of everyone else: keep it short
     chunk = next(a for a in p._actions if a.dest == "chunk_size")
     chunk.default, chunk.help = 128, "prefill chunk length: one chunk per engine step (default: 128)"
@@ -43,6 +80,13 @@ def register(sub) -> None:
     b.add_argument("--prompt-tokens", type=positive_int, default=256)
     b.add_argument("--max-tokens", type=positive_int, default=32)
     b.add_argument("--json", default=None, help="write the results here")
+    b.add_argument("--schedules", default="budget",
+                   help="comma-separated prefill schedules to run for every policy: budget, serial (default: budget)")
+    b.add_argument("--step-tokens", type=positive_int, default=512,
+                   help="prompt tokens per engine step with the budget schedule (default: 512)")
+    b.add_argument("--arrival-rate", type=positive_float, default=None,
+                   help="Poisson arrivals at this many requests/s (default: all at once, --concurrency in flight)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the arrival times (default: 0)")
     _add_max_batch(b, 64)
     b.set_defaults(func=run_bench)
 
@@ -59,11 +103,15 @@ def run_serve(args) -> int:
         raise H2OError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 < args.port < 65536:
         raise H2OError(f"--port must be in 1..65535, got {args.port}")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if api_key is not None and not api_key.strip():
+        raise H2OError(f"--api-key / {API_KEY_ENV} must not be empty")
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     app = create_app(model, tokenizer, model_name=args.served_model_name or args.model or "smollm2",
                      eviction=eviction, kv_memory=kv_memory, max_batch=args.max_batch, max_queue=args.max_queue,
-                     prefill_chunk=args.chunk_size)
-    serve_forever(app, host=args.host, port=args.port, log_level=args.log_level)
+                     prefill_chunk=args.chunk_size, api_key=api_key, request_timeout=args.request_timeout,
+                     max_prompt_tokens=args.max_prompt_tokens, schedule=args.schedule, step_tokens=args.step_tokens)
+    serve_forever(app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout=args.drain_timeout)
     return 0
 
 
