@@ -33,9 +33,17 @@ class CompletionLogprobs:
         return {
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self.token_text(t): lp for t, lp in e.top} for e in entries],
+            "top_logprobs": [self._top(e) for e in entries],
             "text_offset": offsets,
         }
+
+
+    def _top(self, entry: TokenLogprob) -> dict[str, float]:
+        # keyed by text: tokens that decode alike (partial UTF-8) keep the likeliest one's logprob
+        top: dict[str, float] = {}
+        for token, logprob in entry.top:
+            top.setdefault(self.token_text(token), logprob)
+        return top
 
 
 def chat_logprobs(entries: list[TokenLogprob], token_text: Callable[[int], str]) -> dict:
