@@ -68,17 +68,21 @@ def register(sub) -> None:
 
     b = sub.add_parser("serve-bench", help="throughput and latency of `serve` per policy at the same KV memory")
     add_model_args(b)
-    b.add_argument("--kv-memory", required=True, help="KV-cache bytes shared by running requests, e.g. 64M")
+    b.add_argument("--profile", choices=["prefill-heavy", "decode-heavy"], default="prefill-heavy",
+                   help="workload whose settings fill the options not given: prefill-heavy (16 requests, "
+                        "256-token prompts, 64 new tokens, 30M) or decode-heavy (32 requests, 128-token prompts, "
+                        "1024 new tokens, heavy 64 + recent 64, 256M) (default: prefill-heavy)")
+    b.add_argument("--kv-memory", default=None, help="KV-cache bytes shared by running requests, e.g. 64M")
     b.add_argument("--policies", default="full,h2o", help="comma-separated policies to compare (default: full,h2o)")
     b.add_argument("--heavy", type=int, default=None, help="heavy-hitter slots (evicting policies)")
     b.add_argument("--recent", type=int, default=None, help="recent slots (evicting policies)")
     b.add_argument("--heavy-ratio", type=float, default=None, help="heavy slots as a fraction of the prompt")
     b.add_argument("--recent-ratio", type=float, default=None, help="recent slots as a fraction of the prompt")
     b.add_argument("--chunk-size", type=positive_int, default=128, help="prefill chunk length: one chunk per engine step (default: 128)")
-    b.add_argument("--requests", type=positive_int, default=24)
-    b.add_argument("--concurrency", type=positive_int, default=24, help="clients in flight at once")
-    b.add_argument("--prompt-tokens", type=positive_int, default=256)
-    b.add_argument("--max-tokens", type=positive_int, default=32)
+    b.add_argument("--requests", type=positive_int, default=None)
+    b.add_argument("--concurrency", type=positive_int, default=None, help="clients in flight at once")
+    b.add_argument("--prompt-tokens", type=positive_int, default=None)
+    b.add_argument("--max-tokens", type=positive_int, default=None)
     b.add_argument("--json", default=None, help="write the results here")
     b.add_argument("--schedules", default="budget",
                    help="comma-separated prefill schedules to run for every policy: budget, serial (default: budget)")

@@ -217,6 +217,7 @@ class Engine:
         self._draining = False
         self._busy = False
         self.stats = EngineStats()
+        self.queue_times: deque[float] = deque(maxlen=10_000)  # seconds waited by the latest admissions
 
     # -- client side (any thread) ----------------------------------------------------------------
     def decode(self, ids: list[int]) -> str:
@@ -401,7 +402,9 @@ class Engine:
                     break
                 self._waiting.popleft()
                 self._prefilling.append(seq)
-                self.observer.queued(time.monotonic() - seq.submitted)
+                waited = time.monotonic() - seq.submitted
+                self.queue_times.append(waited)
+                self.observer.queued(waited)
 
     def _fits(self, candidate: Sequence) -> bool:
         if self.kv_memory is None:
