@@ -394,11 +394,17 @@ class Engine:
             for batch in self._batches.values():
                 self._compact(batch)
 
+    def _prefill_slots(self) -> int:
+        """How many requests may prefill at once: as many as one step's budget advances (each holds a
+        prefill overshoot of KV memory, so admitting more would only cost memory)."""
+        return max(1, self.step_tokens // self.prefill_chunk) if self.schedule == "budget" else self.max_batch
+
     def _admit(self) -> None:
         with self._cond:
             while self._waiting:
                 seq = self._waiting[0]
-                if len(self._active()) >= self.max_batch or not self._fits(seq):
+                if len(self._active()) >= self.max_batch or len(self._prefilling) >= self._prefill_slots() \
+                        or not self._fits(seq):
                     break
                 self._waiting.popleft()
                 self._prefilling.append(seq)
