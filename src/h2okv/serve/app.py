@@ -76,6 +76,29 @@ class EvictionDefaults:
         return policy.name, heavy, recent
 
 
+class RequireAPIKey:
+    """ASGI middleware: every HTTP route but ``/health`` needs ``Authorization: Bearer <key>``.
+    (Plain ASGI rather than ``@app.middleware``: it must not wrap streaming bodies or disconnects.)"""
+
+    def __init__(self, app, api_key: str, on_refused=None):
+        self.app = app
+        self.expected = api_key.encode()
+        self.on_refused = on_refused or (lambda: None)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
+            return await self.app(scope, receive, send)
+        self.on_refused()
+        given = "a wrong API key" if token.strip() else "no API key"
+        error = APIError(401, f"this server needs an API key (Authorization: Bearer ...); the request gave {given}",
+                         code="invalid_api_key")
+        await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+
+
 def model_context_limit(model) -> int:
     config = model.config.get_text_config()
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
@@ -158,18 +181,7 @@ def create_app(
         return error_response(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"))
 
     if api_key:
-        expected = api_key.encode()
-
-        @app.middleware("http")
-        async def require_key(request: Request, call_next):
-            if request.url.path != "/health":
-                scheme, _, token = request.headers.get("authorization", "").partition(" ")
-                if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
-                    given = "a wrong API key" if token else "no API key"
-                    return error_response(APIError(
-                        401, f"this server needs an API key (Authorization: Bearer ...); the request gave {given}",
-                        code="invalid_api_key"))
-            return await call_next(request)
+        app.add_middleware(RequireAPIKey, api_key=api_key, on_refused=lambda: metrics.http_errors.labels("401").inc())
 
     # -- routes ----------------------------------------------------------------------------------
     @app.get("/health")
@@ -374,10 +386,8 @@ def create_app(
                         return
 
             pumps = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
-            try:
-                for _ in range(10**9):  # bounded: every handle ends with one final event
-                    if all(p.done() for p in pumps) and queue.empty():
-                        return
+            try:  # ends: every handle ends with one final event, which ends its pump
+                while not (all(p.done() for p in pumps) and queue.empty()):
                     yield await queue.get()
             finally:
                 for p in pumps:
