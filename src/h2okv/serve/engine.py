@@ -5,11 +5,11 @@
 2. admit waiting requests, in arrival order, while their KV reservation fits under ``kv_memory``
    (see ``memory.py``) and the batch has room;
 3. prefill: each request prefills alone, in chunks, in its own batch-1 ``H2OCache``. With
-   ``schedule="budget"`` (the default) the step spends up to ``step_tokens`` prompt tokens, one chunk
-   per prefilling request per round, round-robin, so several prompts advance in one step and a long
-   one never holds the others back; ``schedule="serial"`` runs one chunk of the oldest only (the
-   original behaviour, kept to compare). A finished prefill samples the first token and joins the
-   decode batch of its policy (``batch.py``);
+   ``schedule="budget"`` (the default) the step spends up to ``step_tokens`` prompt tokens on the
+   oldest prompts, one after another, so several prompts can finish in one step and a long prompt
+   holds the ones behind it for ``len / step_tokens`` steps rather than ``len / chunk``;
+   ``schedule="serial"`` runs one chunk of the oldest only (the original behaviour, kept to compare).
+   A finished prefill samples the first token and joins the decode batch of its policy (``batch.py``);
 4. one decode step for every decode batch: each row feeds its last token at its own position. A
    decode row therefore waits at most one step's prefill budget between two tokens.
 
@@ -330,7 +330,7 @@ class Engine:
         if self._schedule_serial():
             self._prefill_step(self._prefilling[0])
         elif self._prefilling:
-            self._prefill_round_robin()
+            self._prefill_budget()
         decoded = 0
         for batch in list(self._batches.values()):
             if len(batch):
@@ -359,24 +359,21 @@ class Engine:
     def _schedule_serial(self) -> bool:
         return self.schedule == "serial" and bool(self._prefilling)
 
-    def _prefill_round_robin(self) -> None:
-        """Up to ``step_tokens`` prompt tokens this step: one chunk per prefilling request per round,
-        oldest first, until the budget or the prompts run out (always at least one chunk)."""
-        budget = self.step_tokens
+    def _prefill_budget(self) -> None:
+        """Up to ``step_tokens`` prompt tokens this step (always at least one chunk), oldest prompt
+        first, each to its end before the next starts. Finishing one prompt before starting another
+        means at most one request holds a half-prefilled cache (its prefill overshoot) at any time,
+        so admission counts that overshoot once, as with the serial schedule, and admits as many."""
         spent = 0
-        while self._prefilling:
-            progressed = False
-            for seq in list(self._prefilling):
-                if seq.done or seq not in self._prefilling:
-                    continue
-                start, stop = seq.chunks[seq.next_chunk]
-                if spent and spent + (stop - start) > budget:
-                    return
-                self._prefill_step(seq)
-                spent += stop - start
-                progressed = True
-            if not progressed:
+        for _ in range(self.step_tokens):  # bounded: every pass prefills one chunk or returns
+            if not self._prefilling:
                 return
+            seq = self._prefilling[0]
+            start, stop = seq.chunks[seq.next_chunk]
+            if spent and spent + (stop - start) > self.step_tokens:
+                return
+            self._prefill_step(seq)
+            spent += stop - start
 
     def _end_expired(self) -> None:
         """Requests past their deadline end now, with what they generated so far."""
@@ -394,17 +391,11 @@ class Engine:
             for batch in self._batches.values():
                 self._compact(batch)
 
-    def _prefill_slots(self) -> int:
-        """How many requests may prefill at once: as many as one step's budget advances (each holds a
-        prefill overshoot of KV memory, so admitting more would only cost memory)."""
-        return max(1, self.step_tokens // self.prefill_chunk) if self.schedule == "budget" else self.max_batch
-
     def _admit(self) -> None:
         with self._cond:
             while self._waiting:
                 seq = self._waiting[0]
-                if len(self._active()) >= self.max_batch or len(self._prefilling) >= self._prefill_slots() \
-                        or not self._fits(seq):
+                if len(self._active()) >= self.max_batch or not self._fits(seq):
                     break
                 self._waiting.popleft()
                 self._prefilling.append(seq)
@@ -422,8 +413,7 @@ class Engine:
         prefilling = self._prefilling + list(extra)
         for seq in self._active() + list(extra):
             rows.setdefault(seq.request.policy, []).append(seq.reservation)
-        return footprint_slots(rows, [s.reservation for s in prefilling],
-                               concurrent_prefills=self.schedule != "serial")
+        return footprint_slots(rows, [s.reservation for s in prefilling])
 
     def _prefill_step(self, seq: Sequence) -> None:
         req = seq.request

@@ -9,8 +9,8 @@ of the model (measured once, see ``bytes_per_slot``). A request holds:
   written before the eviction that follows it.
 
 Rows of one decode batch share a capacity (the largest reservation among them), so a batch costs
-``rows * max(slots)``; with the serial schedule one request prefills at a time, so the prefill
-overshoot counts once; with the budget schedule several do, and every overshoot counts.
+``rows * max(slots)``; both prefill schedules finish one prompt before starting the next, so only one
+request holds a half-prefilled cache at a time and the prefill overshoot counts once (the largest).
 The engine admits a request only if that total, with the request added, stays under ``--kv-memory``.
 """
 
@@ -72,13 +72,10 @@ def reservation(prompt_len: int, max_tokens: int, budget: int | None, chunk: int
     return Reservation(slots, peak)
 
 
-def footprint_slots(batches: dict[str, list[Reservation]], prefilling: list[Reservation],
-                    concurrent_prefills: bool = False) -> int:
-    """Slots the engine may hold: each policy batch at its widest row, plus the prefill overshoot:
-    the largest one when one request prefills per step, their sum when several do."""
+def footprint_slots(batches: dict[str, list[Reservation]], prefilling: list[Reservation]) -> int:
+    """Slots the engine may hold: each policy batch at its widest row, plus one prefill overshoot."""
     decode = sum(len(rows) * max(r.slots for r in rows) for rows in batches.values() if rows)
-    extras = [r.prefill_extra for r in prefilling]
-    return decode + (sum(extras) if concurrent_prefills else max(extras, default=0))
+    return decode + max((r.prefill_extra for r in prefilling), default=0)
 
 
 def kv_limit(value) -> int | None:
