@@ -181,7 +181,7 @@ def run(args, body) -> int:
     ranks import it by name."""
     tp = args.tp if isinstance(getattr(args, "tp", None), int) and args.tp >= 1 else prepare(args)
     timeout = getattr(args, "tp_timeout", DEFAULT_TIMEOUT_S)
-    if tp == 1:
+    if tp == 1 or is_distributed():  # single process, or already a rank (a command run inside a rank)
         return int(body(args) or 0)
     if launched_by_torchrun():
         return _run_external(args, body, timeout)
@@ -213,12 +213,15 @@ def _silence_output() -> None:
     os.close(null)
 
 
-def _one_line(exc: BaseException) -> str:
+def _one_line(exc: BaseException, timeout: float) -> str:
     text = str(exc).strip()
     first = text.splitlines()[0].strip() if text else ""
     if isinstance(exc, H2OError):
         return first or type(exc).__name__
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    line = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        line += f" (another rank did not answer within --tp-timeout {timeout:g} s)"
+    return line
 
 
 def _run_body(args, body, info: RankInfo, timeout: float, report) -> int:
@@ -233,10 +236,10 @@ def _run_body(args, body, info: RankInfo, timeout: float, report) -> int:
         dist.barrier()  # nobody leaves (closing its sockets) while another is still in a collective
         return code
     except H2OError as exc:
-        report(info.rank, _one_line(exc), True, None)
+        report(info.rank, _one_line(exc, timeout), True, None)
         return 2
     except Exception as exc:  # a bug or a lost peer: still one line; the traceback goes to a file
-        report(info.rank, _one_line(exc), False, traceback.format_exc())
+        report(info.rank, _one_line(exc, timeout), False, traceback.format_exc())
         return 1
     finally:
         if dist.is_initialized():
@@ -280,6 +283,7 @@ def _save_trace(rank: int, trace: str | None) -> str:
 def _spawn(args, body, tp: int, timeout: float) -> int:
     """Start ``tp`` ranks here, wait; on the first failure stop the rest and report one line."""
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
 
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
@@ -292,7 +296,7 @@ def _spawn(args, body, tp: int, timeout: float) -> int:
     try:
         while not procs.join(timeout=0.5, grace_period=1.0):
             pass
-    except mp.ProcessException as exc:
+    except ProcessException as exc:
         failure = exc
     except KeyboardInterrupt:
         for p in procs.processes:
