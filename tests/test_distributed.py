@@ -209,6 +209,7 @@ def _config_dir(tmp_path, arch, **overrides):
         ("kv3", ["bench", "--tp", "2", "--json", "x.json", "--quick"], "has 3 KV heads"),
         ("tiny", ["bench", "--model", "tiny:llama", "--tp", "2", "--json", "x.json"], "tiny:ARCH models"),
         ("kv3", ["generate", "--prompt", "w3", "--tp", "0"], "must be > 0"),
+        ("kv3", ["serve", "--tp", "2"], "h2okv serve --tp is not supported yet"),
         ("kv3", ["generate", "--prompt", "w3", "--tp", "2", "--tp-timeout", "-1"], "positive number of seconds"),
     ],
 )
