@@ -5,8 +5,12 @@ Starting ranks costs seconds (each imports torch and transformers), so the equiv
 all models and commands share one 2-rank session (``tp_session``).
 """
 
+import contextlib
+import io
 import json
 import os
+import subprocess
+import sys
 import time
 from argparse import Namespace
 
@@ -155,19 +159,41 @@ def test_tp_bench_reports_half_the_kv_per_rank(tp_session):
 
 
 # -- the command line, as users run it --------------------------------------------------------------
-def test_generate_tp2_prints_the_tp1_text_once(tp_dirs, capfd):
-    model = tp_dirs[("llama", 2)]
-    argv = ["generate", "--model", model, "--prompt", " ".join(f"w{i}" for i in range(3, 40)),
+@pytest.fixture(scope="module")
+def generate_argv(tp_dirs):
+    """A `generate` command line on a tiny model, and what one process prints for it."""
+    argv = ["generate", "--model", tp_dirs[("llama", 2)], "--prompt", " ".join(f"w{i}" for i in range(3, 40)),
             "--max-new-tokens", "6", "--heavy", "4", "--recent", "4"]
-    assert cli.main(argv) == 0
-    single = capfd.readouterr().out.strip().splitlines()
-    # the ranks write to this process's file descriptors: capfd sees what a terminal would
-    assert cli.main([*argv, "--tp", "2"]) == 0
-    lines = capfd.readouterr().out.strip().splitlines()
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert cli.main(argv) == 0
+    return argv, out.getvalue().strip().splitlines()
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+
+
+def _check_tp2_output(out: str, single: list[str]) -> None:
+    lines = out.strip().splitlines()
     assert len(lines) == 2  # rank 0 alone printed: the text and the memory line
     assert lines[0] == single[0]
     assert "2 tensor-parallel ranks hold" in lines[1]
     assert lines[1].split(";")[0] == single[1]  # same totals: tokens seen, slots, KV bytes
+
+
+def test_generate_tp2_prints_the_tp1_text_once(generate_argv, capfd):
+    argv, single = generate_argv
+    # the ranks write to this process's file descriptors: capfd sees what a terminal would
+    assert cli.main([*argv, "--tp", "2"]) == 0
+    _check_tp2_output(capfd.readouterr().out, single)
+
+
+def test_generate_under_torchrun_joins_the_launch(generate_argv):
+    argv, single = generate_argv
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "h2okv.cli", *argv], capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    _check_tp2_output(proc.stdout, single)
 
 
 # -- failures: one line, every rank ended, no hang --------------------------------------------------
