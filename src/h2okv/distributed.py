@@ -29,12 +29,14 @@ import os
 import socket
 import sys
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 
 from .errors import H2OError
 
 DEFAULT_TIMEOUT_S = 600.0
+_ECHO_GRACE_S = 3.0
 _EXTERNAL_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
@@ -229,7 +231,7 @@ def _one_line(exc: BaseException, timeout: float) -> str:
 
 def _run_body(args, body, info: RankInfo, timeout: float, report) -> int:
     """One rank's life: join the group, run the command, leave. Exceptions become one line via
-    ``report(rank, line, user_error, traceback_text)``; returns the exit code."""
+    ``report(rank, line, user_error, traceback_text, comm_error)``; returns the exit code."""
     import torch.distributed as dist
 
     args.device = rank_device(getattr(args, "device", "cpu") or "cpu", info)
@@ -239,10 +241,10 @@ def _run_body(args, body, info: RankInfo, timeout: float, report) -> int:
         dist.barrier()  # nobody leaves (closing its sockets) while another is still in a collective
         return code
     except H2OError as exc:
-        report(info.rank, _one_line(exc, timeout), True, None)
+        report(info.rank, _one_line(exc, timeout), True, None, False)
         return 2
     except Exception as exc:  # a bug or a lost peer: still one line; the traceback goes to a file
-        report(info.rank, _one_line(exc, timeout), False, traceback.format_exc())
+        report(info.rank, _one_line(exc, timeout), False, traceback.format_exc(), isinstance(exc, dist.DistError))
         return 1
     finally:
         if dist.is_initialized():
@@ -259,7 +261,7 @@ def _rank_main(local_rank: int, args, body, world: int, port: int, timeout: floa
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
-    def report(rank, line, user_error, trace):
+    def report(rank, line, user_error, trace, comm_error):
         errors.put((rank, line, user_error, trace))
 
     code = _run_body(args, body, RankInfo(local_rank, world, local_rank), timeout, report)
@@ -293,8 +295,20 @@ def _spawn(args, body, tp: int, timeout: float) -> int:
     port = _free_port()
     # torch logs "Terminating process ..." when it stops the survivors: not for our users' eyes
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    procs = mp.start_processes(_rank_main, args=(args, body, tp, port, timeout, errors), nprocs=tp,
-                               join=False, start_method="spawn")
+    cpu = not (getattr(args, "device", "cpu") or "cpu").startswith("cuda")
+    # CPU ranks must not see GPUs: transformers would place their slices on the accelerator it finds
+    hidden = {"CUDA_VISIBLE_DEVICES": ""} if cpu else {}
+    saved = {k: os.environ.get(k) for k in hidden}
+    os.environ.update(hidden)
+    try:
+        procs = mp.start_processes(_rank_main, args=(args, body, tp, port, timeout, errors), nprocs=tp,
+                                   join=False, start_method="spawn")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     failure = None
     try:
         while not procs.join(timeout=0.5, grace_period=1.0):
@@ -336,7 +350,11 @@ def _run_external(args, body, timeout: float) -> int:
     if info.rank != 0:
         _silence_output()
 
-    def report(rank, line, user_error, trace):
+    def report(rank, line, user_error, trace, comm_error):
+        if comm_error:
+            # most likely the echo of another rank's failure: torchrun stops this rank within a
+            # moment, and only the cause should be printed; still alive later, it speaks
+            time.sleep(_ECHO_GRACE_S)
         print(f"h2okv: error: rank {rank} of {info.world_size} failed: {line}{_save_trace(rank, trace)}",
               file=saved_err, flush=True)
 
