@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from h2okv import H2OCache
-from h2okv.serve.batch import DecodeBatch, fit_capacity
+from h2okv.serve.batch import DecodeBatch
 from h2okv.serve.engine import Engine, GenerationRequest
 from h2okv.serve.memory import footprint_slots, kv_limit, prefill_chunks, reservation
 from h2okv.serve.testing import tiny_chat_model
@@ -200,7 +200,7 @@ def test_fit_capacity_refuses_to_drop_live_slots(model_tok):
     cache = H2OCache(model, policy="full")
     model(torch.tensor([prompt(10, 0)]), past_key_values=cache)
     with pytest.raises(RuntimeError):
-        fit_capacity(cache.layers[0], 9)
+        cache.fit_capacity(9)
 
 
 def test_admission_by_kv_memory(model_tok):

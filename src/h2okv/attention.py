@@ -12,8 +12,8 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from .cache import PENDING
 from .errors import H2OError
+from .pending import PENDING
 
 ATTN_NAME = "h2o"
 

@@ -15,6 +15,7 @@ class Generation:
     text: str
     new_tokens: int
     stats: dict
+    token_ids: list[int]
 
 
 def budget_kwargs(heavy=None, recent=None, heavy_ratio=None, recent_ratio=None) -> dict:
@@ -57,14 +58,19 @@ def generate(
             pad_token_id=tokenizer.pad_token_id,
         )
     new = out[0, inputs["input_ids"].shape[1] :]
-    return Generation(tokenizer.decode(new, skip_special_tokens=True), int(new.numel()), cache.stats())
+    return Generation(tokenizer.decode(new, skip_special_tokens=True), int(new.numel()), cache.stats(), new.tolist())
 
 
 def summary_line(stats: dict) -> str:
     mib = 1024 * 1024
     slots = max(stats["slots"]) if stats["slots"] else 0
     ratio = stats["kv_bytes"] / stats["full_kv_bytes"] if stats["full_kv_bytes"] else 0.0
-    return (
+    line = (
         f"[{stats['policy']}] tokens seen {stats['tokens_seen']}, slots kept {slots} per layer/head, "
         f"KV {stats['kv_bytes'] / mib:.2f} MiB vs full-cache {stats['full_kv_bytes'] / mib:.2f} MiB ({ratio:.1%})"
     )
+    ranks = stats.get("per_rank") or []
+    if len(ranks) > 1:  # tensor parallel (h2okv.distributed.gather_stats): the totals above are summed
+        each = ", ".join(f"{r['kv_bytes'] / mib:.2f}" for r in ranks)
+        line += f"; {len(ranks)} tensor-parallel ranks hold {each} MiB each"
+    return line

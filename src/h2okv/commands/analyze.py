@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from ..analysis import layer_stats, ranked, record_attention
 from ..attention import attention_modules
 from ..errors import H2OError
-from ..eval.ppl import add_text_args, source_text, text_segments
+from ..eval.args import add_text_args, source_text, text_segments
 from ..models import load_model
 from ..plots import check_output_paths, format_table, new_figure, save_figure, write_json
 from .common import add_model_args, positive_int

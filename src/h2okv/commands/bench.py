@@ -10,6 +10,7 @@ import os
 import re
 from pathlib import Path
 
+from .. import distributed
 from ..errors import H2OError
 from .common import add_model_args, positive_int
 
@@ -73,6 +74,7 @@ def register(sub) -> None:
     p.add_argument("--threads", default="auto",
                    help="torch CPU threads, or 'auto' (default): one per core, but 1 when other jobs already load every core")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    distributed.add_tp_args(p)
     p.add_argument("--serve", nargs=argparse.REMAINDER, default=None, metavar="SERVE_BENCH_ARGS",
                    help="instead: the serving load generator (h2okv.serve.loadgen) with the `serve-bench` "
                    "arguments that follow, e.g. --serve --kv-memory 2GiB --policies full,h2o")
@@ -168,6 +170,12 @@ def run(args) -> int:
         raise H2OError("give --json PATH for the result")
     cfg = config_from_args(args)
     cfg.validate()  # bad settings fail before the (slow) model load
+    if distributed.prepare(args) > 1:
+        # tensor parallel: decode step and per-rank KV bytes next to TP 1 (h2okv.bench.tp)
+        from ..bench.tp import run_on_rank
+
+        args.threads, _ = choose_threads(args.threads, args.device)
+        return distributed.run(args, run_on_rank)
     from ..bench import run_bench
     from ..bench.report import markdown, plot
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..errors import H2OError
-from ..policies import POLICIES
+from ..policies import POLICIES, make_policy
 
 
 def positive_int(text: str) -> int:
@@ -26,7 +25,7 @@ def add_model_args(parser: argparse.ArgumentParser, device: bool = True) -> None
 
 
 def add_budget_args(parser: argparse.ArgumentParser, policy_default: str = "h2o") -> None:
-    parser.add_argument("--policy", default=policy_default, help=f"one of {', '.join(POLICIES)} (default: {policy_default})")
+    parser.add_argument("--policy", default=policy_default, help=f"one of {', '.join(POLICIES)}, options after a colon, e.g. snapkv:window=16 (default: {policy_default})")
     parser.add_argument("--heavy", type=int, default=None, help="heavy-hitter slots per layer/head")
     parser.add_argument("--recent", type=int, default=None, help="recent-token slots per layer/head")
     parser.add_argument("--heavy-ratio", type=float, default=None, help="heavy slots as a fraction of the prompt (default 0.1)")
@@ -35,8 +34,8 @@ def add_budget_args(parser: argparse.ArgumentParser, policy_default: str = "h2o"
 
 
 def check_policy(name: str) -> str:
-    if name not in POLICIES:
-        raise H2OError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    """``name`` if it is a known policy with valid options (``snapkv:window=16``), else a one-line error."""
+    make_policy(name)  # builds it: the policy checks its own options
     return name
 
 

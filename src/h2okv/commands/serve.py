@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from .. import distributed
 from ..errors import H2OError
 from .common import add_budget_args, add_model_args, budget_from_args, check_policy, positive_int
 
@@ -61,6 +62,7 @@ def register(sub) -> None:
                    help="on SIGTERM, seconds running requests get to finish before they are ended (default: 30)")
     _add_max_batch(p, 32)
     _add_schedule(p)
+    distributed.add_tp_args(p, supported=False)  # not yet: rank 0 would have to drive the others' steps
     # a prefill chunk runs between two decode steps of everyone else: keep it short
     chunk = next(a for a in p._actions if a.dest == "chunk_size")
     chunk.default, chunk.help = 128, "prefill chunk length: one chunk per engine step (default: 128)"
@@ -100,6 +102,8 @@ def run_serve(args) -> int:
     from ..serve import EvictionDefaults, create_app, serve_forever
     from ..serve.memory import kv_limit
 
+    if distributed.resolve_tp(args.tp) > 1:
+        raise H2OError("h2okv serve --tp is not supported yet (generate, eval ppl and bench are); serve with --tp 1")
     eviction = EvictionDefaults(policy=check_policy(args.policy), **budget_from_args(args))
     eviction.validate()  # before the (slow) model load
     kv_memory = kv_limit(args.kv_memory)

@@ -14,159 +14,34 @@ chunked prefill, which gives the same logits as ``chunk_size=1``.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .. import distributed
 from ..attention import attention_modules
-from ..cache import DEFAULT_CHUNK, H2OCache
 from ..commands.common import add_model_args, positive_int
-from ..corpus import DEFAULT_PLAY, read_play, read_text_source
 from ..errors import H2OError
 from ..models import load_model
 from ..plots import check_output_paths, format_table, new_figure, policy_color, save_figure, write_json
-from ..policies import POLICIES
+from ..policies import policy_class
+from .args import (  # noqa: F401 - re-exported: other evals imported them from here
+    add_text_args,
+    add_threads_arg,
+    apply_threads,
+    load_dataset_text,
+    parse_budgets,
+    parse_policies,
+    source_text,
+    text_segments,
+)
+from .scoring import make_cache, perplexity, streaming_nll, token_nll  # noqa: F401 - re-exported
 
 DEFAULT_POLICIES = "full,h2o,local,sink,random"
 DEFAULT_BUDGETS = "0.05,0.1,0.2,0.5"
 DEFAULT_PLOT = "results/ppl_vs_budget.png"
-
-
-# -- parsing the user's lists ---------------------------------------------------------------------
-def parse_policies(text: str) -> list[str]:
-    names = [p.strip() for p in text.split(",") if p.strip()]
-    if not names:
-        raise H2OError("--policies is empty; give e.g. full,h2o,local")
-    for name in names:
-        if name not in POLICIES:
-            raise H2OError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
-    return list(dict.fromkeys(names))
-
-
-def parse_budgets(text: str) -> list[float]:
-    """Comma-separated cache budgets as fractions of the text, each in (0, 1]."""
-    budgets = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        try:
-            value = float(part)
-        except ValueError:
-            raise H2OError(f"budget {part!r} is not a number; give fractions like 0.1,0.2") from None
-        if not (0.0 < value <= 1.0):
-            raise H2OError(f"budget {part} must be a fraction of the text in (0, 1]")
-        budgets.append(value)
-    if not budgets:
-        raise H2OError("--budgets is empty; give fractions like 0.1,0.2")
-    return sorted(set(budgets))
-
-
-# -- CPU threads --------------------------------------------------------------------------------
-def add_threads_arg(parser, default: int = 1) -> None:
-    parser.add_argument(
-        "--threads", type=positive_int, default=default,
-        help=f"CPU threads for torch (default: {default}); the per-token steps are tiny ops where extra threads cost more than they give",
-    )
-
-
-def apply_threads(threads: int | None) -> None:
-    # Measured on the 2-core dev machine (shared with other jobs): a 512-token streaming pass with
-    # h2o took 12.7 s with 1 thread and 137 s with 2, because each of the 512 x 30 layer steps is a
-    # handful of microsecond-sized ops and OpenMP's synchronisation dominates them.
-    if threads:
-        torch.set_num_threads(threads)
-
-
-# -- where the text comes from (shared with ``h2okv analyze``) ------------------------------------
-def add_text_args(parser) -> None:
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--text", default=None, help="a UTF-8 text file to score")
-    group.add_argument(
-        "--corpus", default=None, help=f"shakespeare:NAME, a play of the offline corpus (default: shakespeare:{DEFAULT_PLAY})"
-    )
-    group.add_argument("--dataset", default=None, help="Hugging Face dataset id[:config] (or local dataset folder); its text column is joined")
-    parser.add_argument("--split", default=None, help="dataset split (default: test if present, else the first)")
-
-
-def load_dataset_text(spec: str, split: str | None = None, column: str = "text") -> str:
-    """Join the ``text`` column of a Hugging Face dataset (``id`` or ``id:config``)."""
-    try:
-        import datasets
-    except ImportError:  # pragma: no cover - datasets is installed with lm-eval
-        raise H2OError("--dataset needs the 'datasets' package: pip install datasets") from None
-    name, _, config = spec.partition(":")
-    try:
-        loaded = datasets.load_dataset(name, config or None)
-    except Exception as exc:  # the hub and the file loaders raise many types; the user needs one line
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise H2OError(f"cannot load dataset {spec!r}: {first}") from None
-    if split is None:
-        split = "test" if "test" in loaded else next(iter(loaded))
-    if split not in loaded:
-        raise H2OError(f"dataset {spec!r} has no split {split!r}; it has {', '.join(loaded)}")
-    part = loaded[split]
-    if column not in part.column_names:
-        raise H2OError(f"dataset {spec!r} has no {column!r} column; it has {', '.join(part.column_names)}")
-    return "\n".join(t for t in part[column] if t)
-
-
-def source_text(args) -> tuple[str, str]:
-    """``(text, label)`` from ``--text`` / ``--corpus`` / ``--dataset`` (default: Hamlet)."""
-    if args.text is not None:
-        return read_text_source(args.text), args.text
-    if args.dataset is not None:
-        return load_dataset_text(args.dataset, args.split), args.dataset
-    corpus = args.corpus or f"shakespeare:{DEFAULT_PLAY}"
-    if not corpus.startswith("shakespeare:"):
-        raise H2OError(f"--corpus must look like shakespeare:NAME, got {corpus!r} (use --text for a file)")
-    return read_play(corpus.split(":", 1)[1] or DEFAULT_PLAY), corpus
-
-
-def text_segments(tokenizer, text: str, tokens: int, segments: int = 1) -> torch.Tensor:
-    """``[segments, tokens]`` ids: consecutive, non-overlapping windows from the start of ``text``."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    need = tokens * segments
-    if len(ids) < need:
-        raise H2OError(f"the text has {len(ids)} tokens; {segments} segment(s) of {tokens} need {need}")
-    return torch.tensor(ids[:need], dtype=torch.long).view(segments, tokens)
-
-
-# -- the measurement ----------------------------------------------------------------------------
-def make_cache(model, policy: str, budget: float | None, seed: int = 0) -> H2OCache:
-    """The cache for one streaming pass: per-token eviction for evicting policies."""
-    if POLICIES[policy].evicts:
-        if budget is None:
-            raise H2OError(f"policy {policy!r} needs a budget")
-        half = budget / 2
-        return H2OCache(model, policy=policy, heavy_ratio=half, recent_ratio=half, chunk_size=1, seed=seed)
-    # full keeps everything, so chunking cannot change what any query sees
-    return H2OCache(model, policy=policy, chunk_size=DEFAULT_CHUNK, seed=seed)
-
-
-def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``[B, N-1]`` negative log-likelihood of each next token (row by row to bound memory)."""
-    rows = [F.cross_entropy(logits[b, :-1].float(), ids[b, 1:], reduction="none") for b in range(ids.shape[0])]
-    return torch.stack(rows)
-
-
-def perplexity(nll: torch.Tensor) -> float:
-    return math.exp(float(nll.double().mean()))
-
-
-def streaming_nll(model, ids: torch.Tensor, policy: str, budget: float | None, seed: int = 0):
-    """``(nll [B, N-1], slots)``: one teacher-forced pass with eviction applied as the text is read.
-
-    ``slots`` is the number of tokens each (layer, head) keeps (``None`` for ``full``).
-    """
-    cache = make_cache(model, policy, budget, seed)
-    with torch.inference_mode():
-        logits = model(ids.to(model.device), past_key_values=cache, use_cache=True).logits
-    budgets = cache.budget()
-    return token_nll(logits, ids.to(logits.device)).cpu(), (budgets[0] if budgets else None)
 
 
 @contextlib.contextmanager
@@ -210,7 +85,7 @@ def ppl_grid(
     """Rows for ``full`` (always measured: it is the reference) and each evicting policy x budget;
     returns ``(rows, full_ppl)``. ``full`` is listed only if it is in ``policies``."""
     segments, tokens = ids.shape
-    evicting = [p for p in policies if POLICIES[p].evicts]
+    evicting = [p for p in policies if policy_class(p).evicts]
     n_layers = len({i for i, _ in attention_modules(model)})
     runs = [("full", None)] + [(p, b) for p in evicting for b in budgets]
     rows: list[PplRow] = []
@@ -305,24 +180,36 @@ def register_eval(kinds) -> None:
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"cache budgets as fractions of --tokens (default: {DEFAULT_BUDGETS})")
     p.add_argument("--seed", type=int, default=0, help="seed of the random policy")
     add_threads_arg(p)
+    distributed.add_tp_args(p)
     p.add_argument("--json", default=None, help="write the rows as JSON to this file")
     p.add_argument("--plot", default=DEFAULT_PLOT, help=f"PNG of perplexity vs budget (default: {DEFAULT_PLOT})")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    policies = parse_policies(args.policies)
-    budgets = parse_budgets(args.budgets)
+    # settings are checked here, before the model load and before any rank starts
+    parse_policies(args.policies)
+    parse_budgets(args.budgets)
     if args.tokens < 2:
         raise H2OError("--tokens must be at least 2 (perplexity needs a token to predict)")
     check_output_paths(args.json, args.plot)
-    text, label = source_text(args)
+    args.loaded_text = source_text(args)  # read once, before the model load (and before ranks start)
+    distributed.prepare(args)
+    return distributed.run(args, score_on_rank)
+
+
+def score_on_rank(args) -> int:
+    """Load, score, report: in this process, or on every rank of a ``--tp`` run (rank 0 reports)."""
+    policies, budgets = parse_policies(args.policies), parse_budgets(args.budgets)
+    text, label = args.loaded_text
     apply_threads(args.threads)
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
     ids = text_segments(tokenizer, text, args.tokens, args.segments)
     start = time.perf_counter()
-    rows, full_ppl = ppl_grid(model, ids, policies, budgets, seed=args.seed)
+    rows, full_ppl = ppl_grid(model, ids, policies, budgets, seed=args.seed, progress=distributed.is_main_rank())
     total = time.perf_counter() - start
+    if not distributed.is_main_rank():
+        return 0
 
     print(f"Streaming perplexity, {args.segments} x {args.tokens} tokens of {label} (eviction after every token)")
     headers = ["policy", "budget", "slots", "ppl", "x full", "ppl after fill", "x full"]

@@ -26,8 +26,8 @@ from ..corpus import read_play
 from ..errors import H2OError
 from ..models import load_model
 from ..plots import annotated_heatmap, check_output_paths, format_table, new_figure, save_figure, write_json
-from ..policies import POLICIES
-from .ppl import add_threads_arg, apply_threads, parse_budgets, parse_policies
+from ..policies import policy_class
+from .args import add_threads_arg, apply_threads, parse_budgets, parse_policies
 
 INSTRUCTION = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -150,7 +150,7 @@ class Cell:
 
 def run_batch(model, tokenizer, prompts, policy, budget, chunk_size, max_new_tokens, seed=0):
     """Greedy answers for prompts of equal length under one policy/budget; ``(answers, kept)``."""
-    if POLICIES[policy].evicts:
+    if policy_class(policy).evicts:
         cache = H2OCache(model, policy=policy, heavy_ratio=budget / 2, recent_ratio=budget / 2, chunk_size=chunk_size, seed=seed)
     else:
         cache = H2OCache(model, policy=policy, chunk_size=chunk_size, seed=seed)
@@ -168,8 +168,8 @@ def retrieval_grid(model, tokenizer, policies, budgets, contexts, depths, trials
                    chunk_size=DEFAULT_CHUNK, max_new_tokens=8, seed=0, progress=True) -> list[Cell]:
     hay = Haystack(tokenizer, haystack)
     prompts_by_context = {c: make_prompts(tokenizer, hay, c, depths, trials, seed) for c in contexts}
-    runs = [(p, None) for p in policies if not POLICIES[p].evicts]
-    runs += [(p, b) for p in policies if POLICIES[p].evicts for b in budgets]
+    runs = [(p, None) for p in policies if not policy_class(p).evicts]
+    runs += [(p, b) for p in policies if policy_class(p).evicts for b in budgets]
     cells = []
     with tqdm(total=len(runs) * len(contexts), desc="retrieval", unit="batch", disable=not progress) as bar:
         for policy, budget in runs:
@@ -209,7 +209,7 @@ def plot_heatmap(cells: list[Cell], path, title: str):
         by_key = {(c.depth, c.context): c for c in cells if (c.policy, c.budget) == (policy, budget)}
         grid = [[by_key[d, ctx].accuracy if (d, ctx) in by_key else float("nan") for ctx in contexts] for d in depths]
         notes = None
-        if POLICIES[policy].evicts:
+        if policy_class(policy).evicts:
             notes = [[f"kept {by_key[d, ctx].needle_kept:.0%}" if (d, ctx) in by_key else "" for ctx in contexts]
                      for d in depths]
         annotated_heatmap(ax, grid, [f"{d:g}" for d in depths], [str(c) for c in contexts], notes=notes)

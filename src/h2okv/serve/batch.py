@@ -5,7 +5,8 @@ scores, ordinals (each row counts its own real tokens), valid flags and budgets 
 per row). Only ``tokens_seen`` is per layer, and the engine never relies on it: it passes each row's
 true position through ``position_ids`` and feeds one real token per row (no padding mask), so the
 mask needs no offset. A sequence is therefore prefilled alone in its own batch-1 cache and then
-concatenated into the batch of its policy; a finished one is dropped with ``index_select``.
+appended to the batch of its policy (``H2OCache.append_rows``); a finished one is dropped
+(``H2OCache.select_rows``).
 
 Every row of a batch has the same slot capacity, sized to the largest row's reservation, so the
 cache never grows during decode and the memory the engine admitted against is what it holds.
@@ -15,58 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import H2OCache, SlotLayer
-
-# per-slot tensors [B, H, capacity(, D)] and per-row vectors [B]
-SLOT_TENSORS = ("keys", "values", "score", "ordinal", "valid")
-ROW_VECTORS = ("n_real", "heavy", "recent")
-
-
-def fit_capacity(layer: SlotLayer, capacity: int) -> None:
-    """Give ``layer`` exactly ``capacity`` slots: pad with free slots, or move live slots to the
-    front and cut (attention does not depend on slot order, so this changes no result)."""
-    current = layer.capacity
-    if current == capacity:
-        return
-    if current > capacity and not bool(layer.valid[..., capacity:].any()):
-        # the usual case: every live slot already lies below ``capacity`` (a row's live slots stay
-        # within its own reservation). Cut without moving anything, so each row keeps exactly the
-        # slot layout it would have alone: same eviction tie-breaks, bit-identical generations.
-        for name in SLOT_TENSORS:
-            setattr(layer, name, getattr(layer, name)[:, :, :capacity].clone())  # clone: free the rest
-        return
-    if current > capacity:
-        live = int(layer.valid.sum(-1).max()) if current else 0
-        if live > capacity:
-            raise RuntimeError(f"cannot fit {live} live slots into {capacity}")
-        order = torch.argsort((~layer.valid).to(torch.int8), dim=-1, stable=True)[..., :capacity]
-        for name in SLOT_TENSORS:
-            tensor = getattr(layer, name)
-            index = order if tensor.dim() == 3 else order[..., None].expand(-1, -1, -1, tensor.shape[-1])
-            setattr(layer, name, tensor.gather(2, index))
-        return
-    for name in SLOT_TENSORS:
-        old = getattr(layer, name)
-        shape = list(old.shape)
-        shape[2] = capacity
-        new = old.new_zeros(shape)  # zeros: valid=False, i.e. free slots
-        new[:, :, :current] = old
-        setattr(layer, name, new)
-    layer.peak_capacity = max(layer.peak_capacity, capacity)
-
-
-def refresh_derived_state(cache: H2OCache) -> None:
-    """Recompute what a ``SlotLayer`` derives from its rows (largest budget, fast-decode state)
-    after rows joined or left by hand."""
-    for layer in cache.layers:
-        layer.rows_changed()
-
-
-def _row_budgets(cache: H2OCache) -> tuple[torch.Tensor, torch.Tensor]:
-    budgets = cache._row_budgets
-    if budgets is None:  # pragma: no cover - a prefilled cache always has them
-        raise RuntimeError("cache has not seen a forward call yet")
-    return budgets
+from ..core import H2OCache
 
 
 class DecodeBatch:
@@ -88,20 +38,12 @@ class DecodeBatch:
         """Append a prefilled batch-1 ``cache`` as a new row; every row then has ``max(capacity, ...)``
         slots. ``cache`` must not be used by the caller afterwards."""
         target = max(capacity, self.capacity)
+        cache.fit_capacity(target)
         if self.cache is None:
-            for layer in cache.layers:
-                fit_capacity(layer, target)
             self.cache = cache
         else:
-            for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
-                fit_capacity(mine, target)
-                fit_capacity(theirs, target)
-                for name in SLOT_TENSORS + ROW_VECTORS:
-                    setattr(mine, name, torch.cat([getattr(mine, name), getattr(theirs, name).to(mine.device)]))
-                mine.tokens_seen = max(mine.tokens_seen, theirs.tokens_seen)
-            (h0, r0), (h1, r1) = _row_budgets(self.cache), _row_budgets(cache)
-            self.cache._row_budgets = (torch.cat([h0, h1]), torch.cat([r0, r1]))
-        refresh_derived_state(self.cache)
+            self.cache.fit_capacity(target)
+            self.cache.append_rows(cache)
         self.capacity = target
         self.rows.append(row)
 
@@ -114,12 +56,8 @@ class DecodeBatch:
             return
         position = {id(r): i for i, r in enumerate(self.rows)}
         index = torch.tensor([position[id(r)] for r in keep_rows], dtype=torch.long)
-        for layer in self.cache.layers:
-            layer.batch_select_indices(index)
-            fit_capacity(layer, capacity)
-        heavy, recent = _row_budgets(self.cache)
-        self.cache._row_budgets = (heavy.index_select(0, index), recent.index_select(0, index))
-        refresh_derived_state(self.cache)
+        self.cache.select_rows(index)
+        self.cache.fit_capacity(capacity)
         self.rows = list(keep_rows)
         self.capacity = capacity
 

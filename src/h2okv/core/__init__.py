@@ -1,0 +1,18 @@
+"""The eviction core: slot storage, the forward step, eviction, the decode fast path, the cache.
+
+| module | job |
+| --- | --- |
+| ``storage.py`` | one layer's slot buffers; resize/compaction and row operations |
+| ``step.py`` | the general step: write a chunk into free slots, attend, fold mass into scores |
+| ``evict.py`` | candidates (recent window, sinks) and freeing the policy's lowest-ranked |
+| ``decode.py`` | one-token steps once every row is at its budget, in the fewest ops |
+| ``layer.py`` | ``SlotLayer``: transformers' cache-layer protocol, routing, accounting |
+| ``budget.py`` | ``BudgetSpec``: what the user asked for, resolved per row |
+| ``cache.py`` | ``H2OCache`` and its public row operations |
+"""
+
+from .budget import BudgetSpec
+from .cache import DEFAULT_CHUNK, H2OCache
+from .layer import SlotLayer
+
+__all__ = ["DEFAULT_CHUNK", "BudgetSpec", "H2OCache", "SlotLayer"]

@@ -1,0 +1,65 @@
+"""Budgets: what the user asked for (``BudgetSpec``) and how it becomes per-row slot counts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import H2OError
+from ..policies import Policy
+
+
+@dataclass(frozen=True)
+class BudgetSpec:
+    """Either absolute slot counts or fractions of each sequence's prompt length (paper's setting)."""
+
+    heavy: int | None = None
+    recent: int | None = None
+    heavy_ratio: float | None = None
+    recent_ratio: float | None = None
+
+    @classmethod
+    def build(cls, policy: Policy, heavy, recent, heavy_ratio, recent_ratio) -> BudgetSpec:
+        absolute = heavy is not None or recent is not None
+        ratio = heavy_ratio is not None or recent_ratio is not None
+        if not policy.evicts:
+            if absolute or ratio:
+                raise H2OError(f"policy {policy.name!r} keeps every token; do not give it a budget")
+            return cls()
+        if absolute and ratio:
+            raise H2OError("give either --heavy/--recent or --heavy-ratio/--recent-ratio, not both")
+        if not absolute and not ratio:
+            # the paper's setting: 10% heavy hitters + 10% recent of the prompt ("20% KV cache")
+            heavy_ratio, recent_ratio = 0.1, 0.1
+        elif absolute:
+            heavy, recent = int(heavy or 0), int(recent or 0)
+            if heavy < 0 or recent < 0 or heavy + recent <= 0:
+                raise H2OError(f"budget must be positive: heavy={heavy}, recent={recent}")
+            if policy.needs_scores and (heavy <= 0 or recent <= 0):
+                raise H2OError(f"{policy.name} needs heavy > 0 and recent > 0 (got heavy={heavy}, recent={recent})")
+            return cls(heavy=heavy, recent=recent)
+        heavy_ratio = float(heavy_ratio or 0.0)
+        recent_ratio = float(recent_ratio or 0.0)
+        for name, value in (("heavy_ratio", heavy_ratio), ("recent_ratio", recent_ratio)):
+            if not (0.0 <= value <= 1.0) or math.isnan(value):
+                raise H2OError(f"{name} must be in (0, 1], got {value}")
+        if heavy_ratio + recent_ratio <= 0:
+            raise H2OError("heavy_ratio + recent_ratio must be > 0")
+        if policy.needs_scores and (heavy_ratio <= 0 or recent_ratio <= 0):
+            raise H2OError(
+                f"{policy.name} needs heavy_ratio and recent_ratio in (0, 1] (got {heavy_ratio}, {recent_ratio})"
+            )
+        return cls(heavy_ratio=heavy_ratio, recent_ratio=recent_ratio)
+
+    @property
+    def is_ratio(self) -> bool:
+        return self.heavy_ratio is not None
+
+    def resolve(self, prompt_len: int) -> tuple[int, int]:
+        """(heavy, recent) slots for a sequence whose prompt has ``prompt_len`` real tokens."""
+        if not self.is_ratio:
+            return self.heavy, self.recent
+        # at least one slot for each part whose ratio is > 0 (a 5-token prompt still gets a budget)
+        heavy = max(1, int(self.heavy_ratio * prompt_len)) if self.heavy_ratio > 0 else 0
+        recent = max(1, int(self.recent_ratio * prompt_len)) if self.recent_ratio > 0 else 0
+        return heavy, recent

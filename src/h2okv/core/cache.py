@@ -1,0 +1,141 @@
+"""``H2OCache``: the ``transformers.Cache`` that really evicts, and its public row operations."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.cache_utils import Cache
+
+from ..attention import prepare_model
+from ..errors import H2OError
+from ..policies import Budget, Policy, make_policy
+from .budget import BudgetSpec
+from .layer import SlotLayer
+
+DEFAULT_CHUNK = 512
+
+
+class H2OCache(Cache):
+    """A ``transformers.Cache`` that keeps at most ``heavy + recent`` tokens per (sequence, layer, KV head).
+
+    ``H2OCache(model, policy="h2o", heavy=102, recent=102)`` or
+    ``H2OCache(model, policy="h2o", heavy_ratio=0.1, recent_ratio=0.1)``; pass it as
+    ``past_key_values`` to ``model.generate`` or ``model(...)``. One cache serves one generation.
+    ``policy`` is a name from ``POLICIES``, optionally with options (``"snapkv:window=16"``).
+    """
+
+    def __init__(
+        self,
+        model,
+        policy: str | Policy = "h2o",
+        heavy: int | None = None,
+        recent: int | None = None,
+        heavy_ratio: float | None = None,
+        recent_ratio: float | None = None,
+        chunk_size: int = DEFAULT_CHUNK,
+        seed: int = 0,
+    ):
+        self.policy = make_policy(policy, seed=seed)
+        self.spec = BudgetSpec.build(self.policy, heavy, recent, heavy_ratio, recent_ratio)
+        if int(chunk_size) < 1:
+            raise H2OError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.chunk_size = int(chunk_size)
+        num_layers = prepare_model(model)
+        super().__init__(layers=[SlotLayer(self, i) for i in range(num_layers)])
+        self._row_budgets: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # -- rows: generate's beam search and batch expansion, the server's continuous batching -----
+    def select_rows(self, index) -> None:
+        """Keep rows ``index`` of every layer, in that order (repeats allowed), budgets in step."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        if self._row_budgets is not None:
+            heavy, recent = self._row_budgets
+            self._row_budgets = (heavy.index_select(0, index.cpu()), recent.index_select(0, index.cpu()))
+        for layer in self.layers:
+            layer.select_rows(index)
+
+    def append_rows(self, other: H2OCache) -> None:
+        """Append ``other``'s rows (a cache of the same model and policy that has run); both end at
+        the larger capacity. ``other`` must not be used afterwards."""
+        if self._row_budgets is None or other._row_budgets is None:
+            raise H2OError("append_rows needs two caches that have both seen a forward call")
+        if self.policy.spec != other.policy.spec or len(self.layers) != len(other.layers):
+            raise H2OError(f"cannot join a {other.policy.spec!r} cache to a {self.policy.spec!r} cache")
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            mine.append_rows(theirs)
+            mine.tokens_seen = max(mine.tokens_seen, theirs.tokens_seen)
+        (h0, r0), (h1, r1) = self._row_budgets, other._row_budgets
+        self._row_budgets = (torch.cat([h0, h1]), torch.cat([r0, r1]))
+        for layer in self.layers:
+            layer.rows_changed()
+
+    def fit_capacity(self, capacity: int) -> None:
+        """Give every layer exactly ``capacity`` slots per (sequence, head); see ``SlotStorage.resize``."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.resize(capacity)
+                layer.rows_changed()
+
+    @property
+    def rows(self) -> int:
+        return 0 if self._row_budgets is None else int(self._row_budgets[0].shape[0])
+
+    def reorder_cache(self, beam_idx):
+        self.select_rows(beam_idx)
+
+    def batch_select_indices(self, indices):
+        self.select_rows(indices)
+
+    def batch_repeat_interleave(self, repeats: int):
+        layer = next((lay for lay in self.layers if lay.is_initialized), None)
+        if layer is not None:
+            self.select_rows(torch.arange(layer.keys.shape[0]).repeat_interleave(repeats))
+        elif self._row_budgets is not None:
+            self.select_rows(torch.arange(self.rows).repeat_interleave(repeats))
+
+    # -- budgets: fixed per row by the first forward call (the prompt), shared by all layers -----
+    def budgets_for(self, nonpad: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(heavy, recent, sinks)`` per row; ``nonpad`` ``[B, n]`` marks the prompt's real tokens."""
+        if self._row_budgets is None:
+            lengths = nonpad.sum(-1).tolist()
+            pairs = [self._split(self.spec.resolve(n)) for n in lengths]
+            heavy = torch.tensor([p.heavy for p in pairs], dtype=torch.long)
+            recent = torch.tensor([p.recent for p in pairs], dtype=torch.long)
+            self._row_budgets = (heavy, recent)
+        heavy, recent = self._row_budgets
+        # sinks never exceed the heavy part, so a row at its budget always has a candidate
+        sinks = heavy.clamp(max=self.policy.sink_tokens)
+        return heavy.to(device), recent.to(device), sinks.to(device)
+
+    def _split(self, pair) -> Budget:
+        if not self.policy.evicts:
+            return Budget(0, 0)
+        return self.policy.split(*pair)
+
+    @property
+    def max_budget(self) -> int | float:
+        if not self.policy.evicts or self._row_budgets is None:
+            return math.inf
+        heavy, recent = self._row_budgets
+        return int((heavy + recent).max())
+
+    def budget(self) -> list[int] | None:
+        """Slots per (layer, head) for each sequence, or None for ``full`` / before the first call."""
+        if self._row_budgets is None or not self.policy.evicts:
+            return None
+        heavy, recent = self._row_budgets
+        return (heavy + recent).tolist()
+
+    def stats(self) -> dict:
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        slots = [int(layer.live_slots().max()) for layer in layers]
+        return {
+            "policy": self.policy.name,
+            "tokens_seen": self.get_seq_length(),
+            "budget": self.budget(),
+            "slots": slots,  # the most live tokens any (sequence, head) of each layer holds
+            "capacity": [layer.capacity for layer in layers],
+            "kv_bytes": sum(layer.kv_bytes() for layer in layers),
+            "full_kv_bytes": sum(layer.full_kv_bytes() for layer in layers),
+        }

@@ -1,0 +1,208 @@
+"""``SlotLayer``: one decoder layer's slots behind transformers' cache-layer protocol.
+
+``update`` only hands the new key/value states over (``pending.py``); the work of a forward call
+happens in ``attend``, called from the registered attention function, because that is where the
+query is available. ``attend`` routes a plain decode step to ``decode.py`` and everything else,
+chunk by chunk, to ``step.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ..errors import H2OError
+from ..pending import PENDING
+from .decode import check_at_budget, decode_step
+from .step import chunk_step
+from .storage import SlotStorage
+
+# decode growth before the budget is reached: at least this many slots at a time
+GROWTH_MIN = 32
+
+
+class SlotLayer(SlotStorage, CacheLayerMixin):
+    """One decoder layer's slot buffers (``storage.py``) and its forward step."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, owner, layer_idx: int):
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.tokens_seen = 0  # positions consumed, pads included: what generate needs for positions
+        self.peak_capacity = 0
+        self.fast = None
+
+    # -- transformers Cache layer protocol ---------------------------------------------------
+    def lazy_initialization(self, key_states, value_states):
+        self.init_buffers(key_states, value_states)
+        self.fast = None  # see decode.check_at_budget
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        # the attention function picks these up (see attention.py); K/V are written into slots
+        # there, chunk by chunk, interleaved with eviction
+        PENDING.set((self, key_states, value_states))
+        self.tokens_seen += key_states.shape[-2]
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # The model builds its mask over the *new* tokens only (causal + padding among them); the
+        # old tokens' visibility is the slots' valid flag. kv_offset lines the padding mask up.
+        return query_length, self.tokens_seen
+
+    def get_seq_length(self) -> int:
+        return self.tokens_seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.keys = self.values = None
+        self.tokens_seen = 0
+        self.peak_capacity = 0
+        self.fast = None
+
+    def reorder_cache(self, beam_idx):
+        self.select_rows(torch.as_tensor(beam_idx))
+
+    def batch_select_indices(self, indices):
+        self.select_rows(torch.as_tensor(indices))
+
+    def batch_repeat_interleave(self, repeats: int):
+        if self.is_initialized:
+            self.select_rows(torch.arange(self.keys.shape[0]).repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise H2OError("H2OCache cannot be cropped: evicted tokens are gone (assisted decoding is not supported)")
+
+    def rows_changed(self) -> None:
+        """Forget what was derived for the previous set of rows (largest budget, fast-decode state)."""
+        self.__dict__.pop("_max_budget", None)
+        self.fast = check_at_budget(self) if self.has_budget else None
+
+    # -- capacity --------------------------------------------------------------------------------
+    @property
+    def max_budget(self) -> int | float:
+        # fixed once the first forward call has set the row budgets; cached because ensure_free
+        # asks on every step of every layer and the owner computes it with a device sync
+        cached = self.__dict__.get("_max_budget")
+        if cached is not None:
+            return cached
+        value = self.owner.max_budget
+        if value != math.inf or not self.owner.policy.evicts:
+            self._max_budget = value
+        return value
+
+    def ensure_free(self, m: int) -> None:
+        """Make room for ``m`` new tokens in every (sequence, head)."""
+        if self.capacity >= self.max_budget + m:
+            return  # steady state: eviction keeps every (sequence, head) at <= budget
+        live = int(self.valid.sum(-1).max()) if self.capacity else 0
+        needed = live + m
+        if needed <= self.capacity:
+            return
+        if m == 1 and self.owner.policy.evicts:
+            # decode before the budget is reached: grow in steps so growth is amortised (a
+            # policy that never evicts grows exactly, like a plain cache: never more memory)
+            needed = min(max(needed, self.capacity + max(GROWTH_MIN, self.capacity // 8)), self.max_budget + m)
+        self.resize(needed)
+
+    def shrink_to_budget(self) -> None:
+        """After a prefill, give back the chunk's extra slots: decode needs budget + 1."""
+        target = self.max_budget + 1
+        if self.capacity > target and int(self.valid.sum(-1).max()) < target:
+            self.resize(target)
+
+    # -- the forward call ------------------------------------------------------------------------
+    def attend(self, query, key_new, value_new, new_mask, scaling, sliding_window=None):
+        """Write, attend, accumulate and evict for one forward call; returns ``[B, q, Hq, D]``.
+
+        ``new_mask`` is the model's boolean mask over the new tokens only (``get_mask_sizes``);
+        we read padding from it and nothing else: causality among new tokens and the model's
+        sliding window are applied from the slots' ordinals.
+        """
+        owner = self.owner
+        b, _, q_len, _ = query.shape
+        if q_len == 1 and new_mask is None and sliding_window is None and self.has_budget:
+            return decode_step(self, query, key_new, value_new, scaling)
+        nonpad = None
+        if new_mask is not None:
+            # a real token always sees itself; a pad key is seen by no query
+            nonpad = new_mask.to(torch.bool)[:, 0].diagonal(dim1=-2, dim2=-1)
+            if bool(nonpad.all()):
+                nonpad = None
+        if not self.has_budget:
+            full = torch.ones(b, q_len, dtype=torch.bool, device=query.device)
+            self.heavy, self.recent, self.sinks = owner.budgets_for(full if nonpad is None else nonpad, self.device)
+
+        order = None
+        if nonpad is not None:
+            # Move every row's real tokens to the front (a right-padded layout): a row's chunks
+            # then start at its own first token, as when the sequence runs alone.
+            order = torch.argsort((~nonpad).to(torch.int8), dim=-1, stable=True)
+            nonpad = nonpad.gather(1, order)
+            query = query.gather(2, order[:, None, :, None].expand_as(query))
+            key_new = key_new.gather(2, order[:, None, :, None].expand_as(key_new))
+            value_new = value_new.gather(2, order[:, None, :, None].expand_as(value_new))
+
+        chunk = owner.chunk_size if q_len > 1 else 1
+        init = self._prefill_scores(query, key_new, nonpad, scaling) if q_len > 1 and chunk > 1 else None
+        outputs = []
+        for start in range(0, q_len, chunk):
+            stop = min(start + chunk, q_len)
+            outputs.append(
+                chunk_step(
+                    self,
+                    query[:, :, start:stop],
+                    key_new[:, :, start:stop],
+                    value_new[:, :, start:stop],
+                    None if nonpad is None else nonpad[:, start:stop],
+                    scaling,
+                    sliding_window,
+                    None if init is None else init[:, :, start:stop],
+                )
+            )
+        if q_len > 1:
+            self.shrink_to_budget()
+        self.fast = check_at_budget(self)
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # [B, Hq, q, D]
+        if order is not None:
+            out = torch.empty_like(out).scatter_(2, order[:, None, :, None].expand_as(out), out)
+        return out.transpose(1, 2).contiguous()
+
+    def _prefill_scores(self, query, key_new, nonpad, scaling):
+        """Let the policy rank a multi-token call before it is chunked (SnapKV); None for most.
+
+        Replaces the scores of the live old slots; returns the new tokens' ``[B, Hkv, n]``."""
+        policy = self.owner.policy
+        if not policy.evicts:
+            return None
+        n = query.shape[2]
+        real = nonpad.sum(-1) if nonpad is not None else torch.full((query.shape[0],), n, device=self.device)
+        ranked = policy.prefill_scores(query, key_new, self.keys, self.valid, real, scaling)
+        if ranked is None:
+            return None
+        old, new = ranked
+        self.score.copy_(old)
+        return new
+
+    # -- accounting ------------------------------------------------------------------------------
+    def kv_bytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def full_kv_bytes(self) -> int:
+        """What a plain cache would hold: every position seen, for every row and head."""
+        if not self.is_initialized:
+            return 0
+        b, h, _, d = self.keys.shape
+        return 2 * b * h * self.tokens_seen * d * self.keys.element_size()

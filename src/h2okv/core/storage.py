@@ -1,0 +1,110 @@
+"""Slot storage: one layer's buffers and the row operations on them.
+
+Per (sequence, KV head) a layer holds ``capacity`` slots: key and value vectors, the policy's
+score (float32), the token's ordinal among the real tokens of its sequence, and whether the slot
+is live. Per sequence (row) it holds the count of real tokens seen and the row's budget
+(``heavy``, ``recent``, protected ``sinks``). Attention does not depend on slot order, so slots
+can be reordered, cut or padded freely without changing any result.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# per-slot tensors [B, H, capacity(, D)] and per-row vectors [B]
+SLOT_TENSORS = ("keys", "values", "score", "ordinal", "valid")
+ROW_VECTORS = ("n_real", "heavy", "recent", "sinks")
+
+
+class SlotStorage:
+    """The buffers of one layer; ``SlotLayer`` adds the step on top."""
+
+    is_initialized: bool
+    peak_capacity: int
+
+    def init_buffers(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states.new_zeros((b, h, 0, d))
+        self.values = value_states.new_zeros((b, h, 0, value_states.shape[-1]))
+        self.score = torch.zeros((b, h, 0), dtype=torch.float32, device=self.device)
+        self.ordinal = torch.zeros((b, h, 0), dtype=torch.long, device=self.device)
+        self.valid = torch.zeros((b, h, 0), dtype=torch.bool, device=self.device)
+        self.n_real = torch.zeros((b,), dtype=torch.long, device=self.device)
+        # heavy/recent/sinks are set by the first forward call (the prompt fixes the budget)
+        self.heavy = self.recent = self.sinks = None
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def has_budget(self) -> bool:
+        return self.is_initialized and self.heavy is not None
+
+    def live_slots(self) -> torch.Tensor:
+        """``[B, H]`` live tokens per (sequence, head)."""
+        return self.valid.sum(-1) if self.is_initialized else torch.zeros(0, dtype=torch.long)
+
+    # -- capacity ------------------------------------------------------------------------------
+    def resize(self, capacity: int) -> None:
+        """Give every (sequence, head) exactly ``capacity`` slots.
+
+        Growing pads with free slots. Shrinking cuts the tail when no live slot lies there (the
+        usual case: nothing moves, so a row keeps exactly the layout it has alone, and with it
+        the eviction tie-breaks: bit-identical generations whether it runs alone or in a batch);
+        otherwise live slots move to the front first, in slot order.
+        """
+        current = self.capacity
+        if capacity == current:
+            return
+        if capacity > current:
+            for name in SLOT_TENSORS:
+                old = getattr(self, name)
+                shape = list(old.shape)
+                shape[2] = capacity
+                new = old.new_zeros(shape)  # zeros: valid=False, i.e. free slots
+                new[:, :, :current] = old
+                setattr(self, name, new)
+            self.peak_capacity = max(self.peak_capacity, capacity)
+            return
+        if not bool(self.valid[..., capacity:].any()):
+            for name in SLOT_TENSORS:
+                setattr(self, name, getattr(self, name)[:, :, :capacity].clone())  # clone: free the rest
+            return
+        live = int(self.valid.sum(-1).max())
+        if live > capacity:
+            raise RuntimeError(f"cannot fit {live} live slots into {capacity}")
+        order = torch.argsort((~self.valid).to(torch.int8), dim=-1, stable=True)[..., :capacity]
+        for name in SLOT_TENSORS:
+            tensor = getattr(self, name)
+            index = order if tensor.dim() == 3 else order[..., None].expand(-1, -1, -1, tensor.shape[-1])
+            setattr(self, name, tensor.gather(2, index))
+
+    # -- rows ------------------------------------------------------------------------------------
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` (in that order, repeats allowed): beam search, batch changes."""
+        if not self.is_initialized:
+            return
+        index = index.to(self.device)
+        for name in SLOT_TENSORS + ROW_VECTORS:
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, tensor.index_select(0, index))
+        self.rows_changed()
+
+    def append_rows(self, other: SlotStorage) -> None:
+        """Append ``other``'s rows after ours; both are brought to the larger capacity first."""
+        capacity = max(self.capacity, other.capacity)
+        self.resize(capacity)
+        other.resize(capacity)
+        for name in SLOT_TENSORS + ROW_VECTORS:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if (mine is None) != (theirs is None):
+                raise RuntimeError(f"cannot join a prefilled cache with one that has not run ({name})")
+            if mine is not None:
+                setattr(self, name, torch.cat([mine, theirs.to(self.device)]))
+        self.rows_changed()
+
+    def rows_changed(self) -> None:  # pragma: no cover - SlotLayer overrides
+        """Forget state derived from the previous set of rows."""

@@ -1,0 +1,65 @@
+"""Eviction policies, one small module each, and ``make_policy`` which builds one from its name.
+
+A name may carry options after a colon: ``snapkv:window=16`` (or ``snapkv:16`` for the first
+option). Every command that takes ``--policy``/``--policies`` accepts these names.
+"""
+
+from __future__ import annotations
+
+from ..errors import H2OError
+from .base import Budget, Policy
+from .full import FullPolicy
+from .h2o import H2OPolicy
+from .h2o_mean import H2OMeanPolicy
+from .h2o_sink import H2OSinkPolicy
+from .local import LocalPolicy
+from .random import RandomPolicy
+from .sink import SinkPolicy
+from .snapkv import SnapKVPolicy
+from .tova import TOVAPolicy
+
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (
+        FullPolicy, H2OPolicy, LocalPolicy, SinkPolicy, RandomPolicy,
+        TOVAPolicy, H2OSinkPolicy, H2OMeanPolicy, SnapKVPolicy,
+    )
+}
+
+
+def parse_policy_spec(spec: str) -> tuple[type[Policy], dict]:
+    """``"snapkv:window=16"`` -> (SnapKVPolicy, {"window": 16}); one-line errors for bad specs."""
+    name, _, rest = str(spec).strip().partition(":")
+    cls = POLICIES.get(name.strip())
+    if cls is None:
+        raise H2OError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    options: dict = {}
+    for i, part in enumerate(p.strip() for p in rest.split(",") if p.strip()) if rest else []:
+        key, eq, value = part.partition("=")
+        if not eq:  # positional: the policy's first option
+            if i or not cls.options:
+                raise H2OError(f"policy {name!r}: cannot read option {part!r}; write NAME=VALUE")
+            key, value = next(iter(cls.options)), part
+        key = key.strip()
+        if key not in cls.options:
+            raise H2OError(f"policy {name!r} has no option {key!r}" + (f"; it has {', '.join(cls.options)}" if cls.options else ""))
+        try:
+            options[key] = cls.options[key](value)
+        except ValueError:
+            raise H2OError(f"policy {name!r}: option {key}={value!r} is not a {cls.options[key].__name__}") from None
+    return cls, options
+
+
+def policy_class(spec: str) -> type[Policy]:
+    """The class behind a policy spec (e.g. to ask ``.evicts`` without building one)."""
+    return parse_policy_spec(spec)[0]
+
+
+def make_policy(spec: str | Policy, seed: int = 0, **options) -> Policy:
+    if isinstance(spec, Policy):
+        return spec
+    cls, parsed = parse_policy_spec(spec)
+    return cls(seed=seed, **{**parsed, **options})
+
+
+__all__ = ["Budget", "POLICIES", "Policy", "make_policy", "parse_policy_spec", "policy_class"]

@@ -1,0 +1,86 @@
+"""The policy interface: what an eviction policy decides, and nothing else.
+
+One mechanism (``h2okv.core``) serves every policy. It writes tokens into slots, runs attention,
+keeps each row's last ``recent`` tokens and its first ``sinks`` tokens out of reach, and frees the
+lowest-ranked candidates until the budget holds. A policy answers, in tensor ops over a whole
+layer:
+
+- ``split``: how a (heavy, recent) budget is used (the total is always kept);
+- ``sink_tokens``: how many first tokens of a sequence it protects (capped by the heavy part);
+- ``needs_scores`` / ``score_queries`` / ``accumulate``: whether attention must hand back the
+  probability mass each slot received, which queries of a chunk count, and how that mass
+  updates the per-slot score (summed, replaced by the last query's, ...);
+- ``eviction_key``: the rank of each slot (lower = evicted first);
+- ``prefill_scores``: optionally, scores for a whole prompt computed before it is chunked
+  (SnapKV's look-back window).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import H2OError
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Slots per (sequence, layer, KV head): ``heavy`` ranked by the policy plus ``recent`` kept always."""
+
+    heavy: int
+    recent: int
+
+    @property
+    def total(self) -> int:
+        return self.heavy + self.recent
+
+
+class Policy:
+    name: str = ""
+    #: whether the attention must produce per-slot probability mass (score-based policies); the
+    #: others can use the fused SDPA kernel
+    needs_scores: bool = False
+    #: ``full`` never evicts
+    evicts: bool = True
+    #: first tokens of a sequence that are never evicted (attention sinks); the core protects
+    #: ``min(sink_tokens, heavy)`` of them so a candidate always remains
+    sink_tokens: int = 0
+    #: which queries of a chunk add to the scores: "all" real queries, or only each row's "last"
+    score_queries: str = "all"
+    #: the options ``make_policy`` accepts for this policy (name -> type)
+    options: dict[str, type] = {}
+
+    def __init__(self, seed: int = 0, **options):
+        self.seed = seed
+        unknown = set(options) - set(self.options)
+        if unknown:
+            raise H2OError(f"policy {self.name!r} has no option {', '.join(sorted(unknown))}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec})"
+
+    @property
+    def spec(self) -> str:
+        """The name with its options, as ``make_policy`` parses it (e.g. ``snapkv:window=16``)."""
+        return self.name
+
+    def split(self, heavy: int, recent: int) -> Budget:
+        """How a (heavy, recent) budget is used by this policy; the total is always kept."""
+        return Budget(heavy, recent)
+
+    def accumulate(self, score: torch.Tensor, mass: torch.Tensor) -> None:
+        """Fold one step's (or chunk's) probability mass ``[B, H, cap]`` into ``score`` in place."""
+        score.add_(mass)
+
+    def eviction_key(self, score, ordinal, n_real, layer_idx: int = 0) -> torch.Tensor:
+        """Rank ``[B, H, cap]`` slots of one layer; the lowest candidates are evicted.
+
+        ``n_real`` is ``[B, 1, 1]``: real tokens of each sequence seen so far (this step's included).
+        """
+        raise NotImplementedError
+
+    def prefill_scores(self, query, key_new, old_keys, old_valid, new_real, scaling):
+        """Scores for a multi-token forward call, computed before it is chunked, or None (the
+        default: scores come from each chunk's attention). See ``snapkv.py``."""
+        return None

@@ -1,0 +1,11 @@
+"""``full``: keep every token (the reference every other policy is measured against)."""
+
+from .base import Policy
+
+
+class FullPolicy(Policy):
+    name = "full"
+    evicts = False
+
+    def eviction_key(self, score, ordinal, n_real, layer_idx=0):  # pragma: no cover - never asked
+        raise AssertionError("full never evicts")

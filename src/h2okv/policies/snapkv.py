@@ -1,0 +1,74 @@
+"""``snapkv`` (Li et al. 2024): the prompt's last ``window`` queries pick which prompt tokens stay.
+
+At the end of a prompt the question usually sits in its last tokens, and what those queries attend
+to is what the answer will need. So a multi-token forward call is ranked, before it is chunked,
+by the attention its last ``window`` real queries pay to every key they can see (each window
+query over the kept old slots and the call's own tokens up to itself: one ``[window x keys]``
+softmax per layer, never ``prompt x prompt``), smoothed over neighbouring positions with an
+average pool of ``kernel`` tokens as SnapKV does (a needle is several tokens). These scores are
+fixed before the first chunk runs, so evicting the lowest chunk by chunk keeps the same set as
+ranking once at the end. After the prompt, decode steps add their attention mass as in ``h2o``.
+
+A forward call of a single token is a decode step. ``chunk_size=1`` (token-by-token scoring,
+``eval ppl``) means "read as if decoded", so there is no prompt boundary and ``snapkv`` is ``h2o``
+there. When a prompt arrives in several forward calls (the server's prefill chunks), each call's
+window ranks the kept old slots and the call's tokens; the last call's window has the final say
+over everything still kept.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import H2OError
+from .h2o import H2OPolicy
+
+DEFAULT_WINDOW = 32
+DEFAULT_KERNEL = 7
+
+
+class SnapKVPolicy(H2OPolicy):
+    name = "snapkv"
+    options = {"window": int, "kernel": int}
+
+    def __init__(self, seed: int = 0, window: int = DEFAULT_WINDOW, kernel: int = DEFAULT_KERNEL, **options):
+        super().__init__(seed, **options)
+        if int(window) < 1:
+            raise H2OError(f"snapkv window must be >= 1, got {window}")
+        if int(kernel) < 1 or int(kernel) % 2 == 0:
+            raise H2OError(f"snapkv kernel must be an odd number >= 1, got {kernel}")
+        self.window, self.kernel = int(window), int(kernel)
+
+    @property
+    def spec(self) -> str:
+        return f"{self.name}:window={self.window},kernel={self.kernel}"
+
+    def prefill_scores(self, query, key_new, old_keys, old_valid, new_real, scaling):
+        """``(old [B, Hkv, cap], new [B, Hkv, n])``: the window's attention mass per slot / new token.
+
+        ``query`` ``[B, Hq, n, D]`` and ``key_new`` ``[B, Hkv, n, D]`` hold each row's real tokens
+        first; ``new_real`` ``[B]`` counts them; ``old_valid`` ``[B, Hkv, cap]`` marks live old slots.
+        """
+        b, hq, n, d = query.shape
+        hkv, cap = key_new.shape[1], old_keys.shape[2]
+        g = hq // hkv
+        w = min(self.window, n)
+        pos = new_real[:, None] - w + torch.arange(w, device=query.device)  # [B, w] query index
+        counts = pos >= 0  # rows shorter than the window have fewer window queries
+        pos = pos.clamp(min=0)
+        q = query.gather(2, pos[:, None, :, None].expand(b, hq, w, d)).reshape(b, hkv, g * w, d)
+        logits = torch.cat([q @ old_keys.transpose(-1, -2), q @ key_new.transpose(-1, -2)], dim=-1).float()
+        logits.mul_(scaling)
+        # old live slots, and the call's own tokens up to the query (causal; pads sit after it)
+        sees_new = torch.arange(n, device=query.device) <= pos[:, :, None]  # [B, w, n]
+        allowed = torch.cat([old_valid[:, :, None, :].expand(b, hkv, w, cap), sees_new[:, None].expand(b, hkv, w, n)], -1)
+        logits.view(b, hkv, g, w, cap + n).masked_fill_(~allowed[:, :, None], float("-inf"))
+        probs = torch.softmax(logits, dim=-1).view(b, hkv, g, w, cap + n)
+        mass = (probs * counts[:, None, None, :, None]).sum(dim=(2, 3))  # [B, Hkv, cap + n]
+        old, new = mass[..., :cap], mass[..., cap:]
+        if self.kernel > 1 and n > 1:
+            # neighbours in token order (the call's tokens are in order; old slots are not)
+            new = F.avg_pool1d(new.reshape(b * hkv, 1, n), self.kernel, stride=1, padding=self.kernel // 2,
+                               count_include_pad=False).view(b, hkv, n)
+        return old, new
