@@ -97,3 +97,20 @@ def test_bad_arguments_exit_2_before_loading(argv, capsys, monkeypatch):
     monkeypatch.setattr(h2okv.models, "load_model", no_load)
     assert main(argv) == 2
     assert capsys.readouterr().err.startswith("h2okv: error:")
+
+
+def test_drive_with_poisson_arrivals(tiny):
+    """Open-loop arrivals: every stream is well formed and the run lasts at least until the last arrival."""
+    import asyncio
+
+    from h2okv.serve import create_app, running_server
+    from h2okv.serve.loadgen import drive, poisson_arrivals
+
+    model, tok = tiny
+    arrivals = poisson_arrivals(6, rate=10.0, seed=3)
+    payloads = [{"model": "t", "prompt": [65 + i] * 8, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+                for i in range(6)]
+    with running_server(create_app(model, tok, model_name="t", prefill_chunk=16)) as url:
+        report = asyncio.run(drive(url, payloads, concurrency=6, arrivals=arrivals))
+    assert report.summary["ok"] == 6 and report.summary["completion_tokens"] == 24
+    assert report.wall_s >= arrivals[-1] > 0
