@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench-quick clean
+.PHONY: setup demo test lint bench-quick soak clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,10 @@ lint: setup
 
 bench-quick: setup
 	$(BIN)/h2okv bench --quick --json results/bench-quick.json
+
+# 150 s of 64 concurrent clients (valid, abandoned and malformed requests) against a real server process
+soak: setup
+	$(BIN)/python -m h2okv.serve.soak --duration 150 --clients 64 --json docs/results/soak.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -140,7 +140,12 @@ BAD_REQUESTS = [  # (body changes, status, param)
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": [100000]}, 400, "prompt"),
     ({"prompt": ["a", "b"]}, 400, "prompt"),
-    ({"n": 2}, 400, "n"),
+    ({"n": 0}, 400, "n"),
+    ({"n": 17}, 400, "n"),
+    ({"logprobs": 21}, 400, "logprobs"),
+    ({"logprobs": -1}, 400, "logprobs"),
+    ({"seed": 1 << 64}, 400, "seed"),
+    ({"stream_options": {"include_usage": True}}, 400, "stream_options"),  # without stream=true
     ({"temperature": 3}, 400, "temperature"),
     ({"h2o": {"policy": "nope"}}, 400, "h2o"),
     ({"h2o": {"heavy": 0, "recent": 4}}, 400, "h2o"),

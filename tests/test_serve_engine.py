@@ -59,10 +59,20 @@ CASES = [  # (prompt length, policy, heavy, recent, new tokens)
 ]
 
 
-def test_batched_greedy_equals_alone(engine, model_tok):
-    """Mixed lengths, budgets, policies and join times in one engine: every sequence's tokens equal
-    its tokens generated alone."""
-    model, _ = model_tok
+@pytest.mark.parametrize("schedule,step_tokens", [("budget", 3 * CHUNK), ("serial", CHUNK)])
+def test_batched_greedy_equals_alone(model_tok, schedule, step_tokens):
+    """Mixed lengths, budgets, policies and join times in one engine, with either prefill schedule:
+    every sequence's tokens equal its tokens generated alone (batch of one, model.generate)."""
+    model, tok = model_tok
+    engine = Engine(model, tok, prefill_chunk=CHUNK, max_batch=16, schedule=schedule, step_tokens=step_tokens)
+    engine.start()
+    try:
+        _check_batched_equals_alone(engine, model)
+    finally:
+        engine.stop()
+
+
+def _check_batched_equals_alone(engine, model):
     handles = []
     for i, (n, policy, heavy, recent, steps) in enumerate(CASES):
         req = GenerationRequest(prompt(n, i), steps, policy, heavy, recent, temperature=0.0, ignore_eos=True)
@@ -75,6 +85,56 @@ def test_batched_greedy_equals_alone(engine, model_tok):
         assert done.token_ids == alone(model, prompt(n, i), policy, heavy, recent, steps), (policy, n)
     assert engine.stats.batch_size_max >= 3  # really batched, not one at a time
     assert engine.stats.kv_bytes == 0 and engine.stats.running == 0
+
+
+@pytest.mark.parametrize("schedule", ["budget", "serial"])
+def test_prefill_schedules(model_tok, monkeypatch, schedule):
+    """A short prompt behind a long one: with the budget schedule it gets its first token after
+    ``long / step_tokens`` engine steps (several chunks per step, none over the budget, and at most one
+    half-prefilled cache at a time); with the serial schedule after ``long / chunk`` steps."""
+    model, tok = model_tok
+    step_tokens = 4 * CHUNK
+    eng = Engine(model, tok, prefill_chunk=CHUNK, schedule=schedule, step_tokens=step_tokens)
+    first_token_step, per_step, steps, partial = {}, [0], [0], []
+    advance, prefill, iteration = eng._advance, eng._prefill_step, eng._iteration
+
+    def record_advance(seq, logits):
+        if not seq.generated:
+            first_token_step[len(seq.request.prompt_ids)] = steps[0]
+        advance(seq, logits)
+
+    def record_prefill(seq):
+        start, stop = seq.chunks[seq.next_chunk]
+        per_step[-1] += stop - start
+        prefill(seq)
+        partial.append(sum(1 for s in eng._prefilling if s.cache is not None))
+
+    def record_iteration():
+        iteration()
+        per_step.append(0)
+        steps[0] += 1
+
+    monkeypatch.setattr(eng, "_advance", record_advance)
+    monkeypatch.setattr(eng, "_prefill_step", record_prefill)
+    monkeypatch.setattr(eng, "_iteration", record_iteration)
+    eng.start()
+    try:
+        long, short = eng.submit_many([
+            GenerationRequest(prompt(12 * CHUNK, 1), 3, "h2o", 4, 4, temperature=0.0, ignore_eos=True),
+            GenerationRequest(prompt(CHUNK // 2, 2), 3, "h2o", 4, 4, temperature=0.0, ignore_eos=True),
+        ])
+        for handle in (long, short):
+            assert handle.result_blocking()[1].finish_reason == "length"
+    finally:
+        eng.stop()
+    assert max(partial) <= 1
+    if schedule == "budget":
+        assert max(per_step) <= step_tokens
+        assert first_token_step[CHUNK // 2] - first_token_step[12 * CHUNK] <= 1
+        assert first_token_step[CHUNK // 2] <= 12 // 4 + 1
+    else:
+        assert max(per_step) <= CHUNK
+        assert first_token_step[CHUNK // 2] >= 12
 
 
 def test_decode_batch_rows_keep_their_state(model_tok):
@@ -249,6 +309,7 @@ def test_prefill_chunks_and_reservations():
     assert (h2o.slots, h2o.prefill_peak, h2o.prefill_extra) == (21, 36, 15)
     assert reservation(5, 3, 20, 16).slots == 8  # short request: its whole length, not the budget
     assert footprint_slots({"h2o": [h2o, reservation(100, 20, 40, 16)]}, [h2o]) == 2 * 41 + 15
+    assert footprint_slots({"h2o": [h2o, h2o]}, [h2o, h2o]) == 2 * 21 + 15  # one prompt prefills at a time
     assert kv_limit("64M") == 64 << 20 and kv_limit("1.5GiB") == int(1.5 * (1 << 30)) and kv_limit(None) is None
     for bad in ("x", "-1", "0", "nan"):
         with pytest.raises(ValueError):

@@ -46,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except H2OError as exc:
-        print(f"h2okv: error: {exc}", file=sys.stderr)
+        from .distributed import quiet_rank
+
+        if not quiet_rank():  # under torchrun, an error every rank meets alike is printed once
+            print(f"h2okv: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("h2okv: interrupted", file=sys.stderr)

@@ -65,7 +65,12 @@ def summary_line(stats: dict) -> str:
     mib = 1024 * 1024
     slots = max(stats["slots"]) if stats["slots"] else 0
     ratio = stats["kv_bytes"] / stats["full_kv_bytes"] if stats["full_kv_bytes"] else 0.0
-    return (
+    line = (
         f"[{stats['policy']}] tokens seen {stats['tokens_seen']}, slots kept {slots} per layer/head, "
         f"KV {stats['kv_bytes'] / mib:.2f} MiB vs full-cache {stats['full_kv_bytes'] / mib:.2f} MiB ({ratio:.1%})"
     )
+    ranks = stats.get("per_rank") or []
+    if len(ranks) > 1:  # tensor parallel (h2okv.distributed.gather_stats): the totals above are summed
+        each = ", ".join(f"{r['kv_bytes'] / mib:.2f}" for r in ranks)
+        line += f"; {len(ranks)} tensor-parallel ranks hold {each} MiB each"
+    return line

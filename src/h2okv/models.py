@@ -84,11 +84,37 @@ def _resolve_dtype(dtype, device):
 
 
 @functools.lru_cache(maxsize=4)
-def _load_cached(name: str, device: str, dtype_name: str, device_map: str | None):
-    return _load(name, device, dtype_name, device_map)
+def _load_cached(name: str, device: str, dtype_name: str, device_map: str | None, tp: int = 1):
+    return _load(name, device, dtype_name, device_map, tp)
 
 
-def _load(name, device, dtype, device_map):
+def _source(name) -> tuple[str, dict]:
+    """``(from_pretrained source, extra kwargs)`` for a model name, checking local paths exist."""
+    if name in (None, "", DEFAULT_MODEL):
+        return default_model_source(), {}
+    path = Path(name)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise H2OError(f"model file not found: {name}")
+        return str(path.parent), {"gguf_file": path.name}
+    if (name.startswith((".", "/", "~")) or os.sep in name and path.exists()) and not path.exists():
+        raise H2OError(f"model directory not found: {name}")
+    return name, {}
+
+
+def load_config(name: str | None = None):
+    """The model's ``transformers`` config alone (no weights): enough to check a setting early."""
+    from transformers import AutoConfig
+
+    source, extra = _source(name)
+    try:
+        return AutoConfig.from_pretrained(source, **extra)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise H2OError(f"cannot load model {name!r}: {first}") from None
+
+
+def _load(name, device, dtype, device_map, tp=1):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -96,24 +122,20 @@ def _load(name, device, dtype, device_map):
     kwargs = {"dtype": dtype}
     if device_map:
         kwargs["device_map"] = device_map
-    if name in (None, "", DEFAULT_MODEL):
-        source, extra = default_model_source(), {}
-    else:
-        source, extra = name, {}
-        path = Path(name)
-        if path.suffix == ".gguf":
-            if not path.is_file():
-                raise H2OError(f"model file not found: {name}")
-            source, extra = str(path.parent), {"gguf_file": path.name}
-        elif (name.startswith((".", "/", "~")) or os.sep in name and path.exists()) and not path.exists():
-            raise H2OError(f"model directory not found: {name}")
+    if tp > 1:
+        # every rank loads its slice of each layer (the model's tp plan); the process group is
+        # already up (h2okv.distributed), so transformers places the slice on this rank's device
+        from transformers.distributed import DistributedConfig
+
+        kwargs["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=tp)
+    source, extra = _source(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **extra)
         model = AutoModelForCausalLM.from_pretrained(source, **extra, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise H2OError(f"cannot load model {name!r}: {first}") from None
-    if not device_map:
+    if not device_map and tp == 1:
         model = model.to(device)
     model.eval()
     if tokenizer.pad_token is None:
@@ -124,9 +146,11 @@ def _load(name, device, dtype, device_map):
     return model, tokenizer
 
 
-def load_model(name: str | None = None, device: str = "cpu", dtype=None, device_map: str | None = None, cache=True):
+def load_model(name: str | None = None, device: str = "cpu", dtype=None, device_map: str | None = None, cache=True,
+               tp: int = 1):
     """Load ``(model, tokenizer)``. ``name``: None/"smollm2" for the embedded default, a HF id, a
-    directory, or a ``.gguf`` file. CPU defaults to float32, CUDA to bfloat16."""
+    directory, or a ``.gguf`` file. CPU defaults to float32, CUDA to bfloat16. ``tp > 1``: this
+    rank's tensor-parallel slice (call from a rank started by ``h2okv.distributed``)."""
     if device.startswith("cuda"):
         import torch
 
@@ -134,5 +158,5 @@ def load_model(name: str | None = None, device: str = "cpu", dtype=None, device_
             raise H2OError("--device cuda requested but no CUDA device is available")
     key_dtype = dtype if isinstance(dtype, str) or dtype is None else str(dtype).removeprefix("torch.")
     if cache:
-        return _load_cached(name or DEFAULT_MODEL, device, key_dtype or "auto", device_map)
-    return _load(name or DEFAULT_MODEL, device, key_dtype or "auto", device_map)
+        return _load_cached(name or DEFAULT_MODEL, device, key_dtype or "auto", device_map, tp)
+    return _load(name or DEFAULT_MODEL, device, key_dtype or "auto", device_map, tp)

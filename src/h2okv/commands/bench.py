@@ -10,6 +10,7 @@ import os
 import re
 from pathlib import Path
 
+from .. import distributed
 from ..errors import H2OError
 from .common import add_model_args, positive_int
 
@@ -78,6 +79,7 @@ def register(sub) -> None:
                    "scoring vs a plain forward (e.g. h2o,tova,h2o-sink,h2o-mean,snapkv)")
     p.add_argument("--scoring-tokens", type=positive_int, default=2048, help="tokens of the --policies scoring pass (default 2048)")
     p.add_argument("--scoring-repeats", type=positive_int, default=1, help="passes per policy in the --policies scoring study (default 1)")
+    distributed.add_tp_args(p)
     p.add_argument("--serve", nargs=argparse.REMAINDER, default=None, metavar="SERVE_BENCH_ARGS",
                    help="instead: the serving load generator (h2okv.serve.loadgen) with the `serve-bench` "
                    "arguments that follow, e.g. --serve --kv-memory 2GiB --policies full,h2o")
@@ -213,6 +215,12 @@ def run(args) -> int:
         return run_policies(args)
     cfg = config_from_args(args)
     cfg.validate()  # bad settings fail before the (slow) model load
+    if distributed.prepare(args) > 1:
+        # tensor parallel: decode step and per-rank KV bytes next to TP 1 (h2okv.bench.tp)
+        from ..bench.tp import run_on_rank
+
+        args.threads, _ = choose_threads(args.threads, args.device)
+        return distributed.run(args, run_on_rank)
     from ..bench import run_bench
     from ..bench.report import markdown, plot
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .. import distributed
 from ..cache import BudgetSpec
 from ..errors import H2OError
 from ..generate import budget_kwargs, generate, summary_line
@@ -21,6 +22,7 @@ def register(sub) -> None:
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     add_model_args(p)
     add_budget_args(p)
+    distributed.add_tp_args(p)
     p.set_defaults(func=run)
 
 
@@ -42,18 +44,29 @@ def read_prompt(args) -> str:
 
 
 def run(args) -> int:
-    prompt = read_prompt(args)
+    args.prompt_text = read_prompt(args)
     budget = budget_from_args(args)
-    # validate settings before the (slow) model load
+    # validate settings before the (slow) model load and before any rank starts
     BudgetSpec.build(make_policy(args.policy), **{k: budget[k] for k in ("heavy", "recent", "heavy_ratio", "recent_ratio")})
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    distributed.prepare(args)
+    return distributed.run(args, generate_on_rank)
+
+
+def generate_on_rank(args) -> int:
+    """The generation itself: in this process, or on every rank of a ``--tp`` run (all ranks
+    compute the same tokens; rank 0 prints)."""
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
+    stream = args.stream and distributed.is_main_rank()
     result = generate(
-        model, tokenizer, prompt, policy=args.policy, max_new_tokens=args.max_new_tokens,
-        chat=args.chat, stream=args.stream, chunk_size=args.chunk_size, **budget_kwargs(**budget),
+        model, tokenizer, args.prompt_text, policy=args.policy, max_new_tokens=args.max_new_tokens,
+        chat=args.chat, stream=stream, chunk_size=args.chunk_size, **budget_kwargs(**budget_from_args(args)),
     )
-    if not args.stream:
+    stats = distributed.gather_stats(result.stats)
+    if not distributed.is_main_rank():
+        return 0
+    if not stream:
         print(result.text)
     else:
         print()
-    print(summary_line(result.stats))
+    print(summary_line(stats))
     return 0

@@ -3,13 +3,40 @@ one run per policy at the same KV memory)."""
 
 from __future__ import annotations
 
+import os
+
+from .. import distributed
 from ..errors import H2OError
 from .common import add_budget_args, add_model_args, budget_from_args, check_policy, positive_int
+
+API_KEY_ENV = "H2OKV_API_KEY"
 
 
 def _add_max_batch(p, default: int) -> None:
     p.add_argument("--max-batch", type=positive_int, default=default,
                    help=f"most requests running at once (default: {default})")
+
+
+def _add_schedule(p) -> None:
+    p.add_argument("--schedule", choices=["budget", "serial"], default="budget",
+                   help="prefill scheduling: 'budget' prefills up to --step-tokens prompt tokens per engine "
+                        "step, oldest prompt first, several prompts per step; 'serial' runs one chunk of the "
+                        "oldest prompt per step (the original behaviour) (default: budget)")
+    p.add_argument("--step-tokens", type=positive_int, default=512,
+                   help="prompt tokens one engine step may prefill with --schedule budget: the most a decoding "
+                        "request waits between two tokens, in prefill work (default: 512)")
+
+
+def positive_float(text: str) -> float:
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
 
 
 def register(sub) -> None:
@@ -23,7 +50,19 @@ def register(sub) -> None:
                    help="KV-cache bytes for all running requests, e.g. 512M (default: no limit)")
     p.add_argument("--max-queue", type=int, default=256, help="requests that may wait; more get HTTP 429")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on every route but /health (default: the "
+                        f"{API_KEY_ENV} environment variable; neither: no key)")
+    p.add_argument("--request-timeout", type=positive_float, default=None,
+                   help="seconds a request may take from arrival; then it ends with finish_reason 'timeout' "
+                        "and the text so far (default: none)")
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=None,
+                   help="longer prompts get HTTP 400 (default: the model's context length - 1)")
+    p.add_argument("--drain-timeout", type=positive_float, default=30.0,
+                   help="on SIGTERM, seconds running requests get to finish before they are ended (default: 30)")
     _add_max_batch(p, 32)
+    _add_schedule(p)
+    distributed.add_tp_args(p, supported=False)  # not yet: rank 0 would have to drive the others' steps
     # a prefill chunk runs between two decode steps of everyone else: keep it short
     chunk = next(a for a in p._actions if a.dest == "chunk_size")
     chunk.default, chunk.help = 128, "prefill chunk length: one chunk per engine step (default: 128)"
@@ -31,18 +70,29 @@ def register(sub) -> None:
 
     b = sub.add_parser("serve-bench", help="throughput and latency of `serve` per policy at the same KV memory")
     add_model_args(b)
-    b.add_argument("--kv-memory", required=True, help="KV-cache bytes shared by running requests, e.g. 64M")
+    b.add_argument("--profile", choices=["prefill-heavy", "decode-heavy"], default="prefill-heavy",
+                   help="workload whose settings fill the options not given: prefill-heavy (16 requests, "
+                        "256-token prompts, 64 new tokens, 30M) or decode-heavy (32 requests, 128-token prompts, "
+                        "1024 new tokens, heavy 64 + recent 64, 256M) (default: prefill-heavy)")
+    b.add_argument("--kv-memory", default=None, help="KV-cache bytes shared by running requests, e.g. 64M")
     b.add_argument("--policies", default="full,h2o", help="comma-separated policies to compare (default: full,h2o)")
     b.add_argument("--heavy", type=int, default=None, help="heavy-hitter slots (evicting policies)")
     b.add_argument("--recent", type=int, default=None, help="recent slots (evicting policies)")
     b.add_argument("--heavy-ratio", type=float, default=None, help="heavy slots as a fraction of the prompt")
     b.add_argument("--recent-ratio", type=float, default=None, help="recent slots as a fraction of the prompt")
     b.add_argument("--chunk-size", type=positive_int, default=128, help="prefill chunk length: one chunk per engine step (default: 128)")
-    b.add_argument("--requests", type=positive_int, default=24)
-    b.add_argument("--concurrency", type=positive_int, default=24, help="clients in flight at once")
-    b.add_argument("--prompt-tokens", type=positive_int, default=256)
-    b.add_argument("--max-tokens", type=positive_int, default=32)
+    b.add_argument("--requests", type=positive_int, default=None)
+    b.add_argument("--concurrency", type=positive_int, default=None, help="clients in flight at once")
+    b.add_argument("--prompt-tokens", type=positive_int, default=None)
+    b.add_argument("--max-tokens", type=positive_int, default=None)
     b.add_argument("--json", default=None, help="write the results here")
+    b.add_argument("--schedules", default="budget",
+                   help="comma-separated prefill schedules to run for every policy: budget, serial (default: budget)")
+    b.add_argument("--step-tokens", type=positive_int, default=512,
+                   help="prompt tokens per engine step with the budget schedule (default: 512)")
+    b.add_argument("--arrival-rate", type=positive_float, default=None,
+                   help="Poisson arrivals at this many requests/s (default: all at once, --concurrency in flight)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the arrival times (default: 0)")
     _add_max_batch(b, 64)
     b.set_defaults(func=run_bench)
 
@@ -52,6 +102,8 @@ def run_serve(args) -> int:
     from ..serve import EvictionDefaults, create_app, serve_forever
     from ..serve.memory import kv_limit
 
+    if distributed.resolve_tp(args.tp) > 1:
+        raise H2OError("h2okv serve --tp is not supported yet (generate, eval ppl and bench are); serve with --tp 1")
     eviction = EvictionDefaults(policy=check_policy(args.policy), **budget_from_args(args))
     eviction.validate()  # before the (slow) model load
     kv_memory = kv_limit(args.kv_memory)
@@ -59,11 +111,15 @@ def run_serve(args) -> int:
         raise H2OError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 < args.port < 65536:
         raise H2OError(f"--port must be in 1..65535, got {args.port}")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if api_key is not None and not api_key.strip():
+        raise H2OError(f"--api-key / {API_KEY_ENV} must not be empty")
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     app = create_app(model, tokenizer, model_name=args.served_model_name or args.model or "smollm2",
                      eviction=eviction, kv_memory=kv_memory, max_batch=args.max_batch, max_queue=args.max_queue,
-                     prefill_chunk=args.chunk_size)
-    serve_forever(app, host=args.host, port=args.port, log_level=args.log_level)
+                     prefill_chunk=args.chunk_size, api_key=api_key, request_timeout=args.request_timeout,
+                     max_prompt_tokens=args.max_prompt_tokens, schedule=args.schedule, step_tokens=args.step_tokens)
+    serve_forever(app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout=args.drain_timeout)
     return 0
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from .. import distributed
 from ..attention import attention_modules
 from ..commands.common import add_model_args, positive_int
 from ..errors import H2OError
@@ -179,24 +180,36 @@ def register_eval(kinds) -> None:
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"cache budgets as fractions of --tokens (default: {DEFAULT_BUDGETS})")
     p.add_argument("--seed", type=int, default=0, help="seed of the random policy")
     add_threads_arg(p)
+    distributed.add_tp_args(p)
     p.add_argument("--json", default=None, help="write the rows as JSON to this file")
     p.add_argument("--plot", default=DEFAULT_PLOT, help=f"PNG of perplexity vs budget (default: {DEFAULT_PLOT})")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    policies = parse_policies(args.policies)
-    budgets = parse_budgets(args.budgets)
+    # settings are checked here, before the model load and before any rank starts
+    parse_policies(args.policies)
+    parse_budgets(args.budgets)
     if args.tokens < 2:
         raise H2OError("--tokens must be at least 2 (perplexity needs a token to predict)")
     check_output_paths(args.json, args.plot)
-    text, label = source_text(args)
+    args.loaded_text = source_text(args)  # read once, before the model load (and before ranks start)
+    distributed.prepare(args)
+    return distributed.run(args, score_on_rank)
+
+
+def score_on_rank(args) -> int:
+    """Load, score, report: in this process, or on every rank of a ``--tp`` run (rank 0 reports)."""
+    policies, budgets = parse_policies(args.policies), parse_budgets(args.budgets)
+    text, label = args.loaded_text
     apply_threads(args.threads)
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
     ids = text_segments(tokenizer, text, args.tokens, args.segments)
     start = time.perf_counter()
-    rows, full_ppl = ppl_grid(model, ids, policies, budgets, seed=args.seed)
+    rows, full_ppl = ppl_grid(model, ids, policies, budgets, seed=args.seed, progress=distributed.is_main_rank())
     total = time.perf_counter() - start
+    if not distributed.is_main_rank():
+        return 0
 
     print(f"Streaming perplexity, {args.segments} x {args.tokens} tokens of {label} (eviction after every token)")
     headers = ["policy", "budget", "slots", "ppl", "x full", "ppl after fill", "x full"]

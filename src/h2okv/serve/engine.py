@@ -1,12 +1,17 @@
 """The continuous-batching engine: one background thread owns the model and runs, per iteration,
 
-1. drop cancelled requests (their slots are free from this step on);
+1. drop cancelled requests and end the ones past their deadline (their slots are free from this
+   step on);
 2. admit waiting requests, in arrival order, while their KV reservation fits under ``kv_memory``
    (see ``memory.py``) and the batch has room;
-3. prefill one chunk of the oldest admitted request (alone, in its own batch-1 ``H2OCache``), so a
-   long prompt never stalls the others for more than one chunk; a finished prefill samples the
-   first token and joins the decode batch of its policy (``batch.py``);
-4. one decode step for every decode batch: each row feeds its last token at its own position.
+3. prefill: each request prefills alone, in chunks, in its own batch-1 ``H2OCache``. With
+   ``schedule="budget"`` (the default) the step spends up to ``step_tokens`` prompt tokens on the
+   oldest prompts, one after another, so several prompts can finish in one step and a long prompt
+   holds the ones behind it for ``len / step_tokens`` steps rather than ``len / chunk``;
+   ``schedule="serial"`` runs one chunk of the oldest only (the original behaviour, kept to compare).
+   A finished prefill samples the first token and joins the decode batch of its policy (``batch.py``);
+4. one decode step for every decode batch: each row feeds its last token at its own position. A
+   decode row therefore waits at most one step's prefill budget between two tokens.
 
 Each sequence keeps its own budget, policy settings and positions. Sequences with the same policy
 decode in one forward; different policies are different batches (the cache holds one policy).
@@ -49,10 +54,19 @@ class GenerationRequest:
     stops: list[str] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    top_logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the k likeliest
+    timeout: float | None = None  # seconds from submission; then it ends with finish_reason "timeout"
 
     @property
     def budget(self) -> int | None:
         return None if self.heavy is None else self.heavy + self.recent
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens at this step, likeliest first
 
 
 @dataclass
@@ -63,6 +77,7 @@ class Event:
     usage: dict | None = None
     error: APIError | None = None
     token_ids: list[int] | None = None  # "done": every generated id (EOS included)
+    logprobs: list[TokenLogprob] | None = None  # the tokens generated since the previous event
 
     @property
     def final(self) -> bool:
@@ -128,6 +143,11 @@ class Sequence:
         self.generator = make_generator(request.seed, engine.device)
         self.text = TextStream(engine.decode, request.stops)
         self.done = False
+        self.submitted = time.monotonic()
+        self.deadline = None if request.timeout is None else self.submitted + request.timeout
+        self.last_token_at: float | None = None
+        self.logprobs: list[TokenLogprob] = []  # not yet handed out
+        self.evicted_counted = 0  # tokens evicted so far, as already added to the engine's counter
 
     @property
     def tokens_fed(self) -> int:
@@ -147,14 +167,34 @@ class EngineStats:
     batch_size: int = 0
     batch_size_max: int = 0
     generated_tokens: int = 0
-    finished: dict = field(default_factory=lambda: {"completed": 0, "cancelled": 0, "failed": 0})
+    evicted_tokens: int = 0
+    draining: bool = False
+    finished: dict = field(default_factory=lambda: {"completed": 0, "cancelled": 0, "failed": 0, "timeout": 0})
+
+
+class Observer:
+    """Where the engine reports per-request latencies (``metrics.py`` turns them into histograms).
+    Called on the engine thread: implementations must be cheap and thread-safe."""
+
+    def queued(self, seconds: float) -> None: ...
+    def first_token(self, seconds: float) -> None: ...
+    def inter_token(self, seconds: float) -> None: ...
+
+
+SCHEDULES = ("budget", "serial")
 
 
 class Engine:
     def __init__(self, model, tokenizer, *, kv_memory: int | None = None, max_batch: int = 32,
-                 max_queue: int = 256, prefill_chunk: int = 128):
-        if max_batch < 1 or max_queue < 0 or prefill_chunk < 1:
-            raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue >= 0")
+                 max_queue: int = 256, prefill_chunk: int = 128, schedule: str = "budget",
+                 step_tokens: int = 512, observer: Observer | None = None):
+        if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or step_tokens < 1:
+            raise ValueError("max_batch, prefill_chunk and step_tokens must be >= 1, max_queue >= 0")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        self.schedule = schedule
+        self.step_tokens = step_tokens
+        self.observer = observer or Observer()
         self.model = model
         self.tokenizer = tokenizer
         self.device = model.device
@@ -174,7 +214,10 @@ class Engine:
         self._batches: dict[str, DecodeBatch] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._draining = False
+        self._busy = False
         self.stats = EngineStats()
+        self.queue_times: deque[float] = deque(maxlen=10_000)  # seconds waited by the latest admissions
 
     # -- client side (any thread) ----------------------------------------------------------------
     def decode(self, ids: list[int]) -> str:
@@ -184,8 +227,8 @@ class Engine:
     def reservation(self, request: GenerationRequest) -> Reservation:
         return reservation(len(request.prompt_ids), request.max_tokens, request.budget, self.prefill_chunk)
 
-    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> Handle:
-        """Queue a request; raises ``APIError`` (400 never fits, 429 queue full, 503 not running)."""
+    def check_fits(self, request: GenerationRequest) -> None:
+        """Raise a 400 ``APIError`` for a request that could never fit under ``kv_memory``."""
         res = self.reservation(request)
         need = (res.slots + res.prefill_extra) * self.slot_bytes
         if self.kv_memory is not None and need > self.kv_memory:
@@ -194,18 +237,33 @@ class Engine:
                 f"the server's --kv-memory {self.kv_memory}; lower max_tokens or use an evicting policy",
                 param="max_tokens", code="kv_memory_exceeded",
             )
-        handle = Handle(self, loop)
-        seq = Sequence(request, handle, res, self)
+
+    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> Handle:
+        """Queue a request; raises ``APIError`` (400 never fits, 429 queue full, 503 not running or
+        draining)."""
+        self.check_fits(request)
+        return self.submit_many([request], loop)[0]
+
+    def submit_many(self, requests: list[GenerationRequest], loop: asyncio.AbstractEventLoop | None = None,
+                    ) -> list[Handle]:
+        """Queue several requests (the ``n`` choices of one API call) all or none."""
+        for request in requests:
+            self.check_fits(request)
+        seqs = []
+        for request in requests:
+            seqs.append(Sequence(request, Handle(self, loop), self.reservation(request), self))
         with self._cond:
+            if self._draining:
+                raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
             if self._stopping or self._thread is None:
                 raise APIError(503, "the engine is not running", type="server_error", code="engine_stopped")
-            if len(self._waiting) >= self.max_queue:
+            if len(self._waiting) + len(seqs) > self.max_queue:
                 raise APIError(429, f"server busy: {len(self._waiting)} requests already waiting (--max-queue)",
                                type="rate_limit_error", code="queue_full")
-            self._waiting.append(seq)
+            self._waiting.extend(seqs)
             self.stats.waiting = len(self._waiting)
             self._cond.notify()
-        return handle
+        return [seq.handle for seq in seqs]
 
     def wake(self) -> None:
         with self._cond:
@@ -218,6 +276,18 @@ class Engine:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="h2okv-engine", daemon=True)
         self._thread.start()
+
+    def drain(self) -> None:
+        """Stop admitting: new submissions get 503; what was submitted runs to its end."""
+        with self._cond:
+            self._draining = True
+            self.stats.draining = True
+
+    def idle(self) -> bool:
+        """Nothing waiting or running (published at the end of each engine iteration)."""
+        with self._cond:
+            waiting = len(self._waiting)
+        return waiting == 0 and self.stats.running == 0 and not self._busy
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
@@ -241,6 +311,7 @@ class Engine:
                     if not (self._waiting or self._prefilling or any(len(b) for b in self._batches.values())):
                         self._cond.wait(timeout=0.5)
                         continue
+                self._busy = True
                 try:
                     self._iteration()
                 except Exception:  # a bug in the bookkeeping: fail what is running, keep serving
@@ -249,13 +320,17 @@ class Engine:
                         self._fail(seq, "internal error in the engine")
                     self._prefilling, self._batches = [], {}
                 self._publish()
+                self._busy = False
             self._shutdown()
 
     def _iteration(self) -> None:
         self._drop_cancelled()
+        self._end_expired()
         self._admit()
-        if self._prefilling:
+        if self._schedule_serial():
             self._prefill_step(self._prefilling[0])
+        elif self._prefilling:
+            self._prefill_budget()
         decoded = 0
         for batch in list(self._batches.values()):
             if len(batch):
@@ -281,6 +356,41 @@ class Engine:
                     self._finish(seq, Event("cancelled"), "cancelled")
             self._compact(batch)
 
+    def _schedule_serial(self) -> bool:
+        return self.schedule == "serial" and bool(self._prefilling)
+
+    def _prefill_budget(self) -> None:
+        """Up to ``step_tokens`` prompt tokens this step (always at least one chunk), oldest prompt
+        first, each to its end before the next starts. Finishing one prompt before starting another
+        means at most one request holds a half-prefilled cache (its prefill overshoot) at any time,
+        so admission counts that overshoot once, as with the serial schedule, and admits as many."""
+        spent = 0
+        for _ in range(self.step_tokens):  # bounded: every pass prefills one chunk or returns
+            if not self._prefilling:
+                return
+            seq = self._prefilling[0]
+            start, stop = seq.chunks[seq.next_chunk]
+            if spent and spent + (stop - start) > self.step_tokens:
+                return
+            self._prefill_step(seq)
+            spent += stop - start
+
+    def _end_expired(self) -> None:
+        """Requests past their deadline end now, with what they generated so far."""
+        now = time.monotonic()
+        with self._cond:
+            expired = [s for s in self._waiting if s.deadline is not None and now > s.deadline]
+            for seq in expired:
+                self._waiting.remove(seq)
+        expired += [s for s in self._active() if s.deadline is not None and now > s.deadline]
+        for seq in expired:
+            if seq in self._prefilling:
+                self._prefilling.remove(seq)
+            self._complete(seq, seq.text.flush(), "timeout", outcome="timeout")
+        if expired:
+            for batch in self._batches.values():
+                self._compact(batch)
+
     def _admit(self) -> None:
         with self._cond:
             while self._waiting:
@@ -289,6 +399,9 @@ class Engine:
                     break
                 self._waiting.popleft()
                 self._prefilling.append(seq)
+                waited = time.monotonic() - seq.submitted
+                self.queue_times.append(waited)
+                self.observer.queued(waited)
 
     def _fits(self, candidate: Sequence) -> bool:
         if self.kv_memory is None:
@@ -363,6 +476,14 @@ class Engine:
         token = sample(logits, req.temperature, req.top_p, seq.generator)
         seq.generated.append(token)
         self.stats.generated_tokens += 1
+        now = time.monotonic()
+        if seq.last_token_at is None:
+            self.observer.first_token(now - seq.submitted)
+        else:
+            self.observer.inter_token(now - seq.last_token_at)
+        seq.last_token_at = now
+        if req.top_logprobs is not None:
+            seq.logprobs.append(_logprob_of(logits, token, req.top_logprobs))
         if token in self.eos_ids and not req.ignore_eos:
             self._complete(seq, seq.text.flush(), "stop")
             return
@@ -372,14 +493,15 @@ class Engine:
         elif len(seq.generated) >= req.max_tokens:
             self._complete(seq, piece + seq.text.flush(), "length")
         elif piece:
-            seq.handle.push(Event("text", piece))
+            seq.handle.push(Event("text", piece, logprobs=_take(seq)))
 
-    def _complete(self, seq: Sequence, text: str, reason: str) -> None:
+    def _complete(self, seq: Sequence, text: str, reason: str, outcome: str = "completed") -> None:
         prompt = len(seq.request.prompt_ids)
         usage = {"prompt_tokens": prompt, "completion_tokens": len(seq.generated),
                  "total_tokens": prompt + len(seq.generated)}
-        done = Event("done", text, finish_reason=reason, usage=usage, token_ids=list(seq.generated))
-        self._finish(seq, done, "completed")
+        done = Event("done", text, finish_reason=reason, usage=usage, token_ids=list(seq.generated),
+                     logprobs=_take(seq))
+        self._finish(seq, done, outcome)
 
     def _fail(self, seq: Sequence, message: str, status: int = 500) -> None:
         error = APIError(status, message, type="server_error" if status >= 500 else "invalid_request_error")
@@ -403,6 +525,11 @@ class Engine:
             s.waiting = len(self._waiting)
         s.kv_bytes = kv
         s.kv_bytes_peak = max(s.kv_bytes_peak, kv)
+        for seq in active:  # an evicting cache holds its budget; every token fed beyond it was evicted
+            budget = seq.request.budget
+            evicted = 0 if budget is None else max(0, seq.tokens_fed - budget)
+            s.evicted_tokens += evicted - seq.evicted_counted
+            seq.evicted_counted = evicted
         s.full_kv_bytes = sum(seq.tokens_fed for seq in active) * self.slot_bytes
         s.reserved_bytes = self._footprint() * self.slot_bytes if active else 0
 
@@ -414,6 +541,23 @@ class Engine:
             self._fail(seq, "the server is shutting down", status=503)
         self._prefilling, self._batches = [], {}
         self._publish()
+
+
+def _logprob_of(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """Log-probabilities under the model's distribution (before temperature and top-p, as OpenAI's)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = []
+    if k:
+        values, ids = logp.topk(k)
+        top = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token, float(logp[token]), top)
+
+
+def _take(seq: Sequence) -> list[TokenLogprob] | None:
+    if seq.request.top_logprobs is None:
+        return None
+    taken, seq.logprobs = seq.logprobs, []
+    return taken
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

@@ -4,7 +4,13 @@
 (each event is ``data: <json>``, a ``finish_reason`` arrives, the usage chunk agrees with the text
 chunks, ``[DONE]`` ends it). ``bench`` serves the same model in-process once per policy at the same
 ``--kv-memory`` and drives each with the same prompts, so the only difference is how much KV memory a
-request holds, hence how many run at once.
+request holds, hence how many run at once. ``--schedules budget,serial`` repeats every policy under
+both prefill schedules; ``--arrival-rate`` sends requests at Poisson arrival times instead of all at
+once.
+
+Two profiles (``--profile``): ``prefill-heavy`` (long prompts, few new tokens: the workload of the
+first serve-bench) and ``decode-heavy`` (short prompts, long generations: the paper's dialogue and
+story-writing setting, where the KV cache grows with every generated token).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +40,7 @@ class RequestResult:
     finish_reason: str | None = None
     error: str | None = None
     events: int = 0
+    gaps_s: list[float] = field(default_factory=list)  # between consecutive text chunks (inter-token latency)
 
 
 @dataclass
@@ -57,6 +65,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, payload: dict) 
     result = RequestResult(ok=False, latency_s=0.0)
     body = {**payload, "stream": True, "stream_options": {"include_usage": True}}
     texts, usage, done = [], None, False
+    last_text_at = None
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -82,8 +91,12 @@ async def stream_completion(client: httpx.AsyncClient, url: str, payload: dict) 
                     usage = event["usage"]
                 for choice in event.get("choices", []):
                     if choice.get("text"):
+                        now = time.perf_counter()
                         if result.ttft_s is None:
-                            result.ttft_s = time.perf_counter() - start
+                            result.ttft_s = now - start
+                        else:
+                            result.gaps_s.append(now - last_text_at)
+                        last_text_at = now
                         texts.append(choice["text"])
                     if choice.get("finish_reason"):
                         result.finish_reason = choice["finish_reason"]
@@ -103,18 +116,33 @@ async def stream_completion(client: httpx.AsyncClient, url: str, payload: dict) 
     return result
 
 
-async def drive(base_url: str, payloads: list[dict], concurrency: int, timeout: float = 600.0) -> LoadReport:
-    """Send ``payloads`` as streaming completions, at most ``concurrency`` in flight."""
+def poisson_arrivals(count: int, rate: float, seed: int = 0) -> list[float]:
+    """Start times (seconds from 0) of ``count`` requests arriving as a Poisson process of ``rate``/s."""
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    for _ in range(count):
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+async def drive(base_url: str, payloads: list[dict], concurrency: int, timeout: float = 3600.0,
+                arrivals: list[float] | None = None) -> LoadReport:
+    """Send ``payloads`` as streaming completions, at most ``concurrency`` in flight; with
+    ``arrivals``, request ``i`` is sent no earlier than ``arrivals[i]`` seconds after the start (its
+    latencies count from then)."""
     limit = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
 
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        async def one(payload):
+        async def one(i, payload):
+            if arrivals is not None:
+                await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
             async with limit:
                 return await stream_completion(client, base_url, payload)
 
         start = time.perf_counter()
-        results = await asyncio.gather(*(one(p) for p in payloads))
+        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(payloads)))
         wall = time.perf_counter() - start
     return LoadReport(list(results), wall, summarize(list(results), wall))
 
@@ -123,6 +151,7 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
     ok = [r for r in results if r.ok]
     latencies = [r.latency_s for r in ok]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    gaps = [g for r in ok for g in r.gaps_s]
     tokens = sum(r.completion_tokens for r in ok)
     return {
         "requests": len(results),
@@ -136,11 +165,13 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
         "latency_p95_s": _round(percentile(latencies, 0.95)),
         "ttft_p50_s": _round(percentile(ttfts, 0.5)),
         "ttft_p95_s": _round(percentile(ttfts, 0.95)),
+        "itl_p50_s": _round(percentile(gaps, 0.5), 4),
+        "itl_p95_s": _round(percentile(gaps, 0.95), 4),
     }
 
 
-def _round(value):
-    return None if value is None else round(value, 3)
+def _round(value, digits: int = 3):
+    return None if value is None else round(value, digits)
 
 
 def scrape(base_url: str) -> dict[str, float]:
@@ -167,8 +198,10 @@ def hamlet_prompts(tokenizer, count: int, tokens: int) -> list[list[int]]:
 
 def bench(model, tokenizer, *, policies: list[str], kv_memory: int, requests: int, concurrency: int,
           prompt_tokens: int, max_tokens: int, budget: dict | None = None, prefill_chunk: int = 128,
-          max_batch: int = 64, model_name: str = "bench", progress=print) -> dict:
-    """Serve ``model`` once per policy at the same ``kv_memory``; drive each with the same prompts."""
+          max_batch: int = 64, model_name: str = "bench", schedules: tuple[str, ...] = ("budget",),
+          step_tokens: int = 512, arrival_rate: float | None = None, seed: int = 0, progress=print) -> dict:
+    """Serve ``model`` once per (schedule, policy) at the same ``kv_memory``; drive each with the same
+    prompts (and arrival times)."""
     from ..policies import make_policy
     from .app import EvictionDefaults, create_app
     from .server import running_server
@@ -176,39 +209,71 @@ def bench(model, tokenizer, *, policies: list[str], kv_memory: int, requests: in
     prompts = hamlet_prompts(tokenizer, requests, prompt_tokens)
     payloads = [{"model": model_name, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
                  "ignore_eos": True} for p in prompts]
+    arrivals = None if arrival_rate is None else poisson_arrivals(requests, arrival_rate, seed)
     rows = []
-    for policy in policies:
-        evicts = make_policy(policy).evicts
-        eviction = EvictionDefaults(policy=policy, **((budget or {}) if evicts else {}))
-        app = create_app(model, tokenizer, model_name=model_name, eviction=eviction, kv_memory=kv_memory,
-                         max_batch=max_batch, max_queue=max(256, requests), prefill_chunk=prefill_chunk)
-        engine = app.state.engine
-        load_before = os.getloadavg()[0]
-        with running_server(app) as url:
-            report = asyncio.run(drive(url, payloads, concurrency))
-            after = scrape(url)
-        probe = engine.reservation(_probe_request(payloads[0], eviction, engine))
-        row = {
-            "policy": policy,
-            **report.summary,
-            "max_concurrent_batch": int(after["h2okv_batch_size_max"]),
-            "kv_slots_per_request": probe.slots,
-            "kv_bytes_per_request": probe.slots * engine.slot_bytes,
-            "kv_bytes_peak": int(after["h2okv_kv_bytes_peak"]),
-            "kv_bytes_in_use_after": int(after["h2okv_kv_bytes_in_use"]),
-            # the machine may be shared: 1-minute load averages around the run, for context
-            "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        }
-        rows.append(row)
-        progress(format_row(row))
+    for schedule in schedules:
+        for policy in policies:
+            evicts = make_policy(policy).evicts
+            eviction = EvictionDefaults(policy=policy, **((budget or {}) if evicts else {}))
+            app = create_app(model, tokenizer, model_name=model_name, eviction=eviction, kv_memory=kv_memory,
+                             max_batch=max_batch, max_queue=max(256, requests), prefill_chunk=prefill_chunk,
+                             schedule=schedule, step_tokens=step_tokens)
+            engine = app.state.engine
+            load_before = os.getloadavg()[0]
+            with running_server(app) as url:
+                report = asyncio.run(drive(url, payloads, concurrency, arrivals=arrivals))
+                after = scrape(url)
+            probe = engine.reservation(_probe_request(payloads[0], eviction, engine))
+            queued = list(engine.queue_times)
+            row = {
+                "policy": policy,
+                "schedule": schedule,
+                **report.summary,
+                "queue_p50_s": _round(percentile(queued, 0.5)),
+                "queue_p95_s": _round(percentile(queued, 0.95)),
+                "max_concurrent_batch": int(after["h2okv_batch_size_max"]),
+                "kv_slots_per_request": probe.slots,
+                "kv_bytes_per_request": probe.slots * engine.slot_bytes,
+                "kv_bytes_peak": int(after["h2okv_kv_bytes_peak"]),
+                "kv_bytes_in_use_after": int(after["h2okv_kv_bytes_in_use"]),
+                "evicted_tokens": int(after["h2okv_evicted_tokens_total"]),
+                # the machine may be shared: 1-minute load averages around the run, for context
+                "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+            }
+            rows.append(row)
+            progress(format_row(row))
     return {
         "config": {"kv_memory": kv_memory, "requests": requests, "concurrency": concurrency,
                    "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "budget": budget or {},
-                   "prefill_chunk": prefill_chunk, "max_batch": max_batch,
+                   "prefill_chunk": prefill_chunk, "max_batch": max_batch, "schedules": list(schedules),
+                   "step_tokens": step_tokens, "arrival_rate": arrival_rate, "seed": seed,
                    "bytes_per_token": app.state.engine.slot_bytes, "device": str(model.device),
+                   "dtype": str(model.dtype).removeprefix("torch."),
                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()},
         "results": rows,
+        "summary": ratios(rows),
     }
+
+
+def ratios(rows: list[dict]) -> dict:
+    """The comparisons the targets are stated in, from rows of the same run: h2o against full per
+    schedule (first schedule also as the top-level ``h2o_vs_full_tokens_per_s``), and per policy
+    the serial schedule's TTFT p95 over the budget schedule's."""
+    by = {(r["schedule"], r["policy"]): r for r in rows}
+    out: dict = {}
+    for schedule in dict.fromkeys(r["schedule"] for r in rows):
+        h2o, full = by.get((schedule, "h2o")), by.get((schedule, "full"))
+        if h2o and full and full["tokens_per_s"] and h2o["tokens_per_s"]:
+            tokens = round(h2o["tokens_per_s"] / full["tokens_per_s"], 3)
+            out.setdefault("h2o_vs_full_tokens_per_s", tokens)
+            out[f"{schedule}/h2o_vs_full_tokens_per_s"] = tokens
+            if h2o["itl_p95_s"] and full["itl_p95_s"]:
+                out[f"{schedule}/full_vs_h2o_itl_p95"] = round(full["itl_p95_s"] / h2o["itl_p95_s"], 3)
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        serial, budget = by.get(("serial", policy)), by.get(("budget", policy))
+        if serial and budget and serial["ttft_p95_s"] and budget["ttft_p95_s"]:
+            out[f"{policy}/ttft_p95_serial_over_budget"] = round(serial["ttft_p95_s"] / budget["ttft_p95_s"], 3)
+    return out
 
 
 def _probe_request(payload, eviction, engine):
@@ -220,22 +285,46 @@ def _probe_request(payload, eviction, engine):
 
 
 def format_row(row: dict) -> str:
-    return (f"{row['policy']:>6}: {row['ok']}/{row['requests']} ok, {row['requests_per_s']} req/s, "
-            f"{row['tokens_per_s']} tok/s, latency p50 {row['latency_p50_s']} s p95 {row['latency_p95_s']} s, "
+    return (f"{row['policy']:>6} ({row['schedule']}): {row['ok']}/{row['requests']} ok, {row['requests_per_s']} req/s, "
+            f"{row['tokens_per_s']} tok/s, TTFT p50 {row['ttft_p50_s']} s p95 {row['ttft_p95_s']} s, "
+            f"ITL p50 {row['itl_p50_s']} s p95 {row['itl_p95_s']} s, queue p95 {row['queue_p95_s']} s, "
             f"max batch {row['max_concurrent_batch']}, KV/request {row['kv_bytes_per_request'] / 2**20:.2f} MiB, "
             f"peak KV {row['kv_bytes_peak'] / 2**20:.2f} MiB")
 
 
 def bench_command(args) -> str:
     """The command line that reproduces this run (from the parsed arguments, not ``sys.argv``)."""
-    parts = ["h2okv serve-bench", f"--kv-memory {args.kv_memory}", f"--policies {args.policies}",
+    parts = ["h2okv serve-bench", f"--profile {args.profile}", f"--kv-memory {args.kv_memory}",
+             f"--policies {args.policies}", f"--schedules {args.schedules}",
              f"--requests {args.requests}", f"--concurrency {args.concurrency}",
              f"--prompt-tokens {args.prompt_tokens}", f"--max-tokens {args.max_tokens}",
-             f"--chunk-size {args.chunk_size}", f"--max-batch {args.max_batch}"]
-    for name in ("heavy", "recent", "heavy_ratio", "recent_ratio", "model", "json"):
+             f"--chunk-size {args.chunk_size}", f"--step-tokens {args.step_tokens}", f"--max-batch {args.max_batch}"]
+    for name in ("heavy", "recent", "heavy_ratio", "recent_ratio", "arrival_rate", "model", "device", "dtype",
+                 "json"):
         if getattr(args, name, None) is not None:
             parts.append(f"--{name.replace('_', '-')} {getattr(args, name)}")
     return " ".join(parts)
+
+
+# what --profile fills in for the options not given on the command line
+PROFILES = {
+    # the first serve-bench: 256-token prompts, 64 new tokens; budget 10% + 10% of the prompt
+    "prefill-heavy": {"kv_memory": "30M", "requests": 16, "concurrency": 16, "prompt_tokens": 256, "max_tokens": 64},
+    # the issue's example: long generations from short prompts, a fixed 64 + 64 budget
+    "decode-heavy": {"kv_memory": "256M", "requests": 32, "concurrency": 32, "prompt_tokens": 128,
+                     "max_tokens": 1024, "heavy": 64, "recent": 64},
+}
+
+
+def apply_profile(args) -> None:
+    """Fill the options left unset (None) from ``args.profile``; explicit options win (any budget
+    option given replaces the profile's whole budget)."""
+    budget_given = any(getattr(args, k, None) is not None for k in ("heavy", "recent", "heavy_ratio", "recent_ratio"))
+    for name, value in PROFILES[args.profile].items():
+        if name in ("heavy", "recent") and budget_given:
+            continue
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
 
 
 def run(args) -> int:
@@ -243,11 +332,17 @@ def run(args) -> int:
     from ..models import load_model
     from ..policies import make_policy
     from .app import EvictionDefaults
+    from .engine import SCHEDULES
     from .memory import kv_limit
 
+    apply_profile(args)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise H2OError("--policies needs at least one policy")
+    schedules = tuple(dict.fromkeys(s.strip() for s in args.schedules.split(",") if s.strip()))
+    bad = [s for s in schedules if s not in SCHEDULES]
+    if bad or not schedules:
+        raise H2OError(f"--schedules takes a comma-separated list of {', '.join(SCHEDULES)}, got {args.schedules!r}")
     budget = {k: getattr(args, k) for k in ("heavy", "recent", "heavy_ratio", "recent_ratio")
               if getattr(args, k, None) is not None}
     for policy in policies:  # validate before the slow model load
@@ -259,7 +354,8 @@ def run(args) -> int:
     result = bench(model, tokenizer, policies=policies, kv_memory=kv_memory, requests=args.requests,
                    concurrency=args.concurrency, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                    budget=budget, prefill_chunk=args.chunk_size, max_batch=args.max_batch,
-                   model_name=args.model or "smollm2")
+                   model_name=args.model or "smollm2", schedules=schedules, step_tokens=args.step_tokens,
+                   arrival_rate=args.arrival_rate, seed=args.seed)
     result["command"] = bench_command(args)
     if args.json:
         path = Path(args.json)

@@ -9,7 +9,8 @@ of the model (measured once, see ``bytes_per_slot``). A request holds:
   written before the eviction that follows it.
 
 Rows of one decode batch share a capacity (the largest reservation among them), so a batch costs
-``rows * max(slots)``; only one request prefills at a time, so the prefill overshoot counts once.
+``rows * max(slots)``; both prefill schedules finish one prompt before starting the next, so only one
+request holds a half-prefilled cache at a time and the prefill overshoot counts once (the largest).
 The engine admits a request only if that total, with the request added, stays under ``--kv-memory``.
 """
 

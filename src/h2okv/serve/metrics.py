@@ -1,18 +1,37 @@
 """Prometheus metrics of one server instance, in its own registry (several apps can live in one process:
-tests, ``serve-bench``). Engine figures are read from the engine's counters at scrape time, so the
-engine thread never touches prometheus objects."""
+tests, ``serve-bench``). Engine figures are read from the engine's counters at scrape time; the only
+prometheus objects the engine thread touches are the latency histograms (``observe`` is a cheap,
+thread-safe add), through the ``Observer`` interface."""
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+import threading
+import time
+from collections import deque
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .engine import Engine
+from .engine import Engine, Observer
+
+# seconds; CPU decode steps run from milliseconds (tiny batches) to seconds (big prefills)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+RATE_WINDOW_S = 10.0  # evictions per second are averaged over this window of scrapes
 
 
 class _EngineCollector:
     def __init__(self, engine: Engine):
         self.engine = engine
+        self._lock = threading.Lock()
+        self._evictions: deque[tuple[float, int]] = deque(maxlen=256)  # (time, counter) at each scrape
+
+    def eviction_rate(self, now: float, total: int) -> float:
+        with self._lock:
+            self._evictions.append((now, total))
+            while len(self._evictions) > 2 and now - self._evictions[1][0] >= RATE_WINDOW_S:
+                self._evictions.popleft()
+            then, before = self._evictions[0]
+        return (total - before) / (now - then) if now > then else 0.0
 
     def collect(self):
         s = self.engine.stats
@@ -27,10 +46,16 @@ class _EngineCollector:
             ("h2okv_kv_bytes_limit", "The --kv-memory limit (0: none)", self.engine.kv_memory or 0),
             ("h2okv_batch_size", "Sequences decoded in the last engine iteration", s.batch_size),
             ("h2okv_batch_size_max", "Most sequences decoded in one engine iteration", s.batch_size_max),
+            ("h2okv_draining", "1 while the server drains for shutdown (new requests get 503)", int(s.draining)),
+            ("h2okv_evictions_per_second", f"Tokens evicted per second, over the last ~{RATE_WINDOW_S:g} s of "
+             "scrapes (the counter h2okv_evicted_tokens_total gives exact rates)",
+             self.eviction_rate(time.monotonic(), s.evicted_tokens)),
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("h2okv_generated_tokens", "Tokens generated", value=s.generated_tokens)
+        yield CounterMetricFamily("h2okv_evicted_tokens", "Tokens evicted from running requests' caches",
+                                  value=s.evicted_tokens)
         finished = CounterMetricFamily("h2okv_requests_finished", "Requests that left the engine",
                                        labels=["outcome"])
         for outcome, count in sorted(s.finished.items()):
@@ -38,12 +63,28 @@ class _EngineCollector:
         yield finished
 
 
-class ServeMetrics:
+class ServeMetrics(Observer):
     def __init__(self, engine: Engine):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
         self.http_errors = Counter("h2okv_http_errors", "Requests answered with an error status",
                                    ["status"], registry=self.registry)
+        self.queue_time = Histogram("h2okv_queue_seconds", "From submission to admission into the batch",
+                                    buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = Histogram("h2okv_time_to_first_token_seconds", "From submission to the first generated token",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("h2okv_inter_token_latency_seconds", "Between two generated tokens of one request",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    # Observer (engine thread)
+    def queued(self, seconds: float) -> None:
+        self.queue_time.observe(seconds)
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,13 +1,14 @@
 """Request bodies of the OpenAI-compatible API (pydantic) and the OpenAI error format.
 
 Unknown top-level fields are ignored, as OpenAI-compatible servers commonly do; fields we accept
-but cannot honour (``n > 1``, ``logprobs``, ``echo``, ...) are rejected with a 400 instead of being
-silently dropped. The one extension is ``"h2o"``: per-request eviction settings.
+but cannot honour (``echo``, penalties, ``logit_bias``, tools...) are rejected with a 400 instead of
+being silently dropped. The extensions are ``"h2o"`` (per-request eviction settings) and
+``ignore_eos`` (as in vLLM).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -42,7 +43,12 @@ class H2OSettings(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
     include_usage: bool = False
+
+MAX_N = 16  # choices per request: each one is a sequence holding its own KV memory
+MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
 
 
 class _Common(BaseModel):
@@ -52,12 +58,11 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(default=None, gt=0)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    logprobs: Any = None
+    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 63)  # what torch.Generator accepts
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
@@ -74,11 +79,13 @@ class _Common(BaseModel):
             raise APIError(400, "stop sequences must not be empty", param="stop")
         return stops
 
+    def top_logprobs_wanted(self) -> int | None:
+        """None: no logprobs; k >= 0: the chosen token's logprob and the k most likely alternatives."""
+        raise NotImplementedError
+
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise APIError(400, f"only n=1 is supported (got n={self.n})", param="n")
-        if self.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs are not supported", param="logprobs")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
         if self.presence_penalty or self.frequency_penalty:
             param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
             raise APIError(400, f"{param} is not supported", param=param)
@@ -88,6 +95,7 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -100,6 +108,9 @@ class CompletionRequest(_Common):
             raise APIError(400, "best_of is not supported", param="best_of")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -120,6 +131,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, gt=0)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list | None = None
     response_format: dict | None = None
 
@@ -129,3 +142,8 @@ class ChatCompletionRequest(_Common):
             raise APIError(400, "tools are not supported", param="tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise APIError(400, "only response_format type 'text' is supported", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

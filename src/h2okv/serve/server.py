@@ -1,9 +1,16 @@
 """Running an app with uvicorn's programmatic server: in the foreground (``h2okv serve``) or in a
-background thread on a free localhost port (tests, ``serve-bench``)."""
+background thread on a free localhost port (tests, ``serve-bench``).
+
+In the foreground, SIGTERM (or Ctrl-C) drains: the engine stops admitting (new requests get 503,
+``/health`` too, so a load balancer stops routing here), what was submitted runs to its end or, after
+``drain_timeout`` seconds, ends with a final error event; then uvicorn closes and the process exits 0.
+A second signal exits at once.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import threading
 import time
@@ -13,10 +20,44 @@ import uvicorn
 
 from ..errors import H2OError
 
+log = logging.getLogger("h2okv.serve")
 
-def serve_forever(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server whose first exit signal drains the app's engine before closing."""
+
+    def __init__(self, config: uvicorn.Config, engine, drain_timeout: float = 30.0):
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout = drain_timeout
+        self._drain_thread: threading.Thread | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        # uvicorn's own handler records the signal and re-raises it after shutdown, which would end the
+        # process with the signal's status instead of 0: a handled signal is not recorded here.
+        if self._drain_thread is not None:  # the second signal: no more waiting
+            self.should_exit = self.force_exit = True
+            return
+        log.warning("received signal %s: draining (a second signal exits at once)", sig)
+        self.engine.drain()
+        self._drain_thread = threading.Thread(target=self._drain, name="h2okv-drain", daemon=True)
+        self._drain_thread.start()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout
+        while not self.engine.idle() and time.monotonic() < deadline and not self.should_exit:
+            time.sleep(0.05)
+        if not self.engine.idle():
+            log.warning("drain timeout: ending the requests still running")
+        self.engine.stop()  # what is left gets its final event; a drained engine has nothing left
+        time.sleep(0.2)  # let the streams send their last events before uvicorn closes connections
+        self.should_exit = True
+
+
+def serve_forever(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+                  drain_timeout: float = 30.0) -> None:
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app.state.engine, drain_timeout)
     try:
         server.run()
     except OSError as exc:

@@ -1,0 +1,263 @@
+"""Soak run: a real ``h2okv serve`` process under mixed, partly hostile traffic for a while.
+
+``python -m h2okv.serve.soak --duration 150 --clients 64`` (``make soak``) starts the server on
+127.0.0.1 (the tiny test model by default, ``--model`` for a real one) and runs ``--clients``
+concurrent loops. Each loop sends, at random:
+
+- valid streaming requests (completions or chat, mixed policies and budgets, sometimes ``n=2`` or
+  logprobs), some of which the client abandons after a few chunks (a disconnect);
+- bad requests: malformed JSON, wrong types, huge ``max_tokens``, an empty prompt, invalid UTF-8,
+  an unknown policy, an over-long prompt.
+
+It checks: no 5xx for valid requests; a 4xx in OpenAI's error format for every bad one; every
+completed stream well formed; zero KV bytes and requests in use at the end (``/metrics``); the
+server's RSS in the last minute no higher than in the first (within ``--rss-tolerance``); and that
+SIGTERM then exits 0. Prints and optionally writes a JSON report; exit status 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+from .loadgen import scrape
+from .process import ServerProcess, save_tiny_model
+
+NAME = "soak"
+MAX_PROMPT = 400
+POLICIES = [None, {"policy": "h2o"}, {"policy": "local", "heavy": 0, "recent": 16}, {"policy": "full"},
+            {"policy": "sink", "heavy": 4, "recent": 12}, {"policy": "random", "heavy": 8, "recent": 8},
+            {"heavy_ratio": 0.2, "recent_ratio": 0.2}]
+
+
+def bad_request(rng: random.Random) -> tuple[str, str, bytes]:
+    """(kind, path, raw body) of a request the server must refuse with a 4xx."""
+    kind = rng.choice(["malformed_json", "wrong_types", "huge_max_tokens", "empty_prompt", "invalid_utf8",
+                       "unknown_policy", "overlong_prompt", "bad_messages"])
+    path = "/v1/completions"
+    body: dict | bytes
+    if kind == "malformed_json":
+        body = rng.choice([b'{"model": "soak", "prompt": "x"', b"{{}", b"not json", b""])
+    elif kind == "wrong_types":
+        body = {"model": NAME, "prompt": "x", "max_tokens": rng.choice(["ten", [1], {"a": 1}, 1.5]),
+                "temperature": "hot"}
+    elif kind == "huge_max_tokens":
+        body = {"model": NAME, "prompt": "x", "max_tokens": rng.choice([10**6, 10**30])}
+    elif kind == "empty_prompt":
+        body = {"model": NAME, "prompt": rng.choice(["", []]), "max_tokens": 4}
+    elif kind == "invalid_utf8":
+        body = b'{"model": "soak", "prompt": "\xff\xfe\xc3(", "max_tokens": 4}'
+    elif kind == "unknown_policy":
+        body = {"model": NAME, "prompt": "x", "max_tokens": 4, "h2o": {"policy": "lru-ish"}}
+    elif kind == "overlong_prompt":
+        body = {"model": NAME, "prompt": " y" * (MAX_PROMPT + 1 + rng.randrange(100)), "max_tokens": 4}
+    else:
+        path, body = "/v1/chat/completions", {"model": NAME, "messages": [{"role": "robot", "content": 3}]}
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return kind, path, raw
+
+
+def valid_request(rng: random.Random) -> tuple[str, dict]:
+    chat = rng.random() < 0.3
+    body: dict = {"model": NAME, "max_tokens": rng.randint(1, 96), "stream": True,
+                  "temperature": rng.choice([0.0, 0.7, 1.0]), "seed": rng.randrange(1 << 30),
+                  "stream_options": {"include_usage": True}, "ignore_eos": rng.random() < 0.5}
+    if rng.random() < 0.1:
+        body["n"] = 2
+    if (policy := rng.choice(POLICIES)) is not None:
+        body["h2o"] = policy
+    text = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "\u00e9t\u00e9", "\u4e2d\u6587"])
+                    for _ in range(rng.randint(1, 40)))
+    if chat:
+        body["messages"] = [{"role": "user", "content": text}]
+        if rng.random() < 0.2:
+            body["logprobs"], body["top_logprobs"] = True, 2
+        return "/v1/chat/completions", body
+    body["prompt"] = text
+    if rng.random() < 0.2:
+        body["logprobs"] = 2
+    return "/v1/completions", body
+
+
+class Tally:
+    def __init__(self):
+        self.counts: Counter = Counter()
+        self.failures: list[str] = []
+
+    def fail(self, message: str) -> None:
+        self.counts["failures"] += 1
+        if len(self.failures) < 20:
+            self.failures.append(message)
+
+
+async def send_valid(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
+    path, body = valid_request(rng)
+    disconnect_after = rng.randint(1, 5) if rng.random() < 0.2 else None
+    async with client.stream("POST", path, json=body) as response:
+        if response.status_code == 429:  # queue full: a 4xx a client is told to retry, not a failure
+            tally.counts["valid_429"] += 1
+            return
+        if response.status_code != 200:
+            detail = (await response.aread())[:200]
+            tally.fail(f"valid request got HTTP {response.status_code}: {detail!r}")
+            return
+        events, finished, done = 0, 0, False
+        async for line in response.aiter_lines():
+            if not line:
+                continue
+            if not line.startswith("data: "):
+                tally.fail(f"not an SSE line: {line[:80]!r}")
+                return
+            data = line[6:]
+            if data == "[DONE]":
+                done = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                tally.fail(f"error event for a valid request: {event['error']}")
+                return
+            events += 1
+            finished += sum(1 for c in event.get("choices", []) if c.get("finish_reason"))
+            if disconnect_after is not None and events >= disconnect_after:
+                tally.counts["valid_disconnected"] += 1
+                return  # leaving the block closes the connection mid-stream
+        if not done or finished != body.get("n", 1):
+            tally.fail(f"incomplete stream: done={done}, finish reasons {finished}")
+            return
+        tally.counts["valid_completed"] += 1
+
+
+async def send_bad(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
+    kind, path, raw = bad_request(rng)
+    response = await client.post(path, content=raw, headers={"content-type": "application/json"})
+    tally.counts[f"bad_{kind}"] += 1
+    try:
+        error = response.json()["error"]
+        well_formed = set(error) == {"message", "type", "param", "code"} and bool(error["message"])
+    except (ValueError, KeyError, TypeError):
+        well_formed = False
+    if not 400 <= response.status_code < 500 or not well_formed:
+        tally.fail(f"bad request {kind} got HTTP {response.status_code}: {response.text[:200]!r}")
+
+
+async def client_loop(url: str, seed: int, stop_at: float, tally: Tally) -> None:
+    rng = random.Random(seed)
+    timeout = httpx.Timeout(120.0)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
+        while time.monotonic() < stop_at:  # bounded by the duration
+            try:
+                if rng.random() < 0.2:
+                    await send_bad(client, rng, tally)
+                else:
+                    await send_valid(client, rng, tally)
+            except httpx.HTTPError as exc:
+                tally.fail(f"{type(exc).__name__}: {exc}")
+                await asyncio.sleep(0.5)
+
+
+async def sample_rss(server: ServerProcess, stop_at: float, samples: list[tuple[float, int]]) -> None:
+    start = time.monotonic()
+    while time.monotonic() < stop_at:
+        samples.append((time.monotonic() - start, server.rss_bytes()))
+        await asyncio.sleep(1.0)
+
+
+async def run_load(server: ServerProcess, clients: int, duration: float, seed: int) -> tuple[Tally, list]:
+    tally, rss = Tally(), []
+    stop_at = time.monotonic() + duration
+    await asyncio.gather(sample_rss(server, stop_at, rss),
+                         *(client_loop(server.url, seed * 1000 + i, stop_at, tally) for i in range(clients)))
+    return tally, rss
+
+
+def rss_window(samples: list[tuple[float, int]], start: float, stop: float) -> int | None:
+    window = [rss for t, rss in samples if start <= t < stop]
+    return int(statistics.median(window)) if window else None
+
+
+def soak(args) -> dict:
+    with tempfile.TemporaryDirectory(prefix="h2okv-soak-") as tmp:
+        model = args.model or str(save_tiny_model(Path(tmp) / "model", layers=2, max_positions=2048))
+        server_args = ["--model", model, "--served-model-name", NAME, "--log-level", "warning",
+                       "--kv-memory", args.kv_memory, "--max-batch", "48", "--max-queue", "128",
+                       "--max-prompt-tokens", str(MAX_PROMPT), "--chunk-size", "64", "--request-timeout", "60"]
+        with ServerProcess(server_args, log_path=Path(tmp) / "server.log") as server:
+            server.wait_healthy()
+            started = time.monotonic()
+            tally, rss = asyncio.run(run_load(server, args.clients, args.duration, args.seed))
+            elapsed = time.monotonic() - started
+            deadline = time.monotonic() + 30
+            metrics = scrape(server.url)
+            while (metrics["h2okv_requests_running"] or metrics["h2okv_requests_waiting"]) and \
+                    time.monotonic() < deadline:
+                time.sleep(0.2)
+                metrics = scrape(server.url)
+            server.terminate()
+            exit_code = server.wait(60)
+    minute = min(60.0, elapsed / 2)
+    first = rss_window(rss, 0, minute)
+    last = rss_window(rss, elapsed - minute, elapsed + 1)
+    counts = dict(sorted(tally.counts.items()))
+    bad = sum(v for k, v in counts.items() if k.startswith("bad_"))
+    checks = {
+        "no_failures": tally.counts["failures"] == 0,
+        "kv_bytes_in_use_zero": metrics["h2okv_kv_bytes_in_use"] == 0,
+        "requests_running_zero": metrics["h2okv_requests_running"] == 0 and metrics["h2okv_requests_waiting"] == 0,
+        "rss_not_growing": first is not None and last is not None and last <= first * (1 + args.rss_tolerance),
+        "sigterm_exit_0": exit_code == 0,
+        "traffic_seen": counts.get("valid_completed", 0) > 0 and bad > 0 and counts.get("valid_disconnected", 0) > 0,
+    }
+    return {
+        "config": {"duration_s": args.duration, "clients": args.clients, "kv_memory": args.kv_memory,
+                   "model": args.model or "tiny random (2 layers)", "seed": args.seed},
+        "elapsed_s": round(elapsed, 1),
+        "counts": counts,
+        "bad_requests": bad,
+        "failures": tally.failures,
+        "rss_window_s": minute,
+        "rss_first_window_mib": None if first is None else round(first / 2**20, 1),
+        "rss_last_window_mib": None if last is None else round(last / 2**20, 1),
+        "generated_tokens": int(metrics["h2okv_generated_tokens_total"]),
+        "evicted_tokens": int(metrics["h2okv_evicted_tokens_total"]),
+        "kv_bytes_in_use_end": int(metrics["h2okv_kv_bytes_in_use"]),
+        "batch_size_max": int(metrics["h2okv_batch_size_max"]),
+        "exit_code": exit_code,
+        "checks": checks,
+        "passed": all(checks.values()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m h2okv.serve.soak", description=__doc__.splitlines()[0])
+    p.add_argument("--duration", type=float, default=150.0, help="seconds of load (default: 150)")
+    p.add_argument("--clients", type=int, default=64, help="concurrent client loops (default: 64)")
+    p.add_argument("--kv-memory", default="4M", help="the server's --kv-memory (default: 4M)")
+    p.add_argument("--model", default=None, help="checkpoint to serve (default: a tiny random model)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rss-tolerance", type=float, default=0.05,
+                   help="allowed RSS growth from the first to the last minute, as a fraction (default: 0.05)")
+    p.add_argument("--json", default=None, help="write the report here")
+    args = p.parse_args(argv)
+    if args.duration <= 0 or args.clients <= 0:
+        p.exit(2, "h2okv: error: --duration and --clients must be > 0\n")
+    report = soak(args)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

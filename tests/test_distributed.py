@@ -1,0 +1,284 @@
+"""Tensor parallelism on CPU with gloo: 2 ranks give the same tokens, logits and budgets as one
+process; bad settings and failing ranks end in one line, never a hang.
+
+Starting ranks costs seconds (each imports torch and transformers), so the equivalence checks of
+all models and commands share one 2-rank session (``tp_session``).
+"""
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from argparse import Namespace
+
+import pytest
+import torch
+
+from h2okv import cli, distributed
+from h2okv.cache import H2OCache
+from h2okv.errors import H2OError
+from h2okv.models import load_model
+from h2okv.testing import random_ids, tiny_model, word_tokenizer
+
+# (architecture, KV heads): Llama and Qwen2 with one and two KV heads per rank at --tp 2
+MODELS = [("llama", 2), ("llama", 4), ("qwen2", 2), ("qwen2", 4)]
+PROMPT = 40
+NEW_TOKENS = 8
+HEAVY = RECENT = 5
+
+
+@pytest.fixture(scope="module")
+def tp_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp_models")
+    dirs = {}
+    for arch, kv in MODELS:
+        path = root / f"{arch}_kv{kv}"
+        tiny_model(arch, num_attention_heads=4, num_key_value_heads=kv).save_pretrained(path)
+        word_tokenizer().save_pretrained(path)
+        dirs[(arch, kv)] = str(path)
+    return dirs
+
+
+def _generate(model, policy):
+    kw = {"heavy": HEAVY, "recent": RECENT} if policy == "h2o" else {}
+    cache = H2OCache(model, policy=policy, chunk_size=16, **kw)
+    with torch.inference_mode():
+        out = model.generate(random_ids(PROMPT, seed=3), past_key_values=cache, max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences[0, PROMPT:].tolist(), torch.stack(out.logits).float(), cache.stats()
+
+
+# -- bodies run on every rank (module-level: the spawned ranks import them by name) ---------------
+def equivalence_on_rank(args) -> int:
+    """Generate with every model and policy, then run `eval ppl` and `bench` as commands; rank 0
+    saves what the test compares."""
+    results = {}
+    for key, path in args.dirs.items():
+        model, _ = load_model(path, tp=args.tp, cache=False)
+        for policy in ("full", "h2o"):
+            tokens, logits, stats = _generate(model, policy)
+            results[(key, policy)] = (tokens, logits, distributed.gather_stats(stats))
+    for argv in args.commands:
+        assert cli.main(argv) == 0
+    if distributed.is_main_rank():
+        torch.save(results, args.out)
+    return 0
+
+
+def fail_on_rank_1(args) -> int:
+    import torch.distributed as dist
+
+    with open(os.path.join(args.dir, f"pid{distributed.rank()}"), "w") as fh:
+        fh.write(str(os.getpid()))
+    dist.barrier()
+    if distributed.rank() == 1:
+        raise H2OError("rank one cannot go on")
+    _mark_waiting(args)
+    dist.all_reduce(torch.ones(1))  # rank 0 waits here for a peer that is gone: the launcher must end it
+    return 0
+
+
+def hang_on_rank_1(args) -> int:
+    import torch.distributed as dist
+
+    if distributed.rank() == 1:
+        time.sleep(600)  # stuck, but alive: only the collective's timeout can end rank 0
+    _mark_waiting(args)
+    dist.all_reduce(torch.ones(1))
+    return 0
+
+
+def _mark_waiting(args) -> None:
+    """When rank 0 starts waiting (starting the ranks takes seconds to a minute on a busy machine:
+    the tests time what follows)."""
+    with open(os.path.join(args.dir, "waiting_since"), "w") as fh:
+        fh.write(repr(time.time()))
+
+
+def _seconds_since_waiting(directory) -> float:
+    return time.time() - float((directory / "waiting_since").read_text())
+
+
+# -- equivalence -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tp_session(tp_dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_out")
+    text = out / "words.txt"
+    text.write_text(" ".join(f"w{2 + (i * 7) % 90}" for i in range(200)))
+    model = tp_dirs[("llama", 4)]  # (AutoTokenizer gives a Qwen2 directory its own tokenizer class, not the word one)
+    commands = {
+        "ppl": ["eval", "ppl", "--model", model, "--text", str(text), "--tokens", "48", "--policies", "full,h2o",
+                "--budgets", "0.25", "--plot", "", "--json", str(out / "ppl_tp2.json")],
+        "bench": ["bench", "--model", model, "--context", "32", "--batch", "2", "--steps", "3", "--warmup", "1",
+                  "--no-progress", "--json", str(out / "bench_tp2.json")],
+    }
+    args = Namespace(tp=2, tp_timeout=600, device="cpu", dirs=tp_dirs, out=str(out / "tp.pt"),
+                     commands=[[*argv, "--tp", "2"] for argv in commands.values()])
+    start = time.monotonic()
+    assert distributed.run(args, equivalence_on_rank) == 0
+    elapsed = time.monotonic() - start
+    return torch.load(args.out, weights_only=False), out, commands, elapsed
+
+
+@pytest.mark.parametrize("policy", ["full", "h2o"])
+@pytest.mark.parametrize("arch, kv", MODELS)
+def test_tp_generate_equals_single_process(tp_session, tp_dirs, arch, kv, policy):
+    results = tp_session[0]
+    tp_tokens, tp_logits, tp_stats = results[((arch, kv), policy)]
+    model, _ = load_model(tp_dirs[(arch, kv)], cache=False)
+    tokens, logits, stats = _generate(model, policy)
+    assert tp_tokens == tokens
+    torch.testing.assert_close(tp_logits, logits, rtol=1e-4, atol=1e-4)
+    # each rank holds half the KV heads: half the bytes, the same slots per head
+    per_rank = tp_stats["per_rank"]
+    assert tp_stats["world_size"] == 2 and len(per_rank) == 2
+    for rank_stats in per_rank:
+        assert rank_stats["kv_bytes"] * 2 == stats["kv_bytes"]
+        assert rank_stats["slots"] == stats["slots"]
+        if policy == "h2o":
+            assert rank_stats["slots"] == [HEAVY + RECENT] * len(stats["slots"])
+            assert rank_stats["budget"] == [HEAVY + RECENT]
+    assert tp_stats["kv_bytes"] == stats["kv_bytes"]
+    assert tp_stats["full_kv_bytes"] == stats["full_kv_bytes"]
+
+
+def test_tp_eval_ppl_equals_single_process(tp_session, capsys):
+    _, out, commands, _ = tp_session
+    single = out / "ppl_tp1.json"
+    argv = [a if a != str(out / "ppl_tp2.json") else str(single) for a in commands["ppl"]]
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    tp_rows, rows = json.loads((out / "ppl_tp2.json").read_text()), json.loads(single.read_text())
+    assert [(r["policy"], r["slots"]) for r in tp_rows] == [(r["policy"], r["slots"]) for r in rows]
+    for tp_row, row in zip(tp_rows, rows):
+        assert tp_row["ppl"] == pytest.approx(row["ppl"], rel=1e-4)
+
+
+def test_tp_bench_reports_half_the_kv_per_rank(tp_session):
+    _, out, _, _ = tp_session
+    result = json.loads((out / "bench_tp2.json").read_text())
+    assert result["tp"] == 2
+    assert {r["policy"] for r in result["rows"]} == {"full", "h2o"}
+    for row in result["rows"]:
+        assert len(row["kv_bytes_per_rank"]) == 2
+        assert all(b * 2 == row["tp1_kv_bytes"] for b in row["kv_bytes_per_rank"])
+        assert row["same_tokens_as_tp1"] is True
+        assert row["decode_step_ms"] > 0 and row["tp1_decode_step_ms"] > 0
+    assert (out / "bench_tp2.md").read_text().count("| 32 | 2 |") == 2
+
+
+# -- the command line, as users run it --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def generate_argv(tp_dirs):
+    """A `generate` command line on a tiny model, and what one process prints for it."""
+    argv = ["generate", "--model", tp_dirs[("llama", 2)], "--prompt", " ".join(f"w{i}" for i in range(3, 40)),
+            "--max-new-tokens", "6", "--heavy", "4", "--recent", "4"]
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert cli.main(argv) == 0
+    return argv, out.getvalue().strip().splitlines()
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+
+
+def _check_tp2_output(out: str, single: list[str]) -> None:
+    lines = out.strip().splitlines()
+    assert len(lines) == 2  # rank 0 alone printed: the text and the memory line
+    assert lines[0] == single[0]
+    assert "2 tensor-parallel ranks hold" in lines[1]
+    assert lines[1].split(";")[0] == single[1]  # same totals: tokens seen, slots, KV bytes
+
+
+def test_generate_tp2_prints_the_tp1_text_once(generate_argv, capfd):
+    argv, single = generate_argv
+    # the ranks write to this process's file descriptors: capfd sees what a terminal would
+    assert cli.main([*argv, "--tp", "2"]) == 0
+    _check_tp2_output(capfd.readouterr().out, single)
+
+
+def test_generate_under_torchrun_joins_the_launch(generate_argv):
+    argv, single = generate_argv
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "h2okv.cli", *argv], capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    _check_tp2_output(proc.stdout, single)
+
+
+# -- failures: one line, every rank ended, no hang --------------------------------------------------
+def test_failing_rank_ends_every_rank_with_one_line(tmp_path):
+    with pytest.raises(H2OError) as info:
+        distributed.run(Namespace(tp=2, tp_timeout=600, device="cpu", dir=str(tmp_path)), fail_on_rank_1)
+    assert _seconds_since_waiting(tmp_path) < 60  # far less than the 600 s rank 0 would wait on its own
+    assert str(info.value) == "rank 1 of 2 failed: rank one cannot go on"
+    for rank in (0, 1):
+        pid = int((tmp_path / f"pid{rank}").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_stuck_rank_times_out_instead_of_hanging(tmp_path, capsys):
+    code = distributed.run(Namespace(tp=2, tp_timeout=3, device="cpu", dir=str(tmp_path)), hang_on_rank_1)
+    assert _seconds_since_waiting(tmp_path) < 60  # the 3 s timeout, not rank 1's 600 s sleep
+    assert code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("h2okv: error: rank 0 of 2 failed:")
+    assert "--tp-timeout 3 s" in err[0]
+
+
+def _config_dir(tmp_path, arch, **overrides):
+    model = tiny_model(arch, **overrides)
+    model.config.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "case, argv, fragment",
+    [
+        ("kv3", ["generate", "--prompt", "w3 w4", "--tp", "2"], "has 3 KV heads, which do not divide by 2"),
+        ("opt", ["generate", "--prompt", "w3 w4", "--tp", "2"], "has no tensor-parallel plan"),
+        ("kv3", ["eval", "ppl", "--tp", "2", "--plot", ""], "has 3 KV heads"),
+        ("kv3", ["bench", "--tp", "2", "--json", "x.json", "--quick"], "has 3 KV heads"),
+        ("tiny", ["bench", "--model", "tiny:llama", "--tp", "2", "--json", "x.json"], "tiny:ARCH models"),
+        ("kv3", ["generate", "--prompt", "w3", "--tp", "0"], "must be > 0"),
+        ("kv3", ["serve", "--tp", "2"], "h2okv serve --tp is not supported yet"),
+        ("kv3", ["generate", "--prompt", "w3", "--tp", "2", "--tp-timeout", "-1"], "positive number of seconds"),
+    ],
+)
+def test_bad_tp_settings_one_line_exit_2(tmp_path, capsys, case, argv, fragment):
+    if case == "kv3":
+        model = _config_dir(tmp_path, "llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
+    elif case == "opt":
+        model = _config_dir(tmp_path, "opt")
+    if case != "tiny":
+        argv = [*argv, "--model", model]
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert fragment in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_default_model_refuses_tp2_by_its_kv_heads(capsys):
+    """SmolLM2-135M has 3 KV heads (9 query heads): --tp 2 cannot give each rank whole heads."""
+    assert cli.main(["generate", "--prompt", "hello", "--tp", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("h2okv: error: --tp 2: the default model (SmolLM2-135M-Instruct) has 3 KV heads, which do not "
+                   "divide by 2 (each rank holds whole heads); use --tp 1, 3")
+
+
+def test_under_torchrun_tp_must_match_the_world_size(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert distributed.resolve_tp(None) == 2
+    assert cli.main(["generate", "--prompt", "w3", "--tp", "4"]) == 2
+    assert "torchrun started 2 process(es)" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "1")  # the same error on another rank: printed by rank 0 only
+    assert cli.main(["generate", "--prompt", "w3", "--tp", "4"]) == 2
+    assert capsys.readouterr().err == ""
