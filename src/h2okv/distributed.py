@@ -33,6 +33,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from .commands.common import positive_int
 from .errors import H2OError
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -41,16 +42,6 @@ _EXTERNAL_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 # -- command-line ----------------------------------------------------------------------------------
-def _tp_size(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -63,9 +54,9 @@ def _seconds(text: str) -> float:
 
 def add_tp_args(parser: argparse.ArgumentParser, supported: bool = True) -> None:
     if not supported:  # the option exists so that asking for it gets a clear answer
-        parser.add_argument("--tp", type=_tp_size, default=None, help="tensor parallelism: not supported yet here")
+        parser.add_argument("--tp", type=positive_int, default=None, help="tensor parallelism: not supported yet here")
         return
-    parser.add_argument("--tp", type=_tp_size, default=None,
+    parser.add_argument("--tp", type=positive_int, default=None,
                         help="tensor-parallel ranks: this command starts N processes, each with a slice of every "
                         "layer and its own cache (default 1; under torchrun: its world size)")
     parser.add_argument("--tp-timeout", type=_seconds, default=DEFAULT_TIMEOUT_S,

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 MIB = 1024 * 1024
+
+
+def write_report(result: dict, report: str, json_file, markdown_file=None) -> list[Path]:
+    """Write a benchmark's JSON and its Markdown report (beside the JSON unless named); return both paths."""
+    json_path = Path(json_file)
+    md_path = Path(markdown_file) if markdown_file else json_path.with_suffix(".md")
+    for path in (json_path, md_path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    md_path.write_text(report)
+    return [json_path, md_path]
 
 # (name, what it checks, threshold, "<=" or ">=") — the project's goals for this benchmark
 TARGETS = (

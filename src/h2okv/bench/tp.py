@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from .. import distributed
 from ..cache import H2OCache
 from .memory import cache_kv_bytes
+from .report import write_report
 from .runner import Timer, environment, prompt_ids
 
 POLICIES = ("full", "h2o")
@@ -121,8 +122,6 @@ def markdown(result: dict) -> str:
 
 def run_on_rank(args) -> int:
     """``h2okv bench --tp N`` on one rank: measure, and on rank 0 write the JSON and Markdown."""
-    import json
-    from pathlib import Path
 
     from ..commands.bench import config_from_args
     from ..models import load_model
@@ -158,12 +157,7 @@ def run_on_rank(args) -> int:
         ],
     }
     report = markdown(result)
-    json_path = Path(args.json)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    md_path = Path(args.markdown) if args.markdown else json_path.with_suffix(".md")
-    md_path.parent.mkdir(parents=True, exist_ok=True)
-    md_path.write_text(report)
+    json_path, md_path = write_report(result, report, args.json, args.markdown)
     print(report)
     print(f"wrote {json_path}, {md_path}")
     return 0

@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import json
 import os
 import re
-from pathlib import Path
 
 from .. import distributed
 from ..errors import H2OError
@@ -173,6 +171,7 @@ def run_policies(args) -> int:
     from tqdm.auto import tqdm
 
     from ..bench.policy_speed import decode_costs, markdown, scoring_costs
+    from ..bench.report import write_report
     from ..bench.runner import prompt_ids
     from ..eval.args import parse_policies
 
@@ -198,11 +197,7 @@ def run_policies(args) -> int:
               "arguments": {k: v for k, v in vars(args).items() if k != "func"}}
     report = markdown(result)
     print(report)
-    json_path = Path(args.json)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    json_path.with_suffix(".md").write_text(report)
-    print(f"wrote {json_path}, {json_path.with_suffix('.md')}")
+    print("wrote " + ", ".join(str(p) for p in write_report(result, report, args.json)))
     return 0
 
 
@@ -222,7 +217,7 @@ def run(args) -> int:
         args.threads, _ = choose_threads(args.threads, args.device)
         return distributed.run(args, run_on_rank)
     from ..bench import run_bench
-    from ..bench.report import markdown, plot
+    from ..bench.report import markdown, plot, write_report
 
     threads, why = choose_threads(args.threads, args.device)
     if threads:
@@ -237,14 +232,8 @@ def run(args) -> int:
     result["environment"]["threads_choice"] = why
     result["environment"]["model"] = args.model or "SmolLM2-135M-Instruct (embedded default)"
     report = markdown(result)
-    json_path = Path(args.json)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    md_path = Path(args.markdown) if args.markdown else json_path.with_suffix(".md")
-    md_path.parent.mkdir(parents=True, exist_ok=True)
-    md_path.write_text(report)
     print(report)
-    written = [json_path, md_path]
+    written = write_report(result, report, args.json, args.markdown)
     if args.plot_dir:
         written += plot(result, args.plot_dir, prefix=args.plot_prefix)
     print("wrote " + ", ".join(str(p) for p in written))
