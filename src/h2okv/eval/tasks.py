@@ -25,6 +25,7 @@ from pathlib import Path
 from ..commands.common import add_model_args, check_policy, positive_int
 from ..corpus import read_play
 from ..errors import H2OError
+from . import offline
 
 SHAKESPEARE_TASK = "shakespeare_next_line"
 SHAKESPEARE_PLAYS = (
@@ -192,6 +193,7 @@ def evaluate_policies(tasks: list[str], policies: list[str], budget: float, mode
 
     from .lm_eval_model import H2OLM
 
+    offline.install()  # before any task is built: tasks with an offline copy never touch the hub
     task_manager = task_manager_for(tasks, list(include_paths))
     preflight(task_manager, tasks)
     results = {}
@@ -307,7 +309,9 @@ def run(args) -> int:
     report = {
         "command": "h2okv " + " ".join(sys.argv[1:]) if sys.argv and "h2okv" in Path(sys.argv[0]).name else None,
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
-        "budget_meaning": "fraction of each request's tokens (context + continuation - 1); half heavy, half recent",
+        "budget_meaning": "fraction of each multiple-choice context's tokens (read once, then branched per "
+                          "continuation); half heavy, half recent",
+        "offline_data": {t: offline.USED[t] for t in tasks if t in offline.USED},
         "results": results,
     }
     path = Path(args.json)
