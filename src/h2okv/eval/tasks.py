@@ -175,8 +175,9 @@ def preflight(task_manager, tasks: list[str]) -> None:
 
 
 def metrics_of(task_results: dict) -> dict:
-    """``{"acc,none": 0.5, "acc_stderr,none": 0.1, "alias": ...}`` -> ``{"acc": 0.5, "acc_stderr": 0.1}``."""
-    out = {}
+    """``{"acc,none": 0.5, "acc_stderr,none": 0.1, "sample_len": 100, "alias": ...}`` ->
+    ``{"items": 100, "acc": 0.5, "acc_stderr": 0.1}``."""
+    out = {"items": int(task_results["sample_len"])} if isinstance(task_results.get("sample_len"), int) else {}
     for key, value in task_results.items():
         if "," not in key or not isinstance(value, (int, float)):
             continue
@@ -243,7 +244,7 @@ def format_table(results: dict) -> str:
     policies = list(results)
     rows = []
     for task in sorted({t for r in results.values() for t in r["tasks"]}):
-        metrics = sorted({m for r in results.values() for m in r["tasks"].get(task, {}) if not m.endswith("_stderr")})
+        metrics = sorted({m for r in results.values() for m in r["tasks"].get(task, {}) if not m.endswith("_stderr") and m != "items"})
         metrics = [m for m in metrics if m != "agree_with_full"] + (["agree_with_full"] if "agree_with_full" in metrics else [])
         for metric in metrics:
             cells = []
