@@ -7,7 +7,8 @@ reads any number of pieces and writes:
 - ``--json``: one row per (model, task, shots, policy, budget) with its metrics and item count
   (a later piece replaces an earlier one for the same key);
 - ``--markdown``: the paper's table, task x policy at one budget (``--table-budget``, default 0.2),
-  ``acc ± stderr`` (and ``acc_norm`` where the task has it), one table per model and shot count;
+  ``acc ± stderr`` (and ``acc_norm`` where the task has it, and the fraction of items on which
+  each policy picks the same answer as full), one table per model and shot count;
 - ``--png``: accuracy vs KV budget per task (one panel each), a line per evicting policy and the
   full cache as a dashed level, the items per point in each panel's title.
 """
@@ -97,7 +98,7 @@ def markdown_table(rows: list[dict], budget: float = 0.2) -> str:
         for task in tasks:
             cells = {r["policy"]: r for r in mine if r["task"] == task}
             items = sorted({r["items"] for r in cells.values() if r["items"]})
-            metrics = [m for m in ("acc", "acc_norm") if any(m in r["metrics"] for r in cells.values())]
+            metrics = [m for m in ("acc", "acc_norm", "agree_with_full") if any(m in r["metrics"] for r in cells.values())]
             for metric in metrics:
                 line = [task, "/".join(map(str, items)) or "?", metric]
                 line += [_cell(cells[p]["metrics"], metric) if p in cells else "–" for p in policies]
