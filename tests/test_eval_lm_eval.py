@@ -103,8 +103,10 @@ def test_per_token_eviction_per_row_budget_and_batching(tiny):
     for (a, _), (b, _), (_, ctx, cont) in zip(batched, single, reqs, strict=True):
         # left padding and the batch neighbours change nothing: each row has its own budget
         assert a == pytest.approx(b, abs=1e-4)
-        # exactly one per-token H2O cache over this request's own tokens (budget from its length)
-        cache = H2OCache(model, policy="h2o", heavy_ratio=0.2, recent_ratio=0.1, chunk_size=1)
+        # exactly one per-token H2O cache over this request's own tokens, the budget a fraction
+        # of its context (branch scoring resolves the ratio when the context is read)
+        cache = H2OCache(model, policy="h2o", heavy=max(1, int(0.2 * len(ctx))), recent=max(1, int(0.1 * len(ctx))),
+                         chunk_size=1)
         assert a == pytest.approx(reference_loglik(model, ctx, cont, cache), abs=1e-4)
     full = H2OLM(pretrained=model, tokenizer=tok, policy="full", batch_size=4)._loglikelihood_tokens(reqs, disable_tqdm=True)
     for (a, greedy), (_, ctx, cont) in zip(full, reqs, strict=True):

@@ -147,3 +147,46 @@ def test_offline_package_set_is_well_formed():
         assert 5 <= len(r["summary"].split()) <= 30
         assert r["summary"].rstrip(".").lower() not in r["document"].lower()
         assert "](" not in r["document"] and "```" not in r["document"]
+
+
+def request_records(n=6, seed=0):
+    """Records in the H2O reference code's request format (as in ../shared/data/xsum_0shot.jsonl)."""
+    rng = random.Random(seed)
+    return [{"article": f"###\nArticle: {words(rng, rng.randint(15, 30))} item{i}\n\nSummarize the above article in 1 sentence.\n",
+             "summary_gt": f"summary{i} {words(rng, 4)}", "stop": ["###"], "max_tokens": 7, "temperature": 0.3}
+            for i in range(n)]
+
+
+def test_request_format_k_shot_prompt_never_includes_the_item(tmp_path):
+    raw = request_records(8)
+    records = S.read_jsonl(write_jsonl(tmp_path / "x.jsonl", raw))
+    assert [r["summary"] for r in records] == [r["summary_gt"] for r in raw]
+    assert S.generation_stops(records) == (["###"], True)
+    for index in range(len(records)):
+        prompt, shots = S.build_prompt(records, index, shots=3, seed=1)
+        assert index not in shots and len(set(shots)) == 3
+        assert f"item{index}\n" in prompt and prompt.count(f"item{index}\n") == 1  # its article, once: its own
+        assert f"summary{index} " not in prompt  # its answer never leaks in
+        assert prompt.endswith(raw[index]["article"])  # ends with its own 0-shot prompt, nothing after
+        assert prompt.count("###\nArticle:") == 4  # 3 examples + the item, each opened by the stop marker
+        for j in shots:  # each example: its prompt, then its reference summary, then a blank line
+            assert raw[j]["article"] + raw[j]["summary_gt"] + "\n\n" in prompt
+
+
+def test_request_format_bad_fields_name_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"article": "###\nArticle: a\n", "summary_gt": "s"}) + "\n"
+                    + json.dumps({"article": "###\nArticle: b\n", "summary_gt": "s", "stop": [""]}) + "\n")
+    with pytest.raises(H2OError, match=r"bad.jsonl:2: 'stop' must be a list of non-empty strings"):
+        S.read_jsonl(path)
+
+
+def test_request_format_generation_uses_the_records_settings(tiny_dir, tmp_path):
+    data = write_jsonl(tmp_path / "r.jsonl", request_records(4))
+    out = tmp_path / "r.json"
+    assert cli_main(["eval", "summarize", "--data", str(data), "--shots", "1", "--policies", "full,h2o", "--limit", "2",
+                     "--model", str(tiny_dir), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    for sample in report["samples"]:
+        for text in sample["predictions"].values():
+            assert len(text.split()) <= 7  # the records' max_tokens (one word per token here)

@@ -25,15 +25,31 @@ def default_model_path() -> tuple[Path, str]:
     return directory, _DEFAULT_GGUF
 
 
-def converted_cache_dir() -> Path:
-    """Where the dequantized default model is kept, so later loads skip the GGUF conversion."""
+# short names for GGUF files that ``make eval-data`` assembles (see h2okv.eval.data)
+MODEL_ALIASES = {"qwen2.5-0.5b": "Qwen2.5-Coder-0.5B-Instruct.gguf"}
+
+
+def alias_path(name: str) -> Path:
+    """The GGUF behind a model alias; a clear error when ``make eval-data`` has not made it."""
+    from .eval.data import models_dir
+
+    path = models_dir() / MODEL_ALIASES[name]
+    if not path.is_file():
+        raise H2OError(f"model {name!r} is not installed ({path} is missing): run `make eval-data`")
+    return path
+
+
+def converted_cache_dir(gguf_path: Path | None = None) -> Path:
+    """Where a dequantized GGUF (default: the embedded model) is kept, so later loads skip the
+    conversion. The file size is in the name: a different file gets a different folder."""
     root = Path(os.environ.get("H2OKV_CACHE", Path.home() / ".cache" / "h2okv"))
-    directory, gguf = default_model_path()
-    size = (directory / gguf).stat().st_size
-    return root / f"{Path(gguf).stem}-{size}"
+    if gguf_path is None:
+        directory, gguf = default_model_path()
+        gguf_path = directory / gguf
+    return root / f"{gguf_path.stem}-{gguf_path.stat().st_size}"
 
 
-def _convert_default_model(target: Path) -> None:
+def _convert_gguf(gguf_path: Path, target: Path) -> None:
     """Dequantize the GGUF once and save plain safetensors + tokenizer (atomic rename)."""
     import shutil
     import tempfile
@@ -41,9 +57,9 @@ def _convert_default_model(target: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    directory, gguf = default_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf)
-    quantized = AutoModelForCausalLM.from_pretrained(str(directory), gguf_file=gguf, dtype=torch.float32)
+    directory, gguf = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
+    quantized = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32)
     config = quantized.config.to_dict()
     config.pop("quantization_config", None)
     config = AutoConfig.for_model(**config)
@@ -61,12 +77,19 @@ def _convert_default_model(target: Path) -> None:
             raise
 
 
-def default_model_source() -> str:
+def converted_source(gguf_path: Path | None = None) -> str:
     """A directory loadable with ``from_pretrained``: the converted cache, made on first use."""
-    target = converted_cache_dir()
+    target = converted_cache_dir(gguf_path)
     if not (target / "config.json").is_file():
-        _convert_default_model(target)
+        if gguf_path is None:
+            directory, gguf = default_model_path()
+            gguf_path = directory / gguf
+        _convert_gguf(gguf_path, target)
     return str(target)
+
+
+def default_model_source() -> str:
+    return converted_source()
 
 
 def _resolve_dtype(dtype, device):
@@ -92,6 +115,8 @@ def _source(name) -> tuple[str, dict]:
     """``(from_pretrained source, extra kwargs)`` for a model name, checking local paths exist."""
     if name in (None, "", DEFAULT_MODEL):
         return default_model_source(), {}
+    if name in MODEL_ALIASES:
+        return converted_source(alias_path(name)), {}
     path = Path(name)
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -148,8 +173,8 @@ def _load(name, device, dtype, device_map, tp=1):
 
 def load_model(name: str | None = None, device: str = "cpu", dtype=None, device_map: str | None = None, cache=True,
                tp: int = 1):
-    """Load ``(model, tokenizer)``. ``name``: None/"smollm2" for the embedded default, a HF id, a
-    directory, or a ``.gguf`` file. CPU defaults to float32, CUDA to bfloat16. ``tp > 1``: this
+    """Load ``(model, tokenizer)``. ``name``: None/"smollm2" for the embedded default,
+    "qwen2.5-0.5b" (after ``make eval-data``), a HF id, a directory, or a ``.gguf`` file. CPU defaults to float32, CUDA to bfloat16. ``tp > 1``: this
     rank's tensor-parallel slice (call from a rank started by ``h2okv.distributed``)."""
     if device.startswith("cuda"):
         import torch

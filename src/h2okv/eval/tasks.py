@@ -25,6 +25,7 @@ from pathlib import Path
 from ..commands.common import add_model_args, check_policy, positive_int
 from ..corpus import read_play
 from ..errors import H2OError
+from . import offline
 
 SHAKESPEARE_TASK = "shakespeare_next_line"
 SHAKESPEARE_PLAYS = (
@@ -174,8 +175,9 @@ def preflight(task_manager, tasks: list[str]) -> None:
 
 
 def metrics_of(task_results: dict) -> dict:
-    """``{"acc,none": 0.5, "acc_stderr,none": 0.1, "alias": ...}`` -> ``{"acc": 0.5, "acc_stderr": 0.1}``."""
-    out = {}
+    """``{"acc,none": 0.5, "acc_stderr,none": 0.1, "sample_len": 100, "alias": ...}`` ->
+    ``{"items": 100, "acc": 0.5, "acc_stderr": 0.1}``."""
+    out = {"items": int(task_results["sample_len"])} if isinstance(task_results.get("sample_len"), int) else {}
     for key, value in task_results.items():
         if "," not in key or not isinstance(value, (int, float)):
             continue
@@ -192,6 +194,7 @@ def evaluate_policies(tasks: list[str], policies: list[str], budget: float, mode
 
     from .lm_eval_model import H2OLM
 
+    offline.install()  # before any task is built: tasks with an offline copy never touch the hub
     task_manager = task_manager_for(tasks, list(include_paths))
     preflight(task_manager, tasks)
     results = {}
@@ -241,7 +244,7 @@ def format_table(results: dict) -> str:
     policies = list(results)
     rows = []
     for task in sorted({t for r in results.values() for t in r["tasks"]}):
-        metrics = sorted({m for r in results.values() for m in r["tasks"].get(task, {}) if not m.endswith("_stderr")})
+        metrics = sorted({m for r in results.values() for m in r["tasks"].get(task, {}) if not m.endswith("_stderr") and m != "items"})
         metrics = [m for m in metrics if m != "agree_with_full"] + (["agree_with_full"] if "agree_with_full" in metrics else [])
         for metric in metrics:
             cells = []
@@ -307,7 +310,9 @@ def run(args) -> int:
     report = {
         "command": "h2okv " + " ".join(sys.argv[1:]) if sys.argv and "h2okv" in Path(sys.argv[0]).name else None,
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
-        "budget_meaning": "fraction of each request's tokens (context + continuation - 1); half heavy, half recent",
+        "budget_meaning": "fraction of each multiple-choice context's tokens (read once, then branched per "
+                          "continuation); half heavy, half recent",
+        "offline_data": {t: offline.USED[t] for t in tasks if t in offline.USED},
         "results": results,
     }
     path = Path(args.json)

@@ -1,0 +1,175 @@
+"""``h2okv eval tasks-report``: merge ``h2okv eval tasks`` JSON pieces into the paper's table and figure.
+
+The grid (task x policy x budget x model) is run in pieces, each a separate ``eval tasks`` call
+writing its own JSON (``docs/results/paper/``), so that no run outlives a session. This command
+reads any number of pieces and writes:
+
+- ``--json``: one row per (model, task, shots, policy, budget) with its metrics and item count
+  (a later piece replaces an earlier one for the same key);
+- ``--markdown``: the paper's table, task x policy at one budget (``--table-budget``, default 0.2),
+  ``acc ± stderr`` (and ``acc_norm`` where the task has it, and the fraction of items on which
+  each policy picks the same answer as full), one table per model and shot count;
+- ``--png``: accuracy vs KV budget per task (one panel each), a line per evicting policy and the
+  full cache as a dashed level, the items per point in each panel's title.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import H2OError
+from ..plots import new_figure, policy_color, save_figure, write_json
+
+POLICY_ORDER = ("full", "h2o", "local", "sink", "random")
+
+
+def _model_label(settings: dict) -> str:
+    model = settings.get("model") or "smollm2"
+    return Path(model).stem if model.endswith(".gguf") else model
+
+
+def rows_of_piece(piece: dict, source: str) -> list[dict]:
+    """Rows ``{model, task, shots, policy, budget, items, metrics, source}`` of one ``eval tasks`` JSON."""
+    settings = piece.get("settings") or {}
+    if "results" not in piece:
+        raise H2OError(f"{source}: not an `h2okv eval tasks` result (no 'results')")
+    budget = settings.get("budget")
+    rows = []
+    for policy, result in piece["results"].items():
+        for task, metrics in result.get("tasks", {}).items():
+            picked = (result.get("picked") or {}).get(task)
+            items = metrics.get("items") or (len(picked) if picked else None)
+            rows.append({
+                "model": _model_label(settings),
+                "task": task,
+                "shots": settings.get("num_fewshot"),
+                "policy": policy,
+                "budget": 1.0 if policy == "full" else budget,
+                "items": items,
+                "metrics": {k: v for k, v in metrics.items() if k != "items"},
+                "split": ((piece.get("offline_data") or {}).get(task) or {}).get("evaluated_split"),
+                "source": source,
+            })
+    return rows
+
+
+def merge(paths: list[str]) -> list[dict]:
+    merged: dict[tuple, dict] = {}
+    for path in paths:
+        try:
+            piece = json.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise H2OError(f"piece not found: {path}") from None
+        except json.JSONDecodeError as exc:
+            raise H2OError(f"{path}: not valid JSON ({exc.msg})") from None
+        for row in rows_of_piece(piece, str(path)):
+            merged[(row["model"], row["task"], row["shots"], row["policy"], row["budget"])] = row
+    return sorted(merged.values(), key=lambda r: (r["model"], r["task"], str(r["shots"]), _policy_rank(r["policy"]),
+                                                  -(r["budget"] or 0)))
+
+
+def _policy_rank(policy: str) -> int:
+    return POLICY_ORDER.index(policy) if policy in POLICY_ORDER else len(POLICY_ORDER)
+
+
+def _cell(metrics: dict, name: str) -> str:
+    if name not in metrics:
+        return "–"
+    err = metrics.get(f"{name}_stderr")
+    return f"{metrics[name]:.3f}" + (f" ± {err:.3f}" if isinstance(err, (int, float)) else "")
+
+
+def markdown_table(rows: list[dict], budget: float = 0.2) -> str:
+    """One table per (model, shots): task (and metric) x policy at ``budget`` (full: no budget)."""
+    out = []
+    keys = sorted({(r["model"], str(r["shots"])) for r in rows})
+    for model, shots in keys:
+        mine = [r for r in rows if r["model"] == model and str(r["shots"]) == shots
+                and (r["policy"] == "full" or r["budget"] == budget)]
+        policies = sorted({r["policy"] for r in mine}, key=_policy_rank)
+        tasks = sorted({r["task"] for r in mine})
+        if not tasks:
+            continue
+        out.append(f"**{model}**, {shots}-shot, evicting policies at {budget:.0%} of each context "
+                   f"({budget / 2:.0%} heavy + {budget / 2:.0%} recent for h2o)\n")
+        out.append("| task | items | metric | " + " | ".join(policies) + " |")
+        out.append("|---|---|---|" + "---|" * len(policies))
+        for task in tasks:
+            cells = {r["policy"]: r for r in mine if r["task"] == task}
+            items = sorted({r["items"] for r in cells.values() if r["items"]})
+            metrics = [m for m in ("acc", "acc_norm", "agree_with_full") if any(m in r["metrics"] for r in cells.values())]
+            for metric in metrics:
+                line = [task, "/".join(map(str, items)) or "?", metric]
+                line += [_cell(cells[p]["metrics"], metric) if p in cells else "–" for p in policies]
+                out.append("| " + " | ".join(line) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def plot_budget_sweep(rows: list[dict], path, metric: str = "acc", model: str | None = None):
+    """Accuracy vs KV budget, one panel per task (the model with the most rows unless given)."""
+    if model is None:
+        counts = {}
+        for r in rows:
+            counts[r["model"]] = counts.get(r["model"], 0) + 1
+        model = max(counts, key=counts.get)
+    mine = [r for r in rows if r["model"] == model and metric in r["metrics"]]
+    tasks = sorted({r["task"] for r in mine})
+    if not tasks:
+        raise H2OError(f"no rows with {metric!r} for model {model!r} to plot")
+    ncols = min(3, len(tasks))
+    nrows = (len(tasks) + ncols - 1) // ncols
+    fig, axes = new_figure(ncols=ncols, nrows=nrows, width=4.2, height=3.4)
+    for k, task in enumerate(tasks):
+        ax = axes[k // ncols][k % ncols]
+        cells = [r for r in mine if r["task"] == task]
+        items = sorted({r["items"] for r in cells if r["items"]})
+        for policy in sorted({r["policy"] for r in cells}, key=_policy_rank):
+            points = sorted((r["budget"], r["metrics"][metric], r["metrics"].get(f"{metric}_stderr") or 0)
+                            for r in cells if r["policy"] == policy)
+            if policy == "full":
+                level, err = points[-1][1], points[-1][2]
+                ax.axhline(level, color=policy_color("full"), linestyle="--", label="full")
+                ax.axhspan(level - err, level + err, color="0.85", zorder=0)
+                continue
+            xs = [100 * b for b, _, _ in points]
+            ax.errorbar(xs, [v for _, v, _ in points], yerr=[e for _, _, e in points], marker="o", capsize=2,
+                        label=policy, color=policy_color(policy))
+        ax.set_xscale("log")
+        ax.set_xticks([5, 10, 20, 50, 100], ["5", "10", "20", "50", "100"])
+        ax.set_xlabel("KV budget (% of context)")
+        ax.set_ylabel(metric)
+        ax.set_title(f"{task} ({'/'.join(map(str, items)) or '?'} items per point)", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    for k in range(len(tasks), nrows * ncols):
+        axes[k // ncols][k % ncols].axis("off")
+    fig.suptitle(f"{model}: {metric} vs KV budget (error bars: lm-eval stderr; grey band: full ± stderr)", fontsize=10)
+    return save_figure(fig, path)
+
+
+def register_eval(kinds) -> None:
+    p = kinds.add_parser("tasks-report", help="merge `eval tasks` JSON pieces into the paper's table and figure")
+    p.add_argument("pieces", nargs="+", help="JSON files written by `h2okv eval tasks`")
+    p.add_argument("--json", default=None, help="write the merged rows here")
+    p.add_argument("--png", default=None, help="accuracy vs KV budget figure (one panel per task)")
+    p.add_argument("--figure-model", default=None, help="model of the figure (default: the one with most rows)")
+    p.add_argument("--metric", default="acc", help="metric of the figure (default acc)")
+    p.add_argument("--markdown", action="store_true", help="print the paper's table as Markdown")
+    p.add_argument("--table-budget", type=float, default=0.2, help="budget of the table (default 0.2)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    rows = merge(args.pieces)
+    if not rows:
+        raise H2OError("the pieces hold no results")
+    if args.json:
+        write_json({"pieces": list(args.pieces), "rows": rows}, args.json)
+        print(f"wrote {args.json}")
+    if args.png:
+        print(f"wrote {plot_budget_sweep(rows, args.png, metric=args.metric, model=args.figure_model)}")
+    if args.markdown or not (args.json or args.png):
+        print(markdown_table(rows, args.table_budget))
+    return 0

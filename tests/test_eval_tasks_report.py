@@ -1,0 +1,50 @@
+"""``h2okv eval tasks-report``: JSON pieces of ``eval tasks`` merged into the table and figure."""
+
+import json
+
+import pytest
+
+from h2okv.cli import main as cli_main
+from h2okv.eval import tasks_report as R
+
+
+def piece(path, budget, policies, task="copa", model=None, acc=0.6, items=100):
+    results = {p: {"seconds": 1.0, "tasks": {task: {"items": items, "acc": acc - 0.1 * k, "acc_stderr": 0.05}}}
+               for k, p in enumerate(policies)}
+    data = {"settings": {"model": model, "budget": budget, "num_fewshot": 5}, "results": results,
+            "offline_data": {task: {"evaluated_split": "validation"}}}
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_merge_table_and_figure(tmp_path, capsys):
+    a = piece(tmp_path / "a.json", 0.2, ["full", "h2o", "local"])
+    b = piece(tmp_path / "b.json", 0.5, ["full", "h2o"], acc=0.7)  # full again: the later piece wins
+    c = piece(tmp_path / "c.json", 0.2, ["full", "h2o"], task="piqa", model="/m/Qwen.gguf", items=200)
+    rows = R.merge([a, b, c])
+    keys = {(r["model"], r["task"], r["policy"], r["budget"]) for r in rows}
+    assert keys == {("smollm2", "copa", "full", 1.0), ("smollm2", "copa", "h2o", 0.2), ("smollm2", "copa", "local", 0.2),
+                    ("smollm2", "copa", "h2o", 0.5), ("Qwen", "piqa", "full", 1.0), ("Qwen", "piqa", "h2o", 0.2)}
+    full = next(r for r in rows if r["model"] == "smollm2" and r["policy"] == "full")
+    assert full["metrics"]["acc"] == pytest.approx(0.7) and full["source"] == b and full["split"] == "validation"
+    table = R.markdown_table(rows, budget=0.2)
+    assert "| copa | 100 | acc | 0.700 ± 0.050 | 0.500 ± 0.050 | 0.400 ± 0.050 |" in table  # full, h2o, local
+    assert "| piqa | 200 | acc | 0.600 ± 0.050 | 0.500 ± 0.050 |" in table
+    out, png = tmp_path / "m.json", tmp_path / "f.png"
+    assert cli_main(["eval", "tasks-report", a, b, c, "--json", str(out), "--png", str(png), "--markdown"]) == 0
+    assert len(json.loads(out.read_text())["rows"]) == 6
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| copa |" in capsys.readouterr().out
+
+
+def test_bad_pieces_are_one_line_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert cli_main(["eval", "tasks-report", str(bad)]) == 2
+    assert "bad.json: not valid JSON" in capsys.readouterr().err
+    assert cli_main(["eval", "tasks-report", str(tmp_path / "missing.json")]) == 2
+    assert "piece not found" in capsys.readouterr().err
+    other = tmp_path / "other.json"
+    other.write_text("{}")
+    assert cli_main(["eval", "tasks-report", str(other)]) == 2
+    assert "not an `h2okv eval tasks` result" in capsys.readouterr().err
