@@ -56,6 +56,12 @@ CASES = [  # (prompt length, policy, heavy, recent, new tokens)
     (34, "sink", 3, 9, 14),
     (30, "full", None, None, 15),
     (61, "full", None, None, 9),
+    # the policies beyond vanilla h2o batch the same way (snapkv's look-back window covers one
+    # forward call, so its prompt fits one chunk here, as in generate)
+    (45, "h2o-mean", 6, 6, 15),
+    (38, "tova", 5, 7, 14),
+    (50, "h2o-sink", 6, 6, 12),
+    (14, "snapkv:window=4", 4, 4, 12),
 ]
 
 
