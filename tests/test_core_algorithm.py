@@ -61,8 +61,8 @@ def run_layer(q, k, v, heavy, recent, chunk, scale, policy="h2o"):
     return out.transpose(1, 2), kept
 
 
-@settings(max_examples=25, deadline=None)
-@given(
+# one chunked forward call: its length, budget, chunk size, GQA groups and random weights
+CHUNKED_CASES = dict(
     n=st.integers(1, 24),
     heavy=st.integers(1, 6),
     recent=st.integers(1, 6),
@@ -70,6 +70,10 @@ def run_layer(q, k, v, heavy, recent, chunk, scale, policy="h2o"):
     groups=st.sampled_from([1, 3]),
     seed=st.integers(0, 10_000),
 )
+
+
+@settings(max_examples=25, deadline=None)
+@given(**CHUNKED_CASES)
 def test_slot_layer_matches_reference_algorithm(n, heavy, recent, chunk, groups, seed):
     g = torch.Generator().manual_seed(seed)
     hkv, d = 2, 8
@@ -163,14 +167,7 @@ RULE_POLICIES = ["h2o", "tova", "h2o-sink", "h2o-mean", "snapkv", "local", "sink
 
 
 @settings(max_examples=12, deadline=None)
-@given(
-    n=st.integers(1, 24),
-    heavy=st.integers(1, 6),
-    recent=st.integers(1, 6),
-    chunk=st.sampled_from([1, 2, 5, 64]),
-    groups=st.sampled_from([1, 3]),
-    seed=st.integers(0, 10_000),
-)
+@given(**CHUNKED_CASES)
 @pytest.mark.parametrize("policy", RULE_POLICIES)
 def test_every_policy_matches_its_reference_rule(policy, n, heavy, recent, chunk, groups, seed):
     """One forward call, chunked inside: same kept sets and outputs as the policy's rule in a loop."""
