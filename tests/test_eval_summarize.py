@@ -38,12 +38,18 @@ def test_rouge_matches_rouge_score_directly():
     scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
     expected = {k: sum(scorer.score(r, p)[k].fmeasure for p, r in zip(preds, refs)) / 2 for k in S.ROUGE_TYPES}
     got = S.rouge_scores(preds, refs)
-    assert got == pytest.approx(expected, abs=1e-12)
+    assert {k: got[k] for k in S.ROUGE_TYPES} == pytest.approx(expected, abs=1e-12)
+    # standard error of the mean over the two items: |a - b| / 2 for n = 2
+    for k in S.ROUGE_TYPES:
+        a, b = (scorer.score(r, p)[k].fmeasure for p, r in zip(preds, refs))
+        assert got[f"{k}_stderr"] == pytest.approx(abs(a - b) / 2)
     # and by hand for one pair: "the cat sat on the mat" vs "the cat was sitting on the mat" (stemmed:
     # sitting -> sit, sat stays): unigram overlap the, cat, on, the, mat = 5; P = 5/6, R = 5/7
     one = S.rouge_scores(preds[:1], refs[:1])
     assert one["rouge1"] == pytest.approx(2 * (5 / 6) * (5 / 7) / (5 / 6 + 5 / 7))
-    assert S.rouge_scores(["same words here"], ["same words here"]) == pytest.approx(dict.fromkeys(S.ROUGE_TYPES, 1.0))
+    same = S.rouge_scores(["same words here"], ["same words here"])
+    assert {k: same[k] for k in S.ROUGE_TYPES} == pytest.approx(dict.fromkeys(S.ROUGE_TYPES, 1.0))
+    assert same["rouge1_stderr"] is None  # one item: no standard error
 
 
 def test_fidelity_to_full_outputs():

@@ -47,4 +47,45 @@ def test_bad_pieces_are_one_line_errors(tmp_path, capsys):
     other = tmp_path / "other.json"
     other.write_text("{}")
     assert cli_main(["eval", "tasks-report", str(other)]) == 2
-    assert "not an `h2okv eval tasks` result" in capsys.readouterr().err
+    assert "not an `h2okv eval tasks` or `eval summarize` result" in capsys.readouterr().err
+
+
+def summary_piece(path, with_stderr: bool):
+    """An `eval summarize` piece: two items, full and h2o."""
+    refs = ["the cat sat on the mat", "a dog ran in the park"]
+    preds = {"full": ["the cat sat", "a dog ran"], "h2o": ["the cat", "the park"]}
+    from h2okv.eval.summarize import rouge_scores
+
+    results = {}
+    for policy, outs in preds.items():
+        scores = rouge_scores(outs, refs)
+        if not with_stderr:
+            scores = {k: v for k, v in scores.items() if not k.endswith("_stderr")}
+        results[policy] = {**scores, "items": 2, "seconds": 1.0}
+    samples = [{"id": str(i), "reference": r, "predictions": {p: preds[p][i] for p in preds}} for i, r in enumerate(refs)]
+    data = {"source": "/data/xsum_0shot.jsonl", "settings": {"eval_kind": "summarize", "shots": 0, "budget": 0.2,
+                                                             "model": None},
+            "results": results, "samples": samples}
+    path.write_text(json.dumps(data))
+    return str(path), results
+
+
+@pytest.mark.parametrize("with_stderr", [True, False])
+def test_summarize_pieces_join_the_table_with_stderr(tmp_path, with_stderr):
+    path, results = summary_piece(tmp_path / "x.json", with_stderr)
+    rows = R.merge([path, piece(tmp_path / "a.json", 0.2, ["full", "h2o"])])
+    xsum = {r["policy"]: r for r in rows if r["task"] == "xsum"}
+    assert set(xsum) == {"full", "h2o"} and xsum["h2o"]["budget"] == 0.2 and xsum["full"]["budget"] == 1.0
+    assert xsum["h2o"]["shots"] == 0 and xsum["h2o"]["items"] == 2
+    # the stderr is there whether the piece carried it or not (then computed from its samples)
+    from h2okv.eval.summarize import rouge_scores
+
+    want = rouge_scores(["the cat", "the park"], ["the cat sat on the mat", "a dog ran in the park"])
+    assert xsum["h2o"]["metrics"]["rouge1_stderr"] == pytest.approx(want["rouge1_stderr"])
+    table = R.markdown_table(rows, budget=0.2)
+    full, h2o = xsum["full"]["metrics"], xsum["h2o"]["metrics"]
+    assert (f"| xsum | 2 | rougeL | {full['rougeL']:.3f} ± {full['rougeL_stderr']:.3f} | "
+            f"{h2o['rougeL']:.3f} ± {h2o['rougeL_stderr']:.3f} |") in table
+    assert "0-shot" in table and "5-shot" in table  # the summaries get their own table
+    # the accuracy figure ignores ROUGE rows
+    assert R.plot_budget_sweep(rows, tmp_path / "f.png").exists()

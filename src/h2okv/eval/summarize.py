@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import random
 import re
 import time
@@ -184,16 +185,37 @@ def _request_example(prompt: str, summary: str | None) -> str:
     return prompt if summary is None else f"{prompt}{summary.strip()}\n\n"
 
 
-def rouge_scores(predictions: list[str], references: list[str]) -> dict:
-    """Mean ROUGE-1/2/L F-measure (0..1) over pairs, with rouge-score's Porter stemming."""
+def rouge_per_item(predictions: list[str], references: list[str]) -> dict[str, list[float]]:
+    """ROUGE-1/2/L F-measure (0..1) of each pair, with rouge-score's Porter stemming."""
     from rouge_score import rouge_scorer
 
     scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
-    totals = dict.fromkeys(ROUGE_TYPES, 0.0)
+    per_item: dict[str, list[float]] = {name: [] for name in ROUGE_TYPES}
     for prediction, reference in zip(predictions, references, strict=True):
         for name, score in scorer.score(reference, prediction).items():
-            totals[name] += score.fmeasure
-    return {name: totals[name] / max(len(predictions), 1) for name in ROUGE_TYPES}
+            per_item[name].append(score.fmeasure)
+    return per_item
+
+
+def mean_and_stderr(values: list[float]) -> tuple[float, float | None]:
+    """Mean and standard error of the mean (sample standard deviation / sqrt(n); None below 2)."""
+    n = len(values)
+    if n == 0:
+        return 0.0, None
+    mean = sum(values) / n
+    if n < 2:
+        return mean, None
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def rouge_scores(predictions: list[str], references: list[str]) -> dict:
+    """Mean ROUGE-1/2/L F-measure (0..1) over pairs, and ``<name>_stderr`` (standard error of the
+    mean over items, as lm-eval reports for accuracy; None for fewer than 2 pairs)."""
+    out = {}
+    for name, values in rouge_per_item(predictions, references).items():
+        out[name], out[f"{name}_stderr"] = mean_and_stderr(values)
+    return out
 
 
 def fidelity(outputs: list[str], reference: list[str]) -> dict:
@@ -280,10 +302,11 @@ def plot_rouge(results: dict, path, title: str = "") -> Path:
     for k, policy in enumerate(policies):
         xs = [j + (k - (len(policies) - 1) / 2) * width for j in range(len(ROUGE_TYPES))]
         values = [100 * results[policy][r] for r in ROUGE_TYPES]
-        bars = ax.bar(xs, values, width, label=policy)
+        errors = [100 * (results[policy].get(f"{r}_stderr") or 0) for r in ROUGE_TYPES]
+        bars = ax.bar(xs, values, width, yerr=errors, capsize=2, label=policy)
         ax.bar_label(bars, fmt="%.1f", fontsize=7)
     ax.set_xticks(range(len(ROUGE_TYPES)), ["ROUGE-1", "ROUGE-2", "ROUGE-L"])
-    ax.set_ylabel("F-measure (x100)")
+    ax.set_ylabel("F-measure (x100), ± stderr")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -8,7 +8,8 @@ reads any number of pieces and writes:
   (a later piece replaces an earlier one for the same key);
 - ``--markdown``: the paper's table, task x policy at one budget (``--table-budget``, default 0.2),
   ``acc ± stderr`` (and ``acc_norm`` where the task has it, and the fraction of items on which
-  each policy picks the same answer as full), one table per model and shot count;
+  each policy picks the same answer as full), one table per model and shot count; ``eval summarize``
+  pieces add ROUGE-1/2/L ± stderr rows (and ROUGE-L against full's own summaries);
 - ``--png``: accuracy vs KV budget per task (one panel each), a line per evicting policy and the
   full cache as a dashed level, the items per point in each panel's title.
 """
@@ -29,11 +30,51 @@ def _model_label(settings: dict) -> str:
     return Path(model).stem if model.endswith(".gguf") else model
 
 
+SUMMARY_METRICS = ("rouge1", "rouge2", "rougeL")
+
+
+def _summary_task(piece: dict) -> str:
+    """``xsum`` for ``.../xsum_0shot.jsonl`` (the request files' own names), else the source as given."""
+    stem = Path(str(piece.get("source") or "summaries")).stem
+    return stem[: -len("_0shot")] if stem.endswith("_0shot") else stem
+
+
+def summary_rows(piece: dict, source: str) -> list[dict]:
+    """Rows of one ``eval summarize`` JSON: ROUGE-1/2/L with standard errors (computed from the
+    piece's samples when an older piece lacks them) and ``rougeL_vs_full``."""
+    from .summarize import rouge_scores
+
+    settings = piece.get("settings") or {}
+    samples = piece.get("samples") or []
+    rows = []
+    for policy, result in piece["results"].items():
+        metrics = {k: result[k] for k in (*SUMMARY_METRICS, "rougeL_vs_full") if k in result}
+        metrics.update({f"{k}_stderr": result[f"{k}_stderr"] for k in SUMMARY_METRICS if f"{k}_stderr" in result})
+        if samples and not any(k.endswith("_stderr") for k in metrics):
+            scores = rouge_scores([s["predictions"][policy] for s in samples], [s["reference"] for s in samples])
+            metrics.update({f"{k}_stderr": scores[f"{k}_stderr"] for k in SUMMARY_METRICS})
+        rows.append({
+            "model": _model_label(settings),
+            "task": _summary_task(piece),
+            "shots": settings.get("shots"),
+            "policy": policy,
+            "budget": 1.0 if policy == "full" else settings.get("budget"),
+            "items": result.get("items"),
+            "metrics": metrics,
+            "split": None,
+            "source": source,
+        })
+    return rows
+
+
 def rows_of_piece(piece: dict, source: str) -> list[dict]:
-    """Rows ``{model, task, shots, policy, budget, items, metrics, source}`` of one ``eval tasks`` JSON."""
+    """Rows ``{model, task, shots, policy, budget, items, metrics, source}`` of one ``eval tasks`` or
+    ``eval summarize`` JSON."""
     settings = piece.get("settings") or {}
     if "results" not in piece:
-        raise H2OError(f"{source}: not an `h2okv eval tasks` result (no 'results')")
+        raise H2OError(f"{source}: not an `h2okv eval tasks` or `eval summarize` result (no 'results')")
+    if settings.get("eval_kind") == "summarize":
+        return summary_rows(piece, source)
     budget = settings.get("budget")
     rows = []
     for policy, result in piece["results"].items():
@@ -98,7 +139,8 @@ def markdown_table(rows: list[dict], budget: float = 0.2) -> str:
         for task in tasks:
             cells = {r["policy"]: r for r in mine if r["task"] == task}
             items = sorted({r["items"] for r in cells.values() if r["items"]})
-            metrics = [m for m in ("acc", "acc_norm", "agree_with_full") if any(m in r["metrics"] for r in cells.values())]
+            metrics = [m for m in ("acc", "acc_norm", "agree_with_full", *SUMMARY_METRICS, "rougeL_vs_full")
+                       if any(m in r["metrics"] for r in cells.values())]
             for metric in metrics:
                 line = [task, "/".join(map(str, items)) or "?", metric]
                 line += [_cell(cells[p]["metrics"], metric) if p in cells else "–" for p in policies]
@@ -151,7 +193,7 @@ def plot_budget_sweep(rows: list[dict], path, metric: str = "acc", model: str | 
 
 def register_eval(kinds) -> None:
     p = kinds.add_parser("tasks-report", help="merge `eval tasks` JSON pieces into the paper's table and figure")
-    p.add_argument("pieces", nargs="+", help="JSON files written by `h2okv eval tasks`")
+    p.add_argument("pieces", nargs="+", help="JSON files written by `h2okv eval tasks` or `h2okv eval summarize`")
     p.add_argument("--json", default=None, help="write the merged rows here")
     p.add_argument("--png", default=None, help="accuracy vs KV budget figure (one panel per task)")
     p.add_argument("--figure-model", default=None, help="model of the figure (default: the one with most rows)")
