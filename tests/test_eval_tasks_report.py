@@ -89,3 +89,21 @@ def test_summarize_pieces_join_the_table_with_stderr(tmp_path, with_stderr):
     assert "0-shot" in table and "5-shot" in table  # the summaries get their own table
     # the accuracy figure ignores ROUGE rows
     assert R.plot_budget_sweep(rows, tmp_path / "f.png").exists()
+
+
+def test_agreement_with_full_across_one_policy_pieces(tmp_path):
+    """Policies run in separate processes still get agree_with_full from the per-item choices."""
+    def one(name, policy, picked):
+        data = {"settings": {"model": None, "budget": 0.2, "num_fewshot": 5},
+                "results": {policy: {"tasks": {"piqa": {"items": len(picked), "acc": 0.5}}, "picked": {"piqa": picked}}}}
+        (tmp_path / name).write_text(json.dumps(data))
+        return str(tmp_path / name)
+
+    full = one("full.json", "full", [0, 1, 1, 0])
+    h2o = one("h2o.json", "h2o", [0, 1, 0, 0])
+    short = one("local.json", "local", [0, 1])  # other items: no agreement claimed
+    rows = {r["policy"]: r for r in R.merge([full, h2o, short])}
+    assert rows["h2o"]["metrics"]["agree_with_full"] == pytest.approx(0.75)
+    assert rows["full"]["metrics"]["agree_with_full"] == 1.0
+    assert "agree_with_full" not in rows["local"]["metrics"]
+    assert all("picked" not in r for r in rows.values())

@@ -91,6 +91,7 @@ def rows_of_piece(piece: dict, source: str) -> list[dict]:
                 "metrics": {k: v for k, v in metrics.items() if k != "items"},
                 "split": ((piece.get("offline_data") or {}).get(task) or {}).get("evaluated_split"),
                 "source": source,
+                "picked": picked,
             })
     return rows
 
@@ -106,8 +107,27 @@ def merge(paths: list[str]) -> list[dict]:
             raise H2OError(f"{path}: not valid JSON ({exc.msg})") from None
         for row in rows_of_piece(piece, str(path)):
             merged[(row["model"], row["task"], row["shots"], row["policy"], row["budget"])] = row
+    _agreement_across_pieces(merged)
     return sorted(merged.values(), key=lambda r: (r["model"], r["task"], str(r["shots"]), _policy_rank(r["policy"]),
                                                   -(r["budget"] or 0)))
+
+
+def _agreement_across_pieces(merged: dict) -> None:
+    """A policy run in its own piece (one policy per process, so that a long grid finishes in parts)
+    still gets ``agree_with_full``: the fraction of items on which it picked full's answer, from the
+    two pieces' per-item choices, when both cover the same number of items (``--limit N`` takes the
+    first N, so the same items).
+    Drops the per-item lists afterwards."""
+    for (model, task, shots, policy, _), row in merged.items():
+        full = merged.get((model, task, shots, "full", 1.0))
+        mine, theirs = row.get("picked"), (full or {}).get("picked")
+        if policy != "full" and "agree_with_full" not in row["metrics"] and mine and theirs \
+                and len(mine) == len(theirs):
+            row["metrics"]["agree_with_full"] = sum(a == b for a, b in zip(mine, theirs, strict=True)) / len(mine)
+        elif policy == "full" and mine and "agree_with_full" not in row["metrics"]:
+            row["metrics"]["agree_with_full"] = 1.0
+    for row in merged.values():
+        row.pop("picked", None)
 
 
 def _policy_rank(policy: str) -> int:
