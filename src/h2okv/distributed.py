@@ -26,6 +26,7 @@ import datetime
 import logging
 import math
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -171,17 +172,22 @@ def prepare(args) -> int:
 
 
 # -- running a command on every rank ---------------------------------------------------------------
-def run(args, body) -> int:
+def run(args, body, signals_to_rank0: bool = False) -> int:
     """``body(args) -> exit code`` on every rank (or once, for ``--tp 1``). Call ``prepare`` first
     (``run`` does when ``args.tp`` is still unset). ``body`` must be a module-level function: the
-    ranks import it by name."""
+    ranks import it by name.
+
+    ``signals_to_rank0`` (a server, which drains on SIGTERM): when this process started the ranks,
+    they run in their own process group, so a terminal's Ctrl-C reaches this process only, and
+    each SIGTERM or SIGINT it receives is passed on to rank 0 as SIGTERM; rank 0 then decides when
+    the others stop. The run ends when every rank has exited."""
     tp = args.tp if isinstance(getattr(args, "tp", None), int) and args.tp >= 1 else prepare(args)
     timeout = getattr(args, "tp_timeout", DEFAULT_TIMEOUT_S)
     if tp == 1 or is_distributed():  # single process, or already a rank (a command run inside a rank)
         return int(body(args) or 0)
     if launched_by_torchrun():
         return _run_external(args, body, timeout)
-    return _spawn(args, body, tp, timeout)
+    return _spawn(args, body, tp, timeout, signals_to_rank0)
 
 
 def _init_group(info: RankInfo, device: str, timeout: float) -> None:
@@ -242,8 +248,11 @@ def _run_body(args, body, info: RankInfo, timeout: float, report) -> int:
             dist.destroy_process_group()
 
 
-def _rank_main(local_rank: int, args, body, world: int, port: int, timeout: float, errors) -> None:
+def _rank_main(local_rank: int, args, body, world: int, port: int, timeout: float, errors,
+               own_group: bool = False) -> None:
     """Entry point of a rank started by ``_spawn`` (torch.multiprocessing calls it in the child)."""
+    if own_group:  # signals come from the launcher only (see ``run``)
+        os.setpgid(0, 0)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if local_rank != 0:
         _silence_output()
@@ -276,7 +285,7 @@ def _save_trace(rank: int, trace: str | None) -> str:
     return f" (traceback: {path})"
 
 
-def _spawn(args, body, tp: int, timeout: float) -> int:
+def _spawn(args, body, tp: int, timeout: float, signals_to_rank0: bool = False) -> int:
     """Start ``tp`` ranks here, wait; on the first failure stop the rest and report one line."""
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
@@ -292,8 +301,8 @@ def _spawn(args, body, tp: int, timeout: float) -> int:
     saved = {k: os.environ.get(k) for k in hidden}
     os.environ.update(hidden)
     try:
-        procs = mp.start_processes(_rank_main, args=(args, body, tp, port, timeout, errors), nprocs=tp,
-                                   join=False, start_method="spawn")
+        procs = mp.start_processes(_rank_main, args=(args, body, tp, port, timeout, errors, signals_to_rank0),
+                                   nprocs=tp, join=False, start_method="spawn")
     finally:
         for k, v in saved.items():
             if v is None:
@@ -301,6 +310,7 @@ def _spawn(args, body, tp: int, timeout: float) -> int:
             else:
                 os.environ[k] = v
     failure = None
+    restore = _forward_signals(procs.processes[0].pid) if signals_to_rank0 else {}
     try:
         while not procs.join(timeout=0.5, grace_period=1.0):
             pass
@@ -315,6 +325,9 @@ def _spawn(args, body, tp: int, timeout: float) -> int:
             if p.is_alive():
                 p.kill()
         raise
+    finally:
+        for sig, handler in restore.items():
+            signal.signal(sig, handler)
     if failure is None:
         return 0
     reports = []
@@ -331,6 +344,23 @@ def _spawn(args, body, tp: int, timeout: float) -> int:
         message = f"rank {failure.error_index} of {tp} {how}"
     print(f"h2okv: error: {message}", file=sys.stderr)
     return 1
+
+
+def _forward_signals(pid: int) -> dict:
+    """SIGTERM and SIGINT to this process become SIGTERM to ``pid``; returns the previous handlers
+    (nothing when not on the main thread, where Python cannot set handlers)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def forward(sig, frame):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    return {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
 
 
 def _run_external(args, body, timeout: float) -> int:

@@ -1,0 +1,210 @@
+"""``h2okv serve --tp 2`` on CPU with gloo: a real server process (the launcher and its 2 ranks) on a
+tiny random Qwen2 with 4 KV heads (2 per rank) answers the official ``openai`` client with the same
+greedy text as a ``--tp 1`` server of the same checkpoint, frees every rank's KV after cancelled
+streams, and ends every rank with exit 0 on SIGTERM.
+
+Starting the ranks is the slow part (each imports torch and transformers), so the whole module
+shares one ``--tp 2`` server; the SIGTERM test stops it and therefore runs last (file order).
+"""
+
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from h2okv import cli
+from h2okv.models import load_model
+from h2okv.serve import EvictionDefaults, create_app, running_server
+from h2okv.serve.process import ServerProcess, save_tiny_model
+
+NAME = "tiny"
+HEAVY = RECENT = 8
+CHUNK = 16
+SETTINGS = ["--policy", "h2o", "--heavy", str(HEAVY), "--recent", str(RECENT), "--chunk-size", str(CHUNK)]
+PROMPTS = [f"prompt {i}: the quick brown fox jumps over {i * 7} lazy dogs" for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tp_chat"), arch="qwen2", num_key_value_heads=4,
+                           max_positions=1024, initializer_range=0.3)
+
+
+@pytest.fixture(scope="module")
+def tp2(checkpoint, tmp_path_factory):
+    log = tmp_path_factory.mktemp("tp_serve") / "server.log"
+    server = ServerProcess(["--model", str(checkpoint), "--served-model-name", NAME, "--log-level", "warning",
+                            *SETTINGS, "--tp", "2", "--tp-timeout", "60"], log_path=log)
+    try:
+        server.wait_healthy(timeout=180)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{exc}; log: {Path(log).read_text()[-2000:]}") from None
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="module")
+def tp1(checkpoint):
+    """The same checkpoint and settings served by one process, in this one (no rank to start)."""
+    model, tok = load_model(str(checkpoint), cache=False)
+    app = create_app(model, tok, model_name=NAME, prefill_chunk=CHUNK,
+                     eviction=EvictionDefaults(policy="h2o", heavy=HEAVY, recent=RECENT))
+    with running_server(app) as url:
+        yield url
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def complete(url: str, prompt: str, max_tokens: int = 16) -> str:
+    out = client(url).completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length"
+    return out.choices[0].text
+
+
+def stream_chat(url: str, content: str, max_tokens: int = 16) -> str:
+    stream = client(url).chat.completions.create(model=NAME, messages=[{"role": "user", "content": content}],
+                                                 max_tokens=max_tokens, temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True})
+    parts, finish = [], None
+    for chunk in stream:
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "length"
+    return "".join(parts)
+
+
+def rank_gauges(url: str) -> dict[str, dict[int, float]]:
+    """``/metrics`` per-rank gauges: {name: {rank: value}}."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out: dict[str, dict[int, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if "rank" in sample.labels:
+                out.setdefault(sample.name, {})[int(sample.labels["rank"])] = sample.value
+    return out
+
+
+def test_completion_matches_tp1(tp2, tp1):
+    prompt = PROMPTS[0] * 2  # longer than the budget and several chunks: prefill evicts
+    assert complete(tp2.url, prompt) == complete(tp1, prompt)
+
+
+def test_streamed_chat_matches_tp1(tp2, tp1):
+    assert stream_chat(tp2.url, PROMPTS[1]) == stream_chat(tp1, PROMPTS[1])
+
+
+def test_eight_concurrent_streams_match_tp1(tp2, tp1):
+    """8 streams at once: rows join and leave the decode batch of every rank while others decode."""
+    with ThreadPoolExecutor(8) as pool:
+        tp2_texts = list(pool.map(lambda i: stream_chat(tp2.url, PROMPTS[i], 8 + 2 * i), range(8)))
+    tp1_texts = [stream_chat(tp1, PROMPTS[i], 8 + 2 * i) for i in range(8)]
+    assert tp2_texts == tp1_texts
+    assert all(tp2_texts)
+
+
+def test_every_rank_holds_kv_while_streaming_and_none_after_cancellations(tp2):
+    """Streams closed early are cancelled on rank 0, and the followers drop the same rows: every
+    rank ends with no sequence and no KV bytes. While they run, both ranks hold the same bytes."""
+    held: list[dict] = []
+    started = threading.Barrier(5)
+
+    def read_then_close(i: int) -> None:
+        stream = client(tp2.url).completions.create(model=NAME, prompt=PROMPTS[i], max_tokens=800, temperature=0,
+                                                    stream=True, extra_body={"ignore_eos": True})
+        for n, _ in enumerate(stream):
+            if n == 3:
+                started.wait(60)  # all four stream: look at the ranks
+                started.wait(60)  # the main thread has looked
+                break
+        stream.close()  # the client goes away mid-generation
+
+    threads = [threading.Thread(target=read_then_close, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    started.wait(60)
+    held.append(rank_gauges(tp2.url))
+    started.wait(60)
+    for t in threads:
+        t.join(60)
+    during = held[0]
+    assert during["h2okv_rank_sequences"] == {0: 4, 1: 4}
+    assert during["h2okv_rank_kv_bytes_in_use"][0] == during["h2okv_rank_kv_bytes_in_use"][1] > 0
+    deadline = time.monotonic() + 30
+    while True:
+        after = rank_gauges(tp2.url)
+        if all(v == 0 for name in ("h2okv_rank_sequences", "h2okv_rank_kv_bytes_in_use") for v in after[name].values()):
+            break
+        assert time.monotonic() < deadline, after
+        time.sleep(0.2)
+    assert set(after["h2okv_rank_sequences"]) == {0, 1}
+    metrics = httpx.get(tp2.url + "/metrics", timeout=30).text
+    assert float(re.search(r'h2okv_requests_finished_total\{outcome="cancelled"\} (\S+)', metrics)[1]) >= 4
+    # the server still answers as before
+    assert complete(tp2.url, PROMPTS[2], 4)
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--tp", "3"], "has 4 KV heads, which do not divide by 3"),
+        (["--tp", "2", "--kv-memory", "lots"], "--kv-memory"),
+        (["--tp", "2", "--port", "0"], "--port must be in 1..65535"),
+        (["--tp", "0"], "must be > 0"),
+    ],
+)
+def test_bad_serve_tp_settings_one_line_exit_2(checkpoint, capsys, argv, fragment):
+    assert cli.main(["serve", "--model", str(checkpoint), *argv]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_sigterm_drains_and_ends_every_rank_with_exit_0(tp2):
+    """Runs last: stops the module's server. A stream running at SIGTERM finishes, then the
+    launcher, rank 0 and the follower all exit (the launcher exits 0 only when every rank did)."""
+    ranks = _rank_pids(tp2.proc.pid)
+    assert len(ranks) == 2
+    result: dict = {}
+    started = threading.Event()
+
+    def stream() -> None:
+        try:
+            chunks = client(tp2.url).completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=40, temperature=0,
+                                                        stream=True, extra_body={"ignore_eos": True})
+            finish = None
+            for chunk in chunks:
+                started.set()
+                finish = chunk.choices[0].finish_reason or finish
+            result["finish"] = finish
+        except Exception as exc:
+            result["error"] = exc
+        finally:
+            started.set()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert started.wait(60)
+    tp2.terminate()
+    thread.join(60)
+    assert result == {"finish": "length"}
+    assert tp2.wait(60) == 0
+    for pid in ranks:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def _rank_pids(launcher: int) -> list[int]:
+    """The launcher's children that are ranks (torch.multiprocessing's spawn children)."""
+    pids = []
+    for task in Path(f"/proc/{launcher}/task").iterdir():
+        pids += [int(p) for p in (task / "children").read_text().split()]
+    return [p for p in pids if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
