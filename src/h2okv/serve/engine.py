@@ -13,6 +13,10 @@
 4. one decode step for every decode batch: each row feeds its last token at its own position. A
    decode row therefore waits at most one step's prefill budget between two tokens.
 
+The engine never runs the model nor touches a cache itself: it calls its ``Executor``
+(``executor.py``) with plain data (token ids, positions, integer sequence ids), so the same calls
+replayed elsewhere rebuild the same caches.
+
 Each sequence keeps its own budget, policy settings and positions. Sequences with the same policy
 decode in one forward; different policies are different batches (the cache holds one policy).
 An exception in one request's work fails that request; a failing batch forward fails that batch's
@@ -22,7 +26,7 @@ requests; the engine keeps serving.
 from __future__ import annotations
 
 import asyncio
-import inspect
+import itertools
 import logging
 import queue
 import threading
@@ -32,9 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import H2OCache
-from .batch import DecodeBatch
-from .memory import Reservation, bytes_per_slot, footprint_slots, prefill_chunks, reservation
+from .executor import Executor
+from .memory import Reservation, footprint_slots, prefill_chunks, reservation
 from .sampling import make_generator, sample
 from .schemas import APIError
 from .text import TextStream
@@ -139,7 +142,7 @@ class Sequence:
         self.generated: list[int] = []
         self.chunks = prefill_chunks(len(request.prompt_ids), engine.prefill_chunk)
         self.next_chunk = 0
-        self.cache: H2OCache | None = None  # own cache while prefilling, then the batch's
+        self.uid = next(engine.uids)  # the executor's name for this sequence
         self.generator = make_generator(request.seed, engine.device)
         self.text = TextStream(engine.decode, request.stops)
         self.done = False
@@ -195,23 +198,22 @@ class Engine:
         self.schedule = schedule
         self.step_tokens = step_tokens
         self.observer = observer or Observer()
-        self.model = model
+        # every model run and cache change goes through the executor (plain-data calls, see executor.py)
+        self.executor = Executor(model, prefill_chunk)
         self.tokenizer = tokenizer
         self.device = model.device
         self.kv_memory = kv_memory
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
-        self.slot_bytes = bytes_per_slot(model)
+        self.slot_bytes = self.executor.slot_bytes()
         self.tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
         self.eos_ids = _eos_ids(model, tokenizer)
-        self._keep_last = (
-            {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-        )
+        self.uids = itertools.count()
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
         self._prefilling: list[Sequence] = []
-        self._batches: dict[str, DecodeBatch] = {}
+        self._batches: dict[str, list[Sequence]] = {}  # policy -> its decode rows, as the executor's
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._draining = False
@@ -308,7 +310,7 @@ class Engine:
                 with self._cond:
                     if self._stopping:
                         break
-                    if not (self._waiting or self._prefilling or any(len(b) for b in self._batches.values())):
+                    if not (self._waiting or self._prefilling or any(self._batches.values())):
                         self._cond.wait(timeout=0.5)
                         continue
                 self._busy = True
@@ -319,6 +321,7 @@ class Engine:
                     for seq in self._active():
                         self._fail(seq, "internal error in the engine")
                     self._prefilling, self._batches = [], {}
+                    self.executor.reset()
                 self._publish()
                 self._busy = False
             self._shutdown()
@@ -332,15 +335,18 @@ class Engine:
         elif self._prefilling:
             self._prefill_budget()
         decoded = 0
-        for batch in list(self._batches.values()):
-            if len(batch):
-                decoded += len(batch)
-                self._decode_step(batch)
+        for policy, rows in list(self._batches.items()):
+            if rows:
+                decoded += len(rows)
+                self._decode_step(policy)
         self.stats.batch_size = decoded
         self.stats.batch_size_max = max(self.stats.batch_size_max, decoded)
 
+    def _decoding(self, seq: Sequence) -> bool:
+        return any(s is seq for s in self._batches.get(seq.request.policy, ()))
+
     def _active(self) -> list[Sequence]:
-        return self._prefilling + [s for b in self._batches.values() for s in b.rows]
+        return self._prefilling + [s for rows in self._batches.values() for s in rows]
 
     def _drop_cancelled(self) -> None:
         with self._cond:
@@ -350,11 +356,11 @@ class Engine:
         for seq in [s for s in self._prefilling if s.handle.cancelled.is_set()]:
             self._prefilling.remove(seq)
             self._finish(seq, Event("cancelled"), "cancelled")
-        for batch in self._batches.values():
-            for seq in batch.rows:
+        for policy, rows in list(self._batches.items()):
+            for seq in rows:
                 if seq.handle.cancelled.is_set():
                     self._finish(seq, Event("cancelled"), "cancelled")
-            self._compact(batch)
+            self._compact(policy)
 
     def _schedule_serial(self) -> bool:
         return self.schedule == "serial" and bool(self._prefilling)
@@ -388,8 +394,8 @@ class Engine:
                 self._prefilling.remove(seq)
             self._complete(seq, seq.text.flush(), "timeout", outcome="timeout")
         if expired:
-            for batch in self._batches.values():
-                self._compact(batch)
+            for policy in list(self._batches):
+                self._compact(policy)
 
     def _admit(self) -> None:
         with self._cond:
@@ -418,20 +424,15 @@ class Engine:
     def _prefill_step(self, seq: Sequence) -> None:
         req = seq.request
         try:
-            if seq.cache is None:
-                budget = {} if req.heavy is None else {"heavy": req.heavy, "recent": req.recent}
-                seq.cache = H2OCache(self.model, policy=req.policy, chunk_size=self.prefill_chunk,
-                                     seed=req.seed or 0, **budget)
+            if seq.next_chunk == 0:
+                self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0)
             start, stop = seq.chunks[seq.next_chunk]
-            ids = torch.tensor([req.prompt_ids[start:stop]], dtype=torch.long, device=self.device)
-            positions = torch.arange(start, stop, device=self.device)[None]
-            out = self.model(input_ids=ids, position_ids=positions, past_key_values=seq.cache, use_cache=True,
-                             **self._keep_last)
+            logits = self.executor.prefill([(seq.uid, req.prompt_ids[start:stop], start)])[seq.uid]
             seq.next_chunk += 1
             if seq.next_chunk < len(seq.chunks):
                 return
             self._prefilling.remove(seq)
-            self._advance(seq, out.logits[0, -1])
+            self._advance(seq, logits)
         except Exception as exc:  # this request's failure, not the engine's
             log.exception("prefill failed")
             if seq in self._prefilling:
@@ -439,24 +440,20 @@ class Engine:
             self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
             return
         if seq.done:
-            seq.cache = None
             return
-        batch = self._batches.setdefault(req.policy, DecodeBatch(req.policy))
-        batch.add(seq, seq.cache, seq.reservation.slots)
-        seq.cache = None
+        self.executor.join(seq.uid, seq.reservation.slots)
+        self._batches.setdefault(req.policy, []).append(seq)
 
-    def _decode_step(self, batch: DecodeBatch) -> None:
-        rows = list(batch.rows)
-        ids = torch.tensor([[s.generated[-1]] for s in rows], dtype=torch.long, device=self.device)
-        positions = torch.tensor([[s.tokens_fed] for s in rows], dtype=torch.long, device=self.device)
+    def _decode_step(self, policy: str) -> None:
+        rows = list(self._batches[policy])
         try:
-            logits = self.model(input_ids=ids, position_ids=positions, past_key_values=batch.cache, use_cache=True,
-                                **self._keep_last).logits[:, -1]
+            logits = self.executor.decode(policy, [s.uid for s in rows], [s.generated[-1] for s in rows],
+                                          [s.tokens_fed for s in rows])
         except Exception as exc:
             log.exception("decode step failed")
             for seq in rows:
                 self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
-            batch.keep([], 0)
+            self._compact(policy)
             return
         for i, seq in enumerate(rows):
             try:
@@ -464,11 +461,18 @@ class Engine:
             except Exception as exc:
                 log.exception("token step failed")
                 self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
-        self._compact(batch)
+        self._compact(policy)
 
-    def _compact(self, batch: DecodeBatch) -> None:
-        keep = [s for s in batch.rows if not s.done]
-        batch.keep(keep, max((s.reservation.slots for s in keep), default=0))
+    def _compact(self, policy: str) -> None:
+        rows = self._batches.get(policy, [])
+        keep = [s for s in rows if not s.done]
+        if len(keep) == len(rows):
+            return
+        self.executor.keep(policy, [s.uid for s in keep], max((s.reservation.slots for s in keep), default=0))
+        if keep:
+            self._batches[policy] = keep
+        else:
+            del self._batches[policy]
 
     def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Choose the next token of ``seq`` and tell its client."""
@@ -511,14 +515,14 @@ class Engine:
         if seq.done:
             return
         seq.done = True
-        seq.cache = None
+        if not self._decoding(seq):  # a decode row is dropped by _compact, with the rest of its batch
+            self.executor.close(seq.uid)
         self.stats.finished[outcome] += 1
         seq.handle.push(event)
 
     def _publish(self) -> None:
         active = self._active()
-        kv = sum(b.kv_bytes() for b in self._batches.values())
-        kv += sum(layer.kv_bytes() for s in self._prefilling if s.cache is not None for layer in s.cache.layers)
+        kv = self.executor.kv_bytes()
         s = self.stats
         s.running = len(active)
         with self._cond:
@@ -540,6 +544,7 @@ class Engine:
         for seq in pending:
             self._fail(seq, "the server is shutting down", status=503)
         self._prefilling, self._batches = [], {}
+        self.executor.reset()
         self._publish()
 
 
