@@ -1,13 +1,18 @@
-"""``h2okv serve --tp 2`` on CPU with gloo: a real server process (the launcher and its 2 ranks) on a
+"""``h2okv serve --tp 2`` on CPU with gloo: the command (its 2 ranks started from this process) on a
 tiny random Qwen2 with 4 KV heads (2 per rank) answers the official ``openai`` client with the same
 greedy text as a ``--tp 1`` server of the same checkpoint, frees every rank's KV after cancelled
 streams, and ends every rank with exit 0 on SIGTERM.
 
 Starting the ranks is the slow part (each imports torch and transformers), so the whole module
-shares one ``--tp 2`` server; the SIGTERM test stops it and therefore runs last (file order).
+shares one ``--tp 2`` server, launched by ``cli.main`` in a thread of this process (which has those
+imports already); the SIGTERM test stops it and therefore runs last (file order).
 """
 
+import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,10 +23,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from h2okv import cli
+from h2okv import cli, distributed
 from h2okv.models import load_model
 from h2okv.serve import EvictionDefaults, create_app, running_server
-from h2okv.serve.process import ServerProcess, save_tiny_model
+from h2okv.serve.process import free_port, save_tiny_model
 
 NAME = "tiny"
 HEAVY = RECENT = 8
@@ -36,17 +41,48 @@ def checkpoint(tmp_path_factory):
                            max_positions=1024, initializer_range=0.3)
 
 
+class TPServer:
+    """``h2okv serve --tp 2`` run by ``cli.main`` in a thread: this process is the launcher."""
+
+    def __init__(self, checkpoint):
+        self.url = f"http://127.0.0.1:{free_port()}"
+        argv = ["serve", "--model", str(checkpoint), "--served-model-name", NAME, "--log-level", "warning",
+                "--port", self.url.rsplit(":", 1)[1], *SETTINGS, "--tp", "2", "--tp-timeout", "60"]
+        self.code: int | None = None
+        self.thread = threading.Thread(target=self._run, args=(argv,), name="tp-launcher", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 180
+        while not self._healthy():
+            assert self.thread.is_alive(), f"serve --tp 2 exited with {self.code} before it was healthy"
+            assert time.monotonic() < deadline, "serve --tp 2 was not healthy within 180 s"
+            time.sleep(0.2)
+        self.ranks = _rank_pids(os.getpid())
+
+    def _run(self, argv) -> None:
+        self.code = cli.main(argv)
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def terminate(self) -> None:
+        """What the launcher does with a SIGTERM it receives (tested below): pass it to rank 0."""
+        os.kill(self.ranks[0], signal.SIGTERM)
+
+    def wait(self, timeout: float) -> int | None:
+        self.thread.join(timeout)
+        return self.code
+
+
 @pytest.fixture(scope="module")
-def tp2(checkpoint, tmp_path_factory):
-    log = tmp_path_factory.mktemp("tp_serve") / "server.log"
-    server = ServerProcess(["--model", str(checkpoint), "--served-model-name", NAME, "--log-level", "warning",
-                            *SETTINGS, "--tp", "2", "--tp-timeout", "60"], log_path=log)
-    try:
-        server.wait_healthy(timeout=180)
-    except RuntimeError as exc:
-        raise RuntimeError(f"{exc}; log: {Path(log).read_text()[-2000:]}") from None
+def tp2(checkpoint):
+    server = TPServer(checkpoint)
     yield server
-    server.kill()
+    if server.thread.is_alive():
+        server.terminate()
+        server.wait(60)
 
 
 @pytest.fixture(scope="module")
@@ -170,9 +206,9 @@ def test_bad_serve_tp_settings_one_line_exit_2(checkpoint, capsys, argv, fragmen
 
 
 def test_sigterm_drains_and_ends_every_rank_with_exit_0(tp2):
-    """Runs last: stops the module's server. A stream running at SIGTERM finishes, then the
-    launcher, rank 0 and the follower all exit (the launcher exits 0 only when every rank did)."""
-    ranks = _rank_pids(tp2.proc.pid)
+    """Runs last: stops the module's server. A stream running at SIGTERM finishes, then rank 0 and
+    the follower exit, and the command returns 0 (which it does only when every rank exited 0)."""
+    ranks = tp2.ranks
     assert len(ranks) == 2
     result: dict = {}
     started = threading.Event()
@@ -197,14 +233,33 @@ def test_sigterm_drains_and_ends_every_rank_with_exit_0(tp2):
     tp2.terminate()
     thread.join(60)
     assert result == {"finish": "length"}
-    assert tp2.wait(60) == 0
+    assert tp2.wait(60) == 0 and not tp2.thread.is_alive()
     for pid in ranks:
-        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+        assert not Path(f"/proc/{pid}").exists()
+
+
+def test_launcher_passes_sigterm_and_sigint_to_rank_0():
+    """The launcher of a server (``signals_to_rank0``) hands each SIGTERM or SIGINT it gets to rank 0
+    as SIGTERM (rank 0 drains), and puts its own handlers back afterwards."""
+    before = signal.getsignal(signal.SIGINT)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        restore = distributed._forward_signals(child.pid)
+        assert set(restore) == {signal.SIGTERM, signal.SIGINT}  # installed (else the signal would hit pytest)
+        try:
+            os.kill(os.getpid(), sig)
+            assert child.wait(30) == -signal.SIGTERM
+        finally:
+            for s, handler in restore.items():
+                signal.signal(s, handler)
+            child.kill()
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def _rank_pids(launcher: int) -> list[int]:
-    """The launcher's children that are ranks (torch.multiprocessing's spawn children)."""
+    """The launcher's children that are ranks (torch.multiprocessing's spawn children), rank order."""
     pids = []
     for task in Path(f"/proc/{launcher}/task").iterdir():
         pids += [int(p) for p in (task / "children").read_text().split()]
-    return [p for p in pids if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    ranks = [p for p in pids if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    return sorted(ranks)  # spawned in rank order: rank 0 has the lower pid

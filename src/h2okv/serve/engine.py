@@ -190,7 +190,7 @@ SCHEDULES = ("budget", "serial")
 class Engine:
     def __init__(self, model, tokenizer, *, kv_memory: int | None = None, max_batch: int = 32,
                  max_queue: int = 256, prefill_chunk: int = 128, schedule: str = "budget",
-                 step_tokens: int = 512, observer: Observer | None = None):
+                 step_tokens: int = 512, observer: Observer | None = None, executor=None):
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or step_tokens < 1:
             raise ValueError("max_batch, prefill_chunk and step_tokens must be >= 1, max_queue >= 0")
         if schedule not in SCHEDULES:
@@ -198,8 +198,9 @@ class Engine:
         self.schedule = schedule
         self.step_tokens = step_tokens
         self.observer = observer or Observer()
-        # every model run and cache change goes through the executor (plain-data calls, see executor.py)
-        self.executor = Executor(model, prefill_chunk)
+        # every model run and cache change goes through the executor (plain-data calls, see executor.py);
+        # ``serve --tp`` passes one that also sends each call to the other ranks (tp.py)
+        self.executor = executor if executor is not None else Executor(model, prefill_chunk)
         self.tokenizer = tokenizer
         self.device = model.device
         self.kv_memory = kv_memory
