@@ -215,6 +215,20 @@ def _silence_output() -> None:
     os.close(null)
 
 
+def is_comm_error(exc: BaseException | None) -> bool:
+    """A failure of the process group rather than of this rank's work (most likely the echo of
+    another rank's failure): c10d's errors, gloo's (plain ``RuntimeError``s that name gloo: a
+    timeout, a peer that closed its connection), or an exception raised from one of those."""
+    import torch.distributed as dist
+
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc).lower()):
+            return True
+        exc, seen = exc.__cause__, seen + 1
+    return False
+
+
 def _one_line(exc: BaseException, timeout: float) -> str:
     text = str(exc).strip()
     first = text.splitlines()[0].strip() if text else ""
@@ -241,7 +255,7 @@ def _run_body(args, body, info: RankInfo, timeout: float, report) -> int:
         report(info.rank, _one_line(exc, timeout), True, None, False)
         return 2
     except Exception as exc:  # a bug or a lost peer: still one line; the traceback goes to a file
-        report(info.rank, _one_line(exc, timeout), False, traceback.format_exc(), isinstance(exc, dist.DistError))
+        report(info.rank, _one_line(exc, timeout), False, traceback.format_exc(), is_comm_error(exc))
         return 1
     finally:
         if dist.is_initialized():
@@ -253,6 +267,12 @@ def _rank_main(local_rank: int, args, body, world: int, port: int, timeout: floa
     """Entry point of a rank started by ``_spawn`` (torch.multiprocessing calls it in the child)."""
     if own_group:  # signals come from the launcher only (see ``run``)
         os.setpgid(0, 0)
+    # tqdm (the weight-loading bars) would create a multiprocessing lock: a named semaphore that a
+    # rank killed by the launcher cannot release, which the resource tracker then reports as
+    # "leaked" after the one-line error. A rank starts no processes: tqdm's thread lock suffices.
+    import tqdm.std
+
+    tqdm.std.TqdmDefaultWriteLock.mp_lock = None
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if local_rank != 0:
         _silence_output()
@@ -262,7 +282,7 @@ def _rank_main(local_rank: int, args, body, world: int, port: int, timeout: floa
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
     def report(rank, line, user_error, trace, comm_error):
-        errors.put((rank, line, user_error, trace))
+        errors.put((rank, line, user_error, trace, comm_error))
 
     code = _run_body(args, body, RankInfo(local_rank, world, local_rank), timeout, report)
     sys.stdout.flush()
@@ -333,8 +353,12 @@ def _spawn(args, body, tp: int, timeout: float, signals_to_rank0: bool = False) 
     reports = []
     while not errors.empty():
         reports.append(errors.get())
-    if reports:  # the first failure in time is the cause; later ones are its echo (lost peers)
-        rank_, line, user_error, trace = reports[0]
+    # the cause: the first rank's own failure; failures to reach a peer are echoes of it. When every
+    # report is such an echo and the first rank found dead was killed without a word, the kill is.
+    causes = [r for r in reports if not r[4]] or reports
+    killed = getattr(failure, "signal_name", None) and failure.error_index not in {r[0] for r in reports}
+    if reports and not (killed and causes is reports):
+        rank_, line, user_error, trace, _ = causes[0]
         message = f"rank {rank_} of {tp} failed: {line}{_save_trace(rank_, trace)}"
         if user_error:
             raise H2OError(message)

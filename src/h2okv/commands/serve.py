@@ -3,6 +3,7 @@ one run per policy at the same KV memory)."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 from .. import distributed
@@ -143,14 +144,21 @@ def serve_on_rank(args) -> int:
         app.state.metrics.registry.register(tp.RankCollector(leader))
 
         def stop_when_broken(server) -> None:
-            channel.on_broken(lambda: setattr(server, "should_exit", True))
+            def stop() -> None:
+                # the one line the launcher prints says why; the requests failing on the way out
+                # would only repeat it, traceback by traceback
+                logging.getLogger("h2okv.serve").setLevel(logging.CRITICAL)
+                server.should_exit = True
+
+            channel.on_broken(stop)
 
         serve_forever(app, host=args.host, port=args.port, log_level=args.log_level,
                       drain_timeout=args.drain_timeout, on_server=stop_when_broken)
     finally:
         channel.close()  # the followers leave their loops: every rank exits
     if channel.broken is not None:
-        raise tp.GroupBroken(f"the tensor-parallel group broke: {type(channel.broken).__name__}: {channel.broken}")
+        cause = channel.broken
+        raise tp.GroupBroken(f"the tensor-parallel group broke: {type(cause).__name__}: {cause}") from cause
     return 0
 
 

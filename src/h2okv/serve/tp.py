@@ -42,6 +42,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..distributed import is_comm_error
+
 log = logging.getLogger("h2okv.serve")
 
 # message kinds: (kind, previous_call_ok, payload)
@@ -51,6 +53,12 @@ CALL, PING, STATS, STOP = "call", "ping", "stats", "stop"
 # broadcast (``slot_bytes`` too: it measures with a forward, whose collectives need every rank), so
 # a method added to the executor later is replicated unless it is listed here.
 LOCAL_ONLY = frozenset({"kv_bytes", "rows", "sequences"})
+# calls that change caches without running the model: once the group is gone (broken, or stopped
+# while the engine still winds down) rank 0 runs them alone, so that the engine's cleanup (which
+# the executor promises always succeeds) still frees rank 0's caches and ends every request with
+# its final event. Any other call (a forward) then raises ``GroupBroken``: alone, it would wait in
+# a collective for ranks that are gone.
+CACHE_ONLY = frozenset({"open", "join", "keep", "close", "reset"})
 
 
 class GroupBroken(RuntimeError):
@@ -58,9 +66,8 @@ class GroupBroken(RuntimeError):
 
 
 def _is_comm_error(exc: BaseException) -> bool:
-    import torch.distributed as dist
-
-    return isinstance(exc, (dist.DistError, GroupBroken))
+    """A failure of the group rather than of the call (``distributed.is_comm_error``)."""
+    return isinstance(exc, GroupBroken) or is_comm_error(exc)
 
 
 def heartbeat_seconds(timeout: float) -> float:
@@ -122,9 +129,9 @@ class Channel:
         if self.broken is not None:
             return
         self.broken = exc
-        log.error("tensor-parallel group broken: %s: %s", type(exc).__name__, exc)
         for callback in self._on_broken:
             callback()
+
 
     def start_heartbeat(self) -> None:
         self._beat = threading.Thread(target=self._heartbeat, name="h2okv-tp-heartbeat", daemon=True)
@@ -209,7 +216,12 @@ class Leader:
         @functools.wraps(value)
         def call(*args, **kwargs):
             with channel.lock:
-                channel.send(CALL, (name, args, kwargs))
+                try:
+                    channel.send(CALL, (name, args, kwargs))
+                except Exception:
+                    if name not in CACHE_ONLY:
+                        raise
+                    return value(*args, **kwargs)  # the group is gone: rank 0's own cleanup only
                 try:
                     result = value(*args, **kwargs)
                 except BaseException as exc:
