@@ -2,7 +2,8 @@
 process; bad settings and failing ranks end in one line, never a hang.
 
 Starting ranks costs seconds (each imports torch and transformers), so the equivalence checks of
-all models and commands share one 2-rank session (``tp_session``).
+all models and commands, and the checks of the command channel ``serve --tp`` drives its ranks
+with, share one 2-rank session (``tp_session``).
 """
 
 import contextlib
@@ -22,6 +23,7 @@ from h2okv.cache import H2OCache
 from h2okv.errors import H2OError
 from h2okv.models import load_model
 from h2okv.testing import random_ids, tiny_model, word_tokenizer
+from tp_rank_bodies import fail_on_rank_1, hang_on_rank_1
 
 # (architecture, KV heads): Llama and Qwen2 with one and two KV heads per rank at --tp 2
 MODELS = [("llama", 2), ("llama", 4), ("qwen2", 2), ("qwen2", 4)]
@@ -54,8 +56,10 @@ def _generate(model, policy):
 
 # -- bodies run on every rank (module-level: the spawned ranks import them by name) ---------------
 def equivalence_on_rank(args) -> int:
-    """Generate with every model and policy, then run `eval ppl` and `bench` as commands; rank 0
-    saves what the test compares."""
+    """Generate with every model and policy, run `eval ppl`, `bench` and `generate` as commands,
+    and drive the serve command channel; rank 0 saves what the tests compare."""
+    import torch.distributed as dist
+
     results = {}
     for key, path in args.dirs.items():
         model, _ = load_model(path, tp=args.tp, cache=False)
@@ -64,39 +68,84 @@ def equivalence_on_rank(args) -> int:
             results[(key, policy)] = (tokens, logits, distributed.gather_stats(stats))
     for argv in args.commands:
         assert cli.main(argv) == 0
+    with contextlib.redirect_stdout(io.StringIO()) as printed:  # what each rank's generate prints
+        assert cli.main([*args.generate, "--tp", "2"]) == 0
+    results["generate_printed"] = [None, None]
+    dist.all_gather_object(results["generate_printed"], printed.getvalue())
+    results["channel"] = [None, None]
+    dist.all_gather_object(results["channel"], channel_on_rank())
     if distributed.is_main_rank():
         torch.save(results, args.out)
     return 0
 
 
-def fail_on_rank_1(args) -> int:
-    import torch.distributed as dist
+class RecordingExecutor:
+    """A stand-in for the serving executor: records the calls it runs, fails where told to."""
 
-    with open(os.path.join(args.dir, f"pid{distributed.rank()}"), "w") as fh:
-        fh.write(str(os.getpid()))
-    dist.barrier()
-    if distributed.rank() == 1:
-        raise H2OError("rank one cannot go on")
-    _mark_waiting(args)
-    dist.all_reduce(torch.ones(1))  # rank 0 waits here for a peer that is gone: the launcher must end it
-    return 0
+    def __init__(self, rank: int):
+        self.rank, self.calls, self.bytes = rank, [], 0
+
+    def open(self, uid: int, size: int) -> None:
+        self.calls.append(("open", uid, size))
+        self.bytes += size
+
+    def work(self, x: int) -> int:
+        self.calls.append(("work", x))
+        return 2 * x
+
+    def fail_everywhere(self) -> None:  # bad data: every rank meets the same exception
+        self.calls.append(("fail_everywhere",))
+        raise ValueError("bad data")
+
+    def fail_on_followers(self) -> None:  # a rank whose state differs from rank 0's
+        self.calls.append(("fail_on_followers",))
+        if self.rank:
+            raise ValueError("only here")
+
+    def kv_bytes(self) -> int:  # read-only (tp.LOCAL_ONLY): never sent to the followers
+        return self.bytes
+
+    def sequences(self) -> int:
+        return sum(c[0] == "open" for c in self.calls)
 
 
-def hang_on_rank_1(args) -> int:
-    import torch.distributed as dist
+def channel_on_rank() -> dict:
+    """serve --tp's channel with a recording executor: an idle rank 0 sends heartbeats, calls reach
+    the follower in order, a failure on both ranks is survived, a failure on one is a divergence."""
+    from h2okv.serve import tp
 
-    if distributed.rank() == 1:
-        time.sleep(600)  # stuck, but alive: only the collective's timeout can end rank 0
-    _mark_waiting(args)
-    dist.all_reduce(torch.ones(1))
-    return 0
+    rank = distributed.rank()
+    channel = tp.Channel(heartbeat_s=0.1)
+    executor = RecordingExecutor(rank)
+    out: dict = {}
+    if rank == 0:
+        leader = tp.Leader(executor, channel)
+        channel.start_heartbeat()
+        time.sleep(0.8)  # idle: only heartbeats go out
+        leader.open(1, 10)
+        out["doubled"] = leader.work(21)
+        assert leader.kv_bytes() == 10
+        with pytest.raises(ValueError, match="bad data"):
+            leader.fail_everywhere()
+        leader.open(2, 5)
+        out["figures"] = leader.rank_figures()
+        leader.fail_on_followers()
+        channel.close()
+    else:
+        kinds = []
+        receive = channel.receive
 
+        def recording_receive():
+            message = receive()
+            kinds.append(message[0])
+            return message
 
-def _mark_waiting(args) -> None:
-    """When rank 0 starts waiting (starting the ranks takes seconds to a minute on a busy machine:
-    the tests time what follows)."""
-    with open(os.path.join(args.dir, "waiting_since"), "w") as fh:
-        fh.write(repr(time.time()))
+        channel.receive = recording_receive
+        with pytest.raises(tp.GroupBroken) as info:
+            tp.follow(executor, channel, tp.RankFigures(executor, rank))
+        out["error"], out["kinds"] = str(info.value), kinds
+    out["calls"] = executor.calls
+    return out
 
 
 def _seconds_since_waiting(directory) -> float:
@@ -105,7 +154,7 @@ def _seconds_since_waiting(directory) -> float:
 
 # -- equivalence -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tp_session(tp_dirs, tmp_path_factory):
+def tp_session(tp_dirs, generate_argv, tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_out")
     text = out / "words.txt"
     text.write_text(" ".join(f"w{2 + (i * 7) % 90}" for i in range(200)))
@@ -117,13 +166,14 @@ def tp_session(tp_dirs, tmp_path_factory):
                   "--no-progress", "--json", str(out / "bench_tp2.json")],
     }
     args = Namespace(tp=2, tp_timeout=600, device="cpu", dirs=tp_dirs, out=str(out / "tp.pt"),
-                     commands=[[*argv, "--tp", "2"] for argv in commands.values()])
+                     commands=[[*argv, "--tp", "2"] for argv in commands.values()], generate=generate_argv[0])
     start = time.monotonic()
     assert distributed.run(args, equivalence_on_rank) == 0
     elapsed = time.monotonic() - start
     return torch.load(args.out, weights_only=False), out, commands, elapsed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "h2o"])
 @pytest.mark.parametrize("arch, kv", MODELS)
 def test_tp_generate_equals_single_process(tp_session, tp_dirs, arch, kv, policy):
@@ -146,6 +196,7 @@ def test_tp_generate_equals_single_process(tp_session, tp_dirs, arch, kv, policy
     assert tp_stats["full_kv_bytes"] == stats["full_kv_bytes"]
 
 
+@pytest.mark.slow
 def test_tp_eval_ppl_equals_single_process(tp_session, capsys):
     _, out, commands, _ = tp_session
     single = out / "ppl_tp1.json"
@@ -158,6 +209,7 @@ def test_tp_eval_ppl_equals_single_process(tp_session, capsys):
         assert tp_row["ppl"] == pytest.approx(row["ppl"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_tp_bench_reports_half_the_kv_per_rank(tp_session):
     _, out, _, _ = tp_session
     result = json.loads((out / "bench_tp2.json").read_text())
@@ -194,13 +246,35 @@ def _check_tp2_output(out: str, single: list[str]) -> None:
     assert lines[1].split(";")[0] == single[1]  # same totals: tokens seen, slots, KV bytes
 
 
-def test_generate_tp2_prints_the_tp1_text_once(generate_argv, capfd):
-    argv, single = generate_argv
-    # the ranks write to this process's file descriptors: capfd sees what a terminal would
-    assert cli.main([*argv, "--tp", "2"]) == 0
-    _check_tp2_output(capfd.readouterr().out, single)
+@pytest.mark.slow
+def test_generate_tp2_prints_the_tp1_text_once(tp_session, generate_argv):
+    """`generate --tp 2` run inside the session's ranks: rank 0 prints the single-process text and
+    rank 1 prints nothing (a rank the launcher starts also has its output sent to /dev/null; the
+    torchrun test below reads a real terminal's view)."""
+    printed = tp_session[0]["generate_printed"]
+    assert printed[1] == ""
+    _check_tp2_output(printed[0], generate_argv[1])
 
 
+@pytest.mark.slow
+def test_serve_channel_replays_rank0_calls_in_order(tp_session):
+    leader, follower = tp_session[0]["channel"]
+    assert leader["doubled"] == 42  # rank 0 gets its own call's result
+    calls = [("open", 1, 10), ("work", 21), ("fail_everywhere",), ("open", 2, 5), ("fail_on_followers",)]
+    assert leader["calls"] == follower["calls"] == calls  # same calls, same order
+    kinds = follower["kinds"]
+    assert kinds.count("ping") >= 2 and kinds.index("call") > kinds.index("ping")  # idle rank 0 kept the group alive
+    # one message per call (the kv_bytes read stayed on rank 0), the stats gather, the stop
+    assert [k for k in kinds if k != "ping"] == ["call", "call", "call", "call", "stats", "call", "stop"]
+    # per-rank figures, gathered between two calls
+    for rank, figures in enumerate(leader["figures"]):
+        assert figures == {"rank": rank, "kv_bytes": 15, "kv_bytes_peak": 15, "sequences": 2}
+    # the same failure on every rank is survived; one rank failing alone is a divergence
+    assert follower["error"] == ("rank 1 diverged from rank 0: call fail_on_followers() failed here but "
+                                 "succeeded on rank 0")
+
+
+@pytest.mark.slow
 def test_generate_under_torchrun_joins_the_launch(generate_argv):
     argv, single = generate_argv
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -210,6 +284,7 @@ def test_generate_under_torchrun_joins_the_launch(generate_argv):
 
 
 # -- failures: one line, every rank ended, no hang --------------------------------------------------
+@pytest.mark.slow
 def test_failing_rank_ends_every_rank_with_one_line(tmp_path):
     with pytest.raises(H2OError) as info:
         distributed.run(Namespace(tp=2, tp_timeout=600, device="cpu", dir=str(tmp_path)), fail_on_rank_1)
@@ -221,6 +296,7 @@ def test_failing_rank_ends_every_rank_with_one_line(tmp_path):
             os.kill(pid, 0)
 
 
+@pytest.mark.slow
 def test_stuck_rank_times_out_instead_of_hanging(tmp_path, capsys):
     code = distributed.run(Namespace(tp=2, tp_timeout=3, device="cpu", dir=str(tmp_path)), hang_on_rank_1)
     assert _seconds_since_waiting(tmp_path) < 60  # the 3 s timeout, not rank 1's 600 s sleep
@@ -246,7 +322,7 @@ def _config_dir(tmp_path, arch, **overrides):
         ("kv3", ["bench", "--tp", "2", "--json", "x.json", "--quick"], "has 3 KV heads"),
         ("tiny", ["bench", "--model", "tiny:llama", "--tp", "2", "--json", "x.json"], "tiny:ARCH models"),
         ("kv3", ["generate", "--prompt", "w3", "--tp", "0"], "must be > 0"),
-        ("kv3", ["serve", "--tp", "2"], "h2okv serve --tp is not supported yet"),
+        ("kv3", ["serve", "--tp", "2"], "has 3 KV heads, which do not divide by 2"),
         ("kv3", ["generate", "--prompt", "w3", "--tp", "2", "--tp-timeout", "-1"], "positive number of seconds"),
     ],
 )

@@ -130,15 +130,18 @@ def rank_gauges(url: str) -> dict[str, dict[int, float]]:
     return out
 
 
+@pytest.mark.slow
 def test_completion_matches_tp1(tp2, tp1):
     prompt = PROMPTS[0] * 2  # longer than the budget and several chunks: prefill evicts
     assert complete(tp2.url, prompt) == complete(tp1, prompt)
 
 
+@pytest.mark.slow
 def test_streamed_chat_matches_tp1(tp2, tp1):
     assert stream_chat(tp2.url, PROMPTS[1]) == stream_chat(tp1, PROMPTS[1])
 
 
+@pytest.mark.slow
 def test_eight_concurrent_streams_match_tp1(tp2, tp1):
     """8 streams at once: rows join and leave the decode batch of every rank while others decode."""
     with ThreadPoolExecutor(8) as pool:
@@ -148,6 +151,7 @@ def test_eight_concurrent_streams_match_tp1(tp2, tp1):
     assert all(tp2_texts)
 
 
+@pytest.mark.slow
 def test_every_rank_holds_kv_while_streaming_and_none_after_cancellations(tp2):
     """Streams closed early are cancelled on rank 0, and the followers drop the same rows: every
     rank ends with no sequence and no KV bytes. While they run, both ranks hold the same bytes."""
@@ -205,6 +209,7 @@ def test_bad_serve_tp_settings_one_line_exit_2(checkpoint, capsys, argv, fragmen
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_sigterm_drains_and_ends_every_rank_with_exit_0(tp2):
     """Runs last: stops the module's server. A stream running at SIGTERM finishes, then rank 0 and
     the follower exit, and the command returns 0 (which it does only when every rank exited 0)."""

@@ -53,10 +53,7 @@ def _seconds(text: str) -> float:
     return value
 
 
-def add_tp_args(parser: argparse.ArgumentParser, supported: bool = True) -> None:
-    if not supported:  # the option exists so that asking for it gets a clear answer
-        parser.add_argument("--tp", type=positive_int, default=None, help="tensor parallelism: not supported yet here")
-        return
+def add_tp_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=positive_int, default=None,
                         help="tensor-parallel ranks: this command starts N processes, each with a slice of every "
                         "layer and its own cache (default 1; under torchrun: its world size)")

@@ -272,8 +272,15 @@ class RankCollector:
 def follow(executor, channel: Channel, figures: RankFigures) -> None:
     """A follower's life: run rank 0's calls on ``executor`` until ``stop``. Raises ``GroupBroken``
     when this rank's state diverged from rank 0's, and the communication error when rank 0 is gone."""
-    for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 decides when to stop
-        signal.signal(sig, _ignored)
+    previous = {sig: signal.signal(sig, _ignored) for sig in (signal.SIGTERM, signal.SIGINT)}  # rank 0 decides
+    try:
+        _follow(executor, channel, figures)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _follow(executor, channel: Channel, figures: RankFigures) -> None:
     ok = True
     last = None
     with torch.inference_mode():
