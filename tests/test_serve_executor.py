@@ -168,3 +168,33 @@ def test_a_group_row_must_take_part_in_each_call(model_tok):
         ex.prefill([(1, prompt(8, 3), 16)])
         ex.close(1)
     assert ex.kv_bytes() == 0
+
+
+def test_core_row_operations_for_groups(model_tok):
+    """take_rows copies (the source is unchanged and independent), add_rows gives empty rows their own
+    budgets, trim cuts free tail slots without moving a live one."""
+    from h2okv import H2OCache
+
+    model, _ = model_tok
+    cache = H2OCache(model, policy="h2o", heavy=3, recent=3, chunk_size=CHUNK)
+    cache.add_rows([(3, 3), (2, 5)])  # a fresh cache: fixes the rows of its first call
+    with torch.inference_mode():
+        model(torch.tensor([prompt(20, 1), prompt(20, 2)]), past_key_values=cache)
+        assert cache.budget() == [6, 7]
+        keys = [layer.keys.clone() for layer in cache.layers]
+        twin = cache.take_rows([1])
+        assert twin.budget() == [7] and cache.budget() == [6, 7]
+        for layer, mine, before in zip(twin.layers, cache.layers, keys, strict=True):
+            assert torch.equal(layer.keys[0], before[1])
+            layer.keys.zero_()
+            assert torch.equal(mine.keys, before)  # the source kept its own tensors
+        cache.add_rows([(4, 4)])
+        assert cache.budget() == [6, 7, 8] and all(int(layer.valid[2].sum()) == 0 for layer in cache.layers)
+        layer = cache.layers[0]
+        layer.resize(layer.capacity + 10)  # free slots at the tail
+        live = [layer.ordinal[layer.valid].tolist() for layer in cache.layers]
+        where = [layer.valid.nonzero().tolist() for layer in cache.layers]
+        cache.trim()
+        assert [layer.ordinal[layer.valid].tolist() for layer in cache.layers] == live
+        assert [layer.valid.nonzero().tolist() for layer in cache.layers] == where  # nothing moved
+        assert all(bool(layer.valid[..., -1].any()) for layer in cache.layers)  # the tail is cut to the last live

@@ -50,13 +50,13 @@ class PrefillGroup:
     cache: H2OCache | None = None
     uids: list[int] = field(default_factory=list)
 
-    def drop(self, uid: int) -> H2OCache | None:
-        """Remove ``uid``'s row; returns it as a batch-1 cache (None if the group had no cache)."""
+    def drop(self, uid: int, take: bool = False) -> H2OCache | None:
+        """Remove ``uid``'s row; with ``take``, return it as a batch-1 cache."""
         i = self.uids.index(uid)
         if len(self.uids) == 1:
             taken, self.cache, self.uids = self.cache, None, []
             return taken
-        taken = self.cache.take_rows([i]) if self.cache is not None else None
+        taken = self.cache.take_rows([i]) if take and self.cache is not None else None
         rest = [j for j in range(len(self.uids)) if j != i]
         if self.cache is not None:
             self.cache.select_rows(rest)
@@ -135,7 +135,7 @@ class Executor:
         group = self._groups.get(policy)
         if group is None or uid not in group.uids or group.cache is None:
             raise ValueError(f"sequence {uid} has not been prefilled")
-        cache = group.drop(uid)
+        cache = group.drop(uid, take=True)
         if not group.uids:
             del self._groups[policy]
         self._batches.setdefault(policy, DecodeBatch(policy)).add(uid, cache, capacity)
