@@ -96,9 +96,10 @@ def _check_batched_equals_alone(engine, model):
 @pytest.mark.parametrize("schedule", ["budget", "serial"])
 def test_prefill_schedules(model_tok, monkeypatch, schedule):
     """A short prompt behind a long one. Budget schedule: the short prompt starts beside the long
-    one's first chunk (one shared forward) and gets its first token in the first step; the long
-    prompt feeds one chunk per step; no step computes more than ``step_tokens`` prompt tokens
-    (pads included). Serial schedule: one chunk per step, the short prompt waits for the long one."""
+    one's first chunk (one shared forward) and gets its first token in the first step; then the long
+    prompt feeds one chunk per forward, several forwards a step, and no step computes more than
+    ``step_tokens`` prompt tokens (pads included). Serial schedule: one chunk per step, the short
+    prompt waits for the long one."""
     model, tok = model_tok
     step_tokens = 4 * CHUNK
     eng = Engine(model, tok, prefill_chunk=CHUNK, schedule=schedule, step_tokens=step_tokens)
@@ -135,13 +136,15 @@ def test_prefill_schedules(model_tok, monkeypatch, schedule):
             assert handle.result_blocking()[1].finish_reason == "length"
     finally:
         eng.stop()
-    assert first_token_step[12 * CHUNK] == 11  # one chunk per step either way
     if schedule == "budget":
         assert max(per_step) <= step_tokens
         assert first_token_step[CHUNK // 2] == 0 and max(rows) == 2 and max(partial) == 2
+        # step 0: the long prompt's chunks 1 to 3 (the first shared with the short prompt: 2 rows x 16
+        # tokens), then 4 chunks a step: its 12 chunks end in step 3
+        assert per_step[0] == step_tokens and first_token_step[12 * CHUNK] == 3
     else:
         assert max(per_step) <= CHUNK and max(rows) == 1 and max(partial) <= 1
-        assert first_token_step[CHUNK // 2] >= 12
+        assert first_token_step[12 * CHUNK] == 11 and first_token_step[CHUNK // 2] >= 12
 
 
 def _recording_prefill(engine, calls):

@@ -19,8 +19,8 @@ def _add_max_batch(p, default: int) -> None:
 
 def _add_schedule(p) -> None:
     p.add_argument("--schedule", choices=["budget", "serial"], default="budget",
-                   help="prefill scheduling: 'budget' prefills one chunk of several prompts per engine step in "
-                        "one shared forward, oldest first, up to --step-tokens tokens (pads included); 'serial' "
+                   help="prefill scheduling: 'budget' prefills one chunk of several prompts per forward, in one "
+                        "shared forward, oldest first, up to --step-tokens tokens per step (pads included); 'serial' "
                         "runs one chunk of the oldest prompt per step, alone (the original behaviour) "
                         "(default: budget)")
     p.add_argument("--step-tokens", type=positive_int, default=512,

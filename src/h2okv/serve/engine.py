@@ -6,10 +6,10 @@
    (see ``memory.py``) and the batch has room;
 3. prefill, in chunks of at most ``prefill_chunk`` tokens. With ``schedule="budget"`` (the default)
    the prompts share forwards: every prompt part-way through feeds its next chunk, and the oldest
-   prompts not started yet join while the step's padded size (per policy, rows x longest chunk)
-   stays within ``step_tokens``; all chunks of one policy run in ONE forward (``executor.py``).
-   A long prompt thus costs each step one chunk, not its whole length: the prompts behind it start
-   beside it. ``schedule="serial"`` runs one chunk of the oldest prompt per step, alone (the
+   prompts not started yet join while the padded size (per policy, rows x longest chunk) stays
+   within what is left of ``step_tokens``; all chunks of one policy run in ONE forward
+   (``executor.py``); rounds of such forwards run until the step's budget is spent. A long prompt
+   thus costs each forward one chunk, not its whole length: the prompts behind it start beside it. ``schedule="serial"`` runs one chunk of the oldest prompt per step, alone (the
    original behaviour, kept to compare). A finished prefill samples the first token and joins the
    decode batch of its policy (``batch.py``);
 4. one decode step for every decode batch: each row feeds its last token at its own position. A
@@ -334,8 +334,7 @@ class Engine:
         self._end_expired()
         self._admit()
         if self._prefilling:
-            for seqs in self._prefill_plan():
-                self._prefill_forward(seqs)
+            self._prefill_step()
         decoded = 0
         for policy, rows in list(self._batches.items()):
             if rows:
@@ -364,21 +363,38 @@ class Engine:
                     self._finish(seq, Event("cancelled"), "cancelled")
             self._compact(policy)
 
-    def _prefill_plan(self) -> list[list[Sequence]]:
-        """This step's prefill forwards: lists of sequences, one list per forward (one policy each).
-
-        Serial: the oldest prompt's next chunk. Budget: every started prompt (the executor needs
-        all of a group's rows in each of its forwards; the admission rule below kept their padded
-        size within the budget when they started, and a started prompt's later chunks are never
-        longer than its first), then the oldest prompts not started yet, while the padded size stays
-        within ``step_tokens`` and the KV footprint with them started within ``kv_memory``."""
+    def _prefill_step(self) -> None:
+        """Serial: one chunk of the oldest prompt. Budget: rounds of shared forwards (one per policy
+        per round, see ``_prefill_plan``) until ``step_tokens`` prompt tokens, pads included, are
+        spent; the first round always runs. Several rounds a step matter when ``kv_memory`` lets only
+        a few prompts prefill at once: those then advance several chunks per step."""
         if self.schedule == "serial":
-            return [[self._prefilling[0]]]
+            self._prefill_forward([self._prefilling[0]])
+            return
+        spent = 0
+        while self._prefilling and spent < self.step_tokens:
+            forwards = self._prefill_plan(self.step_tokens - spent, first=spent == 0)
+            if not forwards:
+                return
+            spent += sum(_padded_tokens(seqs) for seqs in forwards)
+            for seqs in forwards:
+                self._prefill_forward(seqs)
+
+    def _prefill_plan(self, room: int, first: bool) -> list[list[Sequence]]:
+        """One round of prefill forwards: lists of sequences, one list per forward (one policy each).
+
+        Every started prompt (the executor needs all of a group's rows in each of its forwards; when
+        they started their padded size fitted the budget, and a started prompt's later chunks are
+        never longer than its first), then the oldest prompts not started yet, while the padded size
+        stays within ``room`` and the KV footprint with them started within ``kv_memory``. Empty if
+        the started ones alone exceed ``room`` (except in a step's ``first`` round)."""
         chosen = [s for s in self._prefilling if s.next_chunk > 0]
+        if chosen and not first and _padded_tokens(chosen) > room:
+            return []
         for seq in self._prefilling:
             if seq.next_chunk > 0:
                 continue
-            if chosen and _padded_tokens(chosen + [seq]) > self.step_tokens:
+            if chosen and _padded_tokens(chosen + [seq]) > room:
                 break
             # no reserve for the prompts after it: they start once the groups drain (see memory.py)
             if (self.kv_memory is not None
