@@ -95,3 +95,106 @@ def test_calls_that_break_the_bookkeeping_are_refused(model_tok):
         assert ex.decode("h2o", [7], [1], [5]).shape[0] == 1
         ex.keep("h2o", [], 0)
     assert ex.kv_bytes() == 0 and ex.rows("h2o") == []
+
+
+def _kept(cache_layer, row):
+    """Per KV head: the ordinals kept and their scores, by ordinal (slot order does not matter)."""
+    heads = []
+    for h in range(cache_layer.valid.shape[1]):
+        live = cache_layer.valid[row, h]
+        ordinals = cache_layer.ordinal[row, h][live]
+        order = ordinals.argsort()
+        heads.append((ordinals[order].tolist(), cache_layer.score[row, h][live][order]))
+    return heads
+
+
+@pytest.mark.parametrize("policy,heavy,recent", [("h2o", 5, 6), ("tova", 4, 7), ("full", None, None),
+                                                 ("h2o-sink", 6, 6)])
+def test_shared_forward_rows_evolve_as_alone(model_tok, policy, heavy, recent):
+    """Prompts of different lengths and budgets, starting at different calls, prefilled in shared
+    forwards (left-padded): after every call each row keeps the same tokens with the same scores as
+    the prompt prefilled alone, and its last logits match; pads are never live."""
+    model, _ = model_tok
+    lengths = [70, 23, 52, 9, 40]
+    starts = [0, 0, 1, 2, 2]  # the call at which each prompt starts
+    budgets = [(heavy, recent) if heavy is None else (heavy + i % 3, recent + i % 2) for i in range(len(lengths))]
+    shared = Executor(model, CHUNK)
+    alone = {uid: Executor(model, CHUNK) for uid in range(len(lengths))}  # one prompt each
+    from h2okv.serve.memory import prefill_chunks
+    chunks = {uid: prefill_chunks(n, CHUNK) for uid, n in enumerate(lengths)}
+    ids = {uid: prompt(n, uid) for uid, n in enumerate(lengths)}
+    for uid, (h, r) in enumerate(budgets):
+        shared.open(uid, policy, h, r, 0)
+        alone[uid].open(uid, policy, h, r, 0)
+    widths, joined = set(), []
+    with torch.inference_mode():
+        for call in range(12):
+            parts = [(uid, ids[uid][a:b], a) for uid in chunks
+                     if starts[uid] <= call and call - starts[uid] < len(chunks[uid])
+                     for a, b in [chunks[uid][call - starts[uid]]]]
+            if not parts:
+                break
+            widths.add(tuple(len(p[1]) for p in parts))
+            got = shared.prefill(parts)
+            for uid, chunk_ids, first in parts:
+                want = alone[uid].prefill([(uid, chunk_ids, first)])[uid]
+                torch.testing.assert_close(got[uid], want, atol=1e-4, rtol=0)
+                group = shared._groups[policy]
+                row = group.uids.index(uid)
+                single = alone[uid]._groups[policy].cache
+                for mine, theirs in zip(group.cache.layers, single.layers, strict=True):
+                    for (o1, s1), (o2, s2) in zip(_kept(mine, row), _kept(theirs, 0), strict=True):
+                        assert o1 == o2, (uid, call)
+                        torch.testing.assert_close(s1, s2, atol=1e-5, rtol=1e-4)
+            for uid in [u for u in chunks if call - starts[u] == len(chunks[u]) - 1]:  # finished prompts leave
+                shared.join(uid, 200)
+                joined.append(uid)
+    assert any(len(set(w)) > 1 and len(w) >= 3 for w in widths)  # really shared and really padded
+    assert shared.prefilling(policy) == [] and shared.rows(policy) == joined
+
+
+def test_a_group_row_must_take_part_in_each_call(model_tok):
+    model, _ = model_tok
+    ex = Executor(model, CHUNK)
+    for uid in (1, 2):
+        ex.open(uid, "h2o", 3, 3, 0)
+    with torch.inference_mode():
+        ex.prefill([(1, prompt(16, 1), 0), (2, prompt(16, 2), 0)])
+        with pytest.raises(ValueError, match="must take part"):
+            ex.prefill([(1, prompt(8, 3), 16)])
+        before = ex.kv_bytes()
+        ex.close(2)  # a prompt part-way through leaves: its row is freed
+        assert ex.prefilling("h2o") == [1] and ex.kv_bytes() < before
+        ex.prefill([(1, prompt(8, 3), 16)])
+        ex.close(1)
+    assert ex.kv_bytes() == 0
+
+
+def test_core_row_operations_for_groups(model_tok):
+    """take_rows copies (the source is unchanged and independent), add_rows gives empty rows their own
+    budgets, trim cuts free tail slots without moving a live one."""
+    from h2okv import H2OCache
+
+    model, _ = model_tok
+    cache = H2OCache(model, policy="h2o", heavy=3, recent=3, chunk_size=CHUNK)
+    cache.add_rows([(3, 3), (2, 5)])  # a fresh cache: fixes the rows of its first call
+    with torch.inference_mode():
+        model(torch.tensor([prompt(20, 1), prompt(20, 2)]), past_key_values=cache)
+        assert cache.budget() == [6, 7]
+        keys = [layer.keys.clone() for layer in cache.layers]
+        twin = cache.take_rows([1])
+        assert twin.budget() == [7] and cache.budget() == [6, 7]
+        for layer, mine, before in zip(twin.layers, cache.layers, keys, strict=True):
+            assert torch.equal(layer.keys[0], before[1])
+            layer.keys.zero_()
+            assert torch.equal(mine.keys, before)  # the source kept its own tensors
+        cache.add_rows([(4, 4)])
+        assert cache.budget() == [6, 7, 8] and all(int(layer.valid[2].sum()) == 0 for layer in cache.layers)
+        layer = cache.layers[0]
+        layer.resize(layer.capacity + 10)  # free slots at the tail
+        live = [layer.ordinal[layer.valid].tolist() for layer in cache.layers]
+        where = [layer.valid.nonzero().tolist() for layer in cache.layers]
+        cache.trim()
+        assert [layer.ordinal[layer.valid].tolist() for layer in cache.layers] == live
+        assert [layer.valid.nonzero().tolist() for layer in cache.layers] == where  # nothing moved
+        assert all(bool(layer.valid[..., -1].any()) for layer in cache.layers)  # the tail is cut to the last live

@@ -20,12 +20,13 @@ def _add_max_batch(p, default: int) -> None:
 
 def _add_schedule(p) -> None:
     p.add_argument("--schedule", choices=["budget", "serial"], default="budget",
-                   help="prefill scheduling: 'budget' prefills up to --step-tokens prompt tokens per engine "
-                        "step, oldest prompt first, several prompts per step; 'serial' runs one chunk of the "
-                        "oldest prompt per step (the original behaviour) (default: budget)")
+                   help="prefill scheduling: 'budget' prefills one chunk of several prompts per forward, in one "
+                        "shared forward, oldest first, up to --step-tokens tokens per step (pads included); 'serial' "
+                        "runs one chunk of the oldest prompt per step, alone (the original behaviour) "
+                        "(default: budget)")
     p.add_argument("--step-tokens", type=positive_int, default=512,
-                   help="prompt tokens one engine step may prefill with --schedule budget: the most a decoding "
-                        "request waits between two tokens, in prefill work (default: 512)")
+                   help="prompt tokens (pads included) one engine step may prefill with --schedule budget: the "
+                        "most a decoding request waits between two tokens, in prefill work (default: 512)")
 
 
 def positive_float(text: str) -> float:

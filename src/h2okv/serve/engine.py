@@ -4,12 +4,14 @@
    step on);
 2. admit waiting requests, in arrival order, while their KV reservation fits under ``kv_memory``
    (see ``memory.py``) and the batch has room;
-3. prefill: each request prefills alone, in chunks, in its own batch-1 ``H2OCache``. With
-   ``schedule="budget"`` (the default) the step spends up to ``step_tokens`` prompt tokens on the
-   oldest prompts, one after another, so several prompts can finish in one step and a long prompt
-   holds the ones behind it for ``len / step_tokens`` steps rather than ``len / chunk``;
-   ``schedule="serial"`` runs one chunk of the oldest only (the original behaviour, kept to compare).
-   A finished prefill samples the first token and joins the decode batch of its policy (``batch.py``);
+3. prefill, in chunks of at most ``prefill_chunk`` tokens. With ``schedule="budget"`` (the default)
+   the prompts share forwards: every prompt part-way through feeds its next chunk, and the oldest
+   prompts not started yet join while the padded size (per policy, rows x longest chunk) stays
+   within what is left of ``step_tokens``; all chunks of one policy run in ONE forward
+   (``executor.py``); rounds of such forwards run until the step's budget is spent. A long prompt
+   thus costs each forward one chunk, not its whole length: the prompts behind it start beside it. ``schedule="serial"`` runs one chunk of the oldest prompt per step, alone (the
+   original behaviour, kept to compare). A finished prefill samples the first token and joins the
+   decode batch of its policy (``batch.py``);
 4. one decode step for every decode batch: each row feeds its last token at its own position. A
    decode row therefore waits at most one step's prefill budget between two tokens.
 
@@ -233,7 +235,8 @@ class Engine:
     def check_fits(self, request: GenerationRequest) -> None:
         """Raise a 400 ``APIError`` for a request that could never fit under ``kv_memory``."""
         res = self.reservation(request)
-        need = (res.slots + res.prefill_extra) * self.slot_bytes
+        extra = res.prefill_extra if self.schedule == "serial" else res.shared_extra
+        need = (res.slots + extra) * self.slot_bytes
         if self.kv_memory is not None and need > self.kv_memory:
             raise APIError(
                 400, f"this request needs {need} bytes of KV cache ({res.slots} slots per layer/head), more than "
@@ -331,10 +334,8 @@ class Engine:
         self._drop_cancelled()
         self._end_expired()
         self._admit()
-        if self._schedule_serial():
-            self._prefill_step(self._prefilling[0])
-        elif self._prefilling:
-            self._prefill_budget()
+        if self._prefilling:
+            self._prefill_step()
         decoded = 0
         for policy, rows in list(self._batches.items()):
             if rows:
@@ -363,24 +364,48 @@ class Engine:
                     self._finish(seq, Event("cancelled"), "cancelled")
             self._compact(policy)
 
-    def _schedule_serial(self) -> bool:
-        return self.schedule == "serial" and bool(self._prefilling)
-
-    def _prefill_budget(self) -> None:
-        """Up to ``step_tokens`` prompt tokens this step (always at least one chunk), oldest prompt
-        first, each to its end before the next starts. Finishing one prompt before starting another
-        means at most one request holds a half-prefilled cache (its prefill overshoot) at any time,
-        so admission counts that overshoot once, as with the serial schedule, and admits as many."""
+    def _prefill_step(self) -> None:
+        """Serial: one chunk of the oldest prompt. Budget: rounds of shared forwards (one per policy
+        per round, see ``_prefill_plan``) until ``step_tokens`` prompt tokens, pads included, are
+        spent; the first round always runs. Several rounds a step matter when ``kv_memory`` lets only
+        a few prompts prefill at once: those then advance several chunks per step."""
+        if self.schedule == "serial":
+            self._prefill_forward([self._prefilling[0]])
+            return
         spent = 0
-        for _ in range(self.step_tokens):  # bounded: every pass prefills one chunk or returns
-            if not self._prefilling:
+        while self._prefilling and spent < self.step_tokens:
+            forwards = self._prefill_plan(self.step_tokens - spent, first=spent == 0)
+            if not forwards:
                 return
-            seq = self._prefilling[0]
-            start, stop = seq.chunks[seq.next_chunk]
-            if spent and spent + (stop - start) > self.step_tokens:
-                return
-            self._prefill_step(seq)
-            spent += stop - start
+            spent += sum(_padded_tokens(seqs) for seqs in forwards)
+            for seqs in forwards:
+                self._prefill_forward(seqs)
+
+    def _prefill_plan(self, room: int, first: bool) -> list[list[Sequence]]:
+        """One round of prefill forwards: lists of sequences, one list per forward (one policy each).
+
+        Every started prompt (the executor needs all of a group's rows in each of its forwards; when
+        they started their padded size fitted the budget, and a started prompt's later chunks are
+        never longer than its first), then the oldest prompts not started yet, while the padded size
+        stays within ``room`` and the KV footprint with them started within ``kv_memory``. Empty if
+        the started ones alone exceed ``room`` (except in a step's ``first`` round)."""
+        chosen = [s for s in self._prefilling if s.next_chunk > 0]
+        if chosen and not first and _padded_tokens(chosen) > room:
+            return []
+        for seq in self._prefilling:
+            if seq.next_chunk > 0:
+                continue
+            if chosen and _padded_tokens(chosen + [seq]) > room:
+                break
+            # no reserve for the prompts after it: they start once the groups drain (see memory.py)
+            if (self.kv_memory is not None
+                    and self._footprint(started=chosen + [seq], reserve=False) * self.slot_bytes > self.kv_memory):
+                break
+            chosen.append(seq)
+        forwards: dict[str, list[Sequence]] = {}
+        for seq in chosen:
+            forwards.setdefault(seq.request.policy, []).append(seq)
+        return list(forwards.values())
 
     def _end_expired(self) -> None:
         """Requests past their deadline end now, with what they generated so far."""
@@ -415,35 +440,58 @@ class Engine:
             return True
         return self._footprint([candidate]) * self.slot_bytes <= self.kv_memory
 
-    def _footprint(self, extra: list[Sequence] = ()) -> int:
+    def _footprint(self, extra: list[Sequence] = (), started: list[Sequence] | None = None,
+                   reserve: bool = True) -> int:
+        """Slots held at worst (``memory.py``) with ``extra`` admitted and, for the shared schedule,
+        ``started`` (default: the prompts part-way through) in the prefill groups; ``reserve``: plus
+        the largest overshoot of the prompts not started (what admission keeps free so that the
+        oldest of them can start once the groups drain)."""
         rows: dict[str, list[Reservation]] = {}
         prefilling = self._prefilling + list(extra)
         for seq in self._active() + list(extra):
             rows.setdefault(seq.request.policy, []).append(seq.reservation)
-        return footprint_slots(rows, [s.reservation for s in prefilling])
+        if self.schedule == "serial":
+            return footprint_slots(rows, [s.reservation for s in prefilling])
+        if started is None:
+            started = [s for s in self._prefilling if s.next_chunk > 0]
+        groups: dict[str, list[Reservation]] = {}
+        for seq in started:
+            groups.setdefault(seq.request.policy, []).append(seq.reservation)
+        ids = {id(s) for s in started}
+        unstarted = [s.reservation for s in prefilling if id(s) not in ids] if reserve else []
+        return footprint_slots(rows, unstarted, groups)
 
-    def _prefill_step(self, seq: Sequence) -> None:
-        req = seq.request
+    def _prefill_forward(self, seqs: list[Sequence]) -> None:
+        """One forward: the next chunk of each of ``seqs`` (one policy). Prompts that end here
+        sample their first token and join their policy's decode batch."""
+        parts = []
         try:
-            if seq.next_chunk == 0:
-                self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0)
-            start, stop = seq.chunks[seq.next_chunk]
-            logits = self.executor.prefill([(seq.uid, req.prompt_ids[start:stop], start)])[seq.uid]
+            for seq in seqs:
+                req = seq.request
+                if seq.next_chunk == 0:
+                    self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0)
+                start, stop = seq.chunks[seq.next_chunk]
+                parts.append((seq.uid, req.prompt_ids[start:stop], start))
+            logits = self.executor.prefill(parts)
+        except Exception as exc:  # these requests' failure (the shared forward's), not the engine's
+            log.exception("prefill failed")
+            for seq in seqs:
+                self._prefilling.remove(seq)
+                self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
+            return
+        for seq in seqs:
             seq.next_chunk += 1
             if seq.next_chunk < len(seq.chunks):
-                return
+                continue
             self._prefilling.remove(seq)
-            self._advance(seq, logits)
-        except Exception as exc:  # this request's failure, not the engine's
-            log.exception("prefill failed")
-            if seq in self._prefilling:
-                self._prefilling.remove(seq)
-            self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
-            return
-        if seq.done:
-            return
-        self.executor.join(seq.uid, seq.reservation.slots)
-        self._batches.setdefault(req.policy, []).append(seq)
+            try:
+                self._advance(seq, logits[seq.uid])
+            except Exception as exc:
+                log.exception("token step failed")
+                self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
+            if not seq.done:
+                self.executor.join(seq.uid, seq.reservation.slots)
+                self._batches.setdefault(seq.request.policy, []).append(seq)
 
     def _decode_step(self, policy: str) -> None:
         rows = list(self._batches[policy])
@@ -547,6 +595,18 @@ class Engine:
         self._prefilling, self._batches = [], {}
         self.executor.reset()
         self._publish()
+
+
+def _padded_tokens(seqs: list[Sequence]) -> int:
+    """Tokens a step's prefill forwards compute: per policy, rows x the longest next chunk."""
+    width: dict[str, int] = {}
+    rows: dict[str, int] = {}
+    for seq in seqs:
+        start, stop = seq.chunks[seq.next_chunk]
+        policy = seq.request.policy
+        width[policy] = max(width.get(policy, 0), stop - start)
+        rows[policy] = rows.get(policy, 0) + 1
+    return sum(rows[p] * width[p] for p in rows)
 
 
 def _logprob_of(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
