@@ -3,7 +3,8 @@ process; bad settings and failing ranks end in one line, never a hang.
 
 Starting ranks costs seconds (each imports torch and transformers), so the equivalence checks of
 all models and commands, and the checks of the command channel ``serve --tp`` drives its ranks
-with, share one 2-rank session (``tp_session``).
+with, are computed by the session's one 2-rank group (``tp_group``, tests/tp_group.py), which then
+serves tests/test_serve_tp.py.
 """
 
 import contextlib
@@ -19,133 +20,17 @@ import pytest
 import torch
 
 from h2okv import cli, distributed
-from h2okv.cache import H2OCache
 from h2okv.errors import H2OError
 from h2okv.models import load_model
-from h2okv.testing import random_ids, tiny_model, word_tokenizer
+from h2okv.testing import tiny_model
+from tp_group import HEAVY, MODELS, RECENT, generate_command
+from tp_group import generate_tokens as _generate
 from tp_rank_bodies import fail_on_rank_1, hang_on_rank_1
-
-# (architecture, KV heads): Llama and Qwen2 with one and two KV heads per rank at --tp 2
-MODELS = [("llama", 2), ("llama", 4), ("qwen2", 2), ("qwen2", 4)]
-PROMPT = 40
-NEW_TOKENS = 8
-HEAVY = RECENT = 5
 
 
 @pytest.fixture(scope="module")
-def tp_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp_models")
-    dirs = {}
-    for arch, kv in MODELS:
-        path = root / f"{arch}_kv{kv}"
-        tiny_model(arch, num_attention_heads=4, num_key_value_heads=kv).save_pretrained(path)
-        word_tokenizer().save_pretrained(path)
-        dirs[(arch, kv)] = str(path)
-    return dirs
-
-
-def _generate(model, policy):
-    kw = {"heavy": HEAVY, "recent": RECENT} if policy == "h2o" else {}
-    cache = H2OCache(model, policy=policy, chunk_size=16, **kw)
-    with torch.inference_mode():
-        out = model.generate(random_ids(PROMPT, seed=3), past_key_values=cache, max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
-    return out.sequences[0, PROMPT:].tolist(), torch.stack(out.logits).float(), cache.stats()
-
-
-# -- bodies run on every rank (module-level: the spawned ranks import them by name) ---------------
-def equivalence_on_rank(args) -> int:
-    """Generate with every model and policy, run `eval ppl`, `bench` and `generate` as commands,
-    and drive the serve command channel; rank 0 saves what the tests compare."""
-    import torch.distributed as dist
-
-    results = {}
-    for key, path in args.dirs.items():
-        model, _ = load_model(path, tp=args.tp, cache=False)
-        for policy in ("full", "h2o"):
-            tokens, logits, stats = _generate(model, policy)
-            results[(key, policy)] = (tokens, logits, distributed.gather_stats(stats))
-    for argv in args.commands:
-        assert cli.main(argv) == 0
-    with contextlib.redirect_stdout(io.StringIO()) as printed:  # what each rank's generate prints
-        assert cli.main([*args.generate, "--tp", "2"]) == 0
-    results["generate_printed"] = [None, None]
-    dist.all_gather_object(results["generate_printed"], printed.getvalue())
-    results["channel"] = [None, None]
-    dist.all_gather_object(results["channel"], channel_on_rank())
-    if distributed.is_main_rank():
-        torch.save(results, args.out)
-    return 0
-
-
-class RecordingExecutor:
-    """A stand-in for the serving executor: records the calls it runs, fails where told to."""
-
-    def __init__(self, rank: int):
-        self.rank, self.calls, self.bytes = rank, [], 0
-
-    def open(self, uid: int, size: int) -> None:
-        self.calls.append(("open", uid, size))
-        self.bytes += size
-
-    def work(self, x: int) -> int:
-        self.calls.append(("work", x))
-        return 2 * x
-
-    def fail_everywhere(self) -> None:  # bad data: every rank meets the same exception
-        self.calls.append(("fail_everywhere",))
-        raise ValueError("bad data")
-
-    def fail_on_followers(self) -> None:  # a rank whose state differs from rank 0's
-        self.calls.append(("fail_on_followers",))
-        if self.rank:
-            raise ValueError("only here")
-
-    def kv_bytes(self) -> int:  # read-only (tp.LOCAL_ONLY): never sent to the followers
-        return self.bytes
-
-    def sequences(self) -> int:
-        return sum(c[0] == "open" for c in self.calls)
-
-
-def channel_on_rank() -> dict:
-    """serve --tp's channel with a recording executor: an idle rank 0 sends heartbeats, calls reach
-    the follower in order, a failure on both ranks is survived, a failure on one is a divergence."""
-    from h2okv.serve import tp
-
-    rank = distributed.rank()
-    channel = tp.Channel(heartbeat_s=0.1)
-    executor = RecordingExecutor(rank)
-    out: dict = {}
-    if rank == 0:
-        leader = tp.Leader(executor, channel)
-        channel.start_heartbeat()
-        time.sleep(0.8)  # idle: only heartbeats go out
-        leader.open(1, 10)
-        out["doubled"] = leader.work(21)
-        assert leader.kv_bytes() == 10
-        with pytest.raises(ValueError, match="bad data"):
-            leader.fail_everywhere()
-        leader.open(2, 5)
-        out["figures"] = leader.rank_figures()
-        leader.fail_on_followers()
-        channel.close()
-    else:
-        kinds = []
-        receive = channel.receive
-
-        def recording_receive():
-            message = receive()
-            kinds.append(message[0])
-            return message
-
-        channel.receive = recording_receive
-        with pytest.raises(tp.GroupBroken) as info:
-            tp.follow(executor, channel, tp.RankFigures(executor, rank))
-        out["error"], out["kinds"] = str(info.value), kinds
-    out["calls"] = executor.calls
-    return out
+def tp_dirs(tp_group):
+    return tp_group.dirs
 
 
 def _seconds_since_waiting(directory) -> float:
@@ -154,23 +39,9 @@ def _seconds_since_waiting(directory) -> float:
 
 # -- equivalence -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tp_session(tp_dirs, generate_argv, tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp_out")
-    text = out / "words.txt"
-    text.write_text(" ".join(f"w{2 + (i * 7) % 90}" for i in range(200)))
-    model = tp_dirs[("llama", 4)]  # (AutoTokenizer gives a Qwen2 directory its own tokenizer class, not the word one)
-    commands = {
-        "ppl": ["eval", "ppl", "--model", model, "--text", str(text), "--tokens", "48", "--policies", "full,h2o",
-                "--budgets", "0.25", "--plot", "", "--json", str(out / "ppl_tp2.json")],
-        "bench": ["bench", "--model", model, "--context", "32", "--batch", "2", "--steps", "3", "--warmup", "1",
-                  "--no-progress", "--json", str(out / "bench_tp2.json")],
-    }
-    args = Namespace(tp=2, tp_timeout=600, device="cpu", dirs=tp_dirs, out=str(out / "tp.pt"),
-                     commands=[[*argv, "--tp", "2"] for argv in commands.values()], generate=generate_argv[0])
-    start = time.monotonic()
-    assert distributed.run(args, equivalence_on_rank) == 0
-    elapsed = time.monotonic() - start
-    return torch.load(args.out, weights_only=False), out, commands, elapsed
+def tp_session(tp_group):
+    """What the session's group computed (tests/tp_group.py), and the commands it ran."""
+    return tp_group.results(), tp_group.out, tp_group.commands
 
 
 @pytest.mark.slow
@@ -198,7 +69,7 @@ def test_tp_generate_equals_single_process(tp_session, tp_dirs, arch, kv, policy
 
 @pytest.mark.slow
 def test_tp_eval_ppl_equals_single_process(tp_session, capsys):
-    _, out, commands, _ = tp_session
+    _, out, commands = tp_session
     single = out / "ppl_tp1.json"
     argv = [a if a != str(out / "ppl_tp2.json") else str(single) for a in commands["ppl"]]
     assert cli.main(argv) == 0
@@ -211,7 +82,7 @@ def test_tp_eval_ppl_equals_single_process(tp_session, capsys):
 
 @pytest.mark.slow
 def test_tp_bench_reports_half_the_kv_per_rank(tp_session):
-    _, out, _, _ = tp_session
+    _, out, _ = tp_session
     result = json.loads((out / "bench_tp2.json").read_text())
     assert result["tp"] == 2
     assert {r["policy"] for r in result["rows"]} == {"full", "h2o"}
@@ -227,8 +98,7 @@ def test_tp_bench_reports_half_the_kv_per_rank(tp_session):
 @pytest.fixture(scope="module")
 def generate_argv(tp_dirs):
     """A `generate` command line on a tiny model, and what one process prints for it."""
-    argv = ["generate", "--model", tp_dirs[("llama", 2)], "--prompt", " ".join(f"w{i}" for i in range(3, 40)),
-            "--max-new-tokens", "6", "--heavy", "4", "--recent", "4"]
+    argv = generate_command(tp_dirs)
     with contextlib.redirect_stdout(io.StringIO()) as out:
         assert cli.main(argv) == 0
     return argv, out.getvalue().strip().splitlines()

@@ -1,11 +1,12 @@
-"""``h2okv serve --tp 2`` on CPU with gloo: the command (its 2 ranks started from this process) on a
-tiny random Qwen2 with 4 KV heads (2 per rank) answers the official ``openai`` client with the same
-greedy text as a ``--tp 1`` server of the same checkpoint, frees every rank's KV after cancelled
-streams, and ends every rank with exit 0 on SIGTERM.
+"""``h2okv serve --tp 2`` on CPU with gloo: a tiny random Qwen2 with 4 KV heads (2 per rank) answers
+the official ``openai`` client with the same greedy text as a ``--tp 1`` server of the same
+checkpoint, frees every rank's KV after cancelled streams, and ends every rank with exit 0 on
+SIGTERM.
 
-Starting the ranks is the slow part (each imports torch and transformers), so the whole module
-shares one ``--tp 2`` server, launched by ``cli.main`` in a thread of this process (which has those
-imports already); the SIGTERM test stops it and therefore runs last (file order).
+Starting ranks is the slow part (each imports torch and transformers): the server is the last step
+of the session's one 2-rank group (``tp_group``, tests/tp_group.py), which runs
+``cli.main(["serve", ..., "--tp", "2"])`` on both ranks after the checks of test_distributed.py.
+The SIGTERM test stops it and therefore runs last (file order).
 """
 
 import os
@@ -26,73 +27,34 @@ from prometheus_client.parser import text_string_to_metric_families
 from h2okv import cli, distributed
 from h2okv.models import load_model
 from h2okv.serve import EvictionDefaults, create_app, running_server
-from h2okv.serve.process import free_port, save_tiny_model
+from h2okv.serve.process import save_tiny_model
+from tp_group import SERVE_CHUNK, SERVE_HEAVY, SERVE_NAME, SERVE_RECENT
 
-NAME = "tiny"
-HEAVY = RECENT = 8
-CHUNK = 16
-SETTINGS = ["--policy", "h2o", "--heavy", str(HEAVY), "--recent", str(RECENT), "--chunk-size", str(CHUNK)]
+NAME = SERVE_NAME
 PROMPTS = [f"prompt {i}: the quick brown fox jumps over {i * 7} lazy dogs" for i in range(8)]
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tp_chat"), arch="qwen2", num_key_value_heads=4,
-                           max_positions=1024, initializer_range=0.3)
-
-
-class TPServer:
-    """``h2okv serve --tp 2`` run by ``cli.main`` in a thread: this process is the launcher."""
-
-    def __init__(self, checkpoint):
-        self.url = f"http://127.0.0.1:{free_port()}"
-        argv = ["serve", "--model", str(checkpoint), "--served-model-name", NAME, "--log-level", "warning",
-                "--port", self.url.rsplit(":", 1)[1], *SETTINGS, "--tp", "2", "--tp-timeout", "60"]
-        self.code: int | None = None
-        self.thread = threading.Thread(target=self._run, args=(argv,), name="tp-launcher", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 180
-        while not self._healthy():
-            assert self.thread.is_alive(), f"serve --tp 2 exited with {self.code} before it was healthy"
-            assert time.monotonic() < deadline, "serve --tp 2 was not healthy within 180 s"
-            time.sleep(0.2)
-        self.ranks = _rank_pids(os.getpid())
-
-    def _run(self, argv) -> None:
-        self.code = cli.main(argv)
-
-    def _healthy(self) -> bool:
-        try:
-            return httpx.get(self.url + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def terminate(self) -> None:
-        """What the launcher does with a SIGTERM it receives (tested below): pass it to rank 0."""
-        os.kill(self.ranks[0], signal.SIGTERM)
-
-    def wait(self, timeout: float) -> int | None:
-        self.thread.join(timeout)
-        return self.code
+def tp2(tp_group):
+    """The group's ``serve --tp 2``, healthy; ``.ranks`` = [rank 0, rank 1] pids."""
+    return tp_group.serve()
 
 
 @pytest.fixture(scope="module")
-def tp2(checkpoint):
-    server = TPServer(checkpoint)
-    yield server
-    if server.thread.is_alive():
-        server.terminate()
-        server.wait(60)
-
-
-@pytest.fixture(scope="module")
-def tp1(checkpoint):
+def tp1(tp_group):
     """The same checkpoint and settings served by one process, in this one (no rank to start)."""
-    model, tok = load_model(str(checkpoint), cache=False)
-    app = create_app(model, tok, model_name=NAME, prefill_chunk=CHUNK,
-                     eviction=EvictionDefaults(policy="h2o", heavy=HEAVY, recent=RECENT))
+    model, tok = load_model(str(tp_group.checkpoint), cache=False)
+    app = create_app(model, tok, model_name=NAME, prefill_chunk=SERVE_CHUNK,
+                     eviction=EvictionDefaults(policy="h2o", heavy=SERVE_HEAVY, recent=SERVE_RECENT))
     with running_server(app) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A checkpoint of the served architecture for the bad-settings tests (no group needed)."""
+    return save_tiny_model(tmp_path_factory.mktemp("tp_chat"), arch="qwen2", num_key_value_heads=4,
+                           max_positions=1024)
 
 
 def client(url: str) -> openai.OpenAI:
@@ -211,8 +173,8 @@ def test_bad_serve_tp_settings_one_line_exit_2(checkpoint, capsys, argv, fragmen
 
 @pytest.mark.slow
 def test_sigterm_drains_and_ends_every_rank_with_exit_0(tp2):
-    """Runs last: stops the module's server. A stream running at SIGTERM finishes, then rank 0 and
-    the follower exit, and the command returns 0 (which it does only when every rank exited 0)."""
+    """Runs last: stops the group's server. A stream running at SIGTERM finishes, then rank 0 and
+    the follower exit, and the launcher returns 0 (which it does only when every rank exited 0)."""
     ranks = tp2.ranks
     assert len(ranks) == 2
     result: dict = {}
@@ -261,10 +223,3 @@ def test_launcher_passes_sigterm_and_sigint_to_rank_0():
     assert signal.getsignal(signal.SIGINT) is before
 
 
-def _rank_pids(launcher: int) -> list[int]:
-    """The launcher's children that are ranks (torch.multiprocessing's spawn children), rank order."""
-    pids = []
-    for task in Path(f"/proc/{launcher}/task").iterdir():
-        pids += [int(p) for p in (task / "children").read_text().split()]
-    ranks = [p for p in pids if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
-    return sorted(ranks)  # spawned in rank order: rank 0 has the lower pid
