@@ -122,7 +122,10 @@ class Channel:
         return everyone
 
     def on_broken(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when the group breaks (at once if it already has)."""
         self._on_broken.append(callback)
+        if self.broken is not None:
+            callback()
 
     def fail(self, exc: BaseException) -> None:
         """Mark the group broken (once) and tell whoever must stop serving."""
@@ -131,7 +134,6 @@ class Channel:
         self.broken = exc
         for callback in self._on_broken:
             callback()
-
 
     def start_heartbeat(self) -> None:
         self._beat = threading.Thread(target=self._heartbeat, name="h2okv-tp-heartbeat", daemon=True)
