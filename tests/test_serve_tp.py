@@ -6,7 +6,8 @@ SIGTERM.
 Starting ranks is the slow part (each imports torch and transformers): the server is the last step
 of the session's one 2-rank group (``tp_group``, tests/tp_group.py), which runs
 ``cli.main(["serve", ..., "--tp", "2"])`` on both ranks after the checks of test_distributed.py.
-The SIGTERM test stops it and therefore runs last (file order).
+The SIGTERM test stops it and therefore runs last (file order). The tests after it need no ranks:
+what rank 0 does when its group breaks, and the launcher's signal hand-off.
 """
 
 import os
@@ -26,8 +27,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from h2okv import cli, distributed
 from h2okv.models import load_model
-from h2okv.serve import EvictionDefaults, create_app, running_server
+from h2okv.serve import EvictionDefaults, create_app, running_server, tp
+from h2okv.serve.engine import Engine, GenerationRequest
+from h2okv.serve.executor import Executor
 from h2okv.serve.process import save_tiny_model
+from h2okv.serve.testing import tiny_chat_model
 from tp_group import SERVE_CHUNK, SERVE_HEAVY, SERVE_NAME, SERVE_RECENT
 
 NAME = SERVE_NAME
@@ -203,6 +207,56 @@ def test_sigterm_drains_and_ends_every_rank_with_exit_0(tp2):
     assert tp2.wait(60) == 0 and not tp2.thread.is_alive()
     for pid in ranks:
         assert not Path(f"/proc/{pid}").exists()
+
+
+class BreakingChannel:
+    """A channel to no follower, whose group breaks after ``ok`` sends (what ``tp.Channel`` does when
+    a peer is gone: it records the error and every later send raises ``GroupBroken``)."""
+
+    def __init__(self, ok: int):
+        self.lock, self.previous_ok, self.ok, self.broken, self.sent = threading.RLock(), True, ok, None, []
+
+    def send(self, kind, payload=None):
+        if self.broken is not None or len(self.sent) >= self.ok:
+            self.broken = self.broken or RuntimeError("gloo: connection reset by peer")
+            raise tp.GroupBroken(f"the tensor-parallel group is broken: {self.broken}")
+        self.sent.append((kind, payload and payload[0]))
+
+    def fail(self, exc):
+        self.broken = self.broken or exc
+
+
+def test_the_channel_names_real_executor_methods():
+    """LOCAL_ONLY and CACHE_ONLY name the executor's methods: a rename in executor.py must not
+    silently turn a read into a broadcast or a cleanup into a GroupBroken."""
+    methods = {name for name, value in vars(Executor).items() if callable(value) and not name.startswith("_")}
+    assert tp.CACHE_ONLY <= methods
+    assert tp.LOCAL_ONLY - {"sequences"} <= methods
+    assert not tp.CACHE_ONLY & tp.LOCAL_ONLY and {"prefill", "decode", "slot_bytes"} <= methods - tp.CACHE_ONLY
+
+
+def test_requests_end_with_an_error_event_when_the_group_breaks():
+    """Rank 0 with a broken group: the request's forward raises GroupBroken, the engine fails the
+    request with a final error event (not a hang), its cleanup runs on rank 0 alone and frees
+    rank 0's caches, and the engine keeps running (the server stops it)."""
+    model, tok = tiny_chat_model(layers=2)
+    channel = BreakingChannel(ok=2)  # the engine's slot_bytes measurement, then one open
+    leader = tp.Leader(Executor(model, 16), channel)
+    engine = Engine(model, tok, prefill_chunk=16, executor=leader)
+    assert channel.sent == [("call", "slot_bytes")]
+    engine.start()
+    try:
+        handle = engine.submit(GenerationRequest(list(range(40)), 4, "h2o", 8, 8, temperature=0.0))
+        _, final = handle.result_blocking(timeout=60)
+        assert final.kind == "error" and "GroupBroken" in final.error.message
+        assert channel.sent == [("call", "slot_bytes"), ("call", "open")]  # the prefill never went out
+        deadline = time.monotonic() + 10
+        while engine.executor.kv_bytes() or tp._open_sequences(leader._executor):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert engine.alive
+    finally:
+        engine.stop()
 
 
 def test_launcher_passes_sigterm_and_sigint_to_rank_0():
