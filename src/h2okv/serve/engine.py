@@ -9,9 +9,10 @@
    prompts not started yet join while the padded size (per policy, rows x longest chunk) stays
    within what is left of ``step_tokens``; all chunks of one policy run in ONE forward
    (``executor.py``); rounds of such forwards run until the step's budget is spent. A long prompt
-   thus costs each forward one chunk, not its whole length: the prompts behind it start beside it. ``schedule="serial"`` runs one chunk of the oldest prompt per step, alone (the
-   original behaviour, kept to compare). A finished prefill samples the first token and joins the
-   decode batch of its policy (``batch.py``);
+   thus costs each forward one chunk, not its whole length: the prompts behind it start beside it.
+   ``schedule="serial"`` runs one chunk of the oldest prompt per step, alone (the original
+   behaviour, kept to compare). A finished prefill samples the first token and joins the decode
+   batch of its policy (``batch.py``);
 4. one decode step for every decode batch: each row feeds its last token at its own position. A
    decode row therefore waits at most one step's prefill budget between two tokens.
 
