@@ -31,3 +31,14 @@ def tiny_dir(tmp_path_factory):
     tiny_model("llama").save_pretrained(path)
     word_tokenizer().save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tp_group(tmp_path_factory):
+    """The session's 2-rank tensor-parallel group (tests/tp_group.py): one start for every TP test
+    that needs a healthy group (tests/test_distributed.py, tests/test_serve_tp.py)."""
+    from tp_group import TPGroup
+
+    group = TPGroup(tmp_path_factory.mktemp("tp_group"))
+    yield group
+    group.stop()

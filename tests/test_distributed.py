@@ -2,7 +2,9 @@
 process; bad settings and failing ranks end in one line, never a hang.
 
 Starting ranks costs seconds (each imports torch and transformers), so the equivalence checks of
-all models and commands share one 2-rank session (``tp_session``).
+all models and commands, and the checks of the command channel ``serve --tp`` drives its ranks
+with, are computed by the session's one 2-rank group (``tp_group``, tests/tp_group.py), which then
+serves tests/test_serve_tp.py.
 """
 
 import contextlib
@@ -18,85 +20,17 @@ import pytest
 import torch
 
 from h2okv import cli, distributed
-from h2okv.cache import H2OCache
 from h2okv.errors import H2OError
 from h2okv.models import load_model
-from h2okv.testing import random_ids, tiny_model, word_tokenizer
-
-# (architecture, KV heads): Llama and Qwen2 with one and two KV heads per rank at --tp 2
-MODELS = [("llama", 2), ("llama", 4), ("qwen2", 2), ("qwen2", 4)]
-PROMPT = 40
-NEW_TOKENS = 8
-HEAVY = RECENT = 5
+from h2okv.testing import tiny_model
+from tp_group import HEAVY, MODELS, RECENT, generate_command
+from tp_group import generate_tokens as _generate
+from tp_rank_bodies import fail_on_rank_1, hang_on_rank_1
 
 
 @pytest.fixture(scope="module")
-def tp_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp_models")
-    dirs = {}
-    for arch, kv in MODELS:
-        path = root / f"{arch}_kv{kv}"
-        tiny_model(arch, num_attention_heads=4, num_key_value_heads=kv).save_pretrained(path)
-        word_tokenizer().save_pretrained(path)
-        dirs[(arch, kv)] = str(path)
-    return dirs
-
-
-def _generate(model, policy):
-    kw = {"heavy": HEAVY, "recent": RECENT} if policy == "h2o" else {}
-    cache = H2OCache(model, policy=policy, chunk_size=16, **kw)
-    with torch.inference_mode():
-        out = model.generate(random_ids(PROMPT, seed=3), past_key_values=cache, max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
-    return out.sequences[0, PROMPT:].tolist(), torch.stack(out.logits).float(), cache.stats()
-
-
-# -- bodies run on every rank (module-level: the spawned ranks import them by name) ---------------
-def equivalence_on_rank(args) -> int:
-    """Generate with every model and policy, then run `eval ppl` and `bench` as commands; rank 0
-    saves what the test compares."""
-    results = {}
-    for key, path in args.dirs.items():
-        model, _ = load_model(path, tp=args.tp, cache=False)
-        for policy in ("full", "h2o"):
-            tokens, logits, stats = _generate(model, policy)
-            results[(key, policy)] = (tokens, logits, distributed.gather_stats(stats))
-    for argv in args.commands:
-        assert cli.main(argv) == 0
-    if distributed.is_main_rank():
-        torch.save(results, args.out)
-    return 0
-
-
-def fail_on_rank_1(args) -> int:
-    import torch.distributed as dist
-
-    with open(os.path.join(args.dir, f"pid{distributed.rank()}"), "w") as fh:
-        fh.write(str(os.getpid()))
-    dist.barrier()
-    if distributed.rank() == 1:
-        raise H2OError("rank one cannot go on")
-    _mark_waiting(args)
-    dist.all_reduce(torch.ones(1))  # rank 0 waits here for a peer that is gone: the launcher must end it
-    return 0
-
-
-def hang_on_rank_1(args) -> int:
-    import torch.distributed as dist
-
-    if distributed.rank() == 1:
-        time.sleep(600)  # stuck, but alive: only the collective's timeout can end rank 0
-    _mark_waiting(args)
-    dist.all_reduce(torch.ones(1))
-    return 0
-
-
-def _mark_waiting(args) -> None:
-    """When rank 0 starts waiting (starting the ranks takes seconds to a minute on a busy machine:
-    the tests time what follows)."""
-    with open(os.path.join(args.dir, "waiting_since"), "w") as fh:
-        fh.write(repr(time.time()))
+def tp_dirs(tp_group):
+    return tp_group.dirs
 
 
 def _seconds_since_waiting(directory) -> float:
@@ -105,25 +39,12 @@ def _seconds_since_waiting(directory) -> float:
 
 # -- equivalence -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tp_session(tp_dirs, tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp_out")
-    text = out / "words.txt"
-    text.write_text(" ".join(f"w{2 + (i * 7) % 90}" for i in range(200)))
-    model = tp_dirs[("llama", 4)]  # (AutoTokenizer gives a Qwen2 directory its own tokenizer class, not the word one)
-    commands = {
-        "ppl": ["eval", "ppl", "--model", model, "--text", str(text), "--tokens", "48", "--policies", "full,h2o",
-                "--budgets", "0.25", "--plot", "", "--json", str(out / "ppl_tp2.json")],
-        "bench": ["bench", "--model", model, "--context", "32", "--batch", "2", "--steps", "3", "--warmup", "1",
-                  "--no-progress", "--json", str(out / "bench_tp2.json")],
-    }
-    args = Namespace(tp=2, tp_timeout=600, device="cpu", dirs=tp_dirs, out=str(out / "tp.pt"),
-                     commands=[[*argv, "--tp", "2"] for argv in commands.values()])
-    start = time.monotonic()
-    assert distributed.run(args, equivalence_on_rank) == 0
-    elapsed = time.monotonic() - start
-    return torch.load(args.out, weights_only=False), out, commands, elapsed
+def tp_session(tp_group):
+    """What the session's group computed (tests/tp_group.py), and the commands it ran."""
+    return tp_group.results(), tp_group.out, tp_group.commands
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "h2o"])
 @pytest.mark.parametrize("arch, kv", MODELS)
 def test_tp_generate_equals_single_process(tp_session, tp_dirs, arch, kv, policy):
@@ -146,8 +67,9 @@ def test_tp_generate_equals_single_process(tp_session, tp_dirs, arch, kv, policy
     assert tp_stats["full_kv_bytes"] == stats["full_kv_bytes"]
 
 
+@pytest.mark.slow
 def test_tp_eval_ppl_equals_single_process(tp_session, capsys):
-    _, out, commands, _ = tp_session
+    _, out, commands = tp_session
     single = out / "ppl_tp1.json"
     argv = [a if a != str(out / "ppl_tp2.json") else str(single) for a in commands["ppl"]]
     assert cli.main(argv) == 0
@@ -158,8 +80,9 @@ def test_tp_eval_ppl_equals_single_process(tp_session, capsys):
         assert tp_row["ppl"] == pytest.approx(row["ppl"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_tp_bench_reports_half_the_kv_per_rank(tp_session):
-    _, out, _, _ = tp_session
+    _, out, _ = tp_session
     result = json.loads((out / "bench_tp2.json").read_text())
     assert result["tp"] == 2
     assert {r["policy"] for r in result["rows"]} == {"full", "h2o"}
@@ -175,8 +98,7 @@ def test_tp_bench_reports_half_the_kv_per_rank(tp_session):
 @pytest.fixture(scope="module")
 def generate_argv(tp_dirs):
     """A `generate` command line on a tiny model, and what one process prints for it."""
-    argv = ["generate", "--model", tp_dirs[("llama", 2)], "--prompt", " ".join(f"w{i}" for i in range(3, 40)),
-            "--max-new-tokens", "6", "--heavy", "4", "--recent", "4"]
+    argv = generate_command(tp_dirs)
     with contextlib.redirect_stdout(io.StringIO()) as out:
         assert cli.main(argv) == 0
     return argv, out.getvalue().strip().splitlines()
@@ -194,13 +116,35 @@ def _check_tp2_output(out: str, single: list[str]) -> None:
     assert lines[1].split(";")[0] == single[1]  # same totals: tokens seen, slots, KV bytes
 
 
-def test_generate_tp2_prints_the_tp1_text_once(generate_argv, capfd):
-    argv, single = generate_argv
-    # the ranks write to this process's file descriptors: capfd sees what a terminal would
-    assert cli.main([*argv, "--tp", "2"]) == 0
-    _check_tp2_output(capfd.readouterr().out, single)
+@pytest.mark.slow
+def test_generate_tp2_prints_the_tp1_text_once(tp_session, generate_argv):
+    """`generate --tp 2` run inside the session's ranks: rank 0 prints the single-process text and
+    rank 1 prints nothing (a rank the launcher starts also has its output sent to /dev/null; the
+    torchrun test below reads a real terminal's view)."""
+    printed = tp_session[0]["generate_printed"]
+    assert printed[1] == ""
+    _check_tp2_output(printed[0], generate_argv[1])
 
 
+@pytest.mark.slow
+def test_serve_channel_replays_rank0_calls_in_order(tp_session):
+    leader, follower = tp_session[0]["channel"]
+    assert leader["doubled"] == 42  # rank 0 gets its own call's result
+    calls = [("open", 1, 10), ("work", 21), ("fail_everywhere",), ("open", 2, 5), ("fail_on_followers",)]
+    assert leader["calls"] == follower["calls"] == calls  # same calls, same order
+    kinds = follower["kinds"]
+    assert kinds.count("ping") >= 2 and kinds.index("call") > kinds.index("ping")  # idle rank 0 kept the group alive
+    # one message per call (the kv_bytes read stayed on rank 0), the stats gather, the stop
+    assert [k for k in kinds if k != "ping"] == ["call", "call", "call", "call", "stats", "call", "stop"]
+    # per-rank figures, gathered between two calls
+    for rank, figures in enumerate(leader["figures"]):
+        assert figures == {"rank": rank, "kv_bytes": 15, "kv_bytes_peak": 15, "sequences": 2}
+    # the same failure on every rank is survived; one rank failing alone is a divergence
+    assert follower["error"] == ("rank 1 diverged from rank 0: call fail_on_followers() failed here but "
+                                 "succeeded on rank 0")
+
+
+@pytest.mark.slow
 def test_generate_under_torchrun_joins_the_launch(generate_argv):
     argv, single = generate_argv
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -210,6 +154,7 @@ def test_generate_under_torchrun_joins_the_launch(generate_argv):
 
 
 # -- failures: one line, every rank ended, no hang --------------------------------------------------
+@pytest.mark.slow
 def test_failing_rank_ends_every_rank_with_one_line(tmp_path):
     with pytest.raises(H2OError) as info:
         distributed.run(Namespace(tp=2, tp_timeout=600, device="cpu", dir=str(tmp_path)), fail_on_rank_1)
@@ -221,6 +166,7 @@ def test_failing_rank_ends_every_rank_with_one_line(tmp_path):
             os.kill(pid, 0)
 
 
+@pytest.mark.slow
 def test_stuck_rank_times_out_instead_of_hanging(tmp_path, capsys):
     code = distributed.run(Namespace(tp=2, tp_timeout=3, device="cpu", dir=str(tmp_path)), hang_on_rank_1)
     assert _seconds_since_waiting(tmp_path) < 60  # the 3 s timeout, not rank 1's 600 s sleep
@@ -246,7 +192,7 @@ def _config_dir(tmp_path, arch, **overrides):
         ("kv3", ["bench", "--tp", "2", "--json", "x.json", "--quick"], "has 3 KV heads"),
         ("tiny", ["bench", "--model", "tiny:llama", "--tp", "2", "--json", "x.json"], "tiny:ARCH models"),
         ("kv3", ["generate", "--prompt", "w3", "--tp", "0"], "must be > 0"),
-        ("kv3", ["serve", "--tp", "2"], "h2okv serve --tp is not supported yet"),
+        ("kv3", ["serve", "--tp", "2"], "has 3 KV heads, which do not divide by 2"),
         ("kv3", ["generate", "--prompt", "w3", "--tp", "2", "--tp-timeout", "-1"], "positive number of seconds"),
     ],
 )

@@ -95,25 +95,28 @@ def _check_batched_equals_alone(engine, model):
 
 @pytest.mark.parametrize("schedule", ["budget", "serial"])
 def test_prefill_schedules(model_tok, monkeypatch, schedule):
-    """A short prompt behind a long one: with the budget schedule it gets its first token after
-    ``long / step_tokens`` engine steps (several chunks per step, none over the budget, and at most one
-    half-prefilled cache at a time); with the serial schedule after ``long / chunk`` steps."""
+    """A short prompt behind a long one. Budget schedule: the short prompt starts beside the long
+    one's first chunk (one shared forward) and gets its first token in the first step; then the long
+    prompt feeds one chunk per forward, several forwards a step, and no step computes more than
+    ``step_tokens`` prompt tokens (pads included). Serial schedule: one chunk per step, the short
+    prompt waits for the long one."""
     model, tok = model_tok
     step_tokens = 4 * CHUNK
     eng = Engine(model, tok, prefill_chunk=CHUNK, schedule=schedule, step_tokens=step_tokens)
-    first_token_step, per_step, steps, partial = {}, [0], [0], []
-    advance, prefill, iteration = eng._advance, eng._prefill_step, eng._iteration
+    first_token_step, per_step, steps, partial, rows = {}, [0], [0], [], []
+    advance, prefill, iteration = eng._advance, eng.executor.prefill, eng._iteration
 
     def record_advance(seq, logits):
         if not seq.generated:
             first_token_step[len(seq.request.prompt_ids)] = steps[0]
         advance(seq, logits)
 
-    def record_prefill(seq):
-        start, stop = seq.chunks[seq.next_chunk]
-        per_step[-1] += stop - start
-        prefill(seq)
-        partial.append(sum(1 for s in eng._prefilling if s.cache is not None))
+    def record_prefill(parts):
+        per_step[-1] += len(parts) * max(len(ids) for _, ids, _ in parts)
+        rows.append(len(parts))
+        out = prefill(parts)
+        partial.append(len(eng.executor.prefilling("h2o")))
+        return out
 
     def record_iteration():
         iteration()
@@ -121,7 +124,7 @@ def test_prefill_schedules(model_tok, monkeypatch, schedule):
         steps[0] += 1
 
     monkeypatch.setattr(eng, "_advance", record_advance)
-    monkeypatch.setattr(eng, "_prefill_step", record_prefill)
+    monkeypatch.setattr(eng.executor, "prefill", record_prefill)
     monkeypatch.setattr(eng, "_iteration", record_iteration)
     eng.start()
     try:
@@ -133,14 +136,138 @@ def test_prefill_schedules(model_tok, monkeypatch, schedule):
             assert handle.result_blocking()[1].finish_reason == "length"
     finally:
         eng.stop()
-    assert max(partial) <= 1
     if schedule == "budget":
         assert max(per_step) <= step_tokens
-        assert first_token_step[CHUNK // 2] - first_token_step[12 * CHUNK] <= 1
-        assert first_token_step[CHUNK // 2] <= 12 // 4 + 1
+        assert first_token_step[CHUNK // 2] == 0 and max(rows) == 2 and max(partial) == 2
+        # step 0: the long prompt's chunks 1 to 3 (the first shared with the short prompt: 2 rows x 16
+        # tokens), then 4 chunks a step: its 12 chunks end in step 3
+        assert per_step[0] == step_tokens and first_token_step[12 * CHUNK] == 3
     else:
-        assert max(per_step) <= CHUNK
-        assert first_token_step[CHUNK // 2] >= 12
+        assert max(per_step) <= CHUNK and max(rows) == 1 and max(partial) <= 1
+        assert first_token_step[12 * CHUNK] == 11 and first_token_step[CHUNK // 2] >= 12
+
+
+def _recording_prefill(engine, calls):
+    """Record each prefill forward's chunk lengths (one call per policy per step)."""
+    prefill = engine.executor.prefill
+
+    def record(parts):
+        calls.append([len(ids) for _, ids, _ in parts])
+        return prefill(parts)
+
+    engine.executor.prefill = record
+
+
+@pytest.mark.parametrize("policy,heavy,recent", [("full", None, None), ("h2o", 5, 5), ("tova", 4, 6)])
+def test_shared_prefill_greedy_equals_alone(model_tok, policy, heavy, recent):
+    """Prompts of different lengths, several chunks each, some arriving later, share prefill forwards
+    (budget schedule): every greedy completion equals the prompt generated alone (batch of one)."""
+    model, tok = model_tok
+    engine = Engine(model, tok, prefill_chunk=CHUNK, max_batch=16, step_tokens=4 * CHUNK)
+    calls = []
+    _recording_prefill(engine, calls)
+    # never 1 mod CHUNK: the engine's chunks are generate's; and greedy paths without EOS (the reference's
+    # min_new_tokens forbids EOS while ignore_eos lets the engine pick it: tova on a 9-token prompt does)
+    lengths = [70, 23, 52, 19, 40, 87, 30]
+    engine.start()
+    try:
+        handles = []
+        for i, n in enumerate(lengths):
+            budget = (None, None) if heavy is None else (heavy + i % 3, recent + i % 2)
+            handles.append(engine.submit(GenerationRequest(prompt(n, 40 + i), 10 + i, policy, *budget,
+                                                           temperature=0.0, ignore_eos=True)))
+            if i == 3:
+                time.sleep(0.05)
+        for i, (n, handle) in enumerate(zip(lengths, handles, strict=True)):
+            done = handle.result_blocking()[1]
+            budget = (None, None) if heavy is None else (heavy + i % 3, recent + i % 2)
+            assert done.token_ids == alone(model, prompt(n, 40 + i), policy, *budget, 10 + i), (n, policy)
+    finally:
+        engine.stop()
+    assert any(len(c) >= 3 and len(set(c)) > 1 for c in calls)  # shared, with padding
+    assert engine.stats.kv_bytes == 0
+
+
+def test_kv_cap_holds_at_every_step_with_shared_prefill(model_tok):
+    """Under a tight --kv-memory, with prompts of several chunks sharing prefill forwards while other
+    rows decode, the KV buffers never exceed the cap: after every executor call, and inside each
+    prefill forward (where a group's rows briefly hold their budget plus a whole chunk)."""
+    model, tok = model_tok
+    probe = Engine(model, tok, prefill_chunk=CHUNK)
+    limit = 100 * probe.slot_bytes
+    # 6 rows of 9 slots decode; 3 prompts (15 slots over that each) can share a prefill forward
+    engine = Engine(model, tok, prefill_chunk=CHUNK, kv_memory=limit, max_batch=6, step_tokens=4 * CHUNK)
+    ex = engine.executor
+    after, inside, calls = [], [], []
+    _recording_prefill(engine, calls)
+    for name in ("prefill", "join", "decode", "keep", "close"):
+        method = getattr(ex, name)
+
+        def watched(*args, _method=method, _name=name):
+            for group in ex._groups.values():  # peak_capacity: the largest capacity since reset here
+                for layer in group.cache.layers:
+                    layer.peak_capacity = layer.capacity
+            result = _method(*args)
+            after.append(ex.kv_bytes())
+            if _name == "prefill":
+                decode = sum(batch.kv_bytes() for batch in ex._batches.values())
+                groups = sum(len(g.uids) * max(layer.peak_capacity for layer in g.cache.layers)
+                             for g in ex._groups.values())
+                inside.append(decode + groups * probe.slot_bytes)
+            return result
+        setattr(ex, name, watched)
+    cases = [("h2o", 4, 4), ("h2o", 3, 5), ("h2o", 5, 3), ("h2o", 2, 6)]  # 9 slots each
+    engine.start()
+    try:
+        handles = engine.submit_many([GenerationRequest(prompt(80 + 7 * (i % 3), i), 30 + i % 7, *cases[i % 4],
+                                                        temperature=0.0, ignore_eos=True) for i in range(24)])
+        for h in handles:
+            assert h.result_blocking()[1].kind == "done"
+    finally:
+        engine.stop()
+    assert max(after) <= limit and max(inside) <= limit
+    assert max(len(c) for c in calls) == 3 and engine.stats.batch_size_max >= 3
+    assert engine.stats.kv_bytes == 0
+
+
+@pytest.mark.parametrize("how", ["cancel", "timeout"])
+def test_request_ended_mid_shared_prefill_frees_its_row(model_tok, how):
+    """A prompt ended (cancelled, or past its deadline) between two chunks of a shared prefill leaves
+    its group at the next step; the others finish exactly as alone."""
+    model, tok = model_tok
+    engine = Engine(model, tok, prefill_chunk=CHUNK, max_batch=8, step_tokens=4 * CHUNK)
+    lengths = [90, 75, 60]
+    groups, victim = [], {}
+    prefill = engine.executor.prefill
+
+    def record(parts):
+        out = prefill(parts)
+        groups.append(engine.executor.prefilling("h2o"))
+        if len(groups) == 2:  # the victim is part-way through its prompt now
+            seq = next(s for s in engine._prefilling if len(s.request.prompt_ids) == 75)
+            victim["uid"] = seq.uid
+            if how == "cancel":
+                seq.handle.cancel()
+            else:
+                seq.deadline = time.monotonic()
+        return out
+
+    engine.executor.prefill = record
+    engine.start()
+    try:
+        handles = engine.submit_many([GenerationRequest(prompt(n, 60 + i), 8, "h2o", 5, 5, temperature=0.0,
+                                                        ignore_eos=True) for i, n in enumerate(lengths)])
+        results = [h.result_blocking()[1] for h in handles]
+    finally:
+        engine.stop()
+    assert results[1].kind == ("cancelled" if how == "cancel" else "done")
+    if how == "timeout":
+        assert results[1].finish_reason == "timeout" and results[1].token_ids == []
+    assert victim["uid"] in groups[1] and all(victim["uid"] not in g for g in groups[2:])
+    assert len(groups[2]) == 2  # the others went on sharing
+    for i in (0, 2):
+        assert results[i].token_ids == alone(model, prompt(lengths[i], 60 + i), "h2o", 5, 5, 8)
+    assert engine.stats.kv_bytes == 0 and engine.stats.running == 0
 
 
 def test_decode_batch_rows_keep_their_state(model_tok):
@@ -315,7 +442,12 @@ def test_prefill_chunks_and_reservations():
     assert (h2o.slots, h2o.prefill_peak, h2o.prefill_extra) == (21, 36, 15)
     assert reservation(5, 3, 20, 16).slots == 8  # short request: its whole length, not the budget
     assert footprint_slots({"h2o": [h2o, reservation(100, 20, 40, 16)]}, [h2o]) == 2 * 41 + 15
-    assert footprint_slots({"h2o": [h2o, h2o]}, [h2o, h2o]) == 2 * 21 + 15  # one prompt prefills at a time
+    assert footprint_slots({"h2o": [h2o, h2o]}, [h2o, h2o]) == 2 * 21 + 15  # serial: one prompt prefills at a time
+    # shared: a started prompt's row spans min(held, budget) + chunk = 20 + 16 slots, 15 over its 21
+    assert (h2o.shared_peak, h2o.shared_extra) == (36, 15)
+    assert footprint_slots({"h2o": [h2o, h2o, h2o]}, [h2o], {"h2o": [h2o, h2o]}) == 3 * 21 + 2 * 15 + 15
+    full = reservation(40, 4, None, 16)  # chunks 16, 16, 8: at most 32 held + a 16-token step
+    assert (full.shared_peak, full.shared_extra) == (48, 4)
     assert kv_limit("64M") == 64 << 20 and kv_limit("1.5GiB") == int(1.5 * (1 << 30)) and kv_limit(None) is None
     for bad in ("x", "-1", "0", "nan"):
         with pytest.raises(ValueError):

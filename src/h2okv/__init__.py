@@ -1,10 +1,21 @@
 """h2okv: H2O (Heavy-Hitter Oracle) KV-cache eviction for Hugging Face transformers, with real
 memory savings, batching and grouped-query attention."""
 
-from .cache import H2OCache
 from .errors import H2OError
-from .models import load_model
-from .policies import POLICIES
 
 __all__ = ["H2OCache", "H2OError", "POLICIES", "load_model"]
 __version__ = "0.1.0"
+
+# the heavy parts (transformers) load on first use: ``import h2okv.distributed`` in a
+# tensor-parallel rank, or the CLI's argument parsing, should not pay for them
+_LAZY = {"H2OCache": ".cache", "load_model": ".models", "POLICIES": ".policies"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

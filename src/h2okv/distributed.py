@@ -26,6 +26,7 @@ import datetime
 import logging
 import math
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -52,10 +53,7 @@ def _seconds(text: str) -> float:
     return value
 
 
-def add_tp_args(parser: argparse.ArgumentParser, supported: bool = True) -> None:
-    if not supported:  # the option exists so that asking for it gets a clear answer
-        parser.add_argument("--tp", type=positive_int, default=None, help="tensor parallelism: not supported yet here")
-        return
+def add_tp_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=positive_int, default=None,
                         help="tensor-parallel ranks: this command starts N processes, each with a slice of every "
                         "layer and its own cache (default 1; under torchrun: its world size)")
@@ -171,17 +169,22 @@ def prepare(args) -> int:
 
 
 # -- running a command on every rank ---------------------------------------------------------------
-def run(args, body) -> int:
+def run(args, body, signals_to_rank0: bool = False) -> int:
     """``body(args) -> exit code`` on every rank (or once, for ``--tp 1``). Call ``prepare`` first
     (``run`` does when ``args.tp`` is still unset). ``body`` must be a module-level function: the
-    ranks import it by name."""
+    ranks import it by name.
+
+    ``signals_to_rank0`` (a server, which drains on SIGTERM): when this process started the ranks,
+    they run in their own process group, so a terminal's Ctrl-C reaches this process only, and
+    each SIGTERM or SIGINT it receives is passed on to rank 0 as SIGTERM; rank 0 then decides when
+    the others stop. The run ends when every rank has exited."""
     tp = args.tp if isinstance(getattr(args, "tp", None), int) and args.tp >= 1 else prepare(args)
     timeout = getattr(args, "tp_timeout", DEFAULT_TIMEOUT_S)
     if tp == 1 or is_distributed():  # single process, or already a rank (a command run inside a rank)
         return int(body(args) or 0)
     if launched_by_torchrun():
         return _run_external(args, body, timeout)
-    return _spawn(args, body, tp, timeout)
+    return _spawn(args, body, tp, timeout, signals_to_rank0)
 
 
 def _init_group(info: RankInfo, device: str, timeout: float) -> None:
@@ -207,6 +210,20 @@ def _silence_output() -> None:
     os.dup2(null, 1)
     os.dup2(null, 2)
     os.close(null)
+
+
+def is_comm_error(exc: BaseException | None) -> bool:
+    """A failure of the process group rather than of this rank's work (most likely the echo of
+    another rank's failure): c10d's errors, gloo's (plain ``RuntimeError``s that name gloo: a
+    timeout, a peer that closed its connection), or an exception raised from one of those."""
+    import torch.distributed as dist
+
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc).lower()):
+            return True
+        exc, seen = exc.__cause__, seen + 1
+    return False
 
 
 def _one_line(exc: BaseException, timeout: float) -> str:
@@ -235,15 +252,24 @@ def _run_body(args, body, info: RankInfo, timeout: float, report) -> int:
         report(info.rank, _one_line(exc, timeout), True, None, False)
         return 2
     except Exception as exc:  # a bug or a lost peer: still one line; the traceback goes to a file
-        report(info.rank, _one_line(exc, timeout), False, traceback.format_exc(), isinstance(exc, dist.DistError))
+        report(info.rank, _one_line(exc, timeout), False, traceback.format_exc(), is_comm_error(exc))
         return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _rank_main(local_rank: int, args, body, world: int, port: int, timeout: float, errors) -> None:
+def _rank_main(local_rank: int, args, body, world: int, port: int, timeout: float, errors,
+               own_group: bool = False) -> None:
     """Entry point of a rank started by ``_spawn`` (torch.multiprocessing calls it in the child)."""
+    if own_group:  # signals come from the launcher only (see ``run``)
+        os.setpgid(0, 0)
+    # tqdm (the weight-loading bars) would create a multiprocessing lock: a named semaphore that a
+    # rank killed by the launcher cannot release, which the resource tracker then reports as
+    # "leaked" after the one-line error. A rank starts no processes: tqdm's thread lock suffices.
+    import tqdm.std
+
+    tqdm.std.TqdmDefaultWriteLock.mp_lock = None
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if local_rank != 0:
         _silence_output()
@@ -253,7 +279,7 @@ def _rank_main(local_rank: int, args, body, world: int, port: int, timeout: floa
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
     def report(rank, line, user_error, trace, comm_error):
-        errors.put((rank, line, user_error, trace))
+        errors.put((rank, line, user_error, trace, comm_error))
 
     code = _run_body(args, body, RankInfo(local_rank, world, local_rank), timeout, report)
     sys.stdout.flush()
@@ -276,7 +302,7 @@ def _save_trace(rank: int, trace: str | None) -> str:
     return f" (traceback: {path})"
 
 
-def _spawn(args, body, tp: int, timeout: float) -> int:
+def _spawn(args, body, tp: int, timeout: float, signals_to_rank0: bool = False) -> int:
     """Start ``tp`` ranks here, wait; on the first failure stop the rest and report one line."""
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
@@ -292,8 +318,8 @@ def _spawn(args, body, tp: int, timeout: float) -> int:
     saved = {k: os.environ.get(k) for k in hidden}
     os.environ.update(hidden)
     try:
-        procs = mp.start_processes(_rank_main, args=(args, body, tp, port, timeout, errors), nprocs=tp,
-                                   join=False, start_method="spawn")
+        procs = mp.start_processes(_rank_main, args=(args, body, tp, port, timeout, errors, signals_to_rank0),
+                                   nprocs=tp, join=False, start_method="spawn")
     finally:
         for k, v in saved.items():
             if v is None:
@@ -301,6 +327,7 @@ def _spawn(args, body, tp: int, timeout: float) -> int:
             else:
                 os.environ[k] = v
     failure = None
+    restore = _forward_signals(procs.processes[0].pid) if signals_to_rank0 else {}
     try:
         while not procs.join(timeout=0.5, grace_period=1.0):
             pass
@@ -315,13 +342,20 @@ def _spawn(args, body, tp: int, timeout: float) -> int:
             if p.is_alive():
                 p.kill()
         raise
+    finally:
+        for sig, handler in restore.items():
+            signal.signal(sig, handler)
     if failure is None:
         return 0
     reports = []
     while not errors.empty():
         reports.append(errors.get())
-    if reports:  # the first failure in time is the cause; later ones are its echo (lost peers)
-        rank_, line, user_error, trace = reports[0]
+    # the cause: the first rank's own failure; failures to reach a peer are echoes of it. When every
+    # report is such an echo and the first rank found dead was killed without a word, the kill is.
+    causes = [r for r in reports if not r[4]] or reports
+    killed = getattr(failure, "signal_name", None) and failure.error_index not in {r[0] for r in reports}
+    if reports and not (killed and causes is reports):
+        rank_, line, user_error, trace, _ = causes[0]
         message = f"rank {rank_} of {tp} failed: {line}{_save_trace(rank_, trace)}"
         if user_error:
             raise H2OError(message)
@@ -331,6 +365,23 @@ def _spawn(args, body, tp: int, timeout: float) -> int:
         message = f"rank {failure.error_index} of {tp} {how}"
     print(f"h2okv: error: {message}", file=sys.stderr)
     return 1
+
+
+def _forward_signals(pid: int) -> dict:
+    """SIGTERM and SIGINT to this process become SIGTERM to ``pid``; returns the previous handlers
+    (nothing when not on the main thread, where Python cannot set handlers)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def forward(sig, frame):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    return {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
 
 
 def _run_external(args, body, timeout: float) -> int:

@@ -3,6 +3,7 @@ one run per policy at the same KV memory)."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 from .. import distributed
@@ -19,12 +20,13 @@ def _add_max_batch(p, default: int) -> None:
 
 def _add_schedule(p) -> None:
     p.add_argument("--schedule", choices=["budget", "serial"], default="budget",
-                   help="prefill scheduling: 'budget' prefills up to --step-tokens prompt tokens per engine "
-                        "step, oldest prompt first, several prompts per step; 'serial' runs one chunk of the "
-                        "oldest prompt per step (the original behaviour) (default: budget)")
+                   help="prefill scheduling: 'budget' prefills one chunk of several prompts per forward, in one "
+                        "shared forward, oldest first, up to --step-tokens tokens per step (pads included); 'serial' "
+                        "runs one chunk of the oldest prompt per step, alone (the original behaviour) "
+                        "(default: budget)")
     p.add_argument("--step-tokens", type=positive_int, default=512,
-                   help="prompt tokens one engine step may prefill with --schedule budget: the most a decoding "
-                        "request waits between two tokens, in prefill work (default: 512)")
+                   help="prompt tokens (pads included) one engine step may prefill with --schedule budget: the "
+                        "most a decoding request waits between two tokens, in prefill work (default: 512)")
 
 
 def positive_float(text: str) -> float:
@@ -62,7 +64,7 @@ def register(sub) -> None:
                    help="on SIGTERM, seconds running requests get to finish before they are ended (default: 30)")
     _add_max_batch(p, 32)
     _add_schedule(p)
-    distributed.add_tp_args(p, supported=False)  # not yet: rank 0 would have to drive the others' steps
+    distributed.add_tp_args(p)
     # a prefill chunk runs between two decode steps of everyone else: keep it short
     chunk = next(a for a in p._actions if a.dest == "chunk_size")
     chunk.default, chunk.help = 128, "prefill chunk length: one chunk per engine step (default: 128)"
@@ -98,12 +100,9 @@ def register(sub) -> None:
 
 
 def run_serve(args) -> int:
-    from ..models import load_model
-    from ..serve import EvictionDefaults, create_app, serve_forever
+    from ..serve import EvictionDefaults
     from ..serve.memory import kv_limit
 
-    if distributed.resolve_tp(args.tp) > 1:
-        raise H2OError("h2okv serve --tp is not supported yet (generate, eval ppl and bench are); serve with --tp 1")
     eviction = EvictionDefaults(policy=check_policy(args.policy), **budget_from_args(args))
     eviction.validate()  # before the (slow) model load
     kv_memory = kv_limit(args.kv_memory)
@@ -114,13 +113,64 @@ def run_serve(args) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if api_key is not None and not api_key.strip():
         raise H2OError(f"--api-key / {API_KEY_ENV} must not be empty")
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
-    app = create_app(model, tokenizer, model_name=args.served_model_name or args.model or "smollm2",
-                     eviction=eviction, kv_memory=kv_memory, max_batch=args.max_batch, max_queue=args.max_queue,
-                     prefill_chunk=args.chunk_size, api_key=api_key, request_timeout=args.request_timeout,
-                     max_prompt_tokens=args.max_prompt_tokens, schedule=args.schedule, step_tokens=args.step_tokens)
-    serve_forever(app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout=args.drain_timeout)
+    args.eviction, args.kv_memory_bytes, args.api_key = eviction, kv_memory, api_key
+    distributed.prepare(args)  # --tp: the model must shard (a config read, before any rank starts)
+    return distributed.run(args, serve_on_rank, signals_to_rank0=True)
+
+
+def serve_on_rank(args) -> int:
+    """The server in this process, or one rank of ``serve --tp N``: rank 0 serves HTTP and drives
+    the others, which run its executor calls (``serve/tp.py``)."""
+    from ..models import load_model
+    from ..serve import serve_forever
+    from ..serve.executor import Executor
+
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
+    if not distributed.is_distributed():
+        app = _create_app(args, model, tokenizer, None)
+        serve_forever(app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout=args.drain_timeout)
+        return 0
+
+    from ..serve import tp
+
+    channel = tp.Channel(heartbeat_s=tp.heartbeat_seconds(args.tp_timeout))
+    executor = Executor(model, args.chunk_size)
+    if not distributed.is_main_rank():
+        tp.follow(executor, channel, tp.RankFigures(executor, channel.rank))
+        return 0
+    leader = tp.Leader(executor, channel)
+    try:
+        channel.start_heartbeat()
+        app = _create_app(args, model, tokenizer, leader)
+        app.state.metrics.registry.register(tp.RankCollector(leader))
+
+        def stop_when_broken(server) -> None:
+            def stop() -> None:
+                # the one line the launcher prints says why; the requests failing on the way out
+                # would only repeat it, traceback by traceback
+                logging.getLogger("h2okv.serve").setLevel(logging.CRITICAL)
+                server.should_exit = True
+
+            channel.on_broken(stop)
+
+        serve_forever(app, host=args.host, port=args.port, log_level=args.log_level,
+                      drain_timeout=args.drain_timeout, on_server=stop_when_broken)
+    finally:
+        channel.close()  # the followers leave their loops: every rank exits
+    if channel.broken is not None:
+        cause = channel.broken
+        raise tp.GroupBroken(f"the tensor-parallel group broke: {type(cause).__name__}: {cause}") from cause
     return 0
+
+
+def _create_app(args, model, tokenizer, executor):
+    from ..serve import create_app
+
+    return create_app(model, tokenizer, model_name=args.served_model_name or args.model or "smollm2",
+                      eviction=args.eviction, kv_memory=args.kv_memory_bytes, max_batch=args.max_batch,
+                      max_queue=args.max_queue, prefill_chunk=args.chunk_size, api_key=args.api_key,
+                      request_timeout=args.request_timeout, max_prompt_tokens=args.max_prompt_tokens,
+                      schedule=args.schedule, step_tokens=args.step_tokens, executor=executor)
 
 
 def run_bench(args) -> int:

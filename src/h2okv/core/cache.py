@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -69,6 +70,56 @@ class H2OCache(Cache):
         self._row_budgets = (torch.cat([h0, h1]), torch.cat([r0, r1]))
         for layer in self.layers:
             layer.rows_changed()
+
+    def take_rows(self, index) -> H2OCache:
+        """A new cache holding a copy of rows ``index`` (same policy object, same capacity); this
+        cache is unchanged."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        if self._row_budgets is None:
+            raise H2OError("take_rows needs a cache that has seen a forward call")
+        twin = copy.copy(self)
+        heavy, recent = self._row_budgets
+        twin._row_budgets = (heavy.index_select(0, index), recent.index_select(0, index))
+        twin.layers = []
+        for layer in self.layers:
+            mine = copy.copy(layer)
+            mine.owner = twin
+            mine.__dict__.pop("_max_budget", None)
+            mine.fast = None
+            mine.select_rows(index)  # index_select: new tensors, the original layer keeps its own
+            twin.layers.append(mine)
+        return twin
+
+    def add_rows(self, budgets: list[tuple[int | None, int | None]]) -> None:
+        """Append rows that have seen nothing yet, with their own absolute ``(heavy, recent)``
+        budgets (``(None, None)`` for a policy that keeps everything); their next forward call is
+        their first. On a cache that has not run yet this fixes the rows of its first call (the
+        call must then have ``len(budgets)`` rows). The server uses it to start prompts with
+        different budgets in one forward, and to let new prompts join a batch part-way through
+        others."""
+        pairs = [self._split(BudgetSpec.build(self.policy, h, r, None, None).resolve(0)) for h, r in budgets]
+        heavy = torch.tensor([p.heavy for p in pairs], dtype=torch.long)
+        recent = torch.tensor([p.recent for p in pairs], dtype=torch.long)
+        running = [layer for layer in self.layers if layer.is_initialized]
+        if self._row_budgets is None:
+            if running:
+                raise H2OError("add_rows on a cache whose first call is under way")
+            self._row_budgets = (heavy, recent)
+            return
+        if len(running) != len(self.layers):
+            raise H2OError("add_rows needs every layer to have run")
+        self._row_budgets = (torch.cat([self._row_budgets[0], heavy]), torch.cat([self._row_budgets[1], recent]))
+        sinks = heavy.clamp(max=self.policy.sink_tokens)
+        for layer in self.layers:
+            layer.add_empty_rows(heavy, recent, sinks)
+
+    def trim(self) -> None:
+        """Give back every layer's free slots after its last live one (nothing moves, so each row
+        keeps its slot layout); used after rows leave."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.trim()
+                layer.rows_changed()
 
     def fit_capacity(self, capacity: int) -> None:
         """Give every layer exactly ``capacity`` slots per (sequence, head); see ``SlotStorage.resize``."""

@@ -106,5 +106,25 @@ class SlotStorage:
                 setattr(self, name, torch.cat([mine, theirs.to(self.device)]))
         self.rows_changed()
 
+    def add_empty_rows(self, heavy: torch.Tensor, recent: torch.Tensor, sinks: torch.Tensor) -> None:
+        """Append ``len(heavy)`` rows with no token yet (every slot free) and these budgets."""
+        k = int(heavy.shape[0])
+        for name in SLOT_TENSORS:
+            old = getattr(self, name)
+            setattr(self, name, torch.cat([old, old.new_zeros((k, *old.shape[1:]))]))  # zeros: free slots
+        self.n_real = torch.cat([self.n_real, self.n_real.new_zeros(k)])
+        if self.heavy is not None:
+            self.heavy = torch.cat([self.heavy, heavy.to(self.device)])
+            self.recent = torch.cat([self.recent, recent.to(self.device)])
+            self.sinks = torch.cat([self.sinks, sinks.to(self.device)])
+        self.rows_changed()
+
+    def trim(self) -> None:
+        """Cut the free slots after the last live one (of any row and head); nothing moves."""
+        live = self.valid.any(dim=1).any(dim=0)  # [capacity]
+        used = int(live.nonzero().max()) + 1 if bool(live.any()) else 0
+        if used < self.capacity:
+            self.resize(used)
+
     def rows_changed(self) -> None:  # pragma: no cover - SlotLayer overrides
         """Forget state derived from the previous set of rows."""

@@ -124,16 +124,18 @@ def create_app(
     max_prompt_tokens: int | None = None,
     schedule: str = "budget",
     step_tokens: int = 512,
+    executor=None,
 ) -> FastAPI:
     """An app serving ``model``/``tokenizer`` (injectable: tests pass tiny models). The engine thread
     starts and stops with the app's lifespan; ``app.state.engine`` and ``app.state.metrics`` are
-    exposed for in-process callers (and ``serve.server`` drains the engine on SIGTERM)."""
+    exposed for in-process callers (and ``serve.server`` drains the engine on SIGTERM). ``executor``:
+    the engine's executor, when not a plain ``Executor`` of ``model`` (``serve --tp``: ``tp.Leader``)."""
     eviction = eviction or EvictionDefaults()
     eviction.validate()
     if request_timeout is not None and not request_timeout > 0:
         raise ValueError("request_timeout must be > 0")
     engine = Engine(model, tokenizer, kv_memory=kv_memory, max_batch=max_batch, max_queue=max_queue,
-                    prefill_chunk=prefill_chunk, schedule=schedule, step_tokens=step_tokens)
+                    prefill_chunk=prefill_chunk, schedule=schedule, step_tokens=step_tokens, executor=executor)
     metrics = ServeMetrics(engine)
     engine.observer = metrics
     limit = max_context or model_context_limit(model)

@@ -4,9 +4,9 @@ An ``H2OCache`` already keeps everything that differs between sequences per row:
 scores, ordinals (each row counts its own real tokens), valid flags and budgets (``heavy``/``recent``
 per row). Only ``tokens_seen`` is per layer, and the engine never relies on it: it passes each row's
 true position through ``position_ids`` and feeds one real token per row (no padding mask), so the
-mask needs no offset. A sequence is therefore prefilled alone in its own batch-1 cache and then
-appended to the batch of its policy (``H2OCache.append_rows``); a finished one is dropped
-(``H2OCache.select_rows``).
+mask needs no offset. A sequence is prefilled in its policy's prefill group (``executor.py``), its
+row is then copied out (``H2OCache.take_rows``) and appended to the batch of its policy
+(``H2OCache.append_rows``); a finished one is dropped (``H2OCache.select_rows``).
 
 Every row of a batch has the same slot capacity, sized to the largest row's reservation, so the
 cache never grows during decode and the memory the engine admitted against is what it holds.

@@ -4,14 +4,21 @@
    step on);
 2. admit waiting requests, in arrival order, while their KV reservation fits under ``kv_memory``
    (see ``memory.py``) and the batch has room;
-3. prefill: each request prefills alone, in chunks, in its own batch-1 ``H2OCache``. With
-   ``schedule="budget"`` (the default) the step spends up to ``step_tokens`` prompt tokens on the
-   oldest prompts, one after another, so several prompts can finish in one step and a long prompt
-   holds the ones behind it for ``len / step_tokens`` steps rather than ``len / chunk``;
-   ``schedule="serial"`` runs one chunk of the oldest only (the original behaviour, kept to compare).
-   A finished prefill samples the first token and joins the decode batch of its policy (``batch.py``);
+3. prefill, in chunks of at most ``prefill_chunk`` tokens. With ``schedule="budget"`` (the default)
+   the prompts share forwards: every prompt part-way through feeds its next chunk, and the oldest
+   prompts not started yet join while the padded size (per policy, rows x longest chunk) stays
+   within what is left of ``step_tokens``; all chunks of one policy run in ONE forward
+   (``executor.py``); rounds of such forwards run until the step's budget is spent. A long prompt
+   thus costs each forward one chunk, not its whole length: the prompts behind it start beside it.
+   ``schedule="serial"`` runs one chunk of the oldest prompt per step, alone (the original
+   behaviour, kept to compare). A finished prefill samples the first token and joins the decode
+   batch of its policy (``batch.py``);
 4. one decode step for every decode batch: each row feeds its last token at its own position. A
    decode row therefore waits at most one step's prefill budget between two tokens.
+
+The engine never runs the model nor touches a cache itself: it calls its ``Executor``
+(``executor.py``) with plain data (token ids, positions, integer sequence ids), so the same calls
+replayed elsewhere rebuild the same caches.
 
 Each sequence keeps its own budget, policy settings and positions. Sequences with the same policy
 decode in one forward; different policies are different batches (the cache holds one policy).
@@ -22,7 +29,7 @@ requests; the engine keeps serving.
 from __future__ import annotations
 
 import asyncio
-import inspect
+import itertools
 import logging
 import queue
 import threading
@@ -32,9 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import H2OCache
-from .batch import DecodeBatch
-from .memory import Reservation, bytes_per_slot, footprint_slots, prefill_chunks, reservation
+from .executor import Executor
+from .memory import Reservation, footprint_slots, prefill_chunks, reservation
 from .sampling import make_generator, sample
 from .schemas import APIError
 from .text import TextStream
@@ -139,7 +145,7 @@ class Sequence:
         self.generated: list[int] = []
         self.chunks = prefill_chunks(len(request.prompt_ids), engine.prefill_chunk)
         self.next_chunk = 0
-        self.cache: H2OCache | None = None  # own cache while prefilling, then the batch's
+        self.uid = next(engine.uids)  # the executor's name for this sequence
         self.generator = make_generator(request.seed, engine.device)
         self.text = TextStream(engine.decode, request.stops)
         self.done = False
@@ -187,7 +193,7 @@ SCHEDULES = ("budget", "serial")
 class Engine:
     def __init__(self, model, tokenizer, *, kv_memory: int | None = None, max_batch: int = 32,
                  max_queue: int = 256, prefill_chunk: int = 128, schedule: str = "budget",
-                 step_tokens: int = 512, observer: Observer | None = None):
+                 step_tokens: int = 512, observer: Observer | None = None, executor=None):
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or step_tokens < 1:
             raise ValueError("max_batch, prefill_chunk and step_tokens must be >= 1, max_queue >= 0")
         if schedule not in SCHEDULES:
@@ -195,23 +201,23 @@ class Engine:
         self.schedule = schedule
         self.step_tokens = step_tokens
         self.observer = observer or Observer()
-        self.model = model
+        # every model run and cache change goes through the executor (plain-data calls, see executor.py);
+        # ``serve --tp`` passes one that also sends each call to the other ranks (tp.py)
+        self.executor = executor if executor is not None else Executor(model, prefill_chunk)
         self.tokenizer = tokenizer
         self.device = model.device
         self.kv_memory = kv_memory
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
-        self.slot_bytes = bytes_per_slot(model)
+        self.slot_bytes = self.executor.slot_bytes()
         self.tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
         self.eos_ids = _eos_ids(model, tokenizer)
-        self._keep_last = (
-            {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-        )
+        self.uids = itertools.count()
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
         self._prefilling: list[Sequence] = []
-        self._batches: dict[str, DecodeBatch] = {}
+        self._batches: dict[str, list[Sequence]] = {}  # policy -> its decode rows, as the executor's
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._draining = False
@@ -230,7 +236,8 @@ class Engine:
     def check_fits(self, request: GenerationRequest) -> None:
         """Raise a 400 ``APIError`` for a request that could never fit under ``kv_memory``."""
         res = self.reservation(request)
-        need = (res.slots + res.prefill_extra) * self.slot_bytes
+        extra = res.prefill_extra if self.schedule == "serial" else res.shared_extra
+        need = (res.slots + extra) * self.slot_bytes
         if self.kv_memory is not None and need > self.kv_memory:
             raise APIError(
                 400, f"this request needs {need} bytes of KV cache ({res.slots} slots per layer/head), more than "
@@ -308,7 +315,7 @@ class Engine:
                 with self._cond:
                     if self._stopping:
                         break
-                    if not (self._waiting or self._prefilling or any(len(b) for b in self._batches.values())):
+                    if not (self._waiting or self._prefilling or any(self._batches.values())):
                         self._cond.wait(timeout=0.5)
                         continue
                 self._busy = True
@@ -319,6 +326,7 @@ class Engine:
                     for seq in self._active():
                         self._fail(seq, "internal error in the engine")
                     self._prefilling, self._batches = [], {}
+                    self.executor.reset()
                 self._publish()
                 self._busy = False
             self._shutdown()
@@ -327,20 +335,21 @@ class Engine:
         self._drop_cancelled()
         self._end_expired()
         self._admit()
-        if self._schedule_serial():
-            self._prefill_step(self._prefilling[0])
-        elif self._prefilling:
-            self._prefill_budget()
+        if self._prefilling:
+            self._prefill_step()
         decoded = 0
-        for batch in list(self._batches.values()):
-            if len(batch):
-                decoded += len(batch)
-                self._decode_step(batch)
+        for policy, rows in list(self._batches.items()):
+            if rows:
+                decoded += len(rows)
+                self._decode_step(policy)
         self.stats.batch_size = decoded
         self.stats.batch_size_max = max(self.stats.batch_size_max, decoded)
 
+    def _decoding(self, seq: Sequence) -> bool:
+        return any(s is seq for s in self._batches.get(seq.request.policy, ()))
+
     def _active(self) -> list[Sequence]:
-        return self._prefilling + [s for b in self._batches.values() for s in b.rows]
+        return self._prefilling + [s for rows in self._batches.values() for s in rows]
 
     def _drop_cancelled(self) -> None:
         with self._cond:
@@ -350,30 +359,54 @@ class Engine:
         for seq in [s for s in self._prefilling if s.handle.cancelled.is_set()]:
             self._prefilling.remove(seq)
             self._finish(seq, Event("cancelled"), "cancelled")
-        for batch in self._batches.values():
-            for seq in batch.rows:
+        for policy, rows in list(self._batches.items()):
+            for seq in rows:
                 if seq.handle.cancelled.is_set():
                     self._finish(seq, Event("cancelled"), "cancelled")
-            self._compact(batch)
+            self._compact(policy)
 
-    def _schedule_serial(self) -> bool:
-        return self.schedule == "serial" and bool(self._prefilling)
-
-    def _prefill_budget(self) -> None:
-        """Up to ``step_tokens`` prompt tokens this step (always at least one chunk), oldest prompt
-        first, each to its end before the next starts. Finishing one prompt before starting another
-        means at most one request holds a half-prefilled cache (its prefill overshoot) at any time,
-        so admission counts that overshoot once, as with the serial schedule, and admits as many."""
+    def _prefill_step(self) -> None:
+        """Serial: one chunk of the oldest prompt. Budget: rounds of shared forwards (one per policy
+        per round, see ``_prefill_plan``) until ``step_tokens`` prompt tokens, pads included, are
+        spent; the first round always runs. Several rounds a step matter when ``kv_memory`` lets only
+        a few prompts prefill at once: those then advance several chunks per step."""
+        if self.schedule == "serial":
+            self._prefill_forward([self._prefilling[0]])
+            return
         spent = 0
-        for _ in range(self.step_tokens):  # bounded: every pass prefills one chunk or returns
-            if not self._prefilling:
+        while self._prefilling and spent < self.step_tokens:
+            forwards = self._prefill_plan(self.step_tokens - spent, first=spent == 0)
+            if not forwards:
                 return
-            seq = self._prefilling[0]
-            start, stop = seq.chunks[seq.next_chunk]
-            if spent and spent + (stop - start) > self.step_tokens:
-                return
-            self._prefill_step(seq)
-            spent += stop - start
+            spent += sum(_padded_tokens(seqs) for seqs in forwards)
+            for seqs in forwards:
+                self._prefill_forward(seqs)
+
+    def _prefill_plan(self, room: int, first: bool) -> list[list[Sequence]]:
+        """One round of prefill forwards: lists of sequences, one list per forward (one policy each).
+
+        Every started prompt (the executor needs all of a group's rows in each of its forwards; when
+        they started their padded size fitted the budget, and a started prompt's later chunks are
+        never longer than its first), then the oldest prompts not started yet, while the padded size
+        stays within ``room`` and the KV footprint with them started within ``kv_memory``. Empty if
+        the started ones alone exceed ``room`` (except in a step's ``first`` round)."""
+        chosen = [s for s in self._prefilling if s.next_chunk > 0]
+        if chosen and not first and _padded_tokens(chosen) > room:
+            return []
+        for seq in self._prefilling:
+            if seq.next_chunk > 0:
+                continue
+            if chosen and _padded_tokens(chosen + [seq]) > room:
+                break
+            # no reserve for the prompts after it: they start once the groups drain (see memory.py)
+            if (self.kv_memory is not None
+                    and self._footprint(started=chosen + [seq], reserve=False) * self.slot_bytes > self.kv_memory):
+                break
+            chosen.append(seq)
+        forwards: dict[str, list[Sequence]] = {}
+        for seq in chosen:
+            forwards.setdefault(seq.request.policy, []).append(seq)
+        return list(forwards.values())
 
     def _end_expired(self) -> None:
         """Requests past their deadline end now, with what they generated so far."""
@@ -388,8 +421,8 @@ class Engine:
                 self._prefilling.remove(seq)
             self._complete(seq, seq.text.flush(), "timeout", outcome="timeout")
         if expired:
-            for batch in self._batches.values():
-                self._compact(batch)
+            for policy in list(self._batches):
+                self._compact(policy)
 
     def _admit(self) -> None:
         with self._cond:
@@ -408,55 +441,69 @@ class Engine:
             return True
         return self._footprint([candidate]) * self.slot_bytes <= self.kv_memory
 
-    def _footprint(self, extra: list[Sequence] = ()) -> int:
+    def _footprint(self, extra: list[Sequence] = (), started: list[Sequence] | None = None,
+                   reserve: bool = True) -> int:
+        """Slots held at worst (``memory.py``) with ``extra`` admitted and, for the shared schedule,
+        ``started`` (default: the prompts part-way through) in the prefill groups; ``reserve``: plus
+        the largest overshoot of the prompts not started (what admission keeps free so that the
+        oldest of them can start once the groups drain)."""
         rows: dict[str, list[Reservation]] = {}
         prefilling = self._prefilling + list(extra)
         for seq in self._active() + list(extra):
             rows.setdefault(seq.request.policy, []).append(seq.reservation)
-        return footprint_slots(rows, [s.reservation for s in prefilling])
+        if self.schedule == "serial":
+            return footprint_slots(rows, [s.reservation for s in prefilling])
+        if started is None:
+            started = [s for s in self._prefilling if s.next_chunk > 0]
+        groups: dict[str, list[Reservation]] = {}
+        for seq in started:
+            groups.setdefault(seq.request.policy, []).append(seq.reservation)
+        ids = {id(s) for s in started}
+        unstarted = [s.reservation for s in prefilling if id(s) not in ids] if reserve else []
+        return footprint_slots(rows, unstarted, groups)
 
-    def _prefill_step(self, seq: Sequence) -> None:
-        req = seq.request
+    def _prefill_forward(self, seqs: list[Sequence]) -> None:
+        """One forward: the next chunk of each of ``seqs`` (one policy). Prompts that end here
+        sample their first token and join their policy's decode batch."""
+        parts = []
         try:
-            if seq.cache is None:
-                budget = {} if req.heavy is None else {"heavy": req.heavy, "recent": req.recent}
-                seq.cache = H2OCache(self.model, policy=req.policy, chunk_size=self.prefill_chunk,
-                                     seed=req.seed or 0, **budget)
-            start, stop = seq.chunks[seq.next_chunk]
-            ids = torch.tensor([req.prompt_ids[start:stop]], dtype=torch.long, device=self.device)
-            positions = torch.arange(start, stop, device=self.device)[None]
-            out = self.model(input_ids=ids, position_ids=positions, past_key_values=seq.cache, use_cache=True,
-                             **self._keep_last)
+            for seq in seqs:
+                req = seq.request
+                if seq.next_chunk == 0:
+                    self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0)
+                start, stop = seq.chunks[seq.next_chunk]
+                parts.append((seq.uid, req.prompt_ids[start:stop], start))
+            logits = self.executor.prefill(parts)
+        except Exception as exc:  # these requests' failure (the shared forward's), not the engine's
+            log.exception("prefill failed")
+            for seq in seqs:
+                self._prefilling.remove(seq)
+                self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
+            return
+        for seq in seqs:
             seq.next_chunk += 1
             if seq.next_chunk < len(seq.chunks):
-                return
+                continue
             self._prefilling.remove(seq)
-            self._advance(seq, out.logits[0, -1])
-        except Exception as exc:  # this request's failure, not the engine's
-            log.exception("prefill failed")
-            if seq in self._prefilling:
-                self._prefilling.remove(seq)
-            self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
-            return
-        if seq.done:
-            seq.cache = None
-            return
-        batch = self._batches.setdefault(req.policy, DecodeBatch(req.policy))
-        batch.add(seq, seq.cache, seq.reservation.slots)
-        seq.cache = None
+            try:
+                self._advance(seq, logits[seq.uid])
+            except Exception as exc:
+                log.exception("token step failed")
+                self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
+            if not seq.done:
+                self.executor.join(seq.uid, seq.reservation.slots)
+                self._batches.setdefault(seq.request.policy, []).append(seq)
 
-    def _decode_step(self, batch: DecodeBatch) -> None:
-        rows = list(batch.rows)
-        ids = torch.tensor([[s.generated[-1]] for s in rows], dtype=torch.long, device=self.device)
-        positions = torch.tensor([[s.tokens_fed] for s in rows], dtype=torch.long, device=self.device)
+    def _decode_step(self, policy: str) -> None:
+        rows = list(self._batches[policy])
         try:
-            logits = self.model(input_ids=ids, position_ids=positions, past_key_values=batch.cache, use_cache=True,
-                                **self._keep_last).logits[:, -1]
+            logits = self.executor.decode(policy, [s.uid for s in rows], [s.generated[-1] for s in rows],
+                                          [s.tokens_fed for s in rows])
         except Exception as exc:
             log.exception("decode step failed")
             for seq in rows:
                 self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
-            batch.keep([], 0)
+            self._compact(policy)
             return
         for i, seq in enumerate(rows):
             try:
@@ -464,11 +511,18 @@ class Engine:
             except Exception as exc:
                 log.exception("token step failed")
                 self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
-        self._compact(batch)
+        self._compact(policy)
 
-    def _compact(self, batch: DecodeBatch) -> None:
-        keep = [s for s in batch.rows if not s.done]
-        batch.keep(keep, max((s.reservation.slots for s in keep), default=0))
+    def _compact(self, policy: str) -> None:
+        rows = self._batches.get(policy, [])
+        keep = [s for s in rows if not s.done]
+        if len(keep) == len(rows):
+            return
+        self.executor.keep(policy, [s.uid for s in keep], max((s.reservation.slots for s in keep), default=0))
+        if keep:
+            self._batches[policy] = keep
+        else:
+            del self._batches[policy]
 
     def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Choose the next token of ``seq`` and tell its client."""
@@ -511,14 +565,14 @@ class Engine:
         if seq.done:
             return
         seq.done = True
-        seq.cache = None
+        if not self._decoding(seq):  # a decode row is dropped by _compact, with the rest of its batch
+            self.executor.close(seq.uid)
         self.stats.finished[outcome] += 1
         seq.handle.push(event)
 
     def _publish(self) -> None:
         active = self._active()
-        kv = sum(b.kv_bytes() for b in self._batches.values())
-        kv += sum(layer.kv_bytes() for s in self._prefilling if s.cache is not None for layer in s.cache.layers)
+        kv = self.executor.kv_bytes()
         s = self.stats
         s.running = len(active)
         with self._cond:
@@ -540,7 +594,20 @@ class Engine:
         for seq in pending:
             self._fail(seq, "the server is shutting down", status=503)
         self._prefilling, self._batches = [], {}
+        self.executor.reset()
         self._publish()
+
+
+def _padded_tokens(seqs: list[Sequence]) -> int:
+    """Tokens a step's prefill forwards compute: per policy, rows x the longest next chunk."""
+    width: dict[str, int] = {}
+    rows: dict[str, int] = {}
+    for seq in seqs:
+        start, stop = seq.chunks[seq.next_chunk]
+        policy = seq.request.policy
+        width[policy] = max(width.get(policy, 0), stop - start)
+        rows[policy] = rows.get(policy, 0) + 1
+    return sum(rows[p] * width[p] for p in rows)
 
 
 def _logprob_of(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:

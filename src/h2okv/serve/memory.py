@@ -5,13 +5,25 @@ of the model (measured once, see ``bytes_per_slot``). A request holds:
 
 - while decoding: ``min(budget + 1, prompt + max_tokens)`` slots (``prompt + max_tokens`` for policy
   ``full``), since an evicting cache keeps ``budget`` tokens plus the one being written;
-- while prefilling (alone, in chunks): up to ``min(prompt, budget + chunk)`` slots, as every chunk is
-  written before the eviction that follows it.
+- while prefilling alone (``--schedule serial``): up to ``min(prompt, budget + chunk)`` slots, as
+  every chunk is written before the eviction that follows it;
+- while prefilling in a shared forward (``--schedule budget``): its row of the policy's prefill
+  group, whose capacity is the largest ``held + width`` of the step, ``held`` being a row's tokens
+  before the step and ``width`` the step's longest chunk (free slots are only ever taken from the
+  front, so no row's live slot lies beyond that). Per row that is at most
+  ``min(prompt - last chunk, budget) + chunk`` (``shared_peak``).
 
 Rows of one decode batch share a capacity (the largest reservation among them), so a batch costs
-``rows * max(slots)``; both prefill schedules finish one prompt before starting the next, so only one
-request holds a half-prefilled cache at a time and the prefill overshoot counts once (the largest).
-The engine admits a request only if that total, with the request added, stays under ``--kv-memory``.
+``rows * max(slots)``. Every request in flight counts as a decode row of its policy from admission
+on; what prefill holds on top of that is its overshoot (``*_extra`` = peak - slots). The serial
+schedule finishes one prompt before starting the next, so one overshoot counts (the largest). The
+shared schedule has a group of prompts part-way through per policy, costing ``rows * max(peak)``,
+i.e. at most ``rows * max(extra)`` on top of their decode rows, plus the largest overshoot of the
+admitted prompts not started yet (so the oldest of them can always start once the groups drain).
+The engine admits a request only if that total, with the request added, stays under ``--kv-memory``,
+and starts a prompt in a group only if the total with it started, without the reserve, still does.
+Liveness: the decode term only grows by admissions, each of which kept the reserve for the oldest
+prompt not started, so once the groups drain that prompt fits.
 """
 
 from __future__ import annotations
@@ -53,29 +65,46 @@ def prefill_chunks(prompt_len: int, chunk: int) -> list[tuple[int, int]]:
 @dataclass(frozen=True)
 class Reservation:
     slots: int  # held while decoding
-    prefill_peak: int  # held by its own cache at worst while prefilling
+    prefill_peak: int  # held by its own cache at worst while prefilling alone
+    shared_peak: int = 0  # its row's share of a prefill group's capacity at worst
 
     @property
     def prefill_extra(self) -> int:
         return max(0, self.prefill_peak - self.slots)
 
+    @property
+    def shared_extra(self) -> int:
+        return max(0, self.shared_peak - self.slots)
+
 
 def reservation(prompt_len: int, max_tokens: int, budget: int | None, chunk: int) -> Reservation:
     """``budget``: heavy + recent slots, or None for policy ``full``."""
     total = prompt_len + max_tokens
+    start, stop = prefill_chunks(prompt_len, chunk)[-1]
+    held = prompt_len - (stop - start)  # at most, before any step of its prefill
     if budget is None:
         slots = total
         peak = prompt_len if prompt_len > 1 else _FIRST_GROWTH
+        shared = held + chunk
     else:
         slots = min(budget + 1, total)
         peak = min(prompt_len, budget + chunk) if prompt_len > 1 else min(_FIRST_GROWTH, budget + 1)
-    return Reservation(slots, peak)
+        # a step whose rows all feed one token grows an empty cache by _FIRST_GROWTH (amortised growth)
+        shared = min(held, budget) + chunk if prompt_len > 1 else max(chunk, min(_FIRST_GROWTH, budget + 1))
+    return Reservation(slots, peak, max(peak, shared))
 
 
-def footprint_slots(batches: dict[str, list[Reservation]], prefilling: list[Reservation]) -> int:
-    """Slots the engine may hold: each policy batch at its widest row, plus one prefill overshoot."""
+def footprint_slots(batches: dict[str, list[Reservation]], prefilling: list[Reservation],
+                    groups: dict[str, list[Reservation]] | None = None) -> int:
+    """Slots the engine may hold: each policy batch at its widest row (``batches``: every request in
+    flight), plus the prefill overshoot. ``groups`` None (serial schedule): one overshoot, the
+    largest of ``prefilling``. Else (shared schedule): each policy's group of started prompts,
+    ``rows * max(extra)``, plus the largest overshoot among ``prefilling`` (admitted, not started)."""
     decode = sum(len(rows) * max(r.slots for r in rows) for rows in batches.values() if rows)
-    return decode + max((r.prefill_extra for r in prefilling), default=0)
+    if groups is None:
+        return decode + max((r.prefill_extra for r in prefilling), default=0)
+    started = sum(len(rows) * max(r.shared_extra for r in rows) for rows in groups.values() if rows)
+    return decode + started + max((r.shared_extra for r in prefilling), default=0)
 
 
 def kv_limit(value) -> int | None:

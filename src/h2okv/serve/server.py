@@ -55,9 +55,14 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve_forever(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-                  drain_timeout: float = 30.0) -> None:
+                  drain_timeout: float = 30.0, on_server=None) -> None:
+    """Serve until a signal ends it (see the module docstring). ``on_server(server)`` is called before
+    serving starts: a caller that must stop the server from another thread (``tp.py``, when the
+    tensor-parallel group breaks) keeps it and sets ``server.should_exit``."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     server = DrainingServer(config, app.state.engine, drain_timeout)
+    if on_server is not None:
+        on_server(server)
     try:
         server.run()
     except OSError as exc:

@@ -1,0 +1,237 @@
+"""The executor: the only thing in the server that runs the model or changes a KV cache.
+
+The engine (``engine.py``) decides *what* to run: which requests are admitted, which prompt chunks
+this step prefills, which rows decode, what token each row feeds next. The ``Executor`` holds the
+model and every KV cache (one ``DecodeBatch`` per policy, the caches of prompts being prefilled)
+and does it. Its calls take plain, picklable data only (ints, strs, lists of ints, tuples of
+those) and return logits or nothing. A sequence is named by an integer ``uid`` the engine assigns.
+
+**The rule:** every call is deterministic given its arguments and the calls made before it. No
+call reads a clock, a random source (cache policies take their seed in ``open``), a request's
+text or anything else the engine holds. So a second executor (a tensor-parallel follower) that
+receives the same calls in the same order holds the same caches and computes the same logits;
+sampling, stop strings, detokenisation, timeouts and cancellation stay in the engine, which turns
+their outcome into the next calls (``close``/``keep``/``decode`` with the chosen ids).
+
+**Shared prefill.** The prompts being prefilled form one *prefill group* per policy: one
+``H2OCache`` whose rows are those prompts, part-way through. A ``prefill`` call runs, per policy,
+ONE forward over its parts: each row feeds its own chunk, left-padded to the longest (the core
+moves every row's real tokens to the front and pads never become live slots nor add score, as in
+``generate`` with left padding), so each row evolves as it would alone. A prompt not seen before
+joins as a new row with its own budget (``H2OCache.add_rows``); every row already in the group must take part in every
+call of its policy (a row left out would have to feed pads, and a pad-only step is not a no-op for
+every policy), which the engine's scheduler guarantees. ``join`` copies a finished prompt's row
+into its policy's decode batch; ``join`` and ``close`` then cut the group's free tail slots, so
+the group holds at most ``rows * max(min(prompt, budget) + chunk)`` slots (see ``memory.py``).
+
+A call that raises leaves the caches as they were before it, except ``prefill`` and ``decode``
+whose failure leaves the sequences involved unusable (a failed prefill drops its policy's whole
+group): the engine then ``close``s them (``keep`` for a decode batch), which always succeeds.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core import H2OCache
+from .batch import DecodeBatch
+from .memory import bytes_per_slot
+
+PAD_ID = 0  # what pads feed; masked out, so any id would do
+
+
+@dataclass
+class PrefillGroup:
+    """The prompts of one policy being prefilled: ``cache`` row ``i`` is ``uids[i]``."""
+
+    cache: H2OCache | None = None
+    uids: list[int] = field(default_factory=list)
+
+    def drop(self, uid: int, take: bool = False) -> H2OCache | None:
+        """Remove ``uid``'s row; with ``take``, return it as a batch-1 cache."""
+        i = self.uids.index(uid)
+        if len(self.uids) == 1:
+            taken, self.cache, self.uids = self.cache, None, []
+            return taken
+        taken = self.cache.take_rows([i]) if take and self.cache is not None else None
+        rest = [j for j in range(len(self.uids)) if j != i]
+        if self.cache is not None:
+            self.cache.select_rows(rest)
+            self.cache.trim()
+        del self.uids[i]
+        return taken
+
+
+@dataclass(frozen=True)
+class SequenceSpec:
+    """What an executor needs to build a sequence's cache (``heavy``/``recent`` None for ``full``)."""
+
+    policy: str
+    heavy: int | None
+    recent: int | None
+    seed: int
+
+
+class Executor:
+    """Owns ``model`` and the caches; see the module docstring for the determinism rule."""
+
+    def __init__(self, model, prefill_chunk: int):
+        if prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be >= 1")
+        self.model = model
+        self.device = model.device
+        self.prefill_chunk = prefill_chunk
+        # only the last position's logits are needed; older transformers lack the argument
+        self._keep_last = (
+            {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        )
+        self._specs: dict[int, SequenceSpec] = {}
+        self._groups: dict[str, PrefillGroup] = {}  # policy -> the prompts being prefilled
+        self._batches: dict[str, DecodeBatch] = {}  # policy -> the rows (uids) that decode together
+
+    # -- facts about the model (no cache involved) -------------------------------------------------
+    def slot_bytes(self) -> int:
+        """Bytes of one token's K and V across all layers and KV heads (``memory.bytes_per_slot``)."""
+        return bytes_per_slot(self.model)
+
+    # -- sequences -----------------------------------------------------------------------------
+    def open(self, uid: int, policy: str, heavy: int | None, recent: int | None, seed: int) -> None:
+        """Register a sequence; its cache is built by its first ``prefill``."""
+        if uid in self._specs:
+            raise ValueError(f"sequence {uid} is already open")
+        self._specs[uid] = SequenceSpec(policy, heavy, recent, int(seed))
+
+    def prefill(self, parts: list[tuple[int, list[int], int]]) -> dict[int, torch.Tensor]:
+        """Feed prompt chunks: ``parts`` is ``[(uid, token_ids, first_position), ...]``, each uid at
+        most once, every token of a sequence's prompt exactly once over its calls, in order, and
+        every sequence part-way through its prompt in every call (see the module docstring). One
+        forward per policy among the parts. Returns each uid's logits at its chunk's last token."""
+        uids = [uid for uid, _, _ in parts]
+        if len(set(uids)) != len(uids):
+            raise ValueError("a sequence appears twice in one prefill call")
+        by_policy: dict[str, list[tuple[int, list[int], int]]] = {}
+        for uid, ids, start in parts:
+            if uid not in self._specs or self._joined(uid):
+                raise ValueError(f"sequence {uid} is not open for prefill")
+            if not ids:
+                raise ValueError(f"sequence {uid}: an empty chunk")
+            by_policy.setdefault(self._specs[uid].policy, []).append((uid, list(ids), int(start)))
+        for policy, group in self._groups.items():
+            missing = set(group.uids) - set(uids)
+            if policy in by_policy and missing:
+                raise ValueError(f"sequences {sorted(missing)} are part-way through their prompts and must take part")
+        out = {}
+        for policy, mine in by_policy.items():
+            out.update(self._prefill_group(policy, mine))
+        return out
+
+    def join(self, uid: int, capacity: int) -> None:
+        """The prefilled ``uid`` becomes the last row of its policy's decode batch, which then has
+        ``max(capacity, current)`` slots per row."""
+        policy = self._specs[uid].policy
+        group = self._groups.get(policy)
+        if group is None or uid not in group.uids or group.cache is None:
+            raise ValueError(f"sequence {uid} has not been prefilled")
+        cache = group.drop(uid, take=True)
+        if not group.uids:
+            del self._groups[policy]
+        self._batches.setdefault(policy, DecodeBatch(policy)).add(uid, cache, capacity)
+
+    def decode(self, policy: str, uids: list[int], ids: list[int], positions: list[int]) -> torch.Tensor:
+        """One decode step of ``policy``'s batch: row ``i`` (``uids`` must be the batch's rows, in
+        order) feeds token ``ids[i]`` at ``positions[i]``. Returns logits ``[rows, vocab]``."""
+        batch = self._batches.get(policy)
+        if batch is None or list(uids) != batch.rows:
+            raise ValueError(f"decode rows {uids} are not the {policy!r} batch's rows")
+        tokens = torch.tensor([[t] for t in ids], dtype=torch.long, device=self.device)
+        where = torch.tensor([[p] for p in positions], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=tokens, position_ids=where, past_key_values=batch.cache, use_cache=True,
+                         **self._keep_last)
+        return out.logits[:, -1]
+
+    def keep(self, policy: str, uids: list[int], capacity: int) -> None:
+        """Keep only rows ``uids`` (a subset of the batch's rows, in order) of ``policy``'s batch, at
+        ``capacity`` slots per row; the sequences dropped are closed."""
+        batch = self._batches.get(policy)
+        if batch is None:
+            if uids:
+                raise ValueError(f"no {policy!r} batch")
+            return
+        for uid in set(batch.rows) - set(uids):
+            self._specs.pop(uid, None)
+        batch.keep(list(uids), capacity)
+        if not batch.rows:
+            del self._batches[policy]
+
+    def close(self, uid: int) -> None:
+        """Forget a sequence that has not joined a decode batch (no-op for an unknown uid)."""
+        if self._joined(uid):
+            raise ValueError(f"sequence {uid} decodes: drop it with keep()")
+        spec = self._specs.pop(uid, None)
+        group = None if spec is None else self._groups.get(spec.policy)
+        if group is not None and uid in group.uids:
+            group.drop(uid)
+            if not group.uids:
+                del self._groups[spec.policy]
+
+    def reset(self) -> None:
+        """Drop every sequence and cache."""
+        self._specs.clear()
+        self._groups.clear()
+        self._batches.clear()
+
+    # -- observation (does not change anything) ------------------------------------------------
+    def kv_bytes(self) -> int:
+        """Bytes of K/V buffers allocated now, prefill caches and decode batches together."""
+        total = sum(batch.kv_bytes() for batch in self._batches.values())
+        groups = [g.cache for g in self._groups.values() if g.cache is not None]
+        return total + sum(layer.kv_bytes() for cache in groups for layer in cache.layers)
+
+    def prefilling(self, policy: str) -> list[int]:
+        group = self._groups.get(policy)
+        return [] if group is None else list(group.uids)
+
+    def rows(self, policy: str) -> list[int]:
+        batch = self._batches.get(policy)
+        return [] if batch is None else list(batch.rows)
+
+    # -- internals -----------------------------------------------------------------------------------
+    def _joined(self, uid: int) -> bool:
+        return any(uid in batch.rows for batch in self._batches.values())
+
+    def _new_cache(self, spec: SequenceSpec) -> H2OCache:
+        budget = {} if spec.heavy is None else {"heavy": spec.heavy, "recent": spec.recent}
+        return H2OCache(self.model, policy=spec.policy, chunk_size=self.prefill_chunk, seed=spec.seed, **budget)
+
+    def _prefill_group(self, policy: str, parts: list[tuple[int, list[int], int]]) -> dict[int, torch.Tensor]:
+        group = self._groups.setdefault(policy, PrefillGroup())
+        known = {uid: (ids, start) for uid, ids, start in parts}
+        new = [uid for uid, _, _ in parts if uid not in group.uids]
+        try:
+            if group.cache is None:
+                group.cache = self._new_cache(self._specs[parts[0][0]])
+            # each row its own budget (the cache's spec is the first row's)
+            group.cache.add_rows([(self._specs[uid].heavy, self._specs[uid].recent) for uid in new])
+            group.uids.extend(new)
+            rows = [known[uid] for uid in group.uids]
+            width = max(len(ids) for ids, _ in rows)
+            # left padding: every row's last real token is the last position (logits_to_keep=1)
+            tokens = [[PAD_ID] * (width - len(ids)) + ids for ids, _ in rows]
+            positions = [[start] * (width - len(ids)) + list(range(start, start + len(ids))) for ids, start in rows]
+            kwargs = {}
+            if any(len(ids) < width for ids, _ in rows):
+                seen = group.cache.get_seq_length()  # the model's mask is sliced at this offset
+                kwargs["attention_mask"] = torch.tensor(
+                    [[1] * seen + [0] * (width - len(ids)) + [1] * len(ids) for ids, _ in rows],
+                    dtype=torch.long, device=self.device)
+            out = self.model(input_ids=torch.tensor(tokens, dtype=torch.long, device=self.device),
+                             position_ids=torch.tensor(positions, dtype=torch.long, device=self.device),
+                             past_key_values=group.cache, use_cache=True, **kwargs, **self._keep_last)
+        except Exception:
+            del self._groups[policy]  # its cache is half-written: no row of it can go on
+            raise
+        logits = out.logits[:, -1]
+        return {uid: logits[i] for i, uid in enumerate(group.uids)}
