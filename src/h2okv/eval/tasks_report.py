@@ -207,7 +207,9 @@ def plot_budget_sweep(rows: list[dict], path, metric: str = "acc", model: str | 
         ax.legend(fontsize=7)
     for k in range(len(tasks), nrows * ncols):
         axes[k // ncols][k % ncols].axis("off")
-    fig.suptitle(f"{model}: {metric} vs KV budget (error bars: lm-eval stderr; grey band: full ± stderr)", fontsize=10)
+    has_err = any(r["metrics"].get(f"{metric}_stderr") for r in mine)
+    note = " (error bars: lm-eval stderr; grey band: full ± stderr)" if has_err else " (paired with full on the same items)"
+    fig.suptitle(f"{model}: {metric} vs KV budget{note}", fontsize=10)
     return save_figure(fig, path)
 
 
