@@ -61,6 +61,15 @@ def run_layer(q, k, v, heavy, recent, chunk, scale, policy="h2o"):
     return out.transpose(1, 2), kept
 
 
+def random_qkv(seed: int, hq: int, hkv: int, n: int, d: int):
+    """Queries ``[1, hq, n, d]``, keys and values ``[1, hkv, n, d]`` from one seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, hq, n, d, generator=g)
+    k = torch.randn(1, hkv, n, d, generator=g)
+    v = torch.randn(1, hkv, n, d, generator=g)
+    return q, k, v
+
+
 # one chunked forward call: its length, budget, chunk size, GQA groups and random weights
 CHUNKED_CASES = dict(
     n=st.integers(1, 24),
@@ -75,11 +84,8 @@ CHUNKED_CASES = dict(
 @settings(max_examples=25, deadline=None)
 @given(**CHUNKED_CASES)
 def test_slot_layer_matches_reference_algorithm(n, heavy, recent, chunk, groups, seed):
-    g = torch.Generator().manual_seed(seed)
     hkv, d = 2, 8
-    q = torch.randn(1, hkv * groups, n, d, generator=g)
-    k = torch.randn(1, hkv, n, d, generator=g)
-    v = torch.randn(1, hkv, n, d, generator=g)
+    q, k, v = random_qkv(seed, hkv * groups, hkv, n, d)
     scale = d**-0.5
     out, kept = run_layer(q, k, v, heavy, recent, chunk, scale)
     ref_out, ref_kept = reference_h2o(q[0], k[0], v[0], heavy, recent, chunk, scale)
@@ -171,11 +177,8 @@ RULE_POLICIES = ["h2o", "tova", "h2o-sink", "h2o-mean", "snapkv", "local", "sink
 @pytest.mark.parametrize("policy", RULE_POLICIES)
 def test_every_policy_matches_its_reference_rule(policy, n, heavy, recent, chunk, groups, seed):
     """One forward call, chunked inside: same kept sets and outputs as the policy's rule in a loop."""
-    g = torch.Generator().manual_seed(seed)
     hkv, d = 2, 8
-    q = torch.randn(1, hkv * groups, n, d, generator=g)
-    k = torch.randn(1, hkv, n, d, generator=g)
-    v = torch.randn(1, hkv, n, d, generator=g)
+    q, k, v = random_qkv(seed, hkv * groups, hkv, n, d)
     scale = d**-0.5
     spec = "snapkv:window=5,kernel=3" if policy == "snapkv" else policy
     out, kept = run_layer(q, k, v, heavy, recent, chunk, scale, policy=spec)
@@ -189,11 +192,8 @@ def test_every_policy_matches_its_reference_rule(policy, n, heavy, recent, chunk
 @pytest.mark.parametrize("policy", RULE_POLICIES)
 def test_every_policy_decodes_like_its_reference_rule(policy):
     """A chunked prompt in one call, then one token per call (generate's pattern)."""
-    g = torch.Generator().manual_seed(11)
     hq, hkv, n, d, heavy, recent, prompt = 6, 2, 36, 8, 5, 4, 20
-    q = torch.randn(1, hq, n, d, generator=g)
-    k = torch.randn(1, hkv, n, d, generator=g)
-    v = torch.randn(1, hkv, n, d, generator=g)
+    q, k, v = random_qkv(11, hq, hkv, n, d)
     spec = "snapkv:window=6,kernel=3" if policy == "snapkv" else policy
     cache = H2OCache(MODEL, policy=spec, heavy=heavy, recent=recent, chunk_size=4)
     layer = cache.layers[0]
@@ -216,11 +216,8 @@ def test_every_policy_decodes_like_its_reference_rule(policy):
 def test_decode_steps_match_reference_and_never_readmit():
     """Prompt then one token per call, like generate: same kept sets as the reference; an
     evicted token never comes back; the last `recent` tokens are always kept."""
-    g = torch.Generator().manual_seed(7)
     hq, hkv, n, d, heavy, recent = 6, 2, 30, 8, 3, 4
-    q = torch.randn(1, hq, n, d, generator=g)
-    k = torch.randn(1, hkv, n, d, generator=g)
-    v = torch.randn(1, hkv, n, d, generator=g)
+    q, k, v = random_qkv(7, hq, hkv, n, d)
     cache = H2OCache(MODEL, policy="h2o", heavy=heavy, recent=recent, chunk_size=4)
     layer = cache.layers[0]
     prompt = 10
@@ -275,9 +272,8 @@ def reference_h2o_mixed(q, k, v, heavy, recent, prompt, chunk, scale, h):
 
 @pytest.mark.parametrize("policy", ["local", "sink"])
 def test_window_policies_keep_expected_tokens(policy):
-    g = torch.Generator().manual_seed(1)
     n, d = 40, 8
-    q, k, v = (torch.randn(1, 2, n, d, generator=g) for _ in range(3))
+    q, k, v = random_qkv(1, 2, 2, n, d)
     _, kept = run_layer(q, k, v, heavy=4, recent=6, chunk=3, scale=d**-0.5, policy=policy)
     if policy == "local":
         expected = list(range(n - 10, n))
@@ -287,9 +283,8 @@ def test_window_policies_keep_expected_tokens(policy):
 
 
 def test_random_policy_is_seeded_and_respects_recent():
-    g = torch.Generator().manual_seed(2)
     n, d = 40, 8
-    q, k, v = (torch.randn(1, 2, n, d, generator=g) for _ in range(3))
+    q, k, v = random_qkv(2, 2, 2, n, d)
 
     def kept(seed):
         cache = H2OCache(MODEL, policy="random", heavy=5, recent=5, chunk_size=1, seed=seed)
@@ -309,11 +304,8 @@ def test_random_policy_is_seeded_and_respects_recent():
 def test_scores_sum_to_queries_seen():
     """Every query hands out exactly one unit of probability per query head; kept + evicted
     mass therefore never exceeds n * group size, and kept mass is positive."""
-    g = torch.Generator().manual_seed(3)
     n, d = 12, 8
-    q = torch.randn(1, 6, n, d, generator=g)
-    k = torch.randn(1, 2, n, d, generator=g)
-    v = torch.randn(1, 2, n, d, generator=g)
+    q, k, v = random_qkv(3, 6, 2, n, d)
     cache = H2OCache(MODEL, policy="h2o", heavy=100, recent=100, chunk_size=5)
     layer = cache.layers[0]
     layer.update(k, v)
