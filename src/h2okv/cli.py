@@ -10,7 +10,7 @@ import importlib
 import pkgutil
 import sys
 
-from .errors import H2OError
+from .errors import H2OError, print_error
 
 
 def subcommand_modules() -> list[str]:
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         from .distributed import quiet_rank
 
         if not quiet_rank():  # under torchrun, an error every rank meets alike is printed once
-            print(f"h2okv: error: {exc}", file=sys.stderr)
+            print_error(exc)
         return 2
     except KeyboardInterrupt:
         print("h2okv: interrupted", file=sys.stderr)

