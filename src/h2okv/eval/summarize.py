@@ -25,6 +25,7 @@ import json
 import math
 import random
 import re
+import statistics
 import time
 from pathlib import Path
 
@@ -199,14 +200,10 @@ def rouge_per_item(predictions: list[str], references: list[str]) -> dict[str, l
 
 def mean_and_stderr(values: list[float]) -> tuple[float, float | None]:
     """Mean and standard error of the mean (sample standard deviation / sqrt(n); None below 2)."""
-    n = len(values)
-    if n == 0:
+    if not values:
         return 0.0, None
-    mean = sum(values) / n
-    if n < 2:
-        return mean, None
-    var = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return mean, math.sqrt(var / n)
+    mean = statistics.fmean(values)
+    return mean, (statistics.stdev(values, mean) / math.sqrt(len(values)) if len(values) > 1 else None)
 
 
 def rouge_scores(predictions: list[str], references: list[str]) -> dict:
