@@ -107,3 +107,37 @@ def test_agreement_with_full_across_one_policy_pieces(tmp_path):
     assert rows["full"]["metrics"]["agree_with_full"] == 1.0
     assert "agree_with_full" not in rows["local"]["metrics"]
     assert all("picked" not in r for r in rows.values())
+
+
+def test_summaries_in_one_policy_pieces_are_paired_with_full(tmp_path):
+    """Each policy in its own `eval summarize` piece: the merge pairs the articles by id and gives
+    ROUGE-L against full's summaries and the paired ROUGE difference ± stderr."""
+    from h2okv.eval.summarize import mean_and_stderr, rouge_per_item
+
+    refs = ["the cat sat on the mat", "a dog ran in the park", "rain fell all day long"]
+    outs = {"full": ["the cat sat on a mat", "a dog ran", "rain fell all day"],
+            "h2o": ["the cat sat on a mat", "a dog", "snow fell"],
+            "local": ["the cat", "a dog"]}  # other articles: nothing paired
+
+    def one(policy):
+        texts = outs[policy]
+        samples = [{"id": str(i), "reference": refs[i], "predictions": {policy: t}} for i, t in enumerate(texts)]
+        data = {"source": "/data/cnn_dailymail_0shot.jsonl",
+                "settings": {"eval_kind": "summarize", "shots": 0, "budget": 0.2, "model": None},
+                "results": {policy: {"rougeL": 0.5, "rougeL_stderr": 0.1, "items": len(texts)}}, "samples": samples}
+        path = tmp_path / f"{policy}.json"
+        path.write_text(json.dumps(data))
+        return str(path)
+
+    rows = {r["policy"]: r for r in R.merge([one("full"), one("h2o"), one("local")])}
+    assert {r["task"] for r in rows.values()} == {"cnn_dailymail"}
+    h2o = rows["h2o"]["metrics"]
+    assert h2o["same_as_full"] == pytest.approx(1 / 3)
+    mine, full = rouge_per_item(outs["h2o"], refs)["rougeL"], rouge_per_item(outs["full"], refs)["rougeL"]
+    mean, err = mean_and_stderr([a - b for a, b in zip(mine, full)])
+    assert mean < 0 and h2o["rougeL_minus_full"] == pytest.approx(mean) and h2o["rougeL_minus_full_stderr"] == pytest.approx(err)
+    assert "rougeL_vs_full" not in rows["local"]["metrics"] and "rougeL_minus_full" not in rows["local"]["metrics"]
+    assert "rougeL_minus_full" not in rows["full"]["metrics"]
+    assert all("summaries" not in r for r in rows.values())
+    table = R.markdown_table(list(rows.values()), budget=0.2)
+    assert f"| cnn_dailymail | 2/3 | rougeL_minus_full | – | {mean:.3f} ± {err:.3f} | – |" in table

@@ -9,7 +9,8 @@ reads any number of pieces and writes:
 - ``--markdown``: the paper's table, task x policy at one budget (``--table-budget``, default 0.2),
   ``acc ± stderr`` (and ``acc_norm`` where the task has it, and the fraction of items on which
   each policy picks the same answer as full), one table per model and shot count; ``eval summarize``
-  pieces add ROUGE-1/2/L ± stderr rows (and ROUGE-L against full's own summaries);
+  pieces add ROUGE-1/2/L ± stderr rows, the paired ROUGE-L difference from full on the same articles
+  ± stderr, and ROUGE-L against full's own summaries (also when each policy ran in its own piece);
 - ``--png``: accuracy vs KV budget per task (one panel each), a line per evicting policy and the
   full cache as a dashed level, the items per point in each panel's title.
 """
@@ -63,6 +64,9 @@ def summary_rows(piece: dict, source: str) -> list[dict]:
             "metrics": metrics,
             "split": None,
             "source": source,
+            # per-article texts, to pair this policy with full when they ran in different pieces
+            "summaries": {"ids": [s["id"] for s in samples], "references": [s["reference"] for s in samples],
+                          "predictions": [s["predictions"][policy] for s in samples]} if samples else None,
         })
     return rows
 
@@ -108,6 +112,7 @@ def merge(paths: list[str]) -> list[dict]:
         for row in rows_of_piece(piece, str(path)):
             merged[(row["model"], row["task"], row["shots"], row["policy"], row["budget"])] = row
     _agreement_across_pieces(merged)
+    _summaries_paired_with_full(merged)
     return sorted(merged.values(), key=lambda r: (r["model"], r["task"], str(r["shots"]), _policy_rank(r["policy"]),
                                                   -(r["budget"] or 0)))
 
@@ -128,6 +133,32 @@ def _agreement_across_pieces(merged: dict) -> None:
             row["metrics"]["agree_with_full"] = 1.0
     for row in merged.values():
         row.pop("picked", None)
+
+
+def _summaries_paired_with_full(merged: dict) -> None:
+    """For each summarization row, compared article by article with full's row (same articles, from
+    the same piece or another): ``rougeL_vs_full`` and ``same_as_full`` (how much eviction changed
+    what was written) when the piece lacked them, and ``<rouge>_minus_full`` ± stderr, the mean
+    paired difference of the policy's and full's ROUGE against the reference. The paired difference
+    is the honest test of "matches full": two means each ± 0.008 can differ by a consistent 0.02.
+    Drops the texts afterwards."""
+    from .summarize import fidelity, mean_and_stderr, rouge_per_item
+
+    for (model, task, shots, policy, _), row in merged.items():
+        full = merged.get((model, task, shots, "full", 1.0))
+        mine, theirs = row.get("summaries"), (full or {}).get("summaries")
+        if policy == "full" or not mine or not theirs or mine["ids"] != theirs["ids"]:
+            continue
+        metrics = row["metrics"]
+        if "rougeL_vs_full" not in metrics:
+            metrics.update(fidelity(mine["predictions"], theirs["predictions"]))
+        own = rouge_per_item(mine["predictions"], mine["references"])
+        base = rouge_per_item(theirs["predictions"], theirs["references"])
+        for name in SUMMARY_METRICS:
+            diffs = [a - b for a, b in zip(own[name], base[name], strict=True)]
+            metrics[f"{name}_minus_full"], metrics[f"{name}_minus_full_stderr"] = mean_and_stderr(diffs)
+    for row in merged.values():
+        row.pop("summaries", None)
 
 
 def _policy_rank(policy: str) -> int:
@@ -159,7 +190,7 @@ def markdown_table(rows: list[dict], budget: float = 0.2) -> str:
         for task in tasks:
             cells = {r["policy"]: r for r in mine if r["task"] == task}
             items = sorted({r["items"] for r in cells.values() if r["items"]})
-            metrics = [m for m in ("acc", "acc_norm", "agree_with_full", *SUMMARY_METRICS, "rougeL_vs_full")
+            metrics = [m for m in ("acc", "acc_norm", "agree_with_full", *SUMMARY_METRICS, "rougeL_minus_full", "rougeL_vs_full")
                        if any(m in r["metrics"] for r in cells.values())]
             for metric in metrics:
                 line = [task, "/".join(map(str, items)) or "?", metric]
