@@ -196,3 +196,27 @@ def test_request_format_generation_uses_the_records_settings(tiny_dir, tmp_path)
     for sample in report["samples"]:
         for text in sample["predictions"].values():
             assert len(text.split()) <= 7  # the records' max_tokens (one word per token here)
+
+
+def test_chat_prompts_go_through_the_chat_template(tiny_dir, tmp_path, capsys):
+    tok = word_tokenizer()
+    text = "w10 w11 w12"
+    assert S.prompt_ids(tok, text) == tok(text, add_special_tokens=False)["input_ids"]
+    with pytest.raises(H2OError, match="--chat needs a tokenizer with a chat template"):
+        S.prompt_ids(tok, text, chat=True)
+    tok.chat_template = ("{% for m in messages %}w5 {{ m['content'] }} w6 {% endfor %}"
+                         "{% if add_generation_prompt %}w7{% endif %}")
+    wrapped = tok("w5 w10 w11 w12 w6 w7", add_special_tokens=False)["input_ids"]
+    assert S.prompt_ids(tok, text, chat=True) == wrapped
+    # every prompt of a run is wrapped: one user turn holding the whole k-shot prompt
+    records = make_records(4)
+    out = S.summarize_policies(tiny_model("llama"), tok, records, ["full"], budget=0.2, shots=1, limit=2,
+                               max_new_tokens=3, chat=True)
+    for i, sample in enumerate(out["samples"]):
+        prompt, _ = S.build_prompt(records, i, 1)
+        assert sample["prompt_tokens"] == len(tok(prompt, add_special_tokens=False)["input_ids"]) + 3
+    # the command: a tokenizer without a template is a one-line error
+    data = write_jsonl(tmp_path / "d.jsonl", make_records(3))
+    code = cli_main(["eval", "summarize", "--data", str(data), "--chat", "--limit", "1", "--model", str(tiny_dir),
+                     "--json", str(tmp_path / "o.json")])
+    assert code == 2 and "--chat needs a tokenizer with a chat template" in capsys.readouterr().err

@@ -131,6 +131,10 @@ def test_summaries_in_one_policy_pieces_are_paired_with_full(tmp_path):
 
     rows = {r["policy"]: r for r in R.merge([one("full"), one("h2o"), one("local")])}
     assert {r["task"] for r in rows.values()} == {"cnn_dailymail"}
+    chat = json.loads((tmp_path / "h2o.json").read_text())
+    chat["settings"]["chat"] = True  # prompts in the chat template: another row, never merged with these
+    (tmp_path / "chat.json").write_text(json.dumps(chat))
+    assert [r["task"] for r in R.merge([str(tmp_path / "chat.json")])] == ["cnn_dailymail (chat)"]
     h2o = rows["h2o"]["metrics"]
     assert h2o["same_as_full"] == pytest.approx(1 / 3)
     mine, full = rouge_per_item(outs["h2o"], refs)["rougeL"], rouge_per_item(outs["full"], refs)["rougeL"]

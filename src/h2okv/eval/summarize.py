@@ -235,10 +235,24 @@ def generation_stops(records: list[dict]) -> tuple[list[str], bool]:
     return ["\n"], True
 
 
+def prompt_ids(tokenizer, text: str, chat: bool = False) -> list[int]:
+    """Token ids of a prompt; with ``chat``, the prompt is the user's message in the tokenizer's chat
+    template, followed by the assistant's turn (how an instruction-tuned model expects a request)."""
+    if not chat:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not getattr(tokenizer, "chat_template", None):
+        raise H2OError("--chat needs a tokenizer with a chat template; this model's tokenizer has none")
+    enc = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)
+    return list(enc["input_ids"])
+
+
 def summarize_policies(model, tokenizer, records: list[dict], policies: list[str], budget: float, shots: int,
                        limit: int | None = None, max_new_tokens: int | None = None, batch_size: int = 1,
-                       chunk_size: int = 512, seed: int = 0, max_doc_words: int | None = None) -> dict:
-    """``max_new_tokens`` None: the records' ``max_tokens`` (request format), else 64."""
+                       chunk_size: int = 512, seed: int = 0, max_doc_words: int | None = None,
+                       chat: bool = False) -> dict:
+    """``max_new_tokens`` None: the records' ``max_tokens`` (request format), else 64. ``chat``: each
+    prompt goes through the tokenizer's chat template (see ``prompt_ids``)."""
     from ..cache import H2OCache
     from .lm_eval_model import generate_batch
 
@@ -250,7 +264,7 @@ def summarize_policies(model, tokenizer, records: list[dict], policies: list[str
     prompts, shot_ids = {}, {}
     for i in test:
         text, chosen = build_prompt(records, i, shots, seed=seed, max_doc_words=max_doc_words)
-        prompts[i] = tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompts[i] = prompt_ids(tokenizer, text, chat)
         shot_ids[i] = chosen
     order = sorted(test, key=lambda i: -len(prompts[i]))
     results, predictions = {}, {}
@@ -342,6 +356,9 @@ def register_eval(sub) -> None:
     p.add_argument("--chunk-size", type=positive_int, default=512,
                    help="prompt tokens read between evictions (default 512; 1 = per-token)")
     p.add_argument("--seed", type=int, default=0, help="seed of the choice of examples")
+    p.add_argument("--chat", action="store_true",
+                   help="send each prompt as a user message in the model's chat template (instruction-tuned "
+                        "models that answer raw text with a refusal)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", required=True, help="write results here")
     p.add_argument("--plot", default=None, help="bar chart PNG (default: the --json path with .png)")
@@ -378,7 +395,7 @@ def run(args) -> int:
     out = summarize_policies(
         model, tokenizer, records, policies, args.budget, args.shots, limit=args.limit,
         max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, chunk_size=args.chunk_size,
-        seed=args.seed, max_doc_words=args.max_doc_words,
+        seed=args.seed, max_doc_words=args.max_doc_words, chat=args.chat,
     )
     print(format_table(out["results"]))
     report = {

@@ -35,9 +35,12 @@ SUMMARY_METRICS = ("rouge1", "rouge2", "rougeL")
 
 
 def _summary_task(piece: dict) -> str:
-    """``xsum`` for ``.../xsum_0shot.jsonl`` (the request files' own names), else the source as given."""
+    """``xsum`` for ``.../xsum_0shot.jsonl`` (the request files' own names), else the source as given;
+    ``xsum (chat)`` when the prompts went through the chat template."""
     stem = Path(str(piece.get("source") or "summaries")).stem
-    return stem[: -len("_0shot")] if stem.endswith("_0shot") else stem
+    task = stem[: -len("_0shot")] if stem.endswith("_0shot") else stem
+    # prompts in the chat template are another experiment: never merged with raw-prompt rows
+    return f"{task} (chat)" if (piece.get("settings") or {}).get("chat") else task
 
 
 def summary_rows(piece: dict, source: str) -> list[dict]:
