@@ -145,3 +145,8 @@ def test_summaries_in_one_policy_pieces_are_paired_with_full(tmp_path):
     assert all("summaries" not in r for r in rows.values())
     table = R.markdown_table(list(rows.values()), budget=0.2)
     assert f"| cnn_dailymail | 2/3 | rougeL_minus_full | – | {mean:.3f} ± {err:.3f} | – |" in table
+    png = tmp_path / "rouge.png"
+    assert cli_main(["eval", "tasks-report", one("full"), one("h2o"), "--rouge-png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # no summarization piece: a one-line error, not an empty figure
+    assert cli_main(["eval", "tasks-report", piece(tmp_path / "a.json", 0.2, ["full"]), "--rouge-png", str(png)]) == 2

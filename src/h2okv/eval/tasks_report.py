@@ -12,7 +12,8 @@ reads any number of pieces and writes:
   pieces add ROUGE-1/2/L ± stderr rows, the paired ROUGE-L difference from full on the same articles
   ± stderr, and ROUGE-L against full's own summaries (also when each policy ran in its own piece);
 - ``--png``: accuracy vs KV budget per task (one panel each), a line per evicting policy and the
-  full cache as a dashed level, the items per point in each panel's title.
+  full cache as a dashed level, the items per point in each panel's title;
+- ``--rouge-png``: ROUGE-1/2/L bars of the summarization pieces, one panel per model and dataset.
 """
 
 from __future__ import annotations
@@ -247,11 +248,42 @@ def plot_budget_sweep(rows: list[dict], path, metric: str = "acc", model: str | 
     return save_figure(fig, path)
 
 
+def plot_summaries(rows: list[dict], path, budget: float = 0.2):
+    """ROUGE-1/2/L ± stderr of the summarization rows at ``budget`` (full: no budget), one panel per
+    (model, task, shots), a bar group per ROUGE type and a bar per policy."""
+    mine = [r for r in rows if "rougeL" in r["metrics"] and (r["policy"] == "full" or r["budget"] == budget)]
+    panels = sorted({(r["model"], r["task"], str(r["shots"])) for r in mine})
+    if not panels:
+        raise H2OError(f"no summarization rows at budget {budget} to plot")
+    fig, axes = new_figure(ncols=len(panels), width=4.4, height=3.6)
+    for ax, (model, task, shots) in zip(axes[0], panels, strict=True):
+        cells = sorted((r for r in mine if (r["model"], r["task"], str(r["shots"])) == (model, task, shots)),
+                       key=lambda r: _policy_rank(r["policy"]))
+        names = [m for m in SUMMARY_METRICS if all(m in r["metrics"] for r in cells)]
+        width = 0.8 / len(cells)
+        for k, row in enumerate(cells):
+            xs = [j + (k - (len(cells) - 1) / 2) * width for j in range(len(names))]
+            values = [100 * row["metrics"][m] for m in names]
+            errors = [100 * (row["metrics"].get(f"{m}_stderr") or 0) for m in names]
+            bars = ax.bar(xs, values, width, yerr=errors, capsize=2, label=row["policy"],
+                          color=policy_color(row["policy"]))
+            ax.bar_label(bars, fmt="%.1f", fontsize=6)
+        items = "/".join(map(str, sorted({r["items"] for r in cells if r["items"]}))) or "?"
+        ax.set_xticks(range(len(names)), [m.replace("rouge", "ROUGE-").upper() for m in names])
+        ax.set_title(f"{model}: {task}, {shots}-shot, {items} articles", fontsize=9)
+        ax.set_ylabel("F-measure x100, ± stderr")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Summarization with {budget:.0%} of each prompt's KV cache (full: all of it)", fontsize=10)
+    return save_figure(fig, path)
+
+
 def register_eval(kinds) -> None:
     p = kinds.add_parser("tasks-report", help="merge `eval tasks` JSON pieces into the paper's table and figure")
     p.add_argument("pieces", nargs="+", help="JSON files written by `h2okv eval tasks` or `h2okv eval summarize`")
     p.add_argument("--json", default=None, help="write the merged rows here")
     p.add_argument("--png", default=None, help="accuracy vs KV budget figure (one panel per task)")
+    p.add_argument("--rouge-png", default=None, help="ROUGE bars of the summarization pieces at --table-budget")
     p.add_argument("--figure-model", default=None, help="model of the figure (default: the one with most rows)")
     p.add_argument("--metric", default="acc", help="metric of the figure (default acc)")
     p.add_argument("--markdown", action="store_true", help="print the paper's table as Markdown")
@@ -268,6 +300,8 @@ def run(args) -> int:
         print(f"wrote {args.json}")
     if args.png:
         print(f"wrote {plot_budget_sweep(rows, args.png, metric=args.metric, model=args.figure_model)}")
-    if args.markdown or not (args.json or args.png):
+    if args.rouge_png:
+        print(f"wrote {plot_summaries(rows, args.rouge_png, args.table_budget)}")
+    if args.markdown or not (args.json or args.png or args.rouge_png):
         print(markdown_table(rows, args.table_budget))
     return 0
