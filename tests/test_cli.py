@@ -64,3 +64,13 @@ def test_generate_on_tiny_model(capsys, monkeypatch, tmp_path):
     assert len(lines[0].split()) == 6  # six generated token ids
     assert lines[-1].startswith("[h2o] tokens seen 55, slots kept 7 per layer/head")
     assert "MiB vs full-cache" in lines[-1]
+
+
+def test_generate_chat_without_a_template_is_one_line(capsys, tiny_dir):
+    """The word-level test tokenizer has no chat template: --chat says so instead of a traceback."""
+    code, out, err = run_cli(capsys, "generate", "--model", str(tiny_dir), "--chat", "--prompt", "w5 w6",
+                             "--max-new-tokens", "2")
+    assert code == 2
+    # the model loads first (its progress bar is on stderr); the error is the last line, and one line
+    assert err.strip().splitlines()[-1].startswith("h2okv: error: --chat needs a tokenizer with a chat template")
+    assert "Traceback" not in err

@@ -8,6 +8,7 @@ import torch
 from transformers import TextStreamer
 
 from .cache import DEFAULT_CHUNK, H2OCache
+from .errors import H2OError
 
 
 @dataclass
@@ -24,11 +25,20 @@ def budget_kwargs(heavy=None, recent=None, heavy_ratio=None, recent_ratio=None) 
     return {k: v for k, v in given.items() if v is not None}
 
 
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """``prompt`` as the user's message in the tokenizer's chat template, then the assistant's turn
+    (how an instruction-tuned model expects a request); a one-line error when there is no template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise H2OError("--chat needs a tokenizer with a chat template; this model's tokenizer has none")
+    enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_dict=True)
+    return list(enc["input_ids"])
+
+
 def encode_prompt(tokenizer, prompt: str, chat: bool = False, device="cpu") -> dict:
     if chat:
-        enc = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
+        ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)])
+        enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     else:
         enc = tokenizer(prompt, return_tensors="pt")
     return {k: v.to(device) for k, v in enc.items()}

@@ -236,15 +236,11 @@ def generation_stops(records: list[dict]) -> tuple[list[str], bool]:
 
 
 def prompt_ids(tokenizer, text: str, chat: bool = False) -> list[int]:
-    """Token ids of a prompt; with ``chat``, the prompt is the user's message in the tokenizer's chat
-    template, followed by the assistant's turn (how an instruction-tuned model expects a request)."""
-    if not chat:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    if not getattr(tokenizer, "chat_template", None):
-        raise H2OError("--chat needs a tokenizer with a chat template; this model's tokenizer has none")
-    enc = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                        tokenize=True, return_dict=True)
-    return list(enc["input_ids"])
+    """Token ids of a prompt as written (no special tokens added), or with ``chat`` in the model's
+    chat template (``generate.chat_prompt_ids``)."""
+    from ..generate import chat_prompt_ids
+
+    return chat_prompt_ids(tokenizer, text) if chat else tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def summarize_policies(model, tokenizer, records: list[dict], policies: list[str], budget: float, shots: int,
