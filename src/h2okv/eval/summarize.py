@@ -297,25 +297,33 @@ def summarize_policies(model, tokenizer, records: list[dict], policies: list[str
     return {"results": results, "mean_prompt_tokens": round(mean_prompt, 1), "samples": samples}
 
 
+def rouge_bars(ax, results: dict[str, dict]) -> None:
+    """On ``ax``: a group of bars per ROUGE type that every policy has, a bar per policy (x100, ±
+    ``<type>_stderr``), in the policy colours of the other figures."""
+    from ..plots import policy_color
+
+    names = [m for m in ROUGE_TYPES if all(m in metrics for metrics in results.values())]
+    width = 0.8 / max(len(results), 1)
+    for k, (policy, metrics) in enumerate(results.items()):
+        xs = [j + (k - (len(results) - 1) / 2) * width for j in range(len(names))]
+        values = [100 * metrics[m] for m in names]
+        errors = [100 * (metrics.get(f"{m}_stderr") or 0) for m in names]
+        bars = ax.bar(xs, values, width, yerr=errors, capsize=2, label=policy, color=policy_color(policy))
+        ax.bar_label(bars, fmt="%.1f", fontsize=7)
+    ax.set_xticks(range(len(names)), [m.replace("rouge", "ROUGE-").upper() for m in names])
+    ax.set_ylabel("F-measure (x100), ± stderr")
+    ax.legend(fontsize=8)
+
+
 def plot_rouge(results: dict, path, title: str = "") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    policies = list(results)
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    width = 0.8 / max(len(policies), 1)
-    for k, policy in enumerate(policies):
-        xs = [j + (k - (len(policies) - 1) / 2) * width for j in range(len(ROUGE_TYPES))]
-        values = [100 * results[policy][r] for r in ROUGE_TYPES]
-        errors = [100 * (results[policy].get(f"{r}_stderr") or 0) for r in ROUGE_TYPES]
-        bars = ax.bar(xs, values, width, yerr=errors, capsize=2, label=policy)
-        ax.bar_label(bars, fmt="%.1f", fontsize=7)
-    ax.set_xticks(range(len(ROUGE_TYPES)), ["ROUGE-1", "ROUGE-2", "ROUGE-L"])
-    ax.set_ylabel("F-measure (x100), ± stderr")
+    rouge_bars(ax, results)
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

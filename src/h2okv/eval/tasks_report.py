@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ..errors import H2OError
 from ..plots import new_figure, policy_color, save_figure, write_json
+from .summarize import ROUGE_TYPES
 
 POLICY_ORDER = ("full", "h2o", "local", "sink", "random")
 
@@ -30,9 +31,6 @@ POLICY_ORDER = ("full", "h2o", "local", "sink", "random")
 def _model_label(settings: dict) -> str:
     model = settings.get("model") or "smollm2"
     return Path(model).stem if model.endswith(".gguf") else model
-
-
-SUMMARY_METRICS = ("rouge1", "rouge2", "rougeL")
 
 
 def _summary_task(piece: dict) -> str:
@@ -53,11 +51,11 @@ def summary_rows(piece: dict, source: str) -> list[dict]:
     samples = piece.get("samples") or []
     rows = []
     for policy, result in piece["results"].items():
-        metrics = {k: result[k] for k in (*SUMMARY_METRICS, "rougeL_vs_full") if k in result}
-        metrics.update({f"{k}_stderr": result[f"{k}_stderr"] for k in SUMMARY_METRICS if f"{k}_stderr" in result})
+        metrics = {k: result[k] for k in (*ROUGE_TYPES, "rougeL_vs_full") if k in result}
+        metrics.update({f"{k}_stderr": result[f"{k}_stderr"] for k in ROUGE_TYPES if f"{k}_stderr" in result})
         if samples and not any(k.endswith("_stderr") for k in metrics):
             scores = rouge_scores([s["predictions"][policy] for s in samples], [s["reference"] for s in samples])
-            metrics.update({f"{k}_stderr": scores[f"{k}_stderr"] for k in SUMMARY_METRICS})
+            metrics.update({f"{k}_stderr": scores[f"{k}_stderr"] for k in ROUGE_TYPES})
         rows.append({
             "model": _model_label(settings),
             "task": _summary_task(piece),
@@ -158,7 +156,7 @@ def _summaries_paired_with_full(merged: dict) -> None:
             metrics.update(fidelity(mine["predictions"], theirs["predictions"]))
         own = rouge_per_item(mine["predictions"], mine["references"])
         base = rouge_per_item(theirs["predictions"], theirs["references"])
-        for name in SUMMARY_METRICS:
+        for name in ROUGE_TYPES:
             diffs = [a - b for a, b in zip(own[name], base[name], strict=True)]
             metrics[f"{name}_minus_full"], metrics[f"{name}_minus_full_stderr"] = mean_and_stderr(diffs)
     for row in merged.values():
@@ -194,7 +192,7 @@ def markdown_table(rows: list[dict], budget: float = 0.2) -> str:
         for task in tasks:
             cells = {r["policy"]: r for r in mine if r["task"] == task}
             items = sorted({r["items"] for r in cells.values() if r["items"]})
-            metrics = [m for m in ("acc", "acc_norm", "agree_with_full", *SUMMARY_METRICS, "rougeL_minus_full", "rougeL_vs_full")
+            metrics = [m for m in ("acc", "acc_norm", "agree_with_full", *ROUGE_TYPES, "rougeL_minus_full", "rougeL_vs_full")
                        if any(m in r["metrics"] for r in cells.values())]
             for metric in metrics:
                 line = [task, "/".join(map(str, items)) or "?", metric]
@@ -251,6 +249,8 @@ def plot_budget_sweep(rows: list[dict], path, metric: str = "acc", model: str | 
 def plot_summaries(rows: list[dict], path, budget: float = 0.2):
     """ROUGE-1/2/L ± stderr of the summarization rows at ``budget`` (full: no budget), one panel per
     (model, task, shots), a bar group per ROUGE type and a bar per policy."""
+    from .summarize import rouge_bars
+
     mine = [r for r in rows if "rougeL" in r["metrics"] and (r["policy"] == "full" or r["budget"] == budget)]
     panels = sorted({(r["model"], r["task"], str(r["shots"])) for r in mine})
     if not panels:
@@ -259,21 +259,10 @@ def plot_summaries(rows: list[dict], path, budget: float = 0.2):
     for ax, (model, task, shots) in zip(axes[0], panels, strict=True):
         cells = sorted((r for r in mine if (r["model"], r["task"], str(r["shots"])) == (model, task, shots)),
                        key=lambda r: _policy_rank(r["policy"]))
-        names = [m for m in SUMMARY_METRICS if all(m in r["metrics"] for r in cells)]
-        width = 0.8 / len(cells)
-        for k, row in enumerate(cells):
-            xs = [j + (k - (len(cells) - 1) / 2) * width for j in range(len(names))]
-            values = [100 * row["metrics"][m] for m in names]
-            errors = [100 * (row["metrics"].get(f"{m}_stderr") or 0) for m in names]
-            bars = ax.bar(xs, values, width, yerr=errors, capsize=2, label=row["policy"],
-                          color=policy_color(row["policy"]))
-            ax.bar_label(bars, fmt="%.1f", fontsize=6)
+        rouge_bars(ax, {r["policy"]: r["metrics"] for r in cells})
         items = "/".join(map(str, sorted({r["items"] for r in cells if r["items"]}))) or "?"
-        ax.set_xticks(range(len(names)), [m.replace("rouge", "ROUGE-").upper() for m in names])
         ax.set_title(f"{model}: {task}, {shots}-shot, {items} articles", fontsize=9)
-        ax.set_ylabel("F-measure x100, ± stderr")
         ax.grid(True, axis="y", alpha=0.3)
-        ax.legend(fontsize=7)
     fig.suptitle(f"Summarization with {budget:.0%} of each prompt's KV cache (full: all of it)", fontsize=10)
     return save_figure(fig, path)
 
