@@ -39,7 +39,7 @@ bench-quick: setup
 
 # 150 s of 64 concurrent clients (valid, abandoned and malformed requests) against a real server process
 soak: setup
-	$(BIN)/python -m h2okv.serve.soak --duration 150 --clients 64 --json docs/results/soak.json
+	$(BIN)/python -m h2okv.tools.soak --duration 150 --clients 64 --json docs/results/soak.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from h2okv.testing import TINY_CONFIGS, tiny_model, word_tokenizer
+from h2okv.tools.tiny import TINY_CONFIGS, tiny_model, word_tokenizer
 
 torch.set_grad_enabled(False)
 

@@ -5,7 +5,10 @@ import pytest
 import torch
 
 from h2okv import H2OCache
-from h2okv.analysis import (
+from h2okv.cli import analyze as analyze_cmd
+from h2okv.cli import main
+from h2okv.errors import H2OError
+from h2okv.eval.analysis import (
     accumulated_attention,
     fit_power_law,
     layer_stats,
@@ -13,10 +16,7 @@ from h2okv.analysis import (
     row_sparsity_counts,
     top_share,
 )
-from h2okv.cli import main
-from h2okv.commands import analyze as analyze_cmd
-from h2okv.errors import H2OError
-from h2okv.testing import VOCAB, random_ids, tiny_model
+from h2okv.tools.tiny import VOCAB, random_ids, tiny_model
 
 
 def hand_made_probs():

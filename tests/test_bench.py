@@ -11,8 +11,8 @@ from h2okv.bench import BenchConfig, run_bench
 from h2okv.bench.memory import cache_kv_bytes, kv_bytes_per_token, measure_peak
 from h2okv.bench.report import check_targets, growth_exponent, markdown
 from h2okv.cli import main
-from h2okv.commands.bench import byte_size
-from h2okv.testing import tiny_model
+from h2okv.cli.bench import byte_size
+from h2okv.tools.tiny import tiny_model
 
 ROW_KEYS = {
     "policy", "batch", "context", "budget", "prefill_s", "decode_step_ms", "decode_tokens_per_s",

@@ -37,8 +37,8 @@ def test_bad_input_one_line_exit_2(capsys, argv, fragment):
 
 def test_generate_on_tiny_model(capsys, monkeypatch, tmp_path):
     """`generate` end to end with the tokenizer of the default model and a tiny model in its place."""
-    import h2okv.commands.generate as gen
-    from h2okv.testing import tiny_model
+    import h2okv.cli.generate as gen
+    from h2okv.tools.tiny import tiny_model
 
     model = tiny_model("llama", vocab_size=49152)
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from h2okv import H2OCache
-from h2okv.testing import random_ids, tiny_model
+from h2okv.tools.tiny import random_ids, tiny_model
 
 MODEL = tiny_model("llama")
 

@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache, LogitsProcessorList
 
 from h2okv import H2OCache
-from h2okv.testing import BudgetWatch, random_ids, tiny_model
+from h2okv.tools.tiny import BudgetWatch, random_ids, tiny_model
 
 
 def greedy_with_scores(model, ids, cache=None, attention_mask=None, steps=12):

@@ -19,10 +19,11 @@ from argparse import Namespace
 import pytest
 import torch
 
-from h2okv import cli, distributed
+from h2okv import cli
 from h2okv.errors import H2OError
 from h2okv.models import load_model
-from h2okv.testing import tiny_model
+from h2okv.parallel import ranks as distributed
+from h2okv.tools.tiny import tiny_model
 from tp_group import HEAVY, MODELS, RECENT, generate_command
 from tp_group import generate_tokens as _generate
 from tp_rank_bodies import fail_on_rank_1, hang_on_rank_1

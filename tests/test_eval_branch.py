@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from h2okv import H2OCache
-from h2okv.cache import BudgetSpec
+from h2okv.core import BudgetSpec
 from h2okv.eval.branch import branch_loglikelihoods
 from h2okv.policies import make_policy
-from h2okv.testing import VOCAB, tiny_model
+from h2okv.tools.tiny import VOCAB, tiny_model
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -18,7 +18,7 @@ from h2okv import H2OCache, H2OError  # noqa: E402
 from h2okv.cli import main as cli_main  # noqa: E402
 from h2okv.eval import tasks as tasks_mod  # noqa: E402
 from h2okv.eval.lm_eval_model import H2OLM, cut_at_stops  # noqa: E402
-from h2okv.testing import VOCAB, tiny_model, word_tokenizer, words  # noqa: E402
+from h2okv.tools.tiny import VOCAB, tiny_model, word_tokenizer, words  # noqa: E402
 
 TASK = "toy_mc"
 

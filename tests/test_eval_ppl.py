@@ -18,7 +18,7 @@ from h2okv.eval.ppl import (
     streaming_nll,
     token_nll,
 )
-from h2okv.testing import VOCAB, random_ids, tiny_model
+from h2okv.tools.tiny import VOCAB, random_ids, tiny_model
 
 
 def test_perplexity_matches_hand_computation():

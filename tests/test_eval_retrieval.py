@@ -19,7 +19,7 @@ from h2okv.eval.retrieval import (
     retrieval_grid,
     run_batch,
 )
-from h2okv.testing import tiny_model
+from h2okv.tools.tiny import tiny_model
 
 
 class CharTokenizer:

@@ -9,7 +9,7 @@ import torch
 from h2okv import H2OError
 from h2okv.cli import main as cli_main
 from h2okv.eval import summarize as S
-from h2okv.testing import tiny_model, word_tokenizer, words
+from h2okv.tools.tiny import tiny_model, word_tokenizer, words
 
 
 @pytest.fixture(autouse=True, scope="module")

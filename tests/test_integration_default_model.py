@@ -6,7 +6,7 @@ from transformers import DynamicCache, LogitsProcessorList
 
 from h2okv import H2OCache
 from h2okv.corpus import read_play
-from h2okv.testing import BudgetWatch
+from h2okv.tools.tiny import BudgetWatch
 
 pytestmark = pytest.mark.integration
 

@@ -12,8 +12,8 @@ import torch
 
 from h2okv import H2OCache
 from h2okv.serve import EvictionDefaults, create_app, running_server
-from h2okv.serve.loadgen import scrape
-from h2okv.serve.testing import tiny_chat_model
+from h2okv.tools.loadgen import scrape
+from h2okv.tools.tiny_chat import tiny_chat_model
 
 NAME = "tiny"
 LIMIT = 1024  # the tiny model's context length

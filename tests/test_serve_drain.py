@@ -7,7 +7,7 @@ import threading
 import openai
 import pytest
 
-from h2okv.serve.process import ServerProcess, save_tiny_model
+from h2okv.tools.process import ServerProcess, save_tiny_model
 
 NAME = "tiny"
 

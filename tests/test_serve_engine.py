@@ -11,8 +11,8 @@ from h2okv import H2OCache
 from h2okv.serve.batch import DecodeBatch
 from h2okv.serve.engine import Engine, GenerationRequest
 from h2okv.serve.memory import footprint_slots, kv_limit, prefill_chunks, reservation
-from h2okv.serve.testing import tiny_chat_model
 from h2okv.serve.text import TextStream
+from h2okv.tools.tiny_chat import tiny_chat_model
 
 CHUNK = 16
 

@@ -9,7 +9,7 @@ import torch
 
 from h2okv.serve.engine import Engine, GenerationRequest
 from h2okv.serve.executor import Executor
-from h2okv.serve.testing import tiny_chat_model
+from h2okv.tools.tiny_chat import tiny_chat_model
 
 CHUNK = 16
 CALLS = ("open", "prefill", "join", "decode", "keep", "close", "reset")

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from h2okv.serve import create_app
-from h2okv.serve.testing import tiny_chat_model
+from h2okv.tools.tiny_chat import tiny_chat_model
 
 NAME = "tiny"
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from h2okv.serve import EvictionDefaults, create_app, running_server
-from h2okv.serve.loadgen import scrape
-from h2okv.serve.testing import tiny_chat_model
+from h2okv.tools.loadgen import scrape
+from h2okv.tools.tiny_chat import tiny_chat_model
 
 NAME = "tiny"
 KEY = "sk-test-0123"

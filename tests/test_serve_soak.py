@@ -3,7 +3,7 @@ mixed valid, abandoned and malformed traffic ends with no failures, no KV memory
 
 import json
 
-from h2okv.serve import soak
+from h2okv.tools import soak
 
 
 def test_short_soak(tmp_path, capsys):

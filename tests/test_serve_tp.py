@@ -25,13 +25,14 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from h2okv import cli, distributed
+from h2okv import cli
 from h2okv.models import load_model
+from h2okv.parallel import ranks as distributed
 from h2okv.serve import EvictionDefaults, create_app, running_server, tp
 from h2okv.serve.engine import Engine, GenerationRequest
 from h2okv.serve.executor import Executor
-from h2okv.serve.process import save_tiny_model
-from h2okv.serve.testing import tiny_chat_model
+from h2okv.tools.process import save_tiny_model
+from h2okv.tools.tiny_chat import tiny_chat_model
 from tp_group import SERVE_CHUNK, SERVE_HEAVY, SERVE_NAME, SERVE_RECENT
 
 NAME = SERVE_NAME

@@ -29,11 +29,12 @@ import httpx
 import pytest
 import torch
 
-from h2okv import cli, distributed
-from h2okv.cache import H2OCache
+from h2okv import cli
+from h2okv.core import H2OCache
 from h2okv.models import load_model
-from h2okv.serve.process import free_port, save_tiny_model
-from h2okv.testing import random_ids, tiny_model, word_tokenizer
+from h2okv.parallel import ranks as distributed
+from h2okv.tools.process import free_port, save_tiny_model
+from h2okv.tools.tiny import random_ids, tiny_model, word_tokenizer
 
 # (architecture, KV heads): Llama and Qwen2 with one and two KV heads per rank at --tp 2
 MODELS = [("llama", 2), ("llama", 4), ("qwen2", 2), ("qwen2", 4)]

@@ -1,5 +1,5 @@
 """Rank bodies of the tensor-parallel failure tests, in a module of their own that imports only
-torch and ``h2okv.distributed``: every spawned rank imports the module that defines its body, and
+torch and ``h2okv.parallel.ranks``: every spawned rank imports the module that defines its body, and
 the test modules' imports (transformers, the CLI) would cost each rank seconds."""
 
 import os
@@ -7,8 +7,8 @@ import time
 
 import torch
 
-from h2okv import distributed
 from h2okv.errors import H2OError
+from h2okv.parallel import ranks as distributed
 
 
 def fail_on_rank_1(args) -> int:

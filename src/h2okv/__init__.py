@@ -1,14 +1,14 @@
 """h2okv: H2O (Heavy-Hitter Oracle) KV-cache eviction for Hugging Face transformers, with real
 memory savings, batching and grouped-query attention."""
 
-from .errors import H2OError
+from h2okv.errors import H2OError
 
 __all__ = ["H2OCache", "H2OError", "POLICIES", "load_model"]
 __version__ = "0.1.0"
 
-# the heavy parts (transformers) load on first use: ``import h2okv.distributed`` in a
+# the heavy parts (transformers) load on first use: ``import h2okv.parallel.ranks`` in a
 # tensor-parallel rank, or the CLI's argument parsing, should not pay for them
-_LAZY = {"H2OCache": ".cache", "load_model": ".models", "POLICIES": ".policies"}
+_LAZY = {"H2OCache": ".core", "load_model": ".models", "POLICIES": ".policies"}
 
 
 def __getattr__(name: str):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from .errors import H2OError
+from h2okv.errors import H2OError
 
 DEFAULT_PLAY = "hamlet_gut"
 

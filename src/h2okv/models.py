@@ -8,7 +8,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from .errors import H2OError
+from h2okv.errors import H2OError
 
 DEFAULT_MODEL = "smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,7 +31,7 @@ MODEL_ALIASES = {"qwen2.5-0.5b": "Qwen2.5-Coder-0.5B-Instruct.gguf"}
 
 def alias_path(name: str) -> Path:
     """The GGUF behind a model alias; a clear error when ``make eval-data`` has not made it."""
-    from .eval.data import models_dir
+    from h2okv.eval.data import models_dir
 
     path = models_dir() / MODEL_ALIASES[name]
     if not path.is_file():
@@ -149,7 +149,7 @@ def _load(name, device, dtype, device_map, tp=1):
         kwargs["device_map"] = device_map
     if tp > 1:
         # every rank loads its slice of each layer (the model's tp plan); the process group is
-        # already up (h2okv.distributed), so transformers places the slice on this rank's device
+        # already up (h2okv.parallel.ranks), so transformers places the slice on this rank's device
         from transformers.distributed import DistributedConfig
 
         kwargs["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=tp)
@@ -175,7 +175,7 @@ def load_model(name: str | None = None, device: str = "cpu", dtype=None, device_
                tp: int = 1):
     """Load ``(model, tokenizer)``. ``name``: None/"smollm2" for the embedded default,
     "qwen2.5-0.5b" (after ``make eval-data``), a HF id, a directory, or a ``.gguf`` file. CPU defaults to float32, CUDA to bfloat16. ``tp > 1``: this
-    rank's tensor-parallel slice (call from a rank started by ``h2okv.distributed``)."""
+    rank's tensor-parallel slice (call from a rank started by ``h2okv.parallel.ranks``)."""
     if device.startswith("cuda"):
         import torch
 

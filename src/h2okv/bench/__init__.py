@@ -1,6 +1,6 @@
 """``h2okv bench``: decode/prefill speed and memory of H2O against a full cache and a same-size
 plain cache (see ``runner``); ``memory`` measures, ``report`` writes tables and plots."""
 
-from .runner import BenchConfig, run_bench
+from h2okv.bench.runner import BenchConfig, run_bench
 
 __all__ = ["BenchConfig", "run_bench"]

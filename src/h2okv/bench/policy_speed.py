@@ -16,10 +16,10 @@ import time
 import torch
 from transformers import DynamicCache
 
-from ..core import H2OCache
-from ..eval.scoring import make_cache
-from ..policies import policy_class
-from .runner import Bench, BenchConfig
+from h2okv.bench.runner import Bench, BenchConfig
+from h2okv.core import H2OCache
+from h2okv.eval.scoring import make_cache
+from h2okv.policies import policy_class
 
 
 class PolicyBench(Bench):

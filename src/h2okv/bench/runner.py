@@ -29,10 +29,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import DynamicCache
 
-from ..cache import H2OCache
-from ..errors import H2OError
-from .memory import cache_kv_bytes, kv_bytes_per_token, measure_peak
-from .report import check_targets
+from h2okv.bench.memory import cache_kv_bytes, kv_bytes_per_token, measure_peak
+from h2okv.bench.report import check_targets
+from h2okv.core import H2OCache
+from h2okv.errors import H2OError
 
 POLICIES = ("full", "h2o", "reference")
 
@@ -82,7 +82,7 @@ class BenchConfig:
 def prompt_ids(tokenizer, play: str, n_tokens: int, vocab_size: int | None = None) -> torch.Tensor:
     """The first ``n_tokens`` real tokens of a Shakespeare play. Without a tokenizer (tiny test
     models) the play's bytes, folded into the model's vocabulary."""
-    from ..corpus import read_play, token_prefix
+    from h2okv.corpus import read_play, token_prefix
 
     text = read_play(play)
     if tokenizer is None:

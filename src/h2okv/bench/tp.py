@@ -16,11 +16,11 @@ import time
 import torch
 from transformers import DynamicCache
 
-from .. import distributed
-from ..cache import H2OCache
-from .memory import cache_kv_bytes
-from .report import write_report
-from .runner import Timer, environment, prompt_ids
+from h2okv.bench.memory import cache_kv_bytes
+from h2okv.bench.report import write_report
+from h2okv.bench.runner import Timer, environment, prompt_ids
+from h2okv.core import H2OCache
+from h2okv.parallel import ranks as distributed
 
 POLICIES = ("full", "h2o")
 
@@ -123,8 +123,8 @@ def markdown(result: dict) -> str:
 def run_on_rank(args) -> int:
     """``h2okv bench --tp N`` on one rank: measure, and on rank 0 write the JSON and Markdown."""
 
-    from ..commands.bench import config_from_args
-    from ..models import load_model
+    from h2okv.cli.bench import config_from_args
+    from h2okv.models import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -11,8 +11,8 @@
 | ``cache.py`` | ``H2OCache`` and its public row operations |
 """
 
-from .budget import BudgetSpec
-from .cache import DEFAULT_CHUNK, H2OCache
-from .layer import SlotLayer
+from h2okv.core.budget import BudgetSpec
+from h2okv.core.cache import DEFAULT_CHUNK, H2OCache
+from h2okv.core.layer import SlotLayer
 
 __all__ = ["DEFAULT_CHUNK", "BudgetSpec", "H2OCache", "SlotLayer"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..errors import H2OError
-from ..policies import Policy
+from h2okv.errors import H2OError
+from h2okv.policies import Policy
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,11 @@ import math
 import torch
 from transformers.cache_utils import Cache
 
-from ..attention import prepare_model
-from ..errors import H2OError
-from ..policies import Budget, Policy, make_policy
-from .budget import BudgetSpec
-from .layer import SlotLayer
+from h2okv.core.attention import prepare_model
+from h2okv.core.budget import BudgetSpec
+from h2okv.core.layer import SlotLayer
+from h2okv.errors import H2OError
+from h2okv.policies import Budget, Policy, make_policy
 
 DEFAULT_CHUNK = 512
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..slot_attention import slot_attention
-from .evict import evict
+from h2okv.core.evict import evict
+from h2okv.core.kernels import slot_attention
 
 
 @dataclass

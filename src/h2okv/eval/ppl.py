@@ -20,14 +20,10 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from .. import distributed
-from ..attention import attention_modules
-from ..commands.common import add_model_args, positive_int
-from ..errors import H2OError
-from ..models import load_model
-from ..plots import check_output_paths, format_table, new_figure, policy_color, save_figure, write_json
-from ..policies import policy_class
-from .args import (  # noqa: F401 - re-exported: other evals imported them from here
+from h2okv.cli.common import add_model_args, positive_int
+from h2okv.core.attention import attention_modules
+from h2okv.errors import H2OError
+from h2okv.eval.args import (  # noqa: F401 - re-exported: other evals imported them from here
     add_text_args,
     add_threads_arg,
     apply_threads,
@@ -37,7 +33,11 @@ from .args import (  # noqa: F401 - re-exported: other evals imported them from 
     source_text,
     text_segments,
 )
-from .scoring import make_cache, perplexity, streaming_nll, token_nll  # noqa: F401 - re-exported
+from h2okv.eval.plots import check_output_paths, format_table, new_figure, policy_color, save_figure, write_json
+from h2okv.eval.scoring import make_cache, perplexity, streaming_nll, token_nll  # noqa: F401 - re-exported
+from h2okv.models import load_model
+from h2okv.parallel import ranks as distributed
+from h2okv.policies import policy_class
 
 DEFAULT_POLICIES = "full,h2o,local,sink,random"
 DEFAULT_BUDGETS = "0.05,0.1,0.2,0.5"

@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from ..cache import DEFAULT_CHUNK, H2OCache
-from ..commands.common import add_model_args, positive_int
-from ..corpus import read_play
-from ..errors import H2OError
-from ..models import load_model
-from ..plots import annotated_heatmap, check_output_paths, format_table, new_figure, save_figure, write_json
-from ..policies import policy_class
-from .args import add_threads_arg, apply_threads, parse_budgets, parse_policies
+from h2okv.cli.common import add_model_args, positive_int
+from h2okv.core import DEFAULT_CHUNK, H2OCache
+from h2okv.corpus import read_play
+from h2okv.errors import H2OError
+from h2okv.eval.args import add_threads_arg, apply_threads, parse_budgets, parse_policies
+from h2okv.eval.plots import annotated_heatmap, check_output_paths, format_table, new_figure, save_figure, write_json
+from h2okv.models import load_model
+from h2okv.policies import policy_class
 
 INSTRUCTION = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "

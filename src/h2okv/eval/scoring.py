@@ -8,9 +8,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..core import DEFAULT_CHUNK, H2OCache
-from ..errors import H2OError
-from ..policies import policy_class
+from h2okv.core import DEFAULT_CHUNK, H2OCache
+from h2okv.errors import H2OError
+from h2okv.policies import policy_class
 
 
 def make_cache(model, policy: str, budget: float | None, seed: int = 0) -> H2OCache:

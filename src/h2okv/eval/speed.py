@@ -12,16 +12,16 @@ from __future__ import annotations
 import logging
 import time
 
-from ..commands.common import add_model_args, check_policy, positive_int
-from ..errors import H2OError
-from ..plots import write_json
-from . import offline
-from .tasks import metrics_of, task_manager_for
+from h2okv.cli.common import add_model_args, check_policy, positive_int
+from h2okv.errors import H2OError
+from h2okv.eval import offline
+from h2okv.eval.plots import write_json
+from h2okv.eval.tasks import metrics_of, task_manager_for
 
 
 def hf_source(name: str | None) -> str:
     """What lm-eval's ``hf`` model can load: a directory (our converted GGUFs) or a hub id."""
-    from ..models import MODEL_ALIASES, alias_path, converted_source, default_model_source
+    from h2okv.models import MODEL_ALIASES, alias_path, converted_source, default_model_source
 
     if name in (None, "", "smollm2"):
         return default_model_source()
@@ -75,7 +75,7 @@ def run(args) -> int:
     import torch
     from lm_eval.models.huggingface import HFLM
 
-    from .lm_eval_model import H2OLM
+    from h2okv.eval.lm_eval_model import H2OLM
 
     policy = check_policy(args.policy)
     if not 0.0 < args.budget <= 1.0:

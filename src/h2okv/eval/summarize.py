@@ -31,8 +31,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..commands.common import add_model_args, check_policy, positive_int
-from ..errors import H2OError
+from h2okv.cli.common import add_model_args, check_policy, positive_int
+from h2okv.errors import H2OError
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 # hub id, config, document field, summary field
@@ -238,7 +238,7 @@ def generation_stops(records: list[dict]) -> tuple[list[str], bool]:
 def prompt_ids(tokenizer, text: str, chat: bool = False) -> list[int]:
     """Token ids of a prompt as written (no special tokens added), or with ``chat`` in the model's
     chat template (``generate.chat_prompt_ids``)."""
-    from ..generate import chat_prompt_ids
+    from h2okv.generation import chat_prompt_ids
 
     return chat_prompt_ids(tokenizer, text) if chat else tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -249,8 +249,8 @@ def summarize_policies(model, tokenizer, records: list[dict], policies: list[str
                        chat: bool = False) -> dict:
     """``max_new_tokens`` None: the records' ``max_tokens`` (request format), else 64. ``chat``: each
     prompt goes through the tokenizer's chat template (see ``prompt_ids``)."""
-    from ..cache import H2OCache
-    from .lm_eval_model import generate_batch
+    from h2okv.core import H2OCache
+    from h2okv.eval.lm_eval_model import generate_batch
 
     stops, lstrip = generation_stops(records)
     if max_new_tokens is None:
@@ -300,7 +300,7 @@ def summarize_policies(model, tokenizer, records: list[dict], policies: list[str
 def rouge_bars(ax, results: dict[str, dict]) -> None:
     """On ``ax``: a group of bars per ROUGE type that every policy has, a bar per policy (x100, ±
     ``<type>_stderr``), in the policy colours of the other figures."""
-    from ..plots import policy_color
+    from h2okv.eval.plots import policy_color
 
     names = [m for m in ROUGE_TYPES if all(m in metrics for metrics in results.values())]
     width = 0.8 / max(len(results), 1)
@@ -388,7 +388,7 @@ def run(args) -> int:
     if args.shots >= len(records):
         raise H2OError(f"--shots {args.shots} needs at least {args.shots + 1} records, the data has {len(records)}")
 
-    from ..models import load_model
+    from h2okv.models import load_model
 
     if args.threads:
         import torch

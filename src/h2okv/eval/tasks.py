@@ -22,10 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..commands.common import add_model_args, check_policy, positive_int
-from ..corpus import read_play
-from ..errors import H2OError
-from . import offline
+from h2okv.cli.common import add_model_args, check_policy, positive_int
+from h2okv.corpus import read_play
+from h2okv.errors import H2OError
+from h2okv.eval import offline
 
 SHAKESPEARE_TASK = "shakespeare_next_line"
 SHAKESPEARE_PLAYS = (
@@ -192,7 +192,7 @@ def evaluate_policies(tasks: list[str], policies: list[str], budget: float, mode
     """``{policy: {"seconds": s, "tasks": {task: {metric: value}}}}`` from lm_eval.simple_evaluate."""
     import lm_eval
 
-    from .lm_eval_model import H2OLM
+    from h2okv.eval.lm_eval_model import H2OLM
 
     offline.install()  # before any task is built: tasks with an offline copy never touch the hub
     task_manager = task_manager_for(tasks, list(include_paths))

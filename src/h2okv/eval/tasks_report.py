@@ -21,9 +21,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import H2OError
-from ..plots import new_figure, policy_color, save_figure, write_json
-from .summarize import ROUGE_TYPES
+from h2okv.errors import H2OError
+from h2okv.eval.plots import new_figure, policy_color, save_figure, write_json
+from h2okv.eval.summarize import ROUGE_TYPES
 
 POLICY_ORDER = ("full", "h2o", "local", "sink", "random")
 
@@ -45,7 +45,7 @@ def _summary_task(piece: dict) -> str:
 def summary_rows(piece: dict, source: str) -> list[dict]:
     """Rows of one ``eval summarize`` JSON: ROUGE-1/2/L with standard errors (computed from the
     piece's samples when an older piece lacks them) and ``rougeL_vs_full``."""
-    from .summarize import rouge_scores
+    from h2okv.eval.summarize import rouge_scores
 
     settings = piece.get("settings") or {}
     samples = piece.get("samples") or []
@@ -144,7 +144,7 @@ def _summaries_paired_with_full(merged: dict) -> None:
     paired difference of the policy's and full's ROUGE against the reference. The paired difference
     is the honest test of "matches full": two means each ± 0.008 can differ by a consistent 0.02.
     Drops the texts afterwards."""
-    from .summarize import fidelity, mean_and_stderr, rouge_per_item
+    from h2okv.eval.summarize import fidelity, mean_and_stderr, rouge_per_item
 
     for (model, task, shots, policy, _), row in merged.items():
         full = merged.get((model, task, shots, "full", 1.0))
@@ -249,7 +249,7 @@ def plot_budget_sweep(rows: list[dict], path, metric: str = "acc", model: str | 
 def plot_summaries(rows: list[dict], path, budget: float = 0.2):
     """ROUGE-1/2/L ± stderr of the summarization rows at ``budget`` (full: no budget), one panel per
     (model, task, shots), a bar group per ROUGE type and a bar per policy."""
-    from .summarize import rouge_bars
+    from h2okv.eval.summarize import rouge_bars
 
     mine = [r for r in rows if "rougeL" in r["metrics"] and (r["policy"] == "full" or r["budget"] == budget)]
     panels = sorted({(r["model"], r["task"], str(r["shots"])) for r in mine})

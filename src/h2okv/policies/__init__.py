@@ -6,17 +6,17 @@ option). Every command that takes ``--policy``/``--policies`` accepts these name
 
 from __future__ import annotations
 
-from ..errors import H2OError
-from .base import Budget, Policy
-from .full import FullPolicy
-from .h2o import H2OPolicy
-from .h2o_mean import H2OMeanPolicy
-from .h2o_sink import H2OSinkPolicy
-from .local import LocalPolicy
-from .random import RandomPolicy
-from .sink import SinkPolicy
-from .snapkv import SnapKVPolicy
-from .tova import TOVAPolicy
+from h2okv.errors import H2OError
+from h2okv.policies.base import Budget, Policy
+from h2okv.policies.full import FullPolicy
+from h2okv.policies.h2o import H2OPolicy
+from h2okv.policies.h2o_mean import H2OMeanPolicy
+from h2okv.policies.h2o_sink import H2OSinkPolicy
+from h2okv.policies.local import LocalPolicy
+from h2okv.policies.random import RandomPolicy
+from h2okv.policies.sink import SinkPolicy
+from h2okv.policies.snapkv import SnapKVPolicy
+from h2okv.policies.tova import TOVAPolicy
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls

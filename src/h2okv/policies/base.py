@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import H2OError
+from h2okv.errors import H2OError
 
 
 @dataclass(frozen=True)

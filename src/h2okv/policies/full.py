@@ -1,6 +1,6 @@
 """``full``: keep every token (the reference every other policy is measured against)."""
 
-from .base import Policy
+from h2okv.policies.base import Policy
 
 
 class FullPolicy(Policy):

@@ -1,6 +1,6 @@
 """``h2o``: heavy hitters, the non-recent token with the least accumulated attention goes (Algorithm 1)."""
 
-from .base import Policy
+from h2okv.policies.base import Policy
 
 
 class H2OPolicy(Policy):

@@ -7,7 +7,7 @@ attention instead. Evicted tokens are seen by no later query, but they are gone,
 of a live token is exact.
 """
 
-from .h2o import H2OPolicy
+from h2okv.policies.h2o import H2OPolicy
 
 
 class H2OMeanPolicy(H2OPolicy):

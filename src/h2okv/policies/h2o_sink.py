@@ -4,7 +4,7 @@ Softmax dumps surplus mass on the first tokens whatever they say; H2O usually ke
 reason, but not always (a long text spreads the sum). Protecting them costs at most 4 heavy slots.
 """
 
-from .h2o import H2OPolicy
+from h2okv.policies.h2o import H2OPolicy
 
 
 class H2OSinkPolicy(H2OPolicy):

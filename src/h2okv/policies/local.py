@@ -2,7 +2,7 @@
 
 import torch
 
-from .base import Budget, Policy
+from h2okv.policies.base import Budget, Policy
 
 
 class LocalPolicy(Policy):

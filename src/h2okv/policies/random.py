@@ -2,7 +2,7 @@
 
 import torch
 
-from .base import Policy
+from h2okv.policies.base import Policy
 
 
 class RandomPolicy(Policy):

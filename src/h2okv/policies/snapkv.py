@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..errors import H2OError
-from .h2o import H2OPolicy
+from h2okv.errors import H2OError
+from h2okv.policies.h2o import H2OPolicy
 
 DEFAULT_WINDOW = 32
 DEFAULT_KERNEL = 7

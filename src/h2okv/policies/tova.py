@@ -6,7 +6,7 @@ each row's last real token of the chunk. The recent window and the budget split 
 as for every policy.
 """
 
-from .base import Policy
+from h2okv.policies.base import Policy
 
 
 class TOVAPolicy(Policy):

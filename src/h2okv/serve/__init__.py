@@ -5,8 +5,8 @@
 memory they will hold (``memory.py``).
 """
 
-from .app import EvictionDefaults, create_app
-from .engine import Engine, GenerationRequest
-from .server import running_server, serve_forever
+from h2okv.serve.app import EvictionDefaults, create_app
+from h2okv.serve.engine import Engine, GenerationRequest
+from h2okv.serve.server import running_server, serve_forever
 
 __all__ = ["Engine", "EvictionDefaults", "GenerationRequest", "create_app", "running_server", "serve_forever"]

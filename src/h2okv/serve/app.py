@@ -26,13 +26,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..cache import BudgetSpec
-from ..errors import H2OError
-from ..policies import make_policy
-from .engine import Engine, Event, GenerationRequest, Handle
-from .formatting import CompletionLogprobs, chat_logprobs, merge_completion_logprobs
-from .metrics import ServeMetrics
-from .schemas import APIError, ChatCompletionRequest, CompletionRequest, H2OSettings
+from h2okv.core import BudgetSpec
+from h2okv.errors import H2OError
+from h2okv.policies import make_policy
+from h2okv.serve.engine import Engine, Event, GenerationRequest, Handle
+from h2okv.serve.formatting import CompletionLogprobs, chat_logprobs, merge_completion_logprobs
+from h2okv.serve.metrics import ServeMetrics
+from h2okv.serve.schemas import APIError, ChatCompletionRequest, CompletionRequest, H2OSettings
 
 log = logging.getLogger("h2okv.serve")
 

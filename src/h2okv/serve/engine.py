@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .executor import Executor
-from .memory import Reservation, footprint_slots, prefill_chunks, reservation
-from .sampling import make_generator, sample
-from .schemas import APIError
-from .text import TextStream
+from h2okv.serve.executor import Executor
+from h2okv.serve.memory import Reservation, footprint_slots, prefill_chunks, reservation
+from h2okv.serve.sampling import make_generator, sample
+from h2okv.serve.schemas import APIError
+from h2okv.serve.text import TextStream
 
 log = logging.getLogger("h2okv.serve")
 

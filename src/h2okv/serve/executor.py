@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core import H2OCache
-from .batch import DecodeBatch
-from .memory import bytes_per_slot
+from h2okv.core import H2OCache
+from h2okv.serve.batch import DecodeBatch
+from h2okv.serve.memory import bytes_per_slot
 
 PAD_ID = 0  # what pads feed; masked out, so any id would do
 

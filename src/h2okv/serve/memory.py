@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import H2OCache
-from ..errors import H2OError
+from h2okv.core import H2OCache
+from h2okv.errors import H2OError
 
 # ensure_free in cache.py grows an empty layer by this many slots on a single-token write
 _FIRST_GROWTH = 32

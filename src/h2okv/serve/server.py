@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from ..errors import H2OError
+from h2okv.errors import H2OError
 
 log = logging.getLogger("h2okv.serve")
 

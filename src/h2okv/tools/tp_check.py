@@ -1,4 +1,4 @@
-"""``python -m h2okv.serve.tp_check``: ``h2okv serve --tp N`` against ``--tp 1`` on one model.
+"""``python -m h2okv.tools.tp_check``: ``h2okv serve --tp N`` against ``--tp 1`` on one model.
 
 Starts a real server process for each (``--tp 1`` first), sends the same greedy completions one at a
 time, reads ``/metrics`` (the engine's KV peak, and with ``--tp N`` every rank's), stops the server
@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from .process import ServerProcess
+from h2okv.tools.process import ServerProcess
 
 
 def metrics(url: str) -> dict:
@@ -61,7 +61,7 @@ def run_server(tp: int, args, prompts: list[str], log_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m h2okv.serve.tp_check", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m h2okv.tools.tp_check", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--prompt-file", required=True, help="text; the prompts are its first --prompt-chars characters, "

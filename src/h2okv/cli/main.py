@@ -10,16 +10,16 @@ import importlib
 import pkgutil
 import sys
 
-from .errors import H2OError, print_error
+from h2okv.errors import H2OError, print_error
 
 
 def subcommand_modules() -> list[str]:
-    """Every module of ``h2okv.commands`` that defines ``register(subparsers)``: adding a
+    """Every module of ``h2okv.cli`` that defines ``register(subparsers)``: adding a
     subcommand is adding one file."""
-    from . import commands
+    from h2okv import cli
 
-    names = sorted(m.name for m in pkgutil.iter_modules(commands.__path__) if not m.name.startswith("_"))
-    return [f"{commands.__name__}.{n}" for n in names if n != "common"]
+    names = sorted(m.name for m in pkgutil.iter_modules(cli.__path__) if not m.name.startswith("_"))
+    return [f"{cli.__name__}.{n}" for n in names if n not in ("common", "main")]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except H2OError as exc:
-        from .distributed import quiet_rank
+        from h2okv.parallel.ranks import quiet_rank
 
         if not quiet_rank():  # under torchrun, an error every rank meets alike is printed once
             print_error(exc)

@@ -27,7 +27,7 @@ import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..errors import H2OError
+from h2okv.errors import H2OError
 
 
 @dataclass
@@ -187,7 +187,7 @@ def scrape(base_url: str) -> dict[str, float]:
 
 def hamlet_prompts(tokenizer, count: int, tokens: int) -> list[list[int]]:
     """``count`` different prompts of exactly ``tokens`` token ids, cut from Hamlet at spread offsets."""
-    from ..corpus import read_play
+    from h2okv.corpus import read_play
 
     ids = tokenizer(read_play("hamlet_gut"), add_special_tokens=False)["input_ids"]
     if len(ids) < tokens + 1:
@@ -202,9 +202,9 @@ def bench(model, tokenizer, *, policies: list[str], kv_memory: int, requests: in
           step_tokens: int = 512, arrival_rate: float | None = None, seed: int = 0, progress=print) -> dict:
     """Serve ``model`` once per (schedule, policy) at the same ``kv_memory``; drive each with the same
     prompts (and arrival times)."""
-    from ..policies import make_policy
-    from .app import EvictionDefaults, create_app
-    from .server import running_server
+    from h2okv.policies import make_policy
+    from h2okv.serve.app import EvictionDefaults, create_app
+    from h2okv.serve.server import running_server
 
     prompts = hamlet_prompts(tokenizer, requests, prompt_tokens)
     payloads = [{"model": model_name, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
@@ -277,7 +277,7 @@ def ratios(rows: list[dict]) -> dict:
 
 
 def _probe_request(payload, eviction, engine):
-    from .engine import GenerationRequest
+    from h2okv.serve.engine import GenerationRequest
 
     policy, heavy, recent = eviction.resolve(None, len(payload["prompt"]))
     return GenerationRequest(prompt_ids=payload["prompt"], max_tokens=payload["max_tokens"], policy=policy,
@@ -329,11 +329,11 @@ def apply_profile(args) -> None:
 
 def run(args) -> int:
     """``h2okv serve-bench``: load the model, bench each policy, print and write JSON."""
-    from ..models import load_model
-    from ..policies import make_policy
-    from .app import EvictionDefaults
-    from .engine import SCHEDULES
-    from .memory import kv_limit
+    from h2okv.models import load_model
+    from h2okv.policies import make_policy
+    from h2okv.serve.app import EvictionDefaults
+    from h2okv.serve.engine import SCHEDULES
+    from h2okv.serve.memory import kv_limit
 
     apply_profile(args)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]

@@ -4,18 +4,24 @@ transformers calls ``cache.update(k, v, layer_idx)`` and then the attention func
 update only records the new states; this function sees that the key it receives is the one the
 cache just recorded and does the slot work there (it has the query). For any other cache (a
 plain ``DynamicCache``, no cache) it is ordinary SDPA, so the model keeps working as before.
+
+``PENDING`` is the hand-over: ``SlotLayer.update`` records ``(layer, key_states, value_states)``
+in it, per thread, and the attention function checks that the key it receives is that same
+object before it takes the query to ``SlotLayer.attend``.
 """
 
 from __future__ import annotations
+
+from contextvars import ContextVar
 
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from .errors import H2OError
-from .pending import PENDING
+from h2okv.errors import H2OError
 
 ATTN_NAME = "h2o"
+PENDING: ContextVar[tuple | None] = ContextVar("h2okv_pending", default=None)
 
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")
 

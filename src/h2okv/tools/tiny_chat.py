@@ -32,8 +32,8 @@ def tiny_tokenizer():
 
 
 def tiny_chat_model(arch: str = "llama", seed: int = 0, layers: int = 2, max_positions: int = 2048, **overrides):
-    """``(model, tokenizer)``: a random ``h2okv.testing.tiny_model`` sized to the byte-level tokenizer."""
-    from ..testing import tiny_model
+    """``(model, tokenizer)``: a random ``h2okv.tools.tiny.tiny_model`` sized to the byte-level tokenizer."""
+    from h2okv.tools.tiny import tiny_model
 
     tok = tiny_tokenizer()
     model = tiny_model(arch, seed=seed, layers=layers, vocab_size=len(tok), max_position_embeddings=max_positions,

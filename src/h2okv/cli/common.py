@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..policies import POLICIES, make_policy
+from h2okv.policies import POLICIES, make_policy
 
 
 def positive_int(text: str) -> int:

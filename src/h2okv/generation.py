@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 from transformers import TextStreamer
 
-from .cache import DEFAULT_CHUNK, H2OCache
-from .errors import H2OError
+from h2okv.core import DEFAULT_CHUNK, H2OCache
+from h2okv.errors import H2OError
 
 
 @dataclass
@@ -80,7 +80,7 @@ def summary_line(stats: dict) -> str:
         f"KV {stats['kv_bytes'] / mib:.2f} MiB vs full-cache {stats['full_kv_bytes'] / mib:.2f} MiB ({ratio:.1%})"
     )
     ranks = stats.get("per_rank") or []
-    if len(ranks) > 1:  # tensor parallel (h2okv.distributed.gather_stats): the totals above are summed
+    if len(ranks) > 1:  # tensor parallel (h2okv.parallel.ranks.gather_stats): the totals above are summed
         each = ", ".join(f"{r['kv_bytes'] / mib:.2f}" for r in ranks)
         line += f"; {len(ranks)} tensor-parallel ranks hold {each} MiB each"
     return line

@@ -8,9 +8,9 @@ import importlib.util
 import os
 import re
 
-from .. import distributed
-from ..errors import H2OError
-from .common import add_model_args, positive_int
+from h2okv.cli.common import add_model_args, positive_int
+from h2okv.errors import H2OError
+from h2okv.parallel import ranks as distributed
 
 # the default grid and the --quick one (about a minute on a 2-core CPU, model load included)
 FULL_GRID = dict(batch=[1, 8], context=[2048, 4096], memory_contexts=[1024, 2048, 4096], steps=32, cap_steps=8)
@@ -79,7 +79,7 @@ def register(sub) -> None:
     p.add_argument("--scoring-repeats", type=positive_int, default=1, help="passes per policy in the --policies scoring study (default 1)")
     distributed.add_tp_args(p)
     p.add_argument("--serve", nargs=argparse.REMAINDER, default=None, metavar="SERVE_BENCH_ARGS",
-                   help="instead: the serving load generator (h2okv.serve.loadgen) with the `serve-bench` "
+                   help="instead: the serving load generator (h2okv.tools.loadgen) with the `serve-bench` "
                    "arguments that follow, e.g. --serve --kv-memory 2GiB --policies full,h2o")
     p.set_defaults(func=run)
 
@@ -114,8 +114,8 @@ def load_bench_model(name: str | None, device: str, dtype):
     if name and name.startswith("tiny:"):
         import torch
 
-        from ..models import _resolve_dtype
-        from ..testing import TINY_CONFIGS, tiny_model
+        from h2okv.models import _resolve_dtype
+        from h2okv.tools.tiny import TINY_CONFIGS, tiny_model
 
         arch = name.split(":", 1)[1] or "llama"
         if arch not in TINY_CONFIGS:
@@ -124,13 +124,13 @@ def load_bench_model(name: str | None, device: str, dtype):
             raise H2OError("--device cuda requested but no CUDA device is available")
         torch.set_grad_enabled(False)
         return tiny_model(arch).to(device=device, dtype=_resolve_dtype(dtype or "float32", device)), None
-    from ..models import load_model
+    from h2okv.models import load_model
 
     return load_model(name, device=device, dtype=dtype)
 
 
 def config_from_args(args):
-    from ..bench import BenchConfig
+    from h2okv.bench import BenchConfig
 
     grid = QUICK_GRID if args.quick else FULL_GRID
 
@@ -158,22 +158,22 @@ def config_from_args(args):
 
 def run_serve(args) -> int:
     """Hand over to the serving load generator, parsing the rest of the line as `serve-bench` would."""
-    if importlib.util.find_spec("h2okv.serve") is None or importlib.util.find_spec("h2okv.serve.loadgen") is None:
-        raise H2OError("the serving load generator (h2okv.serve.loadgen) is not available in this build")
-    from ..cli import build_parser
+    if importlib.util.find_spec("h2okv.serve") is None or importlib.util.find_spec("h2okv.tools.loadgen") is None:
+        raise H2OError("the serving load generator (h2okv.tools.loadgen) is not available in this build")
+    from h2okv.cli import build_parser
 
     serve_args = build_parser().parse_args(["serve-bench", *args.serve])
-    return int(importlib.import_module("h2okv.serve.loadgen").run(serve_args) or 0)
+    return int(importlib.import_module("h2okv.tools.loadgen").run(serve_args) or 0)
 
 
 def run_policies(args) -> int:
     """The --policies study (``bench/policy_speed.py``)."""
     from tqdm.auto import tqdm
 
-    from ..bench.policy_speed import decode_costs, markdown, scoring_costs
-    from ..bench.report import write_report
-    from ..bench.runner import prompt_ids
-    from ..eval.args import parse_policies
+    from h2okv.bench.policy_speed import decode_costs, markdown, scoring_costs
+    from h2okv.bench.report import write_report
+    from h2okv.bench.runner import prompt_ids
+    from h2okv.eval.args import parse_policies
 
     policies = [p for p in parse_policies(args.policies) if p != "full"]
     context = (args.context or [2048])[0]
@@ -212,12 +212,12 @@ def run(args) -> int:
     cfg.validate()  # bad settings fail before the (slow) model load
     if distributed.prepare(args) > 1:
         # tensor parallel: decode step and per-rank KV bytes next to TP 1 (h2okv.bench.tp)
-        from ..bench.tp import run_on_rank
+        from h2okv.bench.tp import run_on_rank
 
         args.threads, _ = choose_threads(args.threads, args.device)
         return distributed.run(args, run_on_rank)
-    from ..bench import run_bench
-    from ..bench.report import markdown, plot, write_report
+    from h2okv.bench import run_bench
+    from h2okv.bench.report import markdown, plot, write_report
 
     threads, why = choose_threads(args.threads, args.device)
     if threads:

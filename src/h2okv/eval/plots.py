@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import H2OError
+from h2okv.errors import H2OError
 
 # one colour per policy everywhere, so figures can be compared side by side
 POLICY_COLORS = {

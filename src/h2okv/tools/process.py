@@ -26,7 +26,7 @@ def free_port() -> int:
 
 def save_tiny_model(path: Path, **kwargs) -> Path:
     """The tiny test model + byte-level tokenizer as a checkpoint directory ``h2okv serve --model`` loads."""
-    from .testing import tiny_chat_model
+    from h2okv.tools.tiny_chat import tiny_chat_model
 
     model, tok = tiny_chat_model(**kwargs)
     model.save_pretrained(path)

@@ -7,7 +7,7 @@ import pkgutil
 
 
 def register(sub) -> None:
-    from .. import eval as eval_pkg
+    from h2okv import eval as eval_pkg
 
     p = sub.add_parser("eval", help="accuracy evaluations (perplexity, tasks, summarization, retrieval)")
     kinds = p.add_subparsers(dest="eval_kind", required=True, parser_class=type(p))

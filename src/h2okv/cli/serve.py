@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 import os
 
-from .. import distributed
-from ..errors import H2OError
-from .common import add_budget_args, add_model_args, budget_from_args, check_policy, positive_int
+from h2okv.cli.common import add_budget_args, add_model_args, budget_from_args, check_policy, positive_int
+from h2okv.errors import H2OError
+from h2okv.parallel import ranks as distributed
 
 API_KEY_ENV = "H2OKV_API_KEY"
 
@@ -100,8 +100,8 @@ def register(sub) -> None:
 
 
 def run_serve(args) -> int:
-    from ..serve import EvictionDefaults
-    from ..serve.memory import kv_limit
+    from h2okv.serve import EvictionDefaults
+    from h2okv.serve.memory import kv_limit
 
     eviction = EvictionDefaults(policy=check_policy(args.policy), **budget_from_args(args))
     eviction.validate()  # before the (slow) model load
@@ -121,9 +121,9 @@ def run_serve(args) -> int:
 def serve_on_rank(args) -> int:
     """The server in this process, or one rank of ``serve --tp N``: rank 0 serves HTTP and drives
     the others, which run its executor calls (``serve/tp.py``)."""
-    from ..models import load_model
-    from ..serve import serve_forever
-    from ..serve.executor import Executor
+    from h2okv.models import load_model
+    from h2okv.serve import serve_forever
+    from h2okv.serve.executor import Executor
 
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
     if not distributed.is_distributed():
@@ -131,7 +131,7 @@ def serve_on_rank(args) -> int:
         serve_forever(app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout=args.drain_timeout)
         return 0
 
-    from ..serve import tp
+    from h2okv.serve import tp
 
     channel = tp.Channel(heartbeat_s=tp.heartbeat_seconds(args.tp_timeout))
     executor = Executor(model, args.chunk_size)
@@ -164,7 +164,7 @@ def serve_on_rank(args) -> int:
 
 
 def _create_app(args, model, tokenizer, executor):
-    from ..serve import create_app
+    from h2okv.serve import create_app
 
     return create_app(model, tokenizer, model_name=args.served_model_name or args.model or "smollm2",
                       eviction=args.eviction, kv_memory=args.kv_memory_bytes, max_batch=args.max_batch,
@@ -174,6 +174,6 @@ def _create_app(args, model, tokenizer, executor):
 
 
 def run_bench(args) -> int:
-    from ..serve.loadgen import run
+    from h2okv.tools.loadgen import run
 
     return run(args)

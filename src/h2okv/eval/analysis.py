@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import attention_modules
-from .errors import H2OError
+from h2okv.core.attention import attention_modules
+from h2okv.errors import H2OError
 
 
 def causal_mask(n: int, device=None) -> torch.Tensor:

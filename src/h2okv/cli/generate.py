@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import distributed
-from ..cache import BudgetSpec
-from ..errors import H2OError
-from ..generate import budget_kwargs, generate, summary_line
-from ..models import load_model
-from ..policies import make_policy
-from .common import add_budget_args, add_model_args, budget_from_args, positive_int
+from h2okv.cli.common import add_budget_args, add_model_args, budget_from_args, positive_int
+from h2okv.core import BudgetSpec
+from h2okv.errors import H2OError
+from h2okv.generation import budget_kwargs, generate, summary_line
+from h2okv.models import load_model
+from h2okv.parallel import ranks as distributed
+from h2okv.policies import make_policy
 
 
 def register(sub) -> None:

@@ -34,8 +34,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from .commands.common import positive_int
-from .errors import H2OError, print_error
+from h2okv.cli.common import positive_int
+from h2okv.errors import H2OError, print_error
 
 DEFAULT_TIMEOUT_S = 600.0
 _ECHO_GRACE_S = 3.0
@@ -151,7 +151,7 @@ def prepare(args) -> int:
     before any process starts). Returns the tp size."""
     args.tp = resolve_tp(getattr(args, "tp", None))
     if args.tp > 1:
-        from .models import load_config
+        from h2okv.models import load_config
 
         model = getattr(args, "model", None)
         if model and model.startswith("tiny:"):

@@ -1,6 +1,6 @@
 """Soak run: a real ``h2okv serve`` process under mixed, partly hostile traffic for a while.
 
-``python -m h2okv.serve.soak --duration 150 --clients 64`` (``make soak``) starts the server on
+``python -m h2okv.tools.soak --duration 150 --clients 64`` (``make soak``) starts the server on
 127.0.0.1 (the tiny test model by default, ``--model`` for a real one) and runs ``--clients``
 concurrent loops. Each loop sends, at random:
 
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import httpx
 
-from .loadgen import scrape
-from .process import ServerProcess, save_tiny_model
+from h2okv.tools.loadgen import scrape
+from h2okv.tools.process import ServerProcess, save_tiny_model
 
 NAME = "soak"
 MAX_PROMPT = 400
@@ -238,7 +238,7 @@ def soak(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m h2okv.serve.soak", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m h2okv.tools.soak", description=__doc__.splitlines()[0])
     p.add_argument("--duration", type=float, default=150.0, help="seconds of load (default: 150)")
     p.add_argument("--clients", type=int, default=64, help="concurrent client loops (default: 64)")
     p.add_argument("--kv-memory", default="4M", help="the server's --kv-memory (default: 4M)")

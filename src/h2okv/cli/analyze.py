@@ -1,5 +1,5 @@
 """``h2okv analyze``: per-layer attention sparsity and the power law of accumulated attention, the
-two observations behind H2O, measured on a model and a text (see ``h2okv.analysis``)."""
+two observations behind H2O, measured on a model and a text (see ``h2okv.eval.analysis``)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import time
 
 from tqdm.auto import tqdm
 
-from ..analysis import layer_stats, ranked, record_attention
-from ..attention import attention_modules
-from ..errors import H2OError
-from ..eval.args import add_text_args, source_text, text_segments
-from ..models import load_model
-from ..plots import check_output_paths, format_table, new_figure, save_figure, write_json
-from .common import add_model_args, positive_int
+from h2okv.cli.common import add_model_args, positive_int
+from h2okv.core.attention import attention_modules
+from h2okv.errors import H2OError
+from h2okv.eval.analysis import layer_stats, ranked, record_attention
+from h2okv.eval.args import add_text_args, source_text, text_segments
+from h2okv.eval.plots import check_output_paths, format_table, new_figure, save_figure, write_json
+from h2okv.models import load_model
 
 DEFAULT_PLOT = "results/sparsity.png"
 DEFAULT_POWERLAW_PLOT = "results/powerlaw.png"

@@ -1,1 +1,0 @@
-"""One module per ``h2okv`` subcommand, plus shared argument helpers (``common``)."""

@@ -1,0 +1,1 @@
+"""Tensor parallelism: launching ranks, rank identity, and stats summed over ranks."""
