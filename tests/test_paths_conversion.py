@@ -1,0 +1,155 @@
+"""On-disk locations (h2okv.paths) and the converted-GGUF cache (h2okv.conversion): a converted folder
+is reused only when it was finished by the same transformers version and conversion format."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from h2okv import conversion, models, paths
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    monkeypatch.setenv("H2OKV_CACHE", str(root))
+    return root
+
+
+@pytest.fixture
+def gguf(tmp_path):
+    path = tmp_path / "Tiny-Model.Q4_0.gguf"
+    path.write_bytes(b"GGUF" + bytes(96))
+    return path
+
+
+@pytest.fixture
+def conversions(monkeypatch):
+    """Replace the dequantization with a quick fake that records each call (a folder of two files)."""
+    calls = []
+
+    def fake(gguf, folder):
+        calls.append(folder)
+        (folder / "config.json").write_text(json.dumps({"model_type": "llama", "made_by": len(calls)}))
+        (folder / "model.safetensors").write_bytes(b"weights")
+
+    monkeypatch.setattr(conversion, "write_plain_checkpoint", fake)
+    monkeypatch.setattr(conversion, "transformers_version", lambda: "5.23.0")
+    return calls
+
+
+def made_by(folder):
+    return json.loads((folder / "config.json").read_text())["made_by"]
+
+
+def test_cache_root_from_env_or_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("H2OKV_CACHE", str(tmp_path / "c"))
+    assert paths.cache_root() == tmp_path / "c"
+    assert paths.models_dir() == tmp_path / "c" / "models"
+    assert paths.qwen_path() == tmp_path / "c" / "models" / "Qwen2.5-Coder-0.5B-Instruct.gguf"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for unset in (lambda: monkeypatch.delenv("H2OKV_CACHE"), lambda: monkeypatch.setenv("H2OKV_CACHE", "")):
+        unset()
+        assert paths.cache_root() == tmp_path / "home" / ".cache" / "h2okv"
+
+
+def test_converted_folder_name_says_what_made_it(cache, gguf):
+    folder = paths.converted_dir(gguf, "5.23.0", 2)
+    assert folder == cache / "Tiny-Model.Q4_0-100-transformers-5.23.0-v2"
+    assert paths.converted_dir(gguf, "5.2.0", 2) != folder
+
+
+def test_models_does_not_import_eval():
+    code = "import sys, h2okv.models; print([m for m in sys.modules if m.startswith('h2okv.eval')])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_first_use_converts_once_then_reuses(cache, gguf, conversions, capsys):
+    folder = conversion.ensure_converted(gguf)
+    assert folder.parent == cache and (folder / "config.json").is_file()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "converting Tiny-Model.Q4_0.gguf once for transformers 5.23.0" in err[0]
+    manifest = json.loads((folder / conversion.MANIFEST).read_text())
+    assert manifest["key"] == {"format": conversion.FORMAT_VERSION, "gguf": gguf.name, "gguf_bytes": 100,
+                               "transformers": "5.23.0"}
+    assert conversion.ensure_converted(gguf) == folder
+    assert len(conversions) == 1 and capsys.readouterr().err == ""
+    assert [p.name for p in cache.iterdir()] == [folder.name]  # no temporary folder left behind
+
+
+def test_another_transformers_version_gets_its_own_folder(cache, gguf, conversions, monkeypatch):
+    older = conversion.ensure_converted(gguf)
+    monkeypatch.setattr(conversion, "transformers_version", lambda: "5.24.0")
+    newer = conversion.ensure_converted(gguf)
+    assert newer != older and len(conversions) == 2 and made_by(newer) == 2
+    assert "transformers-5.24.0" in newer.name
+
+
+def test_manifest_from_another_version_is_converted_again(gguf, cache, conversions, capsys):
+    folder = conversion.ensure_converted(gguf)
+    manifest = json.loads((folder / conversion.MANIFEST).read_text())
+    manifest["key"]["transformers"] = "5.2.0"  # a folder renamed or copied from another setup
+    (folder / conversion.MANIFEST).write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert conversion.trusted_folder(gguf) is None
+    assert conversion.ensure_converted(gguf) == folder
+    assert len(conversions) == 2 and made_by(folder) == 2
+    assert "replacing" in capsys.readouterr().err
+    assert conversion.trusted_folder(gguf) == folder
+    assert [p.name for p in cache.iterdir()] == [folder.name]
+
+
+@pytest.mark.parametrize("manifest", [None, "{not json", '["a list"]'])
+def test_half_written_folder_is_not_trusted(gguf, cache, conversions, manifest):
+    folder = conversion.converted_folder(gguf)
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")  # what an old or interrupted writer may leave
+    if manifest is not None:
+        (folder / conversion.MANIFEST).write_text(manifest)
+    assert conversion.trusted_folder(gguf) is None
+    assert conversion.ensure_converted(gguf) == folder and made_by(folder) == 1
+
+
+def test_interrupted_conversion_leaves_nothing_trusted(gguf, cache, conversions, monkeypatch):
+    def interrupted(gguf, folder):
+        (folder / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(conversion, "write_plain_checkpoint", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        conversion.ensure_converted(gguf)
+    assert list(cache.iterdir()) == []
+
+
+def test_a_finished_conversion_from_another_process_is_kept(gguf, cache, conversions, monkeypatch):
+    """Two processes convert at once: the second to finish keeps the first one's folder."""
+    folder = conversion.converted_folder(gguf)
+    real = conversion.write_plain_checkpoint  # the fake from `conversions`
+
+    def racing(gguf_path, tmp):
+        real(gguf_path, tmp)
+        monkeypatch.setattr(conversion, "write_plain_checkpoint", real)
+        conversion.ensure_converted(gguf_path)  # the other process, finishing first
+
+    monkeypatch.setattr(conversion, "write_plain_checkpoint", racing)
+    assert conversion.ensure_converted(gguf) == folder
+    assert made_by(folder) == 2 and [p.name for p in cache.iterdir()] == [folder.name]
+
+
+def test_config_source_reads_the_gguf_until_converted(gguf, cache, conversions, monkeypatch):
+    monkeypatch.setattr(paths, "default_gguf", lambda: gguf)
+    assert models._config_source(None) == (str(gguf.parent), {"gguf_file": gguf.name})
+    assert not cache.exists()  # reading a config converts nothing
+    folder = conversion.ensure_converted(gguf)
+    assert models._config_source(None) == (str(folder), {})
+    assert models._source("smollm2") == (str(folder), {})
+
+
+@pytest.mark.integration
+def test_default_model_config_without_converting(cache, capsys):
+    """A fresh machine: ``--tp`` checks need the config only, so nothing is dequantized or printed."""
+    config = models.load_config(None)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (9, 3)
+    assert not cache.exists() and capsys.readouterr().err == ""
