@@ -4,10 +4,11 @@ is reused only when it was finished by the same transformers version and convers
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from h2okv import conversion, models, paths
+from h2okv import cli, conversion, models, paths
 
 
 @pytest.fixture
@@ -148,8 +149,31 @@ def test_config_source_reads_the_gguf_until_converted(gguf, cache, conversions, 
 
 
 @pytest.mark.integration
-def test_default_model_config_without_converting(cache, capsys):
-    """A fresh machine: ``--tp`` checks need the config only, so nothing is dequantized or printed."""
+def test_fresh_machine_tp_refusal_converts_nothing(cache, capsys):
+    """An empty model cache: ``--tp`` checks need the config only, read from the GGUF's metadata,
+    so the refusal is the one line on stderr (no conversion progress before it)."""
     config = models.load_config(None)
     assert (config.num_attention_heads, config.num_key_value_heads) == (9, 3)
-    assert not cache.exists() and capsys.readouterr().err == ""
+    assert cli.main(["generate", "--prompt", "hello", "--tp", "2"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "h2okv: error: --tp 2: the default model (SmolLM2-135M-Instruct) has 3 KV heads, which do not "
+        "divide by 2 (each rank holds whole heads); use --tp 1, 3"]
+    assert not cache.exists()
+
+
+@pytest.mark.integration
+def test_default_model_converted_into_an_empty_cache_tokenizes_like_the_gguf(cache):
+    """The real conversion round trip: the saved tokenizer, read back by this transformers, gives the
+    GGUF's own token ids (the failure seen across versions put id 0 between words)."""
+    from transformers import AutoTokenizer
+
+    folder = Path(models.default_model_source())
+    assert folder.parent == cache and conversion.trusted_folder(paths.default_gguf()) == folder
+    gguf = paths.default_gguf()
+    original = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    converted = AutoTokenizer.from_pretrained(folder)
+    text = "To be, or not to be: that is the question."
+    ids = converted(text, add_special_tokens=False)["input_ids"]
+    assert ids == original(text, add_special_tokens=False)["input_ids"] and 0 not in ids
+    assert converted.decode(ids) == text
+    assert models.load_config(None).num_key_value_heads == 3
