@@ -2,6 +2,7 @@
 is reused only when it was finished by the same transformers version and conversion format."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -122,6 +123,19 @@ def test_interrupted_conversion_leaves_nothing_trusted(gguf, cache, conversions,
     with pytest.raises(KeyboardInterrupt):
         conversion.ensure_converted(gguf)
     assert list(cache.iterdir()) == []
+
+
+def test_folders_of_a_killed_conversion_are_removed_when_old(gguf, cache, conversions):
+    folder = conversion.converted_folder(gguf)
+    cache.mkdir()
+    old, recent = cache / f".convert-{folder.name}-old", cache / f".convert-{folder.name}-live"
+    for leftover in (old, recent):
+        leftover.mkdir()
+        (leftover / "model.safetensors").write_bytes(b"part")
+    hours_ago = os.stat(old).st_mtime - conversion.ABANDONED_AFTER_S - 60
+    os.utime(old, (hours_ago, hours_ago))
+    conversion.ensure_converted(gguf)
+    assert sorted(p.name for p in cache.iterdir()) == sorted([folder.name, recent.name])
 
 
 def test_a_finished_conversion_from_another_process_is_kept(gguf, cache, conversions, monkeypatch):

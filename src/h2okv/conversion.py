@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -26,6 +27,9 @@ from h2okv import paths
 # converted again instead of trusted (1 was the unversioned ``<stem>-<size>`` layout)
 FORMAT_VERSION = 2
 MANIFEST = "h2okv-conversion.json"
+# a temporary folder this old was abandoned (a killed process); a live conversion writes into its
+# folder within minutes (the 0.5B Qwen takes ~200 s in all)
+ABANDONED_AFTER_S = 6 * 3600
 
 
 def transformers_version() -> str:
@@ -73,6 +77,7 @@ def ensure_converted(gguf: Path) -> Path:
     why = f"replacing {folder}: {reason}" if folder.exists() else f"saving it in {folder}"
     print(f"h2okv: converting {gguf.name} once for transformers {key['transformers']} ({why})", file=sys.stderr)
     folder.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(folder)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".convert-{folder.name}-"))
     try:
         write_plain_checkpoint(gguf, tmp)
@@ -82,6 +87,18 @@ def ensure_converted(gguf: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
     return folder
+
+
+def _remove_abandoned(folder: Path) -> None:
+    """Delete temporary folders that a killed conversion of ``folder`` left (never trusted, but large)."""
+    cutoff = time.time() - ABANDONED_AFTER_S
+    for prefix in (".convert-", ".stale-"):
+        for leftover in folder.parent.glob(f"{prefix}{folder.name}-*"):
+            try:
+                if leftover.stat().st_mtime < cutoff:
+                    shutil.rmtree(leftover, ignore_errors=True)
+            except OSError:  # another process removed it first
+                pass
 
 
 def _publish(tmp: Path, folder: Path, key: dict) -> None:
