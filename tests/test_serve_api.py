@@ -186,16 +186,16 @@ def test_malformed_bodies(server, client, raw):
 
 
 def test_failure_in_one_request_is_a_500(client, monkeypatch):
-    import h2okv.serve.engine as engine_module
+    import h2okv.serve.outputs as outputs_module
 
-    real = engine_module.sample
+    real = outputs_module.sample
 
     def poisoned(logits, temperature, top_p, generator):
         if temperature == 0.5:
             raise RuntimeError("poisoned")
         return real(logits, temperature, top_p, generator)
 
-    monkeypatch.setattr(engine_module, "sample", poisoned)
+    monkeypatch.setattr(outputs_module, "sample", poisoned)
     with pytest.raises(openai.InternalServerError, match="poisoned"):
         client.completions.create(model=NAME, prompt="x", max_tokens=3, temperature=0.5)
     with pytest.raises(openai.APIError, match="poisoned"):
