@@ -285,3 +285,17 @@ def test_non_streaming_client_that_gives_up_is_cancelled(model_tok):
         assert after["h2okv_kv_bytes_in_use"] == 0
         assert after["h2okv_generated_tokens_total"] < LIMIT - 10
         assert 'h2okv_requests_finished_total{outcome="cancelled"} 1.0' in httpx.get(url + "/metrics").text
+
+
+def test_runtime_error_kinds_map_to_statuses():
+    """The runtime says what went wrong; the HTTP layer alone says which status that is."""
+    from h2okv.serve.api.errors import APIError
+    from h2okv.serve.errors import ErrorKind, ServeError
+
+    want = {ErrorKind.INVALID_REQUEST: (400, "invalid_request_error"), ErrorKind.OVERLOADED: (429, "rate_limit_error"),
+            ErrorKind.UNAVAILABLE: (503, "server_error"), ErrorKind.INTERNAL: (500, "server_error")}
+    for kind, (status, type_) in want.items():
+        error = APIError.from_serve_error(ServeError(kind, "why", param="max_tokens", code="some_code"))
+        assert (error.status, error.type) == (status, type_)
+        assert error.body() == {"error": {"message": "why", "type": type_, "param": "max_tokens", "code": "some_code"}}
+    assert set(want) == set(ErrorKind)
