@@ -10,7 +10,7 @@ import torch
 from h2okv import H2OCache
 from h2okv.serve.batch import DecodeBatch
 from h2okv.serve.engine import Engine, GenerationRequest
-from h2okv.serve.errors import ErrorKind
+from h2okv.serve.errors import ErrorKind, ServeError
 from h2okv.serve.memory import footprint_slots, kv_limit, prefill_chunks, reservation
 from h2okv.serve.text import TextStream
 from h2okv.tools.tiny_chat import tiny_chat_model
@@ -367,7 +367,7 @@ def test_request_that_can_never_fit_is_rejected(model_tok):
     eng = Engine(model, tok, prefill_chunk=CHUNK, kv_memory=10_000)
     eng.start()
     try:
-        with pytest.raises(Exception, match="kv-memory") as info:
+        with pytest.raises(ServeError, match="kv-memory") as info:
             eng.submit(GenerationRequest(prompt(200, 0), 50, "full"))
         assert info.value.kind is ErrorKind.INVALID_REQUEST and info.value.code == "kv_memory_exceeded"
     finally:
