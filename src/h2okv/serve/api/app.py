@@ -1,8 +1,9 @@
 """The FastAPI application: OpenAI-compatible routes in front of one ``Engine``.
 
-Only the routes live here. A completion or chat request goes through ``serving.py`` (validation,
-tokenisation, the fan-out for ``n``, the answer); errors leave in OpenAI's format (``errors.py``);
-an API key guards every route but ``/health`` (``auth.py``).
+``create_app`` wires the engine, the metrics and the request path together; ``add_routes``
+declares the routes; nothing else lives here. A completion or chat request goes through
+``serving.py`` (validation, tokenisation, the fan-out for ``n``, the answer); errors leave in
+OpenAI's format (``errors.py``); an API key guards every route but ``/health`` (``auth.py``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,13 @@ def create_app(
     if api_key:
         app.add_middleware(RequireAPIKey, api_key=api_key, on_refused=lambda: count_error(401))
 
+    add_routes(app, engine, metrics, serving)
+    return app
+
+
+def add_routes(app: FastAPI, engine: Engine, metrics: ServeMetrics, serving: Serving) -> None:
+    """The routes: health, Prometheus metrics, the model list and the two generation endpoints."""
+
     @app.get("/health")
     async def health():
         if not engine.alive:
@@ -99,5 +107,3 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await serving.respond(body, request)
-
-    return app
