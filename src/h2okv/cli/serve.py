@@ -100,7 +100,7 @@ def register(sub) -> None:
 
 
 def run_serve(args) -> int:
-    from h2okv.serve import EvictionDefaults
+    from h2okv.serve.eviction import EvictionDefaults
     from h2okv.serve.memory import kv_limit
 
     eviction = EvictionDefaults(policy=check_policy(args.policy), **budget_from_args(args))

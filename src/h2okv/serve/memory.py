@@ -34,10 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from h2okv.core import H2OCache
+from h2okv.core.layer import GROWTH_MIN  # how much an empty layer grows on a 1-token write
 from h2okv.errors import H2OError
-
-# ensure_free in cache.py grows an empty layer by this many slots on a single-token write
-_FIRST_GROWTH = 32
 
 
 def bytes_per_slot(model) -> int:
@@ -84,13 +82,13 @@ def reservation(prompt_len: int, max_tokens: int, budget: int | None, chunk: int
     held = prompt_len - (stop - start)  # at most, before any step of its prefill
     if budget is None:
         slots = total
-        peak = prompt_len if prompt_len > 1 else _FIRST_GROWTH
+        peak = prompt_len if prompt_len > 1 else GROWTH_MIN
         shared = held + chunk
     else:
         slots = min(budget + 1, total)
-        peak = min(prompt_len, budget + chunk) if prompt_len > 1 else min(_FIRST_GROWTH, budget + 1)
-        # a step whose rows all feed one token grows an empty cache by _FIRST_GROWTH (amortised growth)
-        shared = min(held, budget) + chunk if prompt_len > 1 else max(chunk, min(_FIRST_GROWTH, budget + 1))
+        peak = min(prompt_len, budget + chunk) if prompt_len > 1 else min(GROWTH_MIN, budget + 1)
+        # a step whose rows all feed one token grows an empty cache by GROWTH_MIN (amortised growth)
+        shared = min(held, budget) + chunk if prompt_len > 1 else max(chunk, min(GROWTH_MIN, budget + 1))
     return Reservation(slots, peak, max(peak, shared))
 
 

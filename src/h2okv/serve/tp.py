@@ -25,7 +25,7 @@ these rows, close that uid), so they do what rank 0 decided, whatever it was.
 - An idle rank 0 sends a heartbeat every few seconds, so a follower waiting for the next call never
   reaches ``--tp-timeout`` while rank 0 lives, and learns within a heartbeat when it does not.
 
-**Shutdown.** Rank 0 alone reacts to SIGTERM: it drains (``server.py``), then sends ``stop``; each
+**Shutdown.** Rank 0 alone reacts to SIGTERM: it drains (``api/server.py``), then sends ``stop``; each
 follower leaves its loop and every rank exits 0. Followers ignore SIGTERM and SIGINT (torchrun
 sends SIGTERM to every rank; the stop comes from rank 0 once it has drained).
 """

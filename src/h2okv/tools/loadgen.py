@@ -203,8 +203,9 @@ def bench(model, tokenizer, *, policies: list[str], kv_memory: int, requests: in
     """Serve ``model`` once per (schedule, policy) at the same ``kv_memory``; drive each with the same
     prompts (and arrival times)."""
     from h2okv.policies import make_policy
-    from h2okv.serve.app import EvictionDefaults, create_app
-    from h2okv.serve.server import running_server
+    from h2okv.serve.api.app import create_app
+    from h2okv.serve.api.server import running_server
+    from h2okv.serve.eviction import EvictionDefaults
 
     prompts = hamlet_prompts(tokenizer, requests, prompt_tokens)
     payloads = [{"model": model_name, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
@@ -277,9 +278,9 @@ def ratios(rows: list[dict]) -> dict:
 
 
 def _probe_request(payload, eviction, engine):
-    from h2okv.serve.engine import GenerationRequest
+    from h2okv.serve.types import GenerationRequest
 
-    policy, heavy, recent = eviction.resolve(None, len(payload["prompt"]))
+    policy, heavy, recent = eviction.resolve(len(payload["prompt"]))
     return GenerationRequest(prompt_ids=payload["prompt"], max_tokens=payload["max_tokens"], policy=policy,
                              heavy=heavy, recent=recent)
 
@@ -331,9 +332,9 @@ def run(args) -> int:
     """``h2okv serve-bench``: load the model, bench each policy, print and write JSON."""
     from h2okv.models import load_model
     from h2okv.policies import make_policy
-    from h2okv.serve.app import EvictionDefaults
-    from h2okv.serve.engine import SCHEDULES
+    from h2okv.serve.eviction import EvictionDefaults
     from h2okv.serve.memory import kv_limit
+    from h2okv.serve.scheduler import SCHEDULES
 
     apply_profile(args)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
