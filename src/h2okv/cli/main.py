@@ -19,7 +19,7 @@ def subcommand_modules() -> list[str]:
     from h2okv import cli
 
     names = sorted(m.name for m in pkgutil.iter_modules(cli.__path__) if not m.name.startswith("_"))
-    return [f"{cli.__name__}.{n}" for n in names if n not in ("common", "main")]
+    return [f"{cli.__name__}.{n}" for n in names if n not in ("args", "main")]
 
 
 class _Parser(argparse.ArgumentParser):
