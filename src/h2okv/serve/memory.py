@@ -28,14 +28,12 @@ prompt not started, so once the groups drain that prompt fits.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from h2okv.core import H2OCache
 from h2okv.core.layer import GROWTH_MIN  # how much an empty layer grows on a 1-token write
-from h2okv.errors import H2OError
 
 
 def bytes_per_slot(model) -> int:
@@ -103,24 +101,3 @@ def footprint_slots(batches: dict[str, list[Reservation]], prefilling: list[Rese
         return decode + max((r.prefill_extra for r in prefilling), default=0)
     started = sum(len(rows) * max(r.shared_extra for r in rows) for rows in groups.values() if rows)
     return decode + started + max((r.shared_extra for r in prefilling), default=0)
-
-
-def kv_limit(value) -> int | None:
-    """``--kv-memory``: bytes, with an optional K/M/G (binary) suffix; None or 'inf' for no limit."""
-    if value is None:
-        return None
-    text = str(value).strip().upper().removesuffix("B").removesuffix("I")
-    scale = 1
-    for suffix, factor in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
-        if text.endswith(suffix):
-            text, scale = text[:-1], factor
-            break
-    try:
-        number = float(text)
-    except ValueError:
-        raise H2OError(f"--kv-memory must be a byte count like 64M or 2G, got {value!r}") from None
-    if math.isinf(number):
-        return None
-    if not number > 0:
-        raise H2OError(f"--kv-memory must be > 0, got {value!r}")
-    return int(number * scale)
