@@ -2,11 +2,12 @@
 
 | module | job |
 | --- | --- |
+| ``reference.py`` | Algorithm 1 as a plain per-token loop: the spec the tests hold the fast paths to |
+| ``attention.py`` | the registered attention function, the update -> attend hand-over, the mass-returning attention over slots, model preparation |
+| ``layer.py`` | ``SlotLayer``: transformers' cache-layer protocol, routing a forward call, accounting |
+| ``step.py`` | the eviction rule (once), the general step, the decode fast path |
+| ``scan.py`` | per-token eviction over a whole call, the recurrence only |
 | ``storage.py`` | one layer's slot buffers; resize/compaction and row operations |
-| ``step.py`` | the general step: write a chunk into free slots, attend, fold mass into scores |
-| ``evict.py`` | candidates (recent window, sinks) and freeing the policy's lowest-ranked |
-| ``decode.py`` | one-token steps once every row is at its budget, in the fewest ops |
-| ``layer.py`` | ``SlotLayer``: transformers' cache-layer protocol, routing, accounting |
 | ``budget.py`` | ``BudgetSpec``: what the user asked for, resolved per row |
 | ``cache.py`` | ``H2OCache`` and its public row operations |
 """
