@@ -8,12 +8,25 @@
 | ``step.py`` | the eviction rule (once), the general step, the decode fast path |
 | ``scan.py`` | per-token eviction over a whole call, the recurrence only |
 | ``storage.py`` | one layer's slot buffers; resize/compaction and row operations |
-| ``budget.py`` | ``BudgetSpec``: what the user asked for, resolved per row |
+| ``budget.py`` | ``BudgetSpec``: what the user asked for, resolved per row; a budget fraction's split, once |
 | ``cache.py`` | ``H2OCache`` and its public row operations |
 """
 
-from h2okv.core.budget import BudgetSpec
-from h2okv.core.cache import DEFAULT_CHUNK, H2OCache
-from h2okv.core.layer import SlotLayer
+from h2okv.core.budget import BudgetSpec, fraction_budget
 
-__all__ = ["DEFAULT_CHUNK", "BudgetSpec", "H2OCache", "SlotLayer"]
+# the cache and its layers load transformers on first use: budget arithmetic (reports, argument
+# checks) should not pay for it
+_LAZY = {"DEFAULT_CHUNK": "h2okv.core.cache", "H2OCache": "h2okv.core.cache", "SlotLayer": "h2okv.core.layer"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["DEFAULT_CHUNK", "BudgetSpec", "H2OCache", "SlotLayer", "fraction_budget"]

@@ -75,6 +75,7 @@ def run(args) -> int:
     import torch
     from lm_eval.models.huggingface import HFLM
 
+    from h2okv.core import fraction_budget
     from h2okv.eval.lm_eval_model import H2OLM
 
     policy = check_policy(args.policy)
@@ -85,7 +86,7 @@ def run(args) -> int:
     torch.set_num_threads(args.threads)
     offline.install()
     manager = task_manager_for(tasks, [])
-    budget = {} if policy == "full" else {"heavy_ratio": args.budget / 2, "recent_ratio": args.budget / 2}
+    budget = fraction_budget(policy, args.budget)
     ours = H2OLM(pretrained=args.model or "", policy=policy, batch_size=args.batch_size, device="cpu", **budget)
     hf = HFLM(pretrained=hf_source(args.model), device="cpu", dtype="float32", batch_size=args.hf_batch_size)
     rows = {}
