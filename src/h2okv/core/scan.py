@@ -35,6 +35,7 @@ class ScanState:
     """What the recurrence carries from token to token (all ``[B, Hkv, keys]``)."""
 
     bias: torch.Tensor  # float32: 0 live, -inf free, evicted or not yet written
+    blocked: torch.Tensor  # bool: never a candidate in this call: a free old slot, an evicted key, a sink
     score: torch.Tensor  # float32: the policy's per-key score
     ordinal: torch.Tensor  # long: the key's ordinal among its sequence's real tokens
 
@@ -46,14 +47,13 @@ class ScanPlan:
     first_new: int  # index of new token 0 among the keys (= old capacity)
     n0: int  # real tokens seen before the call
     recent: int
-    sinks: int | None  # protected first tokens, None when there are none
     evict_from: int  # the first step that evicts (the row is at its budget after it writes)
 
 
 def scan_block(probs: torch.Tensor, state: ScanState, plan: ScanPlan, start: int, policy, layer_idx: int) -> None:
     """Run tokens ``start .. start + block - 1``: ``probs`` ``[B, Hkv, g, block, keys]`` holds their
     scaled logits on entry and their attention probabilities on return; ``state`` is advanced."""
-    bias, score = state.bias, state.score
+    bias, blocked, score = state.bias, state.blocked, state.score
     evicts = policy.evicts
     # n_real after token i, as the [B, 1, 1]-broadcastable tensor the policy's key expects
     n_real = (plan.n0 + 1 + torch.arange(start, start + probs.shape[3], device=bias.device)).view(-1, 1, 1, 1)
@@ -67,10 +67,12 @@ def scan_block(probs: torch.Tensor, state: ScanState, plan: ScanPlan, start: int
         if policy.needs_scores:
             policy.accumulate(score, p.sum(dim=2))
         if evicts and i >= plan.evict_from:
-            # keys not yet written are shielded by the window (their ordinals lie ahead of it)
-            shielded = protected(state.ordinal, plan.n0 + i + 1 - plan.recent, plan.sinks) | bias.isinf()
+            # the rule's window moves every token; its sinks are in ``blocked``, fixed for the call.
+            # Keys not yet written are shielded by the window (their ordinals lie ahead of it).
+            shielded = protected(state.ordinal, plan.n0 + i + 1 - plan.recent) | blocked
             victim = eviction_rank(policy, layer_idx, score, state.ordinal, n_real[t], shielded).argmin(-1, keepdim=True)
             bias.scatter_(-1, victim, -math.inf)
+            blocked.scatter_(-1, victim, True)
 
 
 def can_scan(layer, nonpad, sliding_window) -> bool:
@@ -105,8 +107,10 @@ def token_scan(layer, query, key_new, value_new, scaling) -> torch.Tensor:
     ordinal = torch.cat([layer.ordinal, new_ord], dim=2)
     bias = torch.full((b, hkv, total), -math.inf, device=device)
     bias[:, :, :cap].masked_fill_(layer.valid, 0.0)
+    blocked = protected(ordinal, None, sinks or None)
+    blocked[:, :, :cap] |= ~layer.valid
     score = torch.cat([layer.score, torch.zeros(b, hkv, n, device=device)], dim=2)
-    plan = ScanPlan(cap, n0, recent, sinks or None, budget - live0)
+    plan = ScanPlan(cap, n0, recent, budget - live0)
 
     packed = query.reshape(b, hkv, g, n, d)
     block = max(1, min(n, BLOCK_QUERIES, BLOCK_BYTES // max(1, 4 * b * hq * total)))
@@ -117,7 +121,7 @@ def token_scan(layer, query, key_new, value_new, scaling) -> torch.Tensor:
         logits = torch.matmul(packed[:, :, :, start:stop], keys[:, :, None, :width].transpose(-1, -2))
         logits = logits.float() if logits.dtype != torch.float32 else logits
         logits.mul_(scaling)
-        sub = ScanState(bias[..., :width], score[..., :width], ordinal[..., :width])
+        sub = ScanState(bias[..., :width], blocked[..., :width], score[..., :width], ordinal[..., :width])
         scan_block(logits, sub, plan, start, policy, layer.layer_idx)
         probs = logits if logits.dtype == values.dtype else logits.to(values.dtype)
         outs.append(torch.matmul(probs, values[:, :, None, :width]))  # [B, Hkv, g, blk, Dv]

@@ -9,7 +9,11 @@ attention mass into the policy's scores, evict the lowest-ranked candidates.
 - ``chunk_step``: the general step, for any forward call that is not a plain decode step.
 - ``decode_step``: one real token per row, in the fewest ops once every row is at its budget.
 
-The plain loop these compute is ``reference.py``; the tests hold each path to it.
+A layer (``SlotLayer``, buffers in ``storage.py``) holds per (row, KV head) ``capacity`` slots:
+``keys``/``values`` ``[B, H, cap, D]``, the policy's ``score`` ``[B, H, cap]`` (float32), each
+token's ``ordinal`` among its row's real tokens, and ``valid`` (the slot is live); per row
+``n_real`` (real tokens seen) and the budget ``heavy``, ``recent``, ``sinks``. The plain loop
+these steps compute is ``reference.py``; the tests hold each path to it.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ from h2okv.core.attention import slot_attention
 def protected(ordinal, recent_start, sinks=None) -> torch.Tensor:
     """Slots no policy may evict: ordinals from ``recent_start`` on (the row's recent window) and,
     when ``sinks`` is given, below ``sinks`` (its first tokens). The bounds broadcast against
-    ``ordinal`` (``[B, 1, 1]`` tensors or ints)."""
-    shielded = ordinal >= recent_start
+    ``ordinal`` (``[B, 1, 1]`` tensors or ints); ``recent_start=None`` leaves the window out."""
+    shielded = ordinal >= recent_start if recent_start is not None else torch.zeros_like(ordinal, dtype=torch.bool)
     if sinks is not None:
         shielded |= ordinal < sinks
     return shielded
