@@ -1,7 +1,8 @@
-"""SlotLayer against a plain, loop-per-token reference of Algorithm 1 (H2 eviction).
+"""The cache's paths against ``h2okv.core.reference``, the plain per-token loop of Algorithm 1.
 
-The reference keeps, per (sequence, KV head), an explicit list of kept token indices and a dict of
-accumulated scores; the query heads of a GQA group add their probability mass to their KV head.
+The general step (``step.chunk_step``), the decode fast path (``step.decode_step``) and the
+per-token scan (``scan.token_scan``) must keep the same tokens and give the same attention
+outputs as the loop; each policy's hooks are checked against the rule it states.
 """
 
 import math
@@ -11,39 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import h2okv.core.layer as layer_mod
 from h2okv import H2OCache
+from h2okv.core.reference import reference
+from h2okv.policies import make_policy
 from h2okv.tools.tiny import random_ids, tiny_model
 
 MODEL = tiny_model("llama")
-
-
-def reference_h2o(q, k, v, heavy, recent, chunk, scale):
-    """q [Hq, n, D], k/v [Hkv, n, D] -> (out [Hq, n, D], kept sets per KV head)."""
-    hq, n, _ = q.shape
-    hkv = k.shape[0]
-    g = hq // hkv
-    out = torch.zeros_like(q)
-    kept_all = []
-    for h in range(hkv):
-        kept, score = [], {}
-        for start in range(0, n, chunk):
-            stop = min(start + chunk, n)
-            for i in range(start, stop):
-                visible = kept + list(range(start, i + 1))
-                for qh in range(h * g, (h + 1) * g):
-                    logits = torch.stack([q[qh, i] @ k[h, j] for j in visible]) * scale
-                    p = torch.softmax(logits.double(), 0)
-                    out[qh, i] = sum(float(p[a]) * v[h, j] for a, j in enumerate(visible))
-                    for a, j in enumerate(visible):
-                        score[j] = score.get(j, 0.0) + float(p[a])
-            kept = kept + list(range(start, stop))
-            seen = stop
-            while len(kept) > heavy + recent:
-                candidates = [j for j in kept if j < seen - recent]
-                victim = min(candidates, key=lambda j: score[j])
-                kept.remove(victim)
-        kept_all.append(sorted(kept))
-    return out, kept_all
 
 
 def run_layer(q, k, v, heavy, recent, chunk, scale, policy="h2o"):
@@ -88,13 +63,14 @@ def test_slot_layer_matches_reference_algorithm(n, heavy, recent, chunk, groups,
     q, k, v = random_qkv(seed, hkv * groups, hkv, n, d)
     scale = d**-0.5
     out, kept = run_layer(q, k, v, heavy, recent, chunk, scale)
-    ref_out, ref_kept = reference_h2o(q[0], k[0], v[0], heavy, recent, chunk, scale)
+    ref_out, ref_kept = reference(q[0], k[0], v[0], "h2o", heavy, recent, chunk=chunk, scale=scale)
     assert kept[0] == ref_kept
-    torch.testing.assert_close(out[0], ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[0], ref_out.float(), atol=1e-5, rtol=1e-5)
 
 
 
 # -- every policy's rule, token by token ----------------------------------------------------------
+# what each policy states, written out independently of its hooks (test_policy_hooks_state_their_rule)
 SINKS = {"h2o-sink": 4, "sink": 4}
 
 
@@ -105,59 +81,6 @@ def split(policy, heavy, recent):
         sinks = min(4, heavy + recent - 1)
         return sinks, heavy + recent - sinks
     return heavy, recent
-
-
-def reference_policy(q, k, v, heavy, recent, calls, chunk, scale, h, policy, window=32, kernel=7):
-    """One KV head, plain Python: the tokens arrive in forward calls ``calls`` ([(start, stop)]),
-    each read in chunks of ``chunk``. Returns (out [g, n, D] of the group's query heads, kept)."""
-    g = q.shape[0] // k.shape[0]
-    n = q.shape[1]
-    heavy, recent = split(policy, heavy, recent)
-    sinks = min(SINKS.get(policy, 0), heavy)
-    out = torch.zeros(g, n, q.shape[-1])
-    kept, score = [], {}
-
-    def probs(i, visible, qh):
-        logits = torch.stack([q[qh, i] @ k[h, j] for j in visible]) * scale
-        return torch.softmax(logits.double(), 0)
-
-    for c0, c1 in calls:
-        snap = None
-        if policy == "snapkv" and c1 - c0 > 1 and chunk > 1:
-            # the call's last `window` queries over the kept old tokens and the call up to themselves
-            mass = {}
-            for i in range(max(c0, c1 - window), c1):
-                visible = kept + list(range(c0, i + 1))
-                for qh in range(h * g, (h + 1) * g):
-                    for a, j in enumerate(visible):
-                        mass[j] = mass.get(j, 0.0) + float(probs(i, visible, qh)[a])
-            for j in kept:
-                score[j] = mass.get(j, 0.0)
-            new = [mass.get(j, 0.0) for j in range(c0, c1)]
-            half = kernel // 2
-            snap = {j: sum(new[max(0, a - half): a + half + 1]) / len(new[max(0, a - half): a + half + 1])
-                    for a, j in enumerate(range(c0, c1))}
-        for start in range(c0, c1, chunk if c1 - c0 > 1 else 1):
-            stop = min(start + chunk, c1)
-            mass = {}
-            for i in range(start, stop):
-                visible = kept + list(range(start, i + 1))
-                for qh in range(h * g, (h + 1) * g):
-                    p = probs(i, visible, qh)
-                    out[qh - h * g, i] = sum(float(p[a]) * v[h, j] for a, j in enumerate(visible))
-                    if policy != "tova" or i == stop - 1:  # tova: only the latest query counts
-                        for a, j in enumerate(visible):
-                            mass[j] = mass.get(j, 0.0) + float(p[a])
-            for j in range(start, stop):
-                score[j] = snap[j] if snap is not None else 0.0
-            if snap is None:
-                for j, m in mass.items():
-                    score[j] = m if policy == "tova" else score[j] + m
-            kept = kept + list(range(start, stop))
-            while len(kept) > heavy + recent:
-                candidates = [j for j in kept if sinks <= j < stop - recent]
-                kept.remove(min(candidates, key=lambda j, seen=stop: rank(policy, score, j, seen)))
-    return out, sorted(kept)
 
 
 def rank(policy, score, j, seen):
@@ -182,11 +105,98 @@ def test_every_policy_matches_its_reference_rule(policy, n, heavy, recent, chunk
     scale = d**-0.5
     spec = "snapkv:window=5,kernel=3" if policy == "snapkv" else policy
     out, kept = run_layer(q, k, v, heavy, recent, chunk, scale, policy=spec)
-    for h in range(hkv):
-        ref_out, ref_kept = reference_policy(q[0], k[0], v[0], heavy, recent, [(0, n)], chunk, scale, h, policy,
-                                             window=5, kernel=3)
-        assert kept[0][h] == ref_kept, h
-        torch.testing.assert_close(out[0, h * groups:(h + 1) * groups], ref_out.float(), atol=1e-5, rtol=1e-5)
+    ref_out, ref_kept = reference(q[0], k[0], v[0], spec, heavy, recent, chunk=chunk, scale=scale)
+    assert kept[0] == ref_kept
+    torch.testing.assert_close(out[0], ref_out.float(), atol=1e-5, rtol=1e-5)
+
+
+# each path, named, with a spy that proves it ran: a divergence in any one of them fails here
+PATH_CASES = {
+    # path in layer.py: (chunk_size, forward calls, how many times it must run)
+    "chunk_step": (4, [(0, 30)], 8),
+    # per-token calls; the second and third start with old slots inside the recent window
+    "token_scan": (1, [(0, 13), (13, 20), (20, 30)], 3),
+    # a chunked prompt, then one token per call with every row at its budget (the fast state)
+    "decode_step": (4, [(0, 12)] + [(t, t + 1) for t in range(12, 30)], 18),
+}
+
+
+@pytest.mark.parametrize("path", PATH_CASES)
+@pytest.mark.parametrize("policy", RULE_POLICIES)
+def test_each_path_matches_the_reference(path, policy, monkeypatch):
+    chunk, calls, runs = PATH_CASES[path]
+    original, taken = getattr(layer_mod, path), []
+
+    def spy(layer, *args, **kwargs):
+        if path != "decode_step" or layer.fast is not None:
+            taken.append(path)
+        return original(layer, *args, **kwargs)
+
+    monkeypatch.setattr(layer_mod, path, spy)
+    hq, hkv, n, d, heavy, recent = 6, 2, 30, 8, 5, 4
+    q, k, v = random_qkv(21, hq, hkv, n, d)
+    # the first tokens draw little attention, so whether a path protects the sinks shows
+    lean = torch.full((d,), 0.7)
+    q += lean
+    k[:, :, :4] = 0.1 * k[:, :, :4] - 2 * lean  # distinct keys: no ties in the ranks
+    spec = "snapkv:window=6,kernel=3" if policy == "snapkv" else policy
+    cache = H2OCache(MODEL, policy=spec, heavy=heavy, recent=recent, chunk_size=chunk)
+    layer = cache.layers[0]
+    outs = []
+    for c0, c1 in calls:
+        sl = slice(c0, c1)
+        layer.update(k[:, :, sl], v[:, :, sl])
+        outs.append(layer.attend(q[:, :, sl], k[:, :, sl], v[:, :, sl], None, d**-0.5).transpose(1, 2))
+    assert len(taken) == runs
+    ref_out, ref_kept = reference(q[0], k[0], v[0], spec, heavy, recent, calls, chunk=chunk, scale=d**-0.5)
+    assert [sorted(layer.ordinal[0, h][layer.valid[0, h]].tolist()) for h in range(hkv)] == ref_kept
+    torch.testing.assert_close(torch.cat(outs, dim=2)[0], ref_out.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", RULE_POLICIES)
+def test_policy_hooks_state_their_rule(policy):
+    """The hooks the reference (and the cache) call, against each policy's rule written out."""
+    p = make_policy(policy)
+    assert (p.split(5, 4).heavy, p.split(5, 4).recent) == split(policy, 5, 4)
+    assert p.sink_tokens == SINKS.get(policy, 0)
+    assert p.needs_scores == (policy not in ("local", "sink"))
+    assert p.score_queries == ("last" if policy == "tova" else "all")
+    g = torch.Generator().manual_seed(4)
+    score, ordinal, seen = torch.rand(12, generator=g, dtype=torch.float64), torch.randperm(12, generator=g), 15
+    by_token = dict(zip(ordinal.tolist(), score.tolist(), strict=True))
+    expected = torch.tensor([float(rank(policy, by_token, j, seen)) for j in ordinal.tolist()], dtype=torch.float64)
+    key = p.eviction_key(score, ordinal, torch.tensor(seen))
+    assert torch.equal(key.argsort(), expected.argsort())
+    folded, mass = score.clone(), torch.rand(12, generator=g, dtype=torch.float64)
+    p.accumulate(folded, mass)
+    torch.testing.assert_close(folded, mass if policy == "tova" else score + mass)
+
+
+def snapkv_rule(q, k, kept, c0, c1, scale, window, kernel):
+    """SnapKV for one KV head in plain Python: the call's last ``window`` queries over the kept
+    tokens and the call up to themselves; the call's tokens averaged over ``kernel`` neighbours."""
+    mass = {}
+    for i in range(max(c0, c1 - window), c1):
+        visible = kept + list(range(c0, i + 1))
+        for qh in range(q.shape[0]):
+            p = torch.softmax(torch.stack([q[qh, i] @ k[j] for j in visible]).double() * scale, 0)
+            for a, j in enumerate(visible):
+                mass[j] = mass.get(j, 0.0) + float(p[a])
+    new = [mass.get(j, 0.0) for j in range(c0, c1)]
+    half = kernel // 2
+    smooth = [sum(new[max(0, a - half):a + half + 1]) / len(new[max(0, a - half):a + half + 1]) for a in range(len(new))]
+    return [mass.get(j, 0.0) for j in kept], smooth
+
+
+@pytest.mark.parametrize("kept", [[], [0, 2, 5, 7]])
+def test_snapkv_prefill_scores_state_its_rule(kept):
+    q, k, _ = random_qkv(9, 3, 1, 20, 8)
+    policy = make_policy("snapkv:window=5,kernel=3")
+    old, new = policy.prefill_scores(q[:, :, 8:20], k[:, :, 8:20], k[:, :, kept], torch.ones(1, 1, len(kept), dtype=torch.bool),
+                                     torch.tensor([12]), 8**-0.5)
+    want_old, want_new = snapkv_rule(q[0], k[0, 0], kept, 8, 20, 8**-0.5, window=5, kernel=3)
+    torch.testing.assert_close(old[0, 0].double(), torch.tensor(want_old, dtype=torch.float64), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(new[0, 0].double(), torch.tensor(want_new, dtype=torch.float64), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("policy", RULE_POLICIES)
@@ -202,15 +212,13 @@ def test_every_policy_decodes_like_its_reference_rule(policy):
         sl = slice(c0, c1)
         layer.update(k[:, :, sl], v[:, :, sl])
         outs.append(layer.attend(q[:, :, sl], k[:, :, sl], v[:, :, sl], None, d**-0.5).transpose(1, 2))
-        total = sum(split(policy, heavy, recent))
+        total = make_policy(policy).split(heavy, recent).total
         assert int(layer.valid.sum(-1).max()) <= total
     out = torch.cat(outs, dim=2)
     calls = [(0, prompt)] + [(t, t + 1) for t in range(prompt, n)]
-    for h in range(hkv):
-        ref_out, ref_kept = reference_policy(q[0], k[0], v[0], heavy, recent, calls, 4, d**-0.5, h, policy,
-                                             window=6, kernel=3)
-        assert sorted(layer.ordinal[0, h][layer.valid[0, h]].tolist()) == ref_kept
-        torch.testing.assert_close(out[0, 3 * h:3 * (h + 1)], ref_out.float(), atol=1e-5, rtol=1e-5)
+    ref_out, ref_kept = reference(q[0], k[0], v[0], spec, heavy, recent, calls, chunk=4, scale=d**-0.5)
+    assert [sorted(layer.ordinal[0, h][layer.valid[0, h]].tolist()) for h in range(hkv)] == ref_kept
+    torch.testing.assert_close(out[0], ref_out.float(), atol=1e-5, rtol=1e-5)
 
 
 def test_decode_steps_match_reference_and_never_readmit():
@@ -239,35 +247,9 @@ def test_decode_steps_match_reference_and_never_readmit():
             previous[h] = now
     # the prompt prefix in chunks of 4 then single steps is the same as the reference with the
     # same chunking of the prompt followed by chunks of 1
-    ref_kept = []
-    for h in range(hkv):
-        _, kept_h = reference_h2o_mixed(q[0], k[0], v[0], heavy, recent, prompt, 4, d**-0.5, h)
-        ref_kept.append(kept_h)
+    calls = [(0, prompt)] + [(t, t + 1) for t in range(prompt, n)]
+    _, ref_kept = reference(q[0], k[0], v[0], "h2o", heavy, recent, calls, chunk=4, scale=d**-0.5)
     assert [sorted(p) for p in previous] == ref_kept
-
-
-def reference_h2o_mixed(q, k, v, heavy, recent, prompt, chunk, scale, h):
-    """Reference for one KV head where the first `prompt` tokens come in chunks of `chunk` and
-    the rest one by one."""
-    hkv = k.shape[0]
-    g = q.shape[0] // hkv
-    n = q.shape[1]
-    bounds = list(range(0, prompt, chunk)) + list(range(prompt, n))
-    bounds = sorted(set(bounds)) + [n]
-    kept, score = [], {}
-    for start, stop in zip(bounds[:-1], bounds[1:]):
-        for i in range(start, stop):
-            visible = kept + list(range(start, i + 1))
-            for qh in range(h * g, (h + 1) * g):
-                logits = torch.stack([q[qh, i] @ k[h, j] for j in visible]) * scale
-                p = torch.softmax(logits.double(), 0)
-                for a, j in enumerate(visible):
-                    score[j] = score.get(j, 0.0) + float(p[a])
-        kept += list(range(start, stop))
-        while len(kept) > heavy + recent:
-            candidates = [j for j in kept if j < stop - recent]
-            kept.remove(min(candidates, key=lambda j: score[j]))
-    return None, sorted(kept)
 
 
 @pytest.mark.parametrize("policy", ["local", "sink"])
@@ -349,8 +331,6 @@ def test_token_scan_equals_slot_by_slot_steps(policy, monkeypatch):
     """Per-token eviction over whole calls (core/scan.py) against the same calls run slot by slot
     (chunk_step per token): same logits and kept tokens, through a second call that starts with
     live old slots inside the recent window, and decode steps after it."""
-    import h2okv.core.layer as layer_mod
-
     model = tiny_model("qwen2")  # GQA: 4 query heads on 2 KV heads
     ids = random_ids(40, batch=2, seed=3)
 

@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache, LogitsProcessorList
 
 from h2okv import H2OCache
+from h2okv.generation import pad_rows
 from h2okv.tools.tiny import BudgetWatch, random_ids, tiny_model
 
 
@@ -108,16 +109,6 @@ def test_model_sliding_window_honoured():
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
 
 
-def left_pad(seqs, pad=0):
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s):] = torch.tensor(s)
-        mask[i, width - len(s):] = 1
-    return ids, mask
-
-
 @pytest.mark.parametrize(
     "budget",
     [{"heavy": 4, "recent": 3}, {"heavy_ratio": 0.2, "recent_ratio": 0.2}],
@@ -129,7 +120,7 @@ def test_batch_equals_single(llama, budget, chunk, policy):
     """Left-padded batch of different lengths: each row equals its batch-of-one run."""
     lengths = [30, 17, 24]
     seqs = [random_ids(n, seed=10 + i)[0].tolist() for i, n in enumerate(lengths)]
-    ids, mask = left_pad(seqs)
+    ids, mask = pad_rows(seqs, pad_id=0)
     cache = H2OCache(llama, policy=policy, chunk_size=chunk, **budget)
     tokens, logits = greedy_with_scores(llama, ids, cache, attention_mask=mask, steps=15)
     for i, s in enumerate(seqs):
@@ -143,7 +134,7 @@ def test_batch_equals_single(llama, budget, chunk, policy):
 
 def test_padding_never_kept(llama):
     seqs = [random_ids(12, seed=1)[0].tolist(), random_ids(4, seed=2)[0].tolist()]
-    ids, mask = left_pad(seqs)
+    ids, mask = pad_rows(seqs, pad_id=0)
     cache = H2OCache(llama, policy="h2o", heavy=50, recent=50)
     llama.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=3, min_new_tokens=3,
                    do_sample=False, pad_token_id=0)
@@ -193,7 +184,7 @@ def test_beam_and_batch_reordering(llama):
 def test_row_selection_keeps_budgets_in_step(llama):
     """Dropping a row (as generate and the server do) keeps per-row budgets and decoding right."""
     seqs = [random_ids(30, seed=1)[0].tolist(), random_ids(12, seed=2)[0].tolist()]
-    ids, mask = left_pad(seqs)
+    ids, mask = pad_rows(seqs, pad_id=0)
     cache = H2OCache(llama, policy="h2o", heavy_ratio=0.2, recent_ratio=0.2)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # what generate derives from a left-padded mask
     llama(ids, attention_mask=mask, position_ids=positions, past_key_values=cache)

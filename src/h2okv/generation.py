@@ -1,13 +1,14 @@
-"""Generation with an eviction policy: tokenise, run ``model.generate`` with an ``H2OCache``, report."""
+"""Generation with an eviction policy: the cache for a run, tokenising, padding a batch, running
+``model.generate`` with an ``H2OCache``, reporting."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from transformers import TextStreamer
+from transformers import DynamicCache, TextStreamer
 
-from h2okv.core import DEFAULT_CHUNK, H2OCache
+from h2okv.core import DEFAULT_CHUNK, H2OCache, fraction_budget
 from h2okv.errors import H2OError
 
 
@@ -23,6 +24,30 @@ def budget_kwargs(heavy=None, recent=None, heavy_ratio=None, recent_ratio=None) 
     """Only the budget arguments the user actually gave (so ``H2OCache`` can validate the mix)."""
     given = {"heavy": heavy, "recent": recent, "heavy_ratio": heavy_ratio, "recent_ratio": recent_ratio}
     return {k: v for k, v in given.items() if v is not None}
+
+
+def new_cache(model, policy: str | None, fraction: float | None = None, chunk_size: int = DEFAULT_CHUNK,
+              seed: int = 0):
+    """The cache for one run: an ``H2OCache`` under ``policy`` keeping ``fraction`` of each prompt
+    (``fraction_budget``; ignored for a policy that keeps everything), or, for ``policy=None``, the
+    plain ``DynamicCache`` transformers runs by default (the benchmarks' baseline)."""
+    if policy is None:
+        return DynamicCache(config=model.config)
+    return H2OCache(model, policy=policy, chunk_size=chunk_size, seed=seed, **fraction_budget(policy, fraction))
+
+
+def pad_rows(rows: list[list[int]], pad_id: int, device="cpu", side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` for token lists padded to one length on ``side``: "left"
+    for prompts (generation continues at the right edge), "right" for continuations read after a
+    cache, which moves each row's real tokens first."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        cols = slice(width - len(r), width) if side == "left" else slice(0, len(r))
+        ids[i, cols] = torch.tensor(r, dtype=torch.long)
+        mask[i, cols] = 1
+    return ids.to(device), mask.to(device)
 
 
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:

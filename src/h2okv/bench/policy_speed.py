@@ -14,11 +14,11 @@ import statistics
 import time
 
 import torch
-from transformers import DynamicCache
 
 from h2okv.bench.runner import Bench, BenchConfig
 from h2okv.core import H2OCache
 from h2okv.eval.scoring import make_cache
+from h2okv.generation import new_cache
 from h2okv.policies import policy_class
 
 
@@ -26,10 +26,7 @@ class PolicyBench(Bench):
     """``Bench`` whose evicting caches use any policy name (``reference`` and ``full`` stay plain)."""
 
     def _new_cache(self, policy: str):
-        if policy in ("full", "reference"):
-            return DynamicCache(config=self.model.config)
-        r = self.cfg.ratio
-        return H2OCache(self.model, policy=policy, heavy_ratio=r, recent_ratio=r, chunk_size=self.cfg.chunk_size)
+        return new_cache(self.model, None if policy in ("full", "reference") else policy, self.cfg.budget, self.cfg.chunk_size)
 
 
 def decode_costs(model, tokenizer, policies: list[str], context: int, budget: float, steps: int, progress=None) -> dict:
@@ -56,7 +53,7 @@ def decode_costs(model, tokenizer, policies: list[str], context: int, budget: fl
 def scoring_costs(model, ids: torch.Tensor, policies: list[str], budget: float, repeats: int = 1, progress=None) -> dict:
     """Seconds of a per-token-eviction pass per policy and of a plain forward, and their ratio."""
     def plain():
-        model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
+        model(ids, past_key_values=new_cache(model, None), use_cache=True)
 
     def scored(policy):
         def run():

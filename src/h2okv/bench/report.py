@@ -101,10 +101,11 @@ def markdown(result: dict) -> str:
 
 
 def _settings(result: dict) -> list[str]:
+    from h2okv.core.budget import BudgetSpec
     env = result["environment"]
     lines = [
         f"Model `{env['model']}` on {env['device']} ({env['dtype']}, {env['threads']} threads), "
-        f"budget {result['config']['budget']:.0%} (heavy = recent = {result['config']['budget'] / 2:.0%} of the prompt).",
+        f"budget {result['config']['budget']:.0%} (heavy = recent = {BudgetSpec.from_fraction(result['config']['budget']).heavy_ratio:.0%} of the prompt).",
         "",
         "Decode: one prefilled sequence replicated across the batch; step = median of interleaved steps.",
     ]

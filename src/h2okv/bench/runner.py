@@ -27,12 +27,12 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from h2okv.bench.memory import cache_kv_bytes, kv_bytes_per_token, measure_peak
 from h2okv.bench.report import check_targets
-from h2okv.core import H2OCache
+from h2okv.core import BudgetSpec
 from h2okv.errors import H2OError
+from h2okv.generation import new_cache
 
 POLICIES = ("full", "h2o", "reference")
 
@@ -76,7 +76,7 @@ class BenchConfig:
 
     @property
     def ratio(self) -> float:
-        return self.budget / 2
+        return BudgetSpec.from_fraction(self.budget).heavy_ratio
 
 
 def prompt_ids(tokenizer, play: str, n_tokens: int, vocab_size: int | None = None) -> torch.Tensor:
@@ -140,10 +140,7 @@ class Bench:
 
     # -- caches ----------------------------------------------------------------------------------
     def _new_cache(self, policy: str):
-        if policy == "h2o":
-            r = self.cfg.ratio
-            return H2OCache(self.model, policy="h2o", heavy_ratio=r, recent_ratio=r, chunk_size=self.cfg.chunk_size)
-        return DynamicCache(config=self.model.config)
+        return new_cache(self.model, "h2o" if policy == "h2o" else None, self.cfg.budget, self.cfg.chunk_size)
 
     def budget_tokens(self, context: int) -> int:
         """Slots H2O keeps per (layer, head) for a ``context``-token prompt (heavy + recent)."""

@@ -14,22 +14,19 @@ import statistics
 import time
 
 import torch
-from transformers import DynamicCache
 
 from h2okv.bench.memory import cache_kv_bytes
 from h2okv.bench.report import write_report
 from h2okv.bench.runner import Timer, environment, prompt_ids
-from h2okv.core import H2OCache
+from h2okv.core import BudgetSpec
+from h2okv.generation import new_cache
 from h2okv.parallel.ranks import is_main_rank
 
 POLICIES = ("full", "h2o")
 
 
 def _new_cache(model, policy: str, budget: float, chunk_size: int):
-    if policy == "h2o":
-        half = budget / 2
-        return H2OCache(model, policy="h2o", heavy_ratio=half, recent_ratio=half, chunk_size=chunk_size)
-    return DynamicCache(config=model.config)
+    return new_cache(model, "h2o" if policy == "h2o" else None, budget, chunk_size)
 
 
 class _Run:
@@ -150,8 +147,8 @@ def run_tp(cfg, *, model: str | None, device: str, dtype, tp: int, threads: int 
             "step ms: wall-clock median of the timed decode steps (TP: rank 0's, which includes waiting for the "
             "others in each all-reduce)",
             "KV bytes: key/value tensors allocated at the end of decoding, all rows; per rank for TP",
-            f"h2o keeps {cfg.budget:g} of the prompt per (layer, KV head) ({cfg.budget / 2:g} heavy + "
-            f"{cfg.budget / 2:g} recent); full is a plain DynamicCache",
+            f"h2o keeps {cfg.budget:g} of the prompt per (layer, KV head) ({BudgetSpec.from_fraction(cfg.budget).heavy_ratio:g} heavy + "
+            f"{BudgetSpec.from_fraction(cfg.budget).recent_ratio:g} recent); full is a plain DynamicCache",
             "same tokens: the greedy tokens of the TP run equal the TP-1 run's, step for step (row 0)",
         ],
     }

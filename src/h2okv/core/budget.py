@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from h2okv.errors import H2OError
-from h2okv.policies import Policy
+from h2okv.policies import Policy, policy_class
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,13 @@ class BudgetSpec:
             )
         return cls(heavy_ratio=heavy_ratio, recent_ratio=recent_ratio)
 
+    @classmethod
+    def from_fraction(cls, fraction: float) -> BudgetSpec:
+        """Keep ``fraction`` of each prompt, half heavy hitters and half recent tokens: the paper's
+        setting, where a "20% KV cache" (0.2) is 10% heavy + 10% recent."""
+        half = fraction / 2
+        return cls(heavy_ratio=half, recent_ratio=half)
+
     @property
     def is_ratio(self) -> bool:
         return self.heavy_ratio is not None
@@ -63,3 +70,12 @@ class BudgetSpec:
         heavy = max(1, int(self.heavy_ratio * prompt_len)) if self.heavy_ratio > 0 else 0
         recent = max(1, int(self.recent_ratio * prompt_len)) if self.recent_ratio > 0 else 0
         return heavy, recent
+
+
+def fraction_budget(policy: str, fraction: float | None) -> dict:
+    """The ``H2OCache`` budget keywords for keeping ``fraction`` of each prompt (``from_fraction``);
+    none for a policy that keeps every token (it takes no budget)."""
+    if not policy_class(policy).evicts:
+        return {}
+    spec = BudgetSpec.from_fraction(fraction)
+    return {"heavy_ratio": spec.heavy_ratio, "recent_ratio": spec.recent_ratio}

@@ -1,9 +1,9 @@
 """``SlotLayer``: one decoder layer's slots behind transformers' cache-layer protocol.
 
-``update`` only hands the new key/value states over (``pending.py``); the work of a forward call
-happens in ``attend``, called from the registered attention function, because that is where the
-query is available. ``attend`` routes a plain decode step to ``decode.py`` and everything else,
-chunk by chunk, to ``step.py``.
+``update`` only hands the new key/value states over (``PENDING`` in ``attention.py``); the work of
+a forward call happens in ``attend``, called from the registered attention function, because that
+is where the query is available. ``attend`` routes a plain decode step to ``step.decode_step``, a
+token-by-token call to ``scan.py``, and everything else, chunk by chunk, to ``step.chunk_step``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from h2okv.core.attention import PENDING
-from h2okv.core.decode import check_at_budget, decode_step
 from h2okv.core.scan import can_scan, token_scan
-from h2okv.core.step import chunk_step
+from h2okv.core.step import check_at_budget, chunk_step, decode_step
 from h2okv.core.storage import SlotStorage
 from h2okv.errors import H2OError
 
@@ -41,7 +40,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
     # -- transformers Cache layer protocol ---------------------------------------------------
     def lazy_initialization(self, key_states, value_states):
         self.init_buffers(key_states, value_states)
-        self.fast = None  # see decode.check_at_budget
+        self.fast = None  # see step.check_at_budget
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):

@@ -9,10 +9,10 @@ so this module computes the logits of a block of queries against all keys at onc
 victim: ~12 small ops), and multiplies probabilities by values once per block. ``scan_block`` is
 a pure function of tensors so a fused kernel can replace it.
 
-Keys are indexed ``[old slots..., new tokens...]``; ``bias`` is 0 for live keys and -inf else,
-``shield`` is 0 for eviction candidates and +inf for protected or free keys. It produces the same
-kept sets and outputs as ``chunk_step`` with ``m = 1`` (tested); slot order differs afterwards,
-which no result depends on.
+Keys are indexed ``[old slots..., new tokens...]``; ``bias`` is 0 for live keys and -inf else.
+Each token's victim is chosen by the rule of ``step.py`` (``protected``, ``eviction_rank``) over
+that layout. It produces the same kept sets and outputs as ``chunk_step`` with ``m = 1`` (tested);
+slot order differs afterwards, which no result depends on.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from h2okv.core.step import eviction_rank, protected
 
 # bytes of float32 logits one query block may take, and its most queries: a block's logits span
 # every key up to its last query, so small blocks waste little on keys that are not written yet
@@ -32,40 +34,32 @@ BLOCK_QUERIES = 128
 class ScanState:
     """What the recurrence carries from token to token (all ``[B, Hkv, keys]``)."""
 
-    bias: torch.Tensor  # float32: 0 live, -inf free or not yet written
-    shield: torch.Tensor  # float32: 0 candidate, +inf protected (recent, sink) or free
+    bias: torch.Tensor  # float32: 0 live, -inf free, evicted or not yet written
+    blocked: torch.Tensor  # bool: never a candidate in this call: a free old slot, an evicted key, a sink
     score: torch.Tensor  # float32: the policy's per-key score
     ordinal: torch.Tensor  # long: the key's ordinal among its sequence's real tokens
 
 
 @dataclass
 class ScanPlan:
-    """Per-token constants of one call: where new tokens sit, when they leave the recent window."""
+    """Per-token constants of one call (the same in every row: see ``can_scan``)."""
 
     first_new: int  # index of new token 0 among the keys (= old capacity)
-    n0: int  # real tokens seen before the call (the same in every row)
+    n0: int  # real tokens seen before the call
     recent: int
     evict_from: int  # the first step that evicts (the row is at its budget after it writes)
-    release: torch.Tensor  # [B, n] float32: shield value once new token j leaves the recent window
-    release_old: torch.Tensor | None  # [B, Hkv, old] ordinals of old live non-sink slots (else -1)
 
 
 def scan_block(probs: torch.Tensor, state: ScanState, plan: ScanPlan, start: int, policy, layer_idx: int) -> None:
     """Run tokens ``start .. start + block - 1``: ``probs`` ``[B, Hkv, g, block, keys]`` holds their
     scaled logits on entry and their attention probabilities on return; ``state`` is advanced."""
-    bias, shield, score = state.bias, state.shield, state.score
+    bias, blocked, score = state.bias, state.blocked, state.score
     evicts = policy.evicts
     # n_real after token i, as the [B, 1, 1]-broadcastable tensor the policy's key expects
     n_real = (plan.n0 + 1 + torch.arange(start, start + probs.shape[3], device=bias.device)).view(-1, 1, 1, 1)
     for t in range(probs.shape[3]):
         i = start + t
-        key_i = plan.first_new + i
-        bias[:, :, key_i] = 0.0  # write token i
-        j = i - plan.recent  # the new token that leaves the recent window now
-        if j >= 0:
-            shield[:, :, plan.first_new + j] = plan.release[:, None, j]
-        elif plan.release_old is not None:
-            shield[:, :, : plan.first_new].masked_fill_(plan.release_old == plan.n0 + j, 0.0)
+        bias[:, :, plan.first_new + i] = 0.0  # write token i
         row = probs[:, :, :, t, :]
         row += bias[:, :, None, :]
         p = torch.softmax(row, dim=-1)
@@ -73,10 +67,12 @@ def scan_block(probs: torch.Tensor, state: ScanState, plan: ScanPlan, start: int
         if policy.needs_scores:
             policy.accumulate(score, p.sum(dim=2))
         if evicts and i >= plan.evict_from:
-            key = policy.eviction_key(score, state.ordinal, n_real[t], layer_idx) + shield
-            victim = key.argmin(dim=-1, keepdim=True)
+            # the rule's window moves every token; its sinks are in ``blocked``, fixed for the call.
+            # Keys not yet written are shielded by the window (their ordinals lie ahead of it).
+            shielded = protected(state.ordinal, plan.n0 + i + 1 - plan.recent) | blocked
+            victim = eviction_rank(policy, layer_idx, score, state.ordinal, n_real[t], shielded).argmin(-1, keepdim=True)
             bias.scatter_(-1, victim, -math.inf)
-            shield.scatter_(-1, victim, math.inf)
+            blocked.scatter_(-1, victim, True)
 
 
 def can_scan(layer, nonpad, sliding_window) -> bool:
@@ -107,20 +103,14 @@ def token_scan(layer, query, key_new, value_new, scaling) -> torch.Tensor:
     budget = int(layer.heavy[0]) + recent
     live0 = int(layer.valid[0, 0].sum())
 
-    old_ord = layer.ordinal
     new_ord = (n0 + torch.arange(n, device=device)).expand(b, hkv, n)
-    ordinal = torch.cat([old_ord, new_ord], dim=2)
+    ordinal = torch.cat([layer.ordinal, new_ord], dim=2)
     bias = torch.full((b, hkv, total), -math.inf, device=device)
     bias[:, :, :cap].masked_fill_(layer.valid, 0.0)
-    shield = torch.full((b, hkv, total), math.inf, device=device)
-    old_free = layer.valid & (old_ord < n0 - recent) & (old_ord >= sinks)
-    shield[:, :, :cap].masked_fill_(old_free, 0.0)
-    release_old = None
-    if cap and bool((layer.valid & (old_ord >= n0 - recent)).any()):
-        release_old = torch.where(layer.valid & (old_ord >= sinks), old_ord, -1)
-    release = torch.where(n0 + torch.arange(n, device=device) >= sinks, 0.0, math.inf).expand(b, n)
+    blocked = protected(ordinal, None, sinks or None)
+    blocked[:, :, :cap] |= ~layer.valid
     score = torch.cat([layer.score, torch.zeros(b, hkv, n, device=device)], dim=2)
-    plan = ScanPlan(cap, n0, recent, budget - live0, release, release_old)
+    plan = ScanPlan(cap, n0, recent, budget - live0)
 
     packed = query.reshape(b, hkv, g, n, d)
     block = max(1, min(n, BLOCK_QUERIES, BLOCK_BYTES // max(1, 4 * b * hq * total)))
@@ -131,7 +121,7 @@ def token_scan(layer, query, key_new, value_new, scaling) -> torch.Tensor:
         logits = torch.matmul(packed[:, :, :, start:stop], keys[:, :, None, :width].transpose(-1, -2))
         logits = logits.float() if logits.dtype != torch.float32 else logits
         logits.mul_(scaling)
-        sub = ScanState(bias[..., :width], shield[..., :width], score[..., :width], ordinal[..., :width])
+        sub = ScanState(bias[..., :width], blocked[..., :width], score[..., :width], ordinal[..., :width])
         scan_block(logits, sub, plan, start, policy, layer.layer_idx)
         probs = logits if logits.dtype == values.dtype else logits.to(values.dtype)
         outs.append(torch.matmul(probs, values[:, :, None, :width]))  # [B, Hkv, g, blk, Dv]

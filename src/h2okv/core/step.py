@@ -1,14 +1,73 @@
-"""The general step: write a chunk of new tokens into free slots, attend, fold the mass into the
-scores, evict. Every forward call that is not a plain decode step goes through here."""
+"""One step of Algorithm 1 over slot buffers: write the new tokens into free slots, attend, fold the
+attention mass into the policy's scores, evict the lowest-ranked candidates.
+
+- ``protected`` and ``eviction_rank`` are the eviction rule, defined once: a row's candidates are
+  its live slots outside its last ``recent`` real tokens and its first ``sinks`` tokens, ranked by
+  the policy's ``eviction_key``, lowest first. The general step, the decode fast path below and
+  the per-token scan (``scan.py``) all evict through them. ``sinks <= heavy`` guarantees that a
+  step which writes ``m`` tokens into a row at its budget always finds ``m`` candidates.
+- ``chunk_step``: the general step, for any forward call that is not a plain decode step.
+- ``decode_step``: one real token per row, in the fewest ops once every row is at its budget.
+
+A layer (``SlotLayer``, buffers in ``storage.py``) holds per (row, KV head) ``capacity`` slots:
+``keys``/``values`` ``[B, H, cap, D]``, the policy's ``score`` ``[B, H, cap]`` (float32), each
+token's ``ordinal`` among its row's real tokens, and ``valid`` (the slot is live); per row
+``n_real`` (real tokens seen) and the budget ``heavy``, ``recent``, ``sinks``. The plain loop
+these steps compute is ``reference.py``; the tests hold each path to it.
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
-from h2okv.core.evict import evict
-from h2okv.core.kernels import slot_attention
+from h2okv.core.attention import slot_attention
 
 
+# -- the eviction rule -------------------------------------------------------------------------------
+def protected(ordinal, recent_start, sinks=None) -> torch.Tensor:
+    """Slots no policy may evict: ordinals from ``recent_start`` on (the row's recent window) and,
+    when ``sinks`` is given, below ``sinks`` (its first tokens). The bounds broadcast against
+    ``ordinal`` (``[B, 1, 1]`` tensors or ints); ``recent_start=None`` leaves the window out."""
+    shielded = ordinal >= recent_start if recent_start is not None else torch.zeros_like(ordinal, dtype=torch.bool)
+    if sinks is not None:
+        shielded |= ordinal < sinks
+    return shielded
+
+
+def eviction_rank(policy, layer_idx: int, score, ordinal, n_real, shielded) -> torch.Tensor:
+    """The policy's rank of every slot, ``+inf`` where ``shielded``: the lowest goes first.
+
+    ``n_real`` is ``[B, 1, 1]``: real tokens of each sequence seen so far (this step's included).
+    """
+    return policy.eviction_key(score, ordinal, n_real, layer_idx).masked_fill(shielded, math.inf)
+
+
+def evict(layer, m: int) -> None:
+    """After a step that wrote ``m`` tokens: free slots until ``layer`` is within budget again."""
+    budget = (layer.heavy + layer.recent)[:, None]  # [B, 1]
+    excess = (layer.valid.sum(-1) - budget).clamp(min=0)  # [B, H]
+    rows = (-1, 1, 1)
+    shielded = ~layer.valid | protected(layer.ordinal, (layer.n_real - layer.recent).view(rows), layer.sinks.view(rows))
+    # ranked before the early return below: a random policy draws the same numbers either way
+    rank = eviction_rank(layer.owner.policy, layer.layer_idx, layer.score, layer.ordinal, layer.n_real.view(rows),
+                         shielded)
+    if m == 1:
+        n_evict = 1
+        victims = rank.argmin(dim=-1, keepdim=True)
+    else:
+        n_evict = int(excess.max())
+        if n_evict == 0:
+            return
+        victims = rank.topk(n_evict, dim=-1, largest=False).indices
+    nth = torch.arange(n_evict, device=layer.device)
+    drop = (nth < excess[..., None]) & ~shielded.gather(2, victims)
+    layer.valid.scatter_(2, victims, layer.valid.gather(2, victims) & ~drop)
+
+
+# -- the general step --------------------------------------------------------------------------------
 def last_real_query(real: torch.Tensor) -> torch.Tensor:
     """``[B, m]`` bool: each row's last real query of the chunk (real tokens come first in a row)."""
     last = real.sum(-1, keepdim=True) - 1
@@ -68,3 +127,93 @@ def chunk_step(layer, query, k_new, v_new, nonpad, scaling, sliding_window, init
     if policy.evicts:
         evict(layer, m)
     return out
+
+
+# -- the decode fast path ----------------------------------------------------------------------------
+# Once every (sequence, head) holds exactly its row's budget, a one-token step must evict exactly one
+# slot in every (sequence, head): there are always candidates (budget + 1 live tokens with distinct
+# ordinals, at most ``recent`` of them recent and ``sinks <= heavy`` of them sinks). So the step
+# needs no excess counts or drop masks, and when all rows share one budget the buffer has budget + 1
+# slots and, once the new token is written, no free slot: attention needs no mask and the one slot
+# the eviction frees is where the next token goes. A step is ~25 small ops per layer, each costing
+# microseconds of dispatch on CPU, so the op count is the cost. Same slots, scores and evictions
+# as the general step (tested).
+@dataclass
+class FastDecode:
+    """What ``decode_step`` reuses between steps while every row is at its budget."""
+
+    valid: torch.Tensor  # the buffers this was built for (identity is checked before each use)
+    n_real: torch.Tensor
+    dense_capacity: int
+    ordinal_src: torch.Tensor  # [B, H, 1] view of n_real: the ordinal of the token being written
+    n_real_key: torch.Tensor  # [B, 1, 1] view of n_real, for the policy's key
+    recent_start: torch.Tensor  # [B, 1, 1] = n_real - recent, advanced in place
+    sinks: torch.Tensor | None  # [B, 1, 1] protected first tokens, None when the policy has none
+    next_free: torch.Tensor | None = None
+
+
+def check_at_budget(layer) -> FastDecode | None:
+    """One device sync: is every (sequence, head) at exactly its row's budget? Then the fast state."""
+    if not layer.owner.policy.evicts or not layer.has_budget:
+        return None
+    budget = layer.heavy + layer.recent
+    if not bool((layer.valid.sum(-1) == budget[:, None]).all()):
+        return None
+    b, h = layer.valid.shape[:2]
+    has_sinks = bool((layer.sinks > 0).any())
+    return FastDecode(
+        valid=layer.valid,
+        n_real=layer.n_real,
+        dense_capacity=int(budget[0]) + 1 if bool((budget == budget[0]).all()) else -1,
+        ordinal_src=layer.n_real.view(b, 1, 1).expand(b, h, 1),  # a view: follows n_real in place
+        n_real_key=layer.n_real.view(b, 1, 1),
+        recent_start=(layer.n_real - layer.recent).view(b, 1, 1),
+        sinks=layer.sinks.view(b, 1, 1) if has_sinks else None,
+    )
+
+
+def decode_step(layer, query, k_new, v_new, scaling):
+    """The general step for one real token per row and no sliding window, in the fewest ops."""
+    policy = layer.owner.policy
+    b, hkv, _, d = k_new.shape
+    layer.ensure_free(1)
+    fast = layer.fast
+    if fast is not None and (fast.valid is not layer.valid or fast.n_real is not layer.n_real):
+        layer.fast = fast = check_at_budget(layer)  # the buffers were replaced (resize, rows)
+    dense = fast is not None and layer.capacity == fast.dense_capacity
+    if dense and fast.next_free is not None:
+        slot = fast.next_free  # the only free slot: last step's victim
+    else:
+        slot = layer.valid.view(torch.uint8).argmin(dim=-1, keepdim=True)  # first free slot, [B, H, 1]
+    index = slot.unsqueeze(-1).expand(b, hkv, 1, d)
+    layer.keys.scatter_(2, index, k_new)
+    if v_new.shape[-1] != d:
+        index = slot.unsqueeze(-1).expand(b, hkv, 1, v_new.shape[-1])
+    layer.values.scatter_(2, index, v_new)
+    ordinal = fast.ordinal_src if fast is not None else layer.n_real.view(b, 1, 1).expand(b, hkv, 1)
+    layer.ordinal.scatter_(2, slot, ordinal)
+    layer.score.scatter_(2, slot, 0.0)
+    layer.valid.scatter_(2, slot, True)
+    out, mass = slot_attention(
+        query, layer.keys, layer.values, None if dense else layer.valid[:, :, None, :], scaling,
+        need_mass=policy.needs_scores,
+    )
+    if mass is not None:
+        policy.accumulate(layer.score, mass)
+    layer.n_real += 1
+    if policy.evicts:
+        if fast is not None:
+            # the rule of ``evict`` with m = 1: exactly one victim per (row, head), so no excess
+            # counts; the window bound is advanced in place, and a dense buffer has no free slot
+            fast.recent_start += 1  # = n_real - recent
+            shielded = protected(layer.ordinal, fast.recent_start, fast.sinks)
+            if not dense:
+                shielded |= ~layer.valid
+            rank = eviction_rank(policy, layer.layer_idx, layer.score, layer.ordinal, fast.n_real_key, shielded)
+            victims = rank.argmin(dim=-1, keepdim=True)
+            layer.valid.scatter_(2, victims, False)
+            fast.next_free = victims if dense else None
+        else:  # still filling up to the budget: the general eviction, then look again
+            evict(layer, 1)
+            layer.fast = check_at_budget(layer)
+    return out.transpose(1, 2).contiguous()

@@ -21,25 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def _left_pad(rows, pad_id, device):
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r) :] = 1
-    return ids.to(device), mask.to(device)
-
-
-def _right_pad(rows, pad_id, device):
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        mask[i, : len(r)] = 1
-    return ids.to(device), mask.to(device)
+from h2okv.generation import pad_rows
 
 
 def branch_loglikelihoods(model, rows: list[tuple[list[int], list[int]]], cache, pad_id: int) -> list[tuple[float, bool]]:
@@ -49,7 +31,7 @@ def branch_loglikelihoods(model, rows: list[tuple[list[int], list[int]]], cache,
     contexts: dict[tuple[int, ...], int] = {}
     group = [contexts.setdefault(tuple(ctx), len(contexts)) for ctx, _ in rows]
     device = model.device
-    ids, mask = _left_pad([list(c) for c in contexts], pad_id, device)
+    ids, mask = pad_rows([list(c) for c in contexts], pad_id, device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.inference_mode():
         last = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
@@ -66,7 +48,7 @@ def branch_loglikelihoods(model, rows: list[tuple[list[int], list[int]]], cache,
         cache.batch_select_indices(torch.tensor([group[i] for i in longer], dtype=torch.long))
         past_mask = mask[[group[i] for i in longer]]
         inputs = [rows[i][1][:-1] for i in longer]
-        new_ids, new_mask = _right_pad(inputs, pad_id, device)
+        new_ids, new_mask = pad_rows(inputs, pad_id, device, side="right")
         start = past_mask.sum(-1, keepdim=True)  # real context tokens of each row
         new_pos = start + torch.arange(new_ids.shape[1], device=device)[None, :]
         logits = model(input_ids=new_ids, attention_mask=torch.cat([past_mask, new_mask], dim=-1),

@@ -42,7 +42,7 @@ from h2okv.core import DEFAULT_CHUNK, BudgetSpec, H2OCache
 from h2okv.errors import H2OError, print_error
 from h2okv.eval import offline
 from h2okv.eval.branch import branch_loglikelihoods
-from h2okv.generation import budget_kwargs
+from h2okv.generation import budget_kwargs, pad_rows
 from h2okv.models import load_model
 from h2okv.policies import make_policy
 
@@ -80,24 +80,12 @@ def cut_at_stops(text: str, stops: list[str]) -> str:
     return text[:cut]
 
 
-def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``input_ids`` and ``attention_mask`` for token lists padded on the left to one length."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-            mask[i, width - len(r) :] = 1
-    return ids.to(device), mask.to(device)
-
-
 def generate_batch(model, tokenizer, prompts: list[list[int]], cache: H2OCache, max_new_tokens: int,
                    stops: list[str] | None = None, lstrip: bool = False, **gen_kwargs) -> list[str]:
     """Generate for a left-padded batch of token lists through ``cache``; texts cut at ``stops``
     (with ``lstrip``, after dropping leading whitespace, which is then not returned)."""
     stops = list(stops or [])
-    ids, mask = left_pad(prompts, tokenizer.pad_token_id, model.device)
+    ids, mask = pad_rows(prompts, tokenizer.pad_token_id, model.device)
     criteria = StoppingCriteriaList([StopOnStrings(tokenizer, stops, ids.shape[1], lstrip)]) if stops else None
     gen_kwargs.setdefault("do_sample", False)
     if not gen_kwargs["do_sample"]:
@@ -253,7 +241,7 @@ class H2OLM(TemplateLM):
             whole = (context + continuation)[-(self.max_length + 1) :]
             inputs.append(whole[:-1])
             conts.append(whole[len(whole) - len(continuation) :])
-        ids, mask = left_pad(inputs, self.tokenizer.pad_token_id, self.device)
+        ids, mask = pad_rows(inputs, self.tokenizer.pad_token_id, self.device)
         # left padding: true positions come from the mask, not from the column index
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         keep = max(len(c) for c in conts)

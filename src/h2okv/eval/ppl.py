@@ -6,8 +6,8 @@ that step and eviction follows every token (Algorithm 1). That is the same compu
 token-by-token decode loop (``tests/test_eval_ppl.py`` checks the logits match), at the cost of one
 forward.
 
-A budget ``b`` is ``heavy_ratio = recent_ratio = b/2`` of the scored text length (the paper's "20%
-cache" is 0.1 + 0.1). ``full`` is the reference; it never evicts, so it is run with the default
+A budget ``b`` is ``heavy_ratio = recent_ratio = b/2`` of the scored text length
+(``BudgetSpec.from_fraction``; the paper's "20% cache" is 0.1 + 0.1). ``full`` is the reference; it never evicts, so it is run with the default
 chunked prefill, which gives the same logits as ``chunk_size=1``.
 """
 

@@ -23,6 +23,7 @@ from h2okv.core import DEFAULT_CHUNK, H2OCache
 from h2okv.corpus import read_play
 from h2okv.errors import H2OError
 from h2okv.eval.plots import annotated_heatmap, format_table, new_figure, save_figure
+from h2okv.generation import new_cache
 from h2okv.policies import policy_class
 
 INSTRUCTION = (
@@ -140,10 +141,7 @@ class Cell:
 
 def run_batch(model, tokenizer, prompts, policy, budget, chunk_size, max_new_tokens, seed=0):
     """Greedy answers for prompts of equal length under one policy/budget; ``(answers, kept)``."""
-    if policy_class(policy).evicts:
-        cache = H2OCache(model, policy=policy, heavy_ratio=budget / 2, recent_ratio=budget / 2, chunk_size=chunk_size, seed=seed)
-    else:
-        cache = H2OCache(model, policy=policy, chunk_size=chunk_size, seed=seed)
+    cache = new_cache(model, policy, budget, chunk_size=chunk_size, seed=seed)
     ids = torch.tensor([p.ids for p in prompts], dtype=torch.long, device=model.device)
     with torch.inference_mode():
         out = model.generate(

@@ -10,18 +10,17 @@ import torch.nn.functional as F
 
 from h2okv.core import DEFAULT_CHUNK, H2OCache
 from h2okv.errors import H2OError
+from h2okv.generation import new_cache
 from h2okv.policies import policy_class
 
 
 def make_cache(model, policy: str, budget: float | None, seed: int = 0) -> H2OCache:
     """The cache for one streaming pass: per-token eviction for evicting policies."""
-    if policy_class(policy).evicts:
-        if budget is None:
-            raise H2OError(f"policy {policy!r} needs a budget")
-        half = budget / 2
-        return H2OCache(model, policy=policy, heavy_ratio=half, recent_ratio=half, chunk_size=1, seed=seed)
+    evicts = policy_class(policy).evicts
+    if evicts and budget is None:
+        raise H2OError(f"policy {policy!r} needs a budget")
     # full keeps everything, so chunking cannot change what any query sees
-    return H2OCache(model, policy=policy, chunk_size=DEFAULT_CHUNK, seed=seed)
+    return new_cache(model, policy, budget, chunk_size=1 if evicts else DEFAULT_CHUNK, seed=seed)
 
 
 def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

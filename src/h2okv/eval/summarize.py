@@ -248,8 +248,8 @@ def summarize_policies(model, tokenizer, records: list[dict], policies: list[str
                        chat: bool = False) -> dict:
     """``max_new_tokens`` None: the records' ``max_tokens`` (request format), else 64. ``chat``: each
     prompt goes through the tokenizer's chat template (see ``prompt_ids``)."""
-    from h2okv.core import H2OCache
     from h2okv.eval.lm_eval_model import generate_batch
+    from h2okv.generation import new_cache
 
     stops, lstrip = generation_stops(records)
     if max_new_tokens is None:
@@ -264,12 +264,11 @@ def summarize_policies(model, tokenizer, records: list[dict], policies: list[str
     order = sorted(test, key=lambda i: -len(prompts[i]))
     results, predictions = {}, {}
     for policy in policies:
-        budget_args = {} if policy == "full" else {"heavy_ratio": budget / 2, "recent_ratio": budget / 2}
         outputs, kept = {}, []
         start = time.perf_counter()
         for s in tqdm(range(0, len(order), batch_size), desc=f"summarize [{policy}]"):
             batch = order[s : s + batch_size]
-            cache = H2OCache(model, policy=policy, chunk_size=chunk_size, **budget_args)
+            cache = new_cache(model, policy, budget, chunk_size=chunk_size)
             texts = generate_batch(model, tokenizer, [prompts[i] for i in batch], cache, max_new_tokens,
                                    stops=stops, lstrip=lstrip)
             for i, text in zip(batch, texts, strict=True):

@@ -190,6 +190,7 @@ def evaluate_policies(tasks: list[str], policies: list[str], budget: float, mode
     """``{policy: {"seconds": s, "tasks": {task: {metric: value}}}}`` from lm_eval.simple_evaluate."""
     import lm_eval
 
+    from h2okv.core import fraction_budget
     from h2okv.eval.lm_eval_model import H2OLM
 
     offline.install()  # before any task is built: tasks with an offline copy never touch the hub
@@ -197,7 +198,7 @@ def evaluate_policies(tasks: list[str], policies: list[str], budget: float, mode
     preflight(task_manager, tasks)
     results = {}
     for policy in policies:
-        budget_args = {} if policy == "full" else {"heavy_ratio": budget / 2, "recent_ratio": budget / 2}
+        budget_args = fraction_budget(policy, budget)
         lm = H2OLM(pretrained=model or "", policy=policy, batch_size=batch_size, chunk_size=chunk_size,
                    device=device, dtype=dtype, **budget_args)
         start = time.perf_counter()

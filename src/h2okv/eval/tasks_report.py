@@ -176,6 +176,8 @@ def _cell(metrics: dict, name: str) -> str:
 
 def markdown_table(rows: list[dict], budget: float = 0.2) -> str:
     """One table per (model, shots): task (and metric) x policy at ``budget`` (full: no budget)."""
+    from h2okv.core.budget import BudgetSpec
+    split = BudgetSpec.from_fraction(budget)
     out = []
     keys = sorted({(r["model"], str(r["shots"])) for r in rows})
     for model, shots in keys:
@@ -186,7 +188,7 @@ def markdown_table(rows: list[dict], budget: float = 0.2) -> str:
         if not tasks:
             continue
         out.append(f"**{model}**, {shots}-shot, evicting policies at {budget:.0%} of each context "
-                   f"({budget / 2:.0%} heavy + {budget / 2:.0%} recent for h2o)\n")
+                   f"({split.heavy_ratio:.0%} heavy + {split.recent_ratio:.0%} recent for h2o)\n")
         out.append("| task | items | metric | " + " | ".join(policies) + " |")
         out.append("|---|---|---|" + "---|" * len(policies))
         for task in tasks:
