@@ -244,12 +244,8 @@ def plot(result: dict, directory: str | Path, prefix: str = "bench") -> list[Pat
                 ax.plot(x, [v / scale for v in y], styles[policy], label=policy)
             ax.set(title=f"{title}, batch {batch}", xlabel="context (tokens)", ylabel=ylabel)
             _context_axis(ax, contexts)
-            ax.set_ylim(bottom=0)
-            ax.legend()
-        fig.tight_layout()
-        paths.append(directory / f"{prefix}_{suffix}.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+            _finish_axis(ax)
+        paths.append(_save(plt, fig, directory / f"{prefix}_{suffix}.png"))
 
     prefill = result.get("prefill") or []
     if prefill:
@@ -261,10 +257,18 @@ def plot(result: dict, directory: str | Path, prefix: str = "bench") -> list[Pat
         a1.set(title="prefill peak memory (growth above baseline)", xlabel="prompt tokens", ylabel="MiB")
         a2.set(title="prefill time, batch 1", xlabel="prompt tokens", ylabel="seconds")
         for ax in (a1, a2):
-            ax.set_ylim(bottom=0)
-            ax.legend()
-        fig.tight_layout()
-        paths.append(directory / f"{prefix}_prefill.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+            _finish_axis(ax)
+        paths.append(_save(plt, fig, directory / f"{prefix}_prefill.png"))
     return paths
+
+
+def _finish_axis(ax) -> None:
+    ax.set_ylim(bottom=0)
+    ax.legend()
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
