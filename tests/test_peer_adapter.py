@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from h2okv.eval.retrieval import Cell
+from h2okv.eval.retrieval import Cell, summary_table
 from h2okv.tools.tiny import tiny_model
 
 ADAPTER = Path(__file__).resolve().parents[1] / "tools" / "peer" / "run_kvpress.py"
@@ -47,6 +47,9 @@ def test_rows_have_the_shape_of_eval_retrieval_rows(adapter):
     assert [set(r) for r in rows] == [{f.name for f in dataclasses.fields(Cell)}] * 2
     assert [(r["depth"], r["correct"], r["trials"], r["accuracy"]) for r in rows] == [(0.0, 1, 2, 0.5), (1.0, 1, 2, 0.5)]
     assert rows[0]["answers"] == ["111.", "x"]
+    ours = [Cell("h2o", 0.2, 64, depth, 2, 2, 1.0, 0.5, "filler", 64, ["111", "222"]) for depth in (0.0, 1.0)]
+    table = summary_table([*ours, *(Cell(**r) for r in rows)])  # the two merge into one table
+    assert "kvpress-knorm" in table and "h2o" in table and "50%" in table
 
 
 @pytest.mark.parametrize("mode", ["question-compressed", "question-out"])

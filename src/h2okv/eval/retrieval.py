@@ -253,6 +253,7 @@ def summary_table(cells: list[Cell]) -> str:
             by_depth = {c.depth: c for c in group}
             accuracy = [f"{by_depth[d].correct}/{by_depth[d].trials}" for d in depths]
             mean = sum(c.accuracy for c in group) / len(group)
-            kept = sum(c.needle_kept for c in group) / len(group)
-            rows.append([policy, budget, context, *accuracy, f"{mean:.0%}", f"{kept:.0%}"])
+            # None: a peer's row (tools/peer/run_kvpress.py), whose cache keeps no token positions
+            kept = [c.needle_kept for c in group if c.needle_kept is not None]
+            rows.append([policy, budget, context, *accuracy, f"{mean:.0%}", f"{sum(kept) / len(kept):.0%}" if kept else "-"])
     return format_table(headers, rows)
