@@ -37,6 +37,7 @@ import torch
 
 EXPORT_FORMAT = "h2okv-retrieval-prompts/1"
 MODES = {"question-compressed": "", "question-out": "-qout"}
+PRESSES = ["full", "knorm", "tova", "snapkv", "streaming", "observed", "expected", "adakv-snapkv", "kvzip"]
 
 
 def make_press(name: str, ratio: float):
@@ -55,10 +56,7 @@ def make_press(name: str, ratio: float):
         return kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio, window_size=32, kernel_size=7))
     if name == "full":
         return None
-    raise SystemExit(f"run_kvpress: unknown press {name!r}; known: full, {', '.join([*simple, 'snapkv', 'adakv-snapkv'])}")
-
-
-PRESSES = ["full", "knorm", "tova", "snapkv", "streaming", "observed", "expected", "adakv-snapkv", "kvzip"]
+    raise SystemExit(f"run_kvpress: unknown press {name!r}; known: {', '.join(PRESSES)}")
 
 
 def greedy_answer(model, tokenizer, cache, first_logits, next_position: int, max_new_tokens: int) -> str:
@@ -160,8 +158,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"run_kvpress: {args.prompts} is not an {EXPORT_FORMAT} export")
     presses = [p.strip() for p in args.presses.split(",") if p.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for name in presses:
-        make_press(name, 0.5)  # unknown names fail before any model is loaded
+    if unknown := [p for p in presses if p not in PRESSES]:  # fail before any model is loaded
+        raise SystemExit(f"run_kvpress: unknown press(es) {unknown}; known: {', '.join(PRESSES)}")
     if unknown := [m for m in modes if m not in MODES]:
         raise SystemExit(f"run_kvpress: unknown mode(s) {unknown}; known: {', '.join(MODES)}")
     budgets = [float(b) for b in args.budgets.split(",")] if args.budgets else exported["budgets"]
