@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench-quick soak eval-data clean
+.PHONY: setup demo test lint bench-quick soak eval-data peer clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,20 @@ lint: setup
 eval-data: setup
 	$(BIN)/python -m h2okv.eval.data
 
+# The peer (NVIDIA kvpress) in its own venv: it pins transformers < 5.3. tools/peer/run_kvpress.py
+# runs its presses on prompts exported by `h2okv eval retrieval --export-prompts`. Not needed by `make test`.
+PEER_VENV := .venv-peer
+PEER_STAMP := $(PEER_VENV)/.installed
+
+$(PEER_STAMP): tools/peer/requirements.txt
+	$(PY) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install -q --upgrade pip
+	$(PEER_VENV)/bin/pip install -q torch==2.13.0
+	$(PEER_VENV)/bin/pip install -q -r tools/peer/requirements.txt
+	touch $(PEER_STAMP)
+
+peer: $(PEER_STAMP)
+
 bench-quick: setup
 	$(BIN)/h2okv bench --quick --json results/bench-quick.json
 
@@ -42,4 +56,4 @@ soak: setup
 	$(BIN)/python -m h2okv.tools.soak --duration 150 --clients 64 --json docs/results/soak.json
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(PEER_VENV) build *.egg-info src/*.egg-info

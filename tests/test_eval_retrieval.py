@@ -165,3 +165,37 @@ def test_shakespeare_haystack_cuts_at_line_ends(tok):
     for p in prompts:
         start, _ = p.needle
         assert len(p.ids) == 700 and tok.decode([p.ids[start - 1]]) == "\n"
+
+
+def test_exported_prompts_are_the_ids_the_grid_feeds_the_model(tmp_path, monkeypatch):
+    """The kvpress adapter runs on the export: it must hold exactly what ``eval retrieval`` generates
+    from, split at the question, with the passkeys it scores against."""
+    model = tiny_model("llama", seed=3)
+    model.name_or_path = "/converted/folder"
+    monkeypatch.setattr(h2okv.models, "load_model", lambda *a, **k: (model, CharTokenizer()))
+    fed = []
+    generate = model.generate
+
+    def recording_generate(input_ids, **kwargs):
+        fed.extend(input_ids.tolist())
+        return generate(input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(model, "generate", recording_generate)
+    grid = ["--contexts", "300,360", "--depths", "0,0.5,1", "--trials", "2", "--budgets", "0.2", "--seed", "4"]
+    export = tmp_path / "prompts.json"
+    assert main(["eval", "retrieval", *grid, "--export-prompts", str(export)]) == 0
+    assert fed == []  # exporting runs nothing
+    assert main(["eval", "retrieval", *grid, "--policies", "full", "--max-new-tokens", "1",
+                 "--json", str(tmp_path / "r.json"), "--plot", ""]) == 0
+    data = json.loads(export.read_text())
+    assert data["format"] == "h2okv-retrieval-prompts/1" and data["model"] == "/converted/folder"
+    assert (data["budgets"], data["decoding"], data["seed"]) == ([0.2], "greedy", 4)
+    assert [p["context_ids"] + p["question_ids"] for p in data["prompts"]] == fed
+    question = CharTokenizer()(QUESTION)["input_ids"]
+    assert all(p["question_ids"] == question for p in data["prompts"])
+    rows = json.loads((tmp_path / "r.json").read_text())
+    answers_by_cell = {(r["context"], r["depth"]): r for r in rows}
+    for p in data["prompts"]:
+        assert len(answers_by_cell[p["context"], p["depth"]]["answers"]) == 2
+        start, stop = p["needle"]
+        assert p["passkey"] in CharTokenizer().decode(p["context_ids"][start:stop])

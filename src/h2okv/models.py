@@ -13,7 +13,7 @@ from h2okv.errors import H2OError
 DEFAULT_MODEL = "smollm2"
 
 # short names for GGUF files that ``make eval-data`` assembles (see h2okv.eval.data)
-MODEL_ALIASES = {"qwen2.5-0.5b": paths.QWEN_GGUF}
+MODEL_ALIASES = {alias: model.filename for alias, model in paths.CHUNKED_MODELS.items()}
 
 
 def alias_path(name: str) -> Path:
@@ -138,7 +138,7 @@ def _load(name, device, dtype, device_map, tp=1):
 def load_model(name: str | None = None, device: str = "cpu", dtype=None, device_map: str | None = None, cache=True,
                tp: int = 1):
     """Load ``(model, tokenizer)``. ``name``: None/"smollm2" for the embedded default,
-    "qwen2.5-0.5b" (after ``make eval-data``), a HF id, a directory, or a ``.gguf`` file. CPU defaults to float32, CUDA to bfloat16. ``tp > 1``: this
+    "qwen2.5-0.5b" / "qwen2.5-1.5b" (after ``make eval-data``), a HF id, a directory, or a ``.gguf`` file. CPU defaults to float32, CUDA to bfloat16. ``tp > 1``: this
     rank's tensor-parallel slice (call from a rank started by ``h2okv.parallel.launch``)."""
     if device.startswith("cuda"):
         import torch

