@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
+import h2okv.models
 from h2okv import H2OCache
-from h2okv.cli import analyze as analyze_cmd
 from h2okv.cli import main
 from h2okv.errors import H2OError
 from h2okv.eval.analysis import (
@@ -107,7 +107,7 @@ def test_cli_bad_input_is_one_line_exit_2(argv, message, capsys):
 
 def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     model = tiny_model("llama", seed=6, layers=2)
-    monkeypatch.setattr(analyze_cmd, "load_model", lambda *a, **k: (model, CharTokenizer()))
+    monkeypatch.setattr(h2okv.models, "load_model", lambda *a, **k: (model, CharTokenizer()))
     text = tmp_path / "t.txt"
     text.write_text("Something is rotten in the state of Denmark. " * 4)
     out_json, sparsity_png, power_png = tmp_path / "a.json", tmp_path / "s.png", tmp_path / "p.png"

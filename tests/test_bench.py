@@ -1,6 +1,5 @@
 """``h2okv bench`` on tiny random models: the result's shape and bookkeeping, never its speed."""
 
-import argparse
 import json
 import math
 
@@ -11,7 +10,6 @@ from h2okv.bench import BenchConfig, run_bench
 from h2okv.bench.memory import cache_kv_bytes, kv_bytes_per_token, measure_peak
 from h2okv.bench.report import check_targets, growth_exponent, markdown
 from h2okv.cli import main
-from h2okv.cli.bench import byte_size
 from h2okv.tools.tiny import tiny_model
 
 ROW_KEYS = {
@@ -141,14 +139,6 @@ def test_targets_judge_the_worst_row():
     assert targets["h2o_vs_full_throughput"]["value"] == 2.5 and targets["h2o_vs_full_throughput"]["met"]
     assert targets["h2o_vs_full_kv_bytes"]["met"]
     assert "h2o_vs_full_prefill" not in targets  # no prefill rows: not judged
-
-
-def test_byte_size_parsing():
-    assert byte_size("2147483648") == 2**31
-    assert byte_size("2GiB") == 2**31
-    assert byte_size("1.5GB") == 1_500_000_000
-    with pytest.raises(argparse.ArgumentTypeError):
-        byte_size("lots")
 
 
 def test_cli_writes_json_markdown_and_plots(tmp_path, capsys):

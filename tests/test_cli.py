@@ -22,7 +22,7 @@ def run_cli(capsys, *argv):
         (["generate", "--prompt-file", "/nonexistent/prompt.txt"], "prompt file not found"),
         (["generate", "--prompt", "   "], "prompt is empty"),
         (["generate"], "--prompt"),
-        (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "must be > 0"),
+        (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "must be a positive integer (> 0)"),
         (["generate", "--prompt", "hi", "--model", "/nonexistent/model-dir"], "not found"),
         (["generate", "--prompt", "hi", "--model", "/nonexistent/model.gguf"], "not found"),
     ],
@@ -37,7 +37,7 @@ def test_bad_input_one_line_exit_2(capsys, argv, fragment):
 
 def test_generate_on_tiny_model(capsys, monkeypatch, tmp_path):
     """`generate` end to end with the tokenizer of the default model and a tiny model in its place."""
-    import h2okv.cli.generate as gen
+    import h2okv.models
     from h2okv.tools.tiny import tiny_model
 
     model = tiny_model("llama", vocab_size=49152)
@@ -54,7 +54,7 @@ def test_generate_on_tiny_model(capsys, monkeypatch, tmp_path):
         def decode(self, ids, skip_special_tokens=True):
             return " ".join(str(int(i)) for i in ids)
 
-    monkeypatch.setattr(gen, "load_model", lambda *a, **k: (model, Tok()))
+    monkeypatch.setattr(h2okv.models, "load_model", lambda *a, **k: (model, Tok()))
     prompt = tmp_path / "p.txt"
     prompt.write_text("x" * 50)
     code, out, err = run_cli(capsys, "generate", "--prompt-file", str(prompt), "--heavy", "3", "--recent", "4",
@@ -74,3 +74,66 @@ def test_generate_chat_without_a_template_is_one_line(capsys, tiny_dir):
     # the model loads first (its progress bar is on stderr); the error is the last line, and one line
     assert err.strip().splitlines()[-1].startswith("h2okv: error: --chat needs a tokenizer with a chat template")
     assert "Traceback" not in err
+
+
+# -- shared argument types (h2okv.cli.args) ------------------------------------------------------------
+def test_byte_sizes_are_binary_whatever_the_spelling():
+    from h2okv.cli.args import parse_bytes
+
+    assert parse_bytes("2G") == parse_bytes("2GB") == parse_bytes("2GiB") == parse_bytes("2gib") == 2 * 2**30
+    assert parse_bytes("1.5M") == parse_bytes("1.5 MiB") == int(1.5 * 2**20)
+    assert parse_bytes("2147483648") == 2**31 and parse_bytes("512B") == 512
+    assert parse_bytes("64K") == 64 * 1024 and parse_bytes("1T") == 2**40
+
+
+@pytest.mark.parametrize("text", ["lots", "", "0", "-5", "2X", "2iB", "1e9", "nan", "inf", "2 G B"])
+def test_bad_byte_sizes_are_refused(text):
+    import argparse
+
+    from h2okv.cli.args import parse_bytes
+
+    with pytest.raises(argparse.ArgumentTypeError) as info:
+        parse_bytes(text)
+    assert "\n" not in str(info.value) and repr(text) in str(info.value)
+
+
+def test_kv_memory_takes_inf_for_no_limit():
+    from h2okv.cli.args import memory_limit
+
+    assert memory_limit("inf") is None and memory_limit("512M") == 512 * 2**20
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["bench", "--memory-cap", "2 lots", "--json", "x.json"], "argument --memory-cap: expected a byte size"),
+        (["serve", "--kv-memory=-1G"], "argument --kv-memory: expected a byte size"),
+        (["serve-bench", "--kv-memory", "0"], "argument --kv-memory: must be a positive byte size"),
+    ],
+)
+def test_bad_byte_size_options_are_one_line_errors(capsys, argv, fragment):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1
+
+
+def test_memory_cap_reaches_the_bench_config_in_binary_bytes():
+    from h2okv.cli.bench import config_from_args
+    from h2okv.cli.main import build_parser
+
+    args = build_parser().parse_args(["bench", "--memory-cap", "2GB", "--json", "x.json"])
+    assert config_from_args(args).memory_cap == 2 * 2**30
+
+
+@pytest.mark.parametrize(
+    "parse, text, ok",
+    [("positive_int", "3", 3), ("positive_float", "0.5", 0.5), ("positive_seconds", "1e3", 1000.0)],
+)
+def test_positive_numbers(parse, text, ok):
+    import argparse
+
+    from h2okv.cli import args
+
+    assert getattr(args, parse)(text) == ok
+    for bad in ("0", "-1", "x", "inf"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive"):
+            getattr(args, parse)(bad)

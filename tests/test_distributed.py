@@ -22,7 +22,8 @@ import torch
 from h2okv import cli
 from h2okv.errors import H2OError
 from h2okv.models import load_model
-from h2okv.parallel import ranks as distributed
+from h2okv.parallel import launch
+from h2okv.parallel import ranks as tp_ranks
 from h2okv.tools.tiny import tiny_model
 from tp_group import HEAVY, MODELS, RECENT, generate_command
 from tp_group import generate_tokens as _generate
@@ -158,7 +159,7 @@ def test_generate_under_torchrun_joins_the_launch(generate_argv):
 @pytest.mark.slow
 def test_failing_rank_ends_every_rank_with_one_line(tmp_path):
     with pytest.raises(H2OError) as info:
-        distributed.run(Namespace(tp=2, tp_timeout=600, device="cpu", dir=str(tmp_path)), fail_on_rank_1)
+        launch.run(Namespace(tp=2, tp_timeout=600, device="cpu", dir=str(tmp_path)), fail_on_rank_1)
     assert _seconds_since_waiting(tmp_path) < 60  # far less than the 600 s rank 0 would wait on its own
     assert str(info.value) == "rank 1 of 2 failed: rank one cannot go on"
     for rank in (0, 1):
@@ -169,7 +170,7 @@ def test_failing_rank_ends_every_rank_with_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_stuck_rank_times_out_instead_of_hanging(tmp_path, capsys):
-    code = distributed.run(Namespace(tp=2, tp_timeout=3, device="cpu", dir=str(tmp_path)), hang_on_rank_1)
+    code = launch.run(Namespace(tp=2, tp_timeout=3, device="cpu", dir=str(tmp_path)), hang_on_rank_1)
     assert _seconds_since_waiting(tmp_path) < 60  # the 3 s timeout, not rank 1's 600 s sleep
     assert code == 1
     err = capsys.readouterr().err.strip().splitlines()
@@ -192,7 +193,7 @@ def _config_dir(tmp_path, arch, **overrides):
         ("kv3", ["eval", "ppl", "--tp", "2", "--plot", ""], "has 3 KV heads"),
         ("kv3", ["bench", "--tp", "2", "--json", "x.json", "--quick"], "has 3 KV heads"),
         ("tiny", ["bench", "--model", "tiny:llama", "--tp", "2", "--json", "x.json"], "tiny:ARCH models"),
-        ("kv3", ["generate", "--prompt", "w3", "--tp", "0"], "must be > 0"),
+        ("kv3", ["generate", "--prompt", "w3", "--tp", "0"], "must be a positive integer (> 0)"),
         ("kv3", ["serve", "--tp", "2"], "has 3 KV heads, which do not divide by 2"),
         ("kv3", ["generate", "--prompt", "w3", "--tp", "2", "--tp-timeout", "-1"], "positive number of seconds"),
     ],
@@ -223,7 +224,7 @@ def test_under_torchrun_tp_must_match_the_world_size(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    assert distributed.resolve_tp(None) == 2
+    assert tp_ranks.resolve_tp(None) == 2
     assert cli.main(["generate", "--prompt", "w3", "--tp", "4"]) == 2
     assert "torchrun started 2 process(es)" in capsys.readouterr().err
     monkeypatch.setenv("RANK", "1")  # the same error on another rank: printed by rank 0 only

@@ -4,20 +4,13 @@ import math
 import pytest
 import torch
 
+import h2okv.models
 from h2okv import H2OCache
 from h2okv.cli import main
+from h2okv.cli.args import parse_budgets, parse_policies
 from h2okv.errors import H2OError
-from h2okv.eval import ppl as ppl_mod
-from h2okv.eval.ppl import (
-    after_fill,
-    make_cache,
-    parse_budgets,
-    parse_policies,
-    perplexity,
-    ppl_grid,
-    streaming_nll,
-    token_nll,
-)
+from h2okv.eval.ppl import after_fill, ppl_grid
+from h2okv.eval.scoring import make_cache, perplexity, streaming_nll, token_nll
 from h2okv.tools.tiny import VOCAB, random_ids, tiny_model
 
 
@@ -135,7 +128,7 @@ class CharTokenizer:
 
 def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     model = tiny_model("llama", seed=5)
-    monkeypatch.setattr(ppl_mod, "load_model", lambda *a, **k: (model, CharTokenizer()))
+    monkeypatch.setattr(h2okv.models, "load_model", lambda *a, **k: (model, CharTokenizer()))
     text = tmp_path / "t.txt"
     text.write_text("To be, or not to be, that is the question. " * 10)
     out_json, out_png = tmp_path / "r.json", tmp_path / "p.png"
@@ -157,7 +150,7 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
 @pytest.mark.integration
 def test_default_model_h2o_close_to_full_and_better_than_local(default_model):
     from h2okv.corpus import read_play
-    from h2okv.eval.ppl import text_segments
+    from h2okv.eval.text import text_segments
 
     model, tokenizer = default_model
     ids = text_segments(tokenizer, read_play("hamlet_gut"), 384)
@@ -173,7 +166,7 @@ def test_default_model_h2o_close_to_full_and_better_than_local(default_model):
 
 
 def test_dataset_text_from_a_local_dataset_folder(tmp_path):
-    from h2okv.eval.ppl import load_dataset_text
+    from h2okv.eval.text import load_dataset_text
 
     (tmp_path / "part.txt").write_text("first line\n\nsecond line\n")
     assert load_dataset_text(str(tmp_path)) == "first line\nsecond line"

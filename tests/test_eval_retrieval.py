@@ -3,9 +3,11 @@ import string
 
 import pytest
 
+import h2okv.models
 from h2okv.cli import main
+from h2okv.cli.args import int_list
+from h2okv.cli.eval.retrieval import parse_depths
 from h2okv.errors import H2OError
-from h2okv.eval import retrieval as retrieval_mod
 from h2okv.eval.retrieval import (
     INSTRUCTION,
     NEEDLE,
@@ -14,8 +16,6 @@ from h2okv.eval.retrieval import (
     build_prompt,
     is_correct,
     make_prompts,
-    parse_depths,
-    parse_ints,
     retrieval_grid,
     run_batch,
 )
@@ -116,10 +116,10 @@ def test_grid_cells(tok):
 
 @pytest.mark.parametrize(
     "text, ok",
-    [("512,1024", [512, 1024]), ("1024,512,512", [512, 1024])],
+    [("512,1024", [512, 1024]), ("1024,512,512", [1024, 512, 512])],
 )
-def test_parse_ints(text, ok):
-    assert parse_ints(text, "contexts") == ok
+def test_int_list(text, ok):
+    assert int_list(text) == ok  # in the order given: eval retrieval sorts and deduplicates its contexts
 
 
 def test_parse_depths():
@@ -129,8 +129,8 @@ def test_parse_depths():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--contexts", "512,abc"], "--contexts must be comma-separated integers"),
-        (["--contexts", "0"], "--contexts must be positive"),
+        (["--contexts", "512,abc"], "argument --contexts: expected comma-separated positive integers"),
+        (["--contexts", "0"], "argument --contexts: expected comma-separated positive integers"),
         (["--depths", "0.5,2"], "--depths must be fractions in [0, 1]"),
         (["--haystack", "lorem"], "--haystack must be 'filler' or shakespeare:NAME"),
         (["--policies", "h2o,lru"], "unknown policy 'lru'"),
@@ -146,7 +146,7 @@ def test_cli_bad_input_is_one_line_exit_2(argv, message, capsys):
 
 def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     model = tiny_model("llama", seed=3)
-    monkeypatch.setattr(retrieval_mod, "load_model", lambda *a, **k: (model, CharTokenizer()))
+    monkeypatch.setattr(h2okv.models, "load_model", lambda *a, **k: (model, CharTokenizer()))
     out_json, out_png = tmp_path / "r.json", tmp_path / "h.png"
     argv = ["eval", "retrieval", "--contexts", "300", "--depths", "0,1", "--trials", "1", "--policies", "full,local",
             "--budgets", "0.3,0.6", "--max-new-tokens", "2", "--json", str(out_json), "--plot", str(out_png)]

@@ -186,16 +186,16 @@ def test_malformed_bodies(server, client, raw):
 
 
 def test_failure_in_one_request_is_a_500(client, monkeypatch):
-    import h2okv.serve.engine as engine_module
+    import h2okv.serve.outputs as outputs_module
 
-    real = engine_module.sample
+    real = outputs_module.sample
 
     def poisoned(logits, temperature, top_p, generator):
         if temperature == 0.5:
             raise RuntimeError("poisoned")
         return real(logits, temperature, top_p, generator)
 
-    monkeypatch.setattr(engine_module, "sample", poisoned)
+    monkeypatch.setattr(outputs_module, "sample", poisoned)
     with pytest.raises(openai.InternalServerError, match="poisoned"):
         client.completions.create(model=NAME, prompt="x", max_tokens=3, temperature=0.5)
     with pytest.raises(openai.APIError, match="poisoned"):
@@ -285,3 +285,17 @@ def test_non_streaming_client_that_gives_up_is_cancelled(model_tok):
         assert after["h2okv_kv_bytes_in_use"] == 0
         assert after["h2okv_generated_tokens_total"] < LIMIT - 10
         assert 'h2okv_requests_finished_total{outcome="cancelled"} 1.0' in httpx.get(url + "/metrics").text
+
+
+def test_runtime_error_kinds_map_to_statuses():
+    """The runtime says what went wrong; the HTTP layer alone says which status that is."""
+    from h2okv.serve.api.errors import APIError
+    from h2okv.serve.errors import ErrorKind, ServeError
+
+    want = {ErrorKind.INVALID_REQUEST: (400, "invalid_request_error"), ErrorKind.OVERLOADED: (429, "rate_limit_error"),
+            ErrorKind.UNAVAILABLE: (503, "server_error"), ErrorKind.INTERNAL: (500, "server_error")}
+    for kind, (status, type_) in want.items():
+        error = APIError.from_serve_error(ServeError(kind, "why", param="max_tokens", code="some_code"))
+        assert (error.status, error.type) == (status, type_)
+        assert error.body() == {"error": {"message": "why", "type": type_, "param": "max_tokens", "code": "some_code"}}
+    assert set(want) == set(ErrorKind)

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from h2okv import cli
 from h2okv.models import load_model
-from h2okv.parallel import ranks as distributed
+from h2okv.parallel import launch
 from h2okv.serve import EvictionDefaults, create_app, running_server, tp
 from h2okv.serve.engine import Engine, GenerationRequest
 from h2okv.serve.executor import Executor
@@ -166,7 +166,7 @@ def test_every_rank_holds_kv_while_streaming_and_none_after_cancellations(tp2):
         (["--tp", "3"], "has 4 KV heads, which do not divide by 3"),
         (["--tp", "2", "--kv-memory", "lots"], "--kv-memory"),
         (["--tp", "2", "--port", "0"], "--port must be in 1..65535"),
-        (["--tp", "0"], "must be > 0"),
+        (["--tp", "0"], "must be a positive integer (> 0)"),
     ],
 )
 def test_bad_serve_tp_settings_one_line_exit_2(checkpoint, capsys, argv, fragment):
@@ -266,7 +266,7 @@ def test_launcher_passes_sigterm_and_sigint_to_rank_0():
     before = signal.getsignal(signal.SIGINT)
     for sig in (signal.SIGTERM, signal.SIGINT):
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        restore = distributed._forward_signals(child.pid)
+        restore = launch._forward_signals(child.pid)
         assert set(restore) == {signal.SIGTERM, signal.SIGINT}  # installed (else the signal would hit pytest)
         try:
             os.kill(os.getpid(), sig)

@@ -11,7 +11,7 @@ Every rank of the group, in order:
 2. runs ``h2okv serve --tp 2`` on a tiny chat checkpoint (rank 0 serves HTTP) until rank 0 gets
    SIGTERM (``TPGroup.serve``, tests/test_serve_tp.py).
 
-The group is started by ``distributed.run`` in a thread of the test process (the launcher), so it
+The group is started by ``launch.run`` in a thread of the test process (the launcher), so it
 runs while the tests use it; the failure tests start their own, light groups.
 """
 
@@ -32,7 +32,9 @@ import torch
 from h2okv import cli
 from h2okv.core import H2OCache
 from h2okv.models import load_model
-from h2okv.parallel import ranks as distributed
+from h2okv.parallel import launch
+from h2okv.parallel import ranks as tp_ranks
+from h2okv.parallel.stats import gather_stats
 from h2okv.tools.process import free_port, save_tiny_model
 from h2okv.tools.tiny import random_ids, tiny_model, word_tokenizer
 
@@ -63,7 +65,7 @@ def generate_tokens(model, policy):
 # -- on every rank (module-level: the spawned ranks import them by name) --------------------------
 def group_on_rank(args) -> int:
     results = equivalence_on_rank(args)
-    if distributed.is_main_rank():
+    if tp_ranks.is_main_rank():
         partial = Path(args.out).with_suffix(".partial")
         torch.save(results, partial)
         partial.rename(args.out)  # whole or absent: the tests wait for it
@@ -80,7 +82,7 @@ def equivalence_on_rank(args) -> dict:
         model, _ = load_model(path, tp=args.tp, cache=False)
         for policy in ("full", "h2o"):
             tokens, logits, stats = generate_tokens(model, policy)
-            results[(key, policy)] = (tokens, logits, distributed.gather_stats(stats))
+            results[(key, policy)] = (tokens, logits, gather_stats(stats))
     for argv in args.commands:
         assert cli.main(argv) == 0
     with contextlib.redirect_stdout(io.StringIO()) as printed:  # what each rank's generate prints
@@ -127,7 +129,7 @@ def channel_on_rank() -> dict:
     the follower in order, a failure on both ranks is survived, a failure on one is a divergence."""
     from h2okv.serve import tp
 
-    rank = distributed.rank()
+    rank = tp_ranks.rank()
     channel = tp.Channel(heartbeat_s=0.1)
     executor = RecordingExecutor(rank)
     out: dict = {}
@@ -168,7 +170,7 @@ def generate_command(dirs: dict) -> list[str]:
 
 
 class TPGroup:
-    """The session's group, launched by ``distributed.run`` in a thread of this process."""
+    """The session's group, launched by ``launch.run`` in a thread of this process."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -206,7 +208,7 @@ class TPGroup:
         self.ranks: list[int] | None = None
 
     def _run(self) -> None:
-        self.code = distributed.run(self.args, group_on_rank)
+        self.code = launch.run(self.args, group_on_rank)
 
     def results(self, timeout: float = 300) -> dict:
         """Step 1's results (waits for them)."""

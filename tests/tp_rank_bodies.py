@@ -1,5 +1,5 @@
 """Rank bodies of the tensor-parallel failure tests, in a module of their own that imports only
-torch and ``h2okv.parallel.ranks``: every spawned rank imports the module that defines its body, and
+torch and ``h2okv.parallel.launch``: every spawned rank imports the module that defines its body, and
 the test modules' imports (transformers, the CLI) would cost each rank seconds."""
 
 import os
@@ -8,16 +8,16 @@ import time
 import torch
 
 from h2okv.errors import H2OError
-from h2okv.parallel import ranks as distributed
+from h2okv.parallel import ranks as tp_ranks
 
 
 def fail_on_rank_1(args) -> int:
     import torch.distributed as dist
 
-    with open(os.path.join(args.dir, f"pid{distributed.rank()}"), "w") as fh:
+    with open(os.path.join(args.dir, f"pid{tp_ranks.rank()}"), "w") as fh:
         fh.write(str(os.getpid()))
     dist.barrier()
-    if distributed.rank() == 1:
+    if tp_ranks.rank() == 1:
         raise H2OError("rank one cannot go on")
     mark_waiting(args)
     dist.all_reduce(torch.ones(1))  # rank 0 waits here for a peer that is gone: the launcher must end it
@@ -27,7 +27,7 @@ def fail_on_rank_1(args) -> int:
 def hang_on_rank_1(args) -> int:
     import torch.distributed as dist
 
-    if distributed.rank() == 1:
+    if tp_ranks.rank() == 1:
         time.sleep(600)  # stuck, but alive: only the collective's timeout can end rank 0
     mark_waiting(args)
     dist.all_reduce(torch.ones(1))

@@ -80,7 +80,7 @@ def summary_line(stats: dict) -> str:
         f"KV {stats['kv_bytes'] / mib:.2f} MiB vs full-cache {stats['full_kv_bytes'] / mib:.2f} MiB ({ratio:.1%})"
     )
     ranks = stats.get("per_rank") or []
-    if len(ranks) > 1:  # tensor parallel (h2okv.parallel.ranks.gather_stats): the totals above are summed
+    if len(ranks) > 1:  # tensor parallel (h2okv.parallel.stats.gather_stats): the totals above are summed
         each = ", ".join(f"{r['kv_bytes'] / mib:.2f}" for r in ranks)
         line += f"; {len(ranks)} tensor-parallel ranks hold {each} MiB each"
     return line

@@ -114,7 +114,7 @@ def _load(name, device, dtype, device_map, tp=1):
         kwargs["device_map"] = device_map
     if tp > 1:
         # every rank loads its slice of each layer (the model's tp plan); the process group is
-        # already up (h2okv.parallel.ranks), so transformers places the slice on this rank's device
+        # already up (h2okv.parallel.launch), so transformers places the slice on this rank's device
         from transformers.distributed import DistributedConfig
 
         kwargs["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=tp)
@@ -139,7 +139,7 @@ def load_model(name: str | None = None, device: str = "cpu", dtype=None, device_
                tp: int = 1):
     """Load ``(model, tokenizer)``. ``name``: None/"smollm2" for the embedded default,
     "qwen2.5-0.5b" (after ``make eval-data``), a HF id, a directory, or a ``.gguf`` file. CPU defaults to float32, CUDA to bfloat16. ``tp > 1``: this
-    rank's tensor-parallel slice (call from a rank started by ``h2okv.parallel.ranks``)."""
+    rank's tensor-parallel slice (call from a rank started by ``h2okv.parallel.launch``)."""
     if device.startswith("cuda"):
         import torch
 

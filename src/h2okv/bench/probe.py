@@ -14,8 +14,8 @@ import sys
 def main() -> int:
     import torch
 
+    from h2okv.bench.model import load_bench_model
     from h2okv.bench.runner import Bench, BenchConfig
-    from h2okv.cli.bench import load_bench_model
 
     request = json.load(sys.stdin)
     name, device, dtype, threads = request["spawn"]

@@ -91,6 +91,16 @@ def _mib(n: float) -> str:
 
 
 def markdown(result: dict) -> str:
+    """The report: settings, the decode grid and its ratios, then prefill, the memory cap and the
+    targets where the result has them."""
+    lines = _settings(result) + _decode_tables(result) + _prefill_table(result)
+    if result.get("memory_cap"):
+        lines += _memory_cap_table(result["memory_cap"])
+    lines += _targets_table(result.get("targets") or check_targets(result))
+    return "\n".join(lines) + "\n"
+
+
+def _settings(result: dict) -> list[str]:
     env = result["environment"]
     lines = [
         f"Model `{env['model']}` on {env['device']} ({env['dtype']}, {env['threads']} threads), "
@@ -108,7 +118,11 @@ def markdown(result: dict) -> str:
         )
     if extra:
         lines += ["", "; ".join(extra) + "."]
-    lines += [
+    return lines
+
+
+def _decode_tables(result: dict) -> list[str]:
+    lines = [
         "",
         "| policy | batch | context | kept tokens | prefill s | prefill peak MiB | step ms | step CPU ms | tokens/s | KV MiB |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -130,50 +144,61 @@ def markdown(result: dict) -> str:
             f"{s.get('h2o_vs_reference_step_cpu', float('nan')):.3f} | "
             f"{s['h2o_vs_full_kv_bytes']:.3f} | {s['h2o_vs_full_prefill']:.2f} |"
         )
-    if result["summary"]["prefill"]:
-        lines += [
-            "",
-            "Prefill (batch 1, whole prompt in one forward call; peak = memory growth during it):",
-            "",
-            "| context | full s | h2o s | h2o/full | full peak MiB | h2o peak MiB |",
-            "|---:|---:|---:|---:|---:|---:|",
-        ]
-        times = {(r["policy"], r["context"]): r["prefill_s"] for r in result["prefill"]}
-        for p in result["summary"]["prefill"]:
-            c = p["context"]
+    return lines
+
+
+def _prefill_table(result: dict) -> list[str]:
+    if not result["summary"]["prefill"]:
+        return []
+    lines = [
+        "",
+        "Prefill (batch 1, whole prompt in one forward call; peak = memory growth during it):",
+        "",
+        "| context | full s | h2o s | h2o/full | full peak MiB | h2o peak MiB |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    times = {(r["policy"], r["context"]): r["prefill_s"] for r in result["prefill"]}
+    for p in result["summary"]["prefill"]:
+        c = p["context"]
+        lines.append(
+            f"| {c} | {times[('full', c)]:.2f} | {times[('h2o', c)]:.2f} | {p['h2o_vs_full_prefill']:.2f} | "
+            f"{_mib(p['full_peak_mem_bytes'])} | {_mib(p['h2o_peak_mem_bytes'])} |"
+        )
+    return lines
+
+
+def _memory_cap_table(cap: dict) -> list[str]:
+    lines = [
+        "",
+        f"Memory cap {_mib(cap['cap_bytes'])} MiB of KV at context {cap['context']} "
+        f"({cap['kv_bytes_per_token']} bytes per token; full needs {cap['full_tokens_per_row']} tokens per row, "
+        f"h2o {cap['h2o_slots_per_row']} slots):",
+        "",
+        "| policy | max batch | KV MiB (measured) | fits | step ms | tokens/s |",
+        "|---|---:|---:|---|---:|---:|",
+    ]
+    for policy in ("full", "h2o"):
+        m = cap.get("measured", {}).get(policy)
+        b = cap["max_batch"][policy]
+        if m:
             lines.append(
-                f"| {c} | {times[('full', c)]:.2f} | {times[('h2o', c)]:.2f} | {p['h2o_vs_full_prefill']:.2f} | "
-                f"{_mib(p['full_peak_mem_bytes'])} | {_mib(p['h2o_peak_mem_bytes'])} |"
+                f"| {policy} | {b} | {_mib(m['kv_bytes'])} | {'yes' if m['fits'] else 'NO'} | "
+                f"{m['decode_step_ms']:.1f} | {m['decode_tokens_per_s']:.1f} |"
             )
-    cap = result.get("memory_cap")
-    if cap:
-        lines += [
-            "",
-            f"Memory cap {_mib(cap['cap_bytes'])} MiB of KV at context {cap['context']} "
-            f"({cap['kv_bytes_per_token']} bytes per token; full needs {cap['full_tokens_per_row']} tokens per row, "
-            f"h2o {cap['h2o_slots_per_row']} slots):",
-            "",
-            "| policy | max batch | KV MiB (measured) | fits | step ms | tokens/s |",
-            "|---|---:|---:|---|---:|---:|",
-        ]
-        for policy in ("full", "h2o"):
-            m = cap.get("measured", {}).get(policy)
-            b = cap["max_batch"][policy]
-            if m:
-                lines.append(
-                    f"| {policy} | {b} | {_mib(m['kv_bytes'])} | {'yes' if m['fits'] else 'NO'} | "
-                    f"{m['decode_step_ms']:.1f} | {m['decode_tokens_per_s']:.1f} |"
-                )
-            else:
-                lines.append(f"| {policy} | {b} | - | - | - | - |")
-    targets = result.get("targets") or check_targets(result)
-    if targets:
-        lines += ["", "| target | value | goal | met | where |", "|---|---:|---:|---|---|"]
-        for t in targets:
-            lines.append(
-                f"| {t['name']} | {t['value']:.3f} | {t['op']} {t['threshold']} | {'yes' if t['met'] else 'NO'} | {t['where']} |"
-            )
-    return "\n".join(lines) + "\n"
+        else:
+            lines.append(f"| {policy} | {b} | - | - | - | - |")
+    return lines
+
+
+def _targets_table(targets: list[dict]) -> list[str]:
+    if not targets:
+        return []
+    lines = ["", "| target | value | goal | met | where |", "|---|---:|---:|---|---|"]
+    for t in targets:
+        lines.append(
+            f"| {t['name']} | {t['value']:.3f} | {t['op']} {t['threshold']} | {'yes' if t['met'] else 'NO'} | {t['where']} |"
+        )
+    return lines
 
 
 def _context_axis(ax, contexts: list[int]) -> None:

@@ -20,7 +20,7 @@ from h2okv.bench.memory import cache_kv_bytes
 from h2okv.bench.report import write_report
 from h2okv.bench.runner import Timer, environment, prompt_ids
 from h2okv.core import H2OCache
-from h2okv.parallel import ranks as distributed
+from h2okv.parallel.ranks import is_main_rank
 
 POLICIES = ("full", "h2o")
 
@@ -58,7 +58,7 @@ def measure(model_tp, model_one, tokenizer, cfg) -> list[dict]:
     Returns rows on rank 0 (other ranks: an empty list)."""
     import torch.distributed as dist
 
-    main = distributed.is_main_rank()
+    main = is_main_rank()
     device = next(model_tp.parameters()).device
     timer = Timer(device)
     vocab = model_tp.config.get_text_config().vocab_size
@@ -120,33 +120,32 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def run_on_rank(args) -> int:
-    """``h2okv bench --tp N`` on one rank: measure, and on rank 0 write the JSON and Markdown."""
-
-    from h2okv.cli.bench import config_from_args
+def run_tp(cfg, *, model: str | None, device: str, dtype, tp: int, threads: int | None, json_path,
+           markdown_path=None) -> int:
+    """``h2okv bench --tp N`` on one rank (of a group already up): measure, and on rank 0 write the
+    JSON and Markdown."""
     from h2okv.models import load_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cfg = config_from_args(args)
+    if threads:
+        torch.set_num_threads(threads)
     started = time.time()
-    model_tp, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
+    model_tp, tokenizer = load_model(model, device=device, dtype=dtype, tp=tp)
     model_one = None
-    if distributed.is_main_rank():
-        model_one, _ = load_model(args.model, device=args.device, dtype=args.dtype, cache=False)
+    if is_main_rank():
+        model_one, _ = load_model(model, device=device, dtype=dtype, cache=False)
     with torch.inference_mode():
         rows = measure(model_tp, model_one, tokenizer, cfg)
-    if not distributed.is_main_rank():
+    if not is_main_rank():
         return 0
     device = next(model_one.parameters()).device
     env = environment(model_one, device, next(model_one.parameters()).dtype)
-    env["model"] = args.model or "SmolLM2-135M-Instruct (embedded default)"
+    env["model"] = model or "SmolLM2-135M-Instruct (embedded default)"
     result = {
-        "tp": args.tp, "config": {k: getattr(cfg, k) for k in ("contexts", "batches", "steps", "warmup", "budget",
+        "tp": tp, "config": {k: getattr(cfg, k) for k in ("contexts", "batches", "steps", "warmup", "budget",
                                                               "chunk_size", "play")},
         "environment": env, "rows": rows, "wall_s": time.time() - started,
         "notes": [
-            f"TP {args.tp}: {args.tp} ranks, each with a slice of every layer (the model's tp plan) and its own cache; "
+            f"TP {tp}: {tp} ranks, each with a slice of every layer (the model's tp plan) and its own cache; "
             "TP 1: the whole model in rank 0, measured in the same run, steps alternating with the TP ones",
             "step ms: wall-clock median of the timed decode steps (TP: rank 0's, which includes waiting for the "
             "others in each all-reduce)",
@@ -157,7 +156,7 @@ def run_on_rank(args) -> int:
         ],
     }
     report = markdown(result)
-    json_path, md_path = write_report(result, report, args.json, args.markdown)
+    json_path, md_path = write_report(result, report, json_path, markdown_path)
     print(report)
     print(f"wrote {json_path}, {md_path}")
     return 0

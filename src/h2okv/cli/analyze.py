@@ -5,15 +5,8 @@ from __future__ import annotations
 
 import time
 
-from tqdm.auto import tqdm
-
-from h2okv.cli.common import add_model_args, positive_int
-from h2okv.core.attention import attention_modules
+from h2okv.cli.args import add_model_args, add_text_args, positive_int, text_from_args
 from h2okv.errors import H2OError
-from h2okv.eval.analysis import layer_stats, ranked, record_attention
-from h2okv.eval.args import add_text_args, source_text, text_segments
-from h2okv.eval.plots import check_output_paths, format_table, new_figure, save_figure, write_json
-from h2okv.models import load_model
 
 DEFAULT_PLOT = "results/sparsity.png"
 DEFAULT_POWERLAW_PLOT = "results/powerlaw.png"
@@ -32,53 +25,20 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def plot_sparsity(rows, path, title: str, threshold: float):
-    fig, axes = new_figure(width=7.5)
-    ax = axes[0][0]
-    layers = [r.layer for r in rows]
-    ax.bar(layers, [100 * r.sparsity for r in rows], color="tab:red", alpha=0.8, label="all heads")
-    ax.errorbar(layers, [100 * r.sparsity for r in rows],
-                yerr=[[100 * (r.sparsity - r.min_head_sparsity) for r in rows],
-                      [100 * (r.max_head_sparsity - r.sparsity) for r in rows]],
-                fmt="none", ecolor="black", capsize=2, linewidth=0.8, label="least / most sparse head")
-    ax.axhline(95, color="gray", linestyle="--", linewidth=1, label="95%")
-    low = min(r.min_head_sparsity for r in rows) * 100
-    ax.set_ylim(max(0.0, low - 5), 100)
-    ax.set_xlabel("layer")
-    ax.set_ylabel(f"% of attention probabilities < {threshold:g} x row max")
-    ax.set_title(title, fontsize=10)
-    ax.legend(loc="lower right", fontsize=8)
-    ax.grid(True, axis="y", alpha=0.3)
-    return save_figure(fig, path)
-
-
-def plot_powerlaw(recorder, rows, path, title: str):
-    fig, axes = new_figure(width=6.4)
-    ax = axes[0][0]
-    layers = sorted(recorder.accumulated)
-    picks = sorted({layers[round(i * (len(layers) - 1) / 4)] for i in range(5)})  # five layers, first to last
-    from matplotlib import colormaps
-
-    cmap = colormaps["viridis"]
-    slopes = {r.layer: r.powerlaw_slope for r in rows}
-    for i, layer in enumerate(picks):
-        values = ranked(recorder.accumulated[layer].sum(0))
-        ax.loglog(range(1, len(values) + 1), values, color=cmap(i / max(len(picks) - 1, 1)),
-                  label=f"layer {layer} (slope {slopes[layer]:.2f})")
-    ax.set_xlabel("token rank by accumulated attention")
-    ax.set_ylabel("share of the layer's accumulated attention")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    return save_figure(fig, path)
-
-
 def run(args) -> int:
+    from tqdm.auto import tqdm
+
+    from h2okv.core.attention import attention_modules
+    from h2okv.eval.analysis import layer_stats, plot_powerlaw, plot_sparsity, record_attention
+    from h2okv.eval.plots import check_output_paths, format_table, write_json
+    from h2okv.eval.text import text_segments
+    from h2okv.models import load_model
+
     if not 0.0 < args.threshold < 1.0:
         raise H2OError(f"--threshold must be in (0, 1), got {args.threshold}")
     check_output_paths(args.json, args.plot)
     check_output_paths(None, args.powerlaw_plot)
-    text, label = source_text(args)
+    text, label = text_from_args(args)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     ids = text_segments(tokenizer, text, args.tokens)
     start = time.perf_counter()

@@ -6,39 +6,13 @@ import argparse
 import importlib
 import importlib.util
 import os
-import re
 
-from h2okv.cli.common import add_model_args, positive_int
+from h2okv.cli.args import add_model_args, add_tp_args, int_list, parse_bytes, parse_policies, positive_int
 from h2okv.errors import H2OError
-from h2okv.parallel import ranks as distributed
 
 # the default grid and the --quick one (about a minute on a 2-core CPU, model load included)
 FULL_GRID = dict(batch=[1, 8], context=[2048, 4096], memory_contexts=[1024, 2048, 4096], steps=32, cap_steps=8)
 QUICK_GRID = dict(batch=[1, 4], context=[256, 512], memory_contexts=[256, 512], steps=8, cap_steps=4)
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def byte_size(text: str) -> int:
-    """``2147483648``, ``2GiB``, ``512MiB``, ``1.5GB``."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"expected a byte size like 2147483648 or 2GiB, got {text!r}")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return value
-
 
 def register(sub) -> None:
     p = sub.add_parser(
@@ -57,7 +31,8 @@ def register(sub) -> None:
                    help="round-robin rounds the timed steps are split into (default: one step per policy per round)")
     p.add_argument("--prefill-repeats", type=positive_int, default=1, help="prefills per policy and context (default 1)")
     p.add_argument("--memory-contexts", type=int_list, default=None, help="prompt lengths for the prefill peak-memory curve (default 1024,2048,4096)")
-    p.add_argument("--memory-cap", type=byte_size, default=None, help="KV-cache bytes allowed: largest batch and its throughput for full vs h2o")
+    p.add_argument("--memory-cap", type=parse_bytes, default=None,
+                   help="KV-cache bytes allowed, e.g. 2G (binary units): largest batch and its throughput for full vs h2o")
     p.add_argument("--cap-context", type=positive_int, default=None, help="context for --memory-cap (default: the largest --context)")
     p.add_argument("--cap-steps", type=positive_int, default=None, help="timed steps in the --memory-cap study (default 8; quick 4)")
     p.add_argument("--chunk-size", type=positive_int, default=512, help="H2O prefill chunk length (default 512)")
@@ -77,7 +52,7 @@ def register(sub) -> None:
                    "scoring vs a plain forward (e.g. h2o,tova,h2o-sink,h2o-mean,snapkv)")
     p.add_argument("--scoring-tokens", type=positive_int, default=2048, help="tokens of the --policies scoring pass (default 2048)")
     p.add_argument("--scoring-repeats", type=positive_int, default=1, help="passes per policy in the --policies scoring study (default 1)")
-    distributed.add_tp_args(p)
+    add_tp_args(p)
     p.add_argument("--serve", nargs=argparse.REMAINDER, default=None, metavar="SERVE_BENCH_ARGS",
                    help="instead: the serving load generator (h2okv.tools.loadgen) with the `serve-bench` "
                    "arguments that follow, e.g. --serve --kv-memory 2GiB --policies full,h2o")
@@ -107,26 +82,6 @@ def choose_threads(value: str, device: str) -> tuple[int | None, str]:
     if cpus > 1 and load >= cpus - 0.5:
         return 1, f"auto: 1-minute load {load:.1f} on {cpus} CPUs before start, so 1 thread"
     return None, f"auto: torch default ({cpus} CPUs, load {load:.1f})"
-
-
-def load_bench_model(name: str | None, device: str, dtype):
-    """``tiny:ARCH`` builds a tiny random model (tests, smoke runs; no tokenizer); else ``load_model``."""
-    if name and name.startswith("tiny:"):
-        import torch
-
-        from h2okv.models import _resolve_dtype
-        from h2okv.tools.tiny import TINY_CONFIGS, tiny_model
-
-        arch = name.split(":", 1)[1] or "llama"
-        if arch not in TINY_CONFIGS:
-            raise H2OError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(sorted(TINY_CONFIGS))}")
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise H2OError("--device cuda requested but no CUDA device is available")
-        torch.set_grad_enabled(False)
-        return tiny_model(arch).to(device=device, dtype=_resolve_dtype(dtype or "float32", device)), None
-    from h2okv.models import load_model
-
-    return load_model(name, device=device, dtype=dtype)
 
 
 def config_from_args(args):
@@ -160,7 +115,7 @@ def run_serve(args) -> int:
     """Hand over to the serving load generator, parsing the rest of the line as `serve-bench` would."""
     if importlib.util.find_spec("h2okv.serve") is None or importlib.util.find_spec("h2okv.tools.loadgen") is None:
         raise H2OError("the serving load generator (h2okv.tools.loadgen) is not available in this build")
-    from h2okv.cli import build_parser
+    from h2okv.cli.main import build_parser
 
     serve_args = build_parser().parse_args(["serve-bench", *args.serve])
     return int(importlib.import_module("h2okv.tools.loadgen").run(serve_args) or 0)
@@ -170,10 +125,10 @@ def run_policies(args) -> int:
     """The --policies study (``bench/policy_speed.py``)."""
     from tqdm.auto import tqdm
 
+    from h2okv.bench.model import load_bench_model
     from h2okv.bench.policy_speed import decode_costs, markdown, scoring_costs
     from h2okv.bench.report import write_report
     from h2okv.bench.runner import prompt_ids
-    from h2okv.eval.args import parse_policies
 
     policies = [p for p in parse_policies(args.policies) if p != "full"]
     context = (args.context or [2048])[0]
@@ -210,13 +165,14 @@ def run(args) -> int:
         return run_policies(args)
     cfg = config_from_args(args)
     cfg.validate()  # bad settings fail before the (slow) model load
-    if distributed.prepare(args) > 1:
-        # tensor parallel: decode step and per-rank KV bytes next to TP 1 (h2okv.bench.tp)
-        from h2okv.bench.tp import run_on_rank
+    from h2okv.parallel import launch
 
+    if launch.prepare(args) > 1:
+        # tensor parallel: decode step and per-rank KV bytes next to TP 1 (h2okv.bench.tp)
         args.threads, _ = choose_threads(args.threads, args.device)
-        return distributed.run(args, run_on_rank)
+        return launch.run(args, tp_on_rank)
     from h2okv.bench import run_bench
+    from h2okv.bench.model import load_bench_model
     from h2okv.bench.report import markdown, plot, write_report
 
     threads, why = choose_threads(args.threads, args.device)
@@ -238,3 +194,11 @@ def run(args) -> int:
         written += plot(result, args.plot_dir, prefix=args.plot_prefix)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def tp_on_rank(args) -> int:
+    """``bench --tp N`` on one rank (every rank imports this module to find it)."""
+    from h2okv.bench.tp import run_tp
+
+    return run_tp(config_from_args(args), model=args.model, device=args.device, dtype=args.dtype, tp=args.tp,
+                  threads=args.threads, json_path=args.json, markdown_path=args.markdown)

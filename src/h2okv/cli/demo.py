@@ -3,10 +3,8 @@ cache and with evicting policies at 20%, and where each answer first departs fro
 
 from __future__ import annotations
 
-from h2okv.cli.common import positive_int
+from h2okv.cli.args import positive_int
 from h2okv.corpus import read_play
-from h2okv.generation import generate, summary_line
-from h2okv.models import load_model
 
 QUESTION = "Who is on guard when the scene opens, who relieves him, and what have the guards seen on the nights before?"
 # (policy, label) compared with the full cache, all at the paper's 20% (10% heavy + 10% recent)
@@ -36,6 +34,9 @@ def first_difference(reference: list[int], other: list[int]) -> int | None:
 
 
 def run(args) -> int:
+    from h2okv.generation import generate, summary_line
+    from h2okv.models import load_model
+
     model, tokenizer = load_model()
     passage = scene(tokenizer, args.prompt_tokens)
     prompt = f"Here is the opening of Hamlet.\n\n{passage}\n\nQuestion: {QUESTION}"

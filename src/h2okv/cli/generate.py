@@ -4,13 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from h2okv.cli.common import add_budget_args, add_model_args, budget_from_args, positive_int
-from h2okv.core import BudgetSpec
+from h2okv.cli.args import add_budget_args, add_model_args, add_tp_args, budget_from_args, positive_int
 from h2okv.errors import H2OError
-from h2okv.generation import budget_kwargs, generate, summary_line
-from h2okv.models import load_model
-from h2okv.parallel import ranks as distributed
-from h2okv.policies import make_policy
 
 
 def register(sub) -> None:
@@ -22,7 +17,7 @@ def register(sub) -> None:
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     add_model_args(p)
     add_budget_args(p)
-    distributed.add_tp_args(p)
+    add_tp_args(p)
     p.set_defaults(func=run)
 
 
@@ -44,25 +39,34 @@ def read_prompt(args) -> str:
 
 
 def run(args) -> int:
+    from h2okv.core import BudgetSpec
+    from h2okv.parallel import launch
+    from h2okv.policies import make_policy
+
     args.prompt_text = read_prompt(args)
     budget = budget_from_args(args)
     # validate settings before the (slow) model load and before any rank starts
     BudgetSpec.build(make_policy(args.policy), **{k: budget[k] for k in ("heavy", "recent", "heavy_ratio", "recent_ratio")})
-    distributed.prepare(args)
-    return distributed.run(args, generate_on_rank)
+    launch.prepare(args)
+    return launch.run(args, generate_on_rank)
 
 
 def generate_on_rank(args) -> int:
     """The generation itself: in this process, or on every rank of a ``--tp`` run (all ranks
     compute the same tokens; rank 0 prints)."""
+    from h2okv.generation import budget_kwargs, generate, summary_line
+    from h2okv.models import load_model
+    from h2okv.parallel.ranks import is_main_rank
+    from h2okv.parallel.stats import gather_stats
+
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
-    stream = args.stream and distributed.is_main_rank()
+    stream = args.stream and is_main_rank()
     result = generate(
         model, tokenizer, args.prompt_text, policy=args.policy, max_new_tokens=args.max_new_tokens,
         chat=args.chat, stream=stream, chunk_size=args.chunk_size, **budget_kwargs(**budget_from_args(args)),
     )
-    stats = distributed.gather_stats(result.stats)
-    if not distributed.is_main_rank():
+    stats = gather_stats(result.stats)
+    if not is_main_rank():
         return 0
     if not stream:
         print(result.text)

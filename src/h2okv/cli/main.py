@@ -9,6 +9,7 @@ import argparse
 import importlib
 import pkgutil
 import sys
+from pathlib import Path
 
 from h2okv.errors import H2OError, print_error
 
@@ -16,10 +17,9 @@ from h2okv.errors import H2OError, print_error
 def subcommand_modules() -> list[str]:
     """Every module of ``h2okv.cli`` that defines ``register(subparsers)``: adding a
     subcommand is adding one file."""
-    from h2okv import cli
-
-    names = sorted(m.name for m in pkgutil.iter_modules(cli.__path__) if not m.name.startswith("_"))
-    return [f"{cli.__name__}.{n}" for n in names if n not in ("common", "main")]
+    here = [str(Path(__file__).parent)]  # this package, found without importing it (no import circle)
+    names = sorted(m.name for m in pkgutil.iter_modules(here) if not m.name.startswith("_"))
+    return [f"{__package__}.{n}" for n in names if n not in ("args", "main")]
 
 
 class _Parser(argparse.ArgumentParser):

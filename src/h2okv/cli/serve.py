@@ -6,9 +6,18 @@ from __future__ import annotations
 import logging
 import os
 
-from h2okv.cli.common import add_budget_args, add_model_args, budget_from_args, check_policy, positive_int
+from h2okv.cli.args import (
+    add_budget_args,
+    add_model_args,
+    add_tp_args,
+    budget_from_args,
+    check_policy,
+    memory_limit,
+    parse_bytes,
+    positive_float,
+    positive_int,
+)
 from h2okv.errors import H2OError
-from h2okv.parallel import ranks as distributed
 
 API_KEY_ENV = "H2OKV_API_KEY"
 
@@ -29,18 +38,6 @@ def _add_schedule(p) -> None:
                         "most a decoding request waits between two tokens, in prefill work (default: 512)")
 
 
-def positive_float(text: str) -> float:
-    import argparse
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
-
-
 def register(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching and H2O eviction")
     add_model_args(p)
@@ -48,8 +45,8 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model or smollm2)")
-    p.add_argument("--kv-memory", default=None,
-                   help="KV-cache bytes for all running requests, e.g. 512M (default: no limit)")
+    p.add_argument("--kv-memory", type=memory_limit, default=None,
+                   help="KV-cache bytes for all running requests, e.g. 512M or 2G (binary units; default: no limit)")
     p.add_argument("--max-queue", type=int, default=256, help="requests that may wait; more get HTTP 429")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--api-key", default=None,
@@ -64,7 +61,7 @@ def register(sub) -> None:
                    help="on SIGTERM, seconds running requests get to finish before they are ended (default: 30)")
     _add_max_batch(p, 32)
     _add_schedule(p)
-    distributed.add_tp_args(p)
+    add_tp_args(p)
     # a prefill chunk runs between two decode steps of everyone else: keep it short
     chunk = next(a for a in p._actions if a.dest == "chunk_size")
     chunk.default, chunk.help = 128, "prefill chunk length: one chunk per engine step (default: 128)"
@@ -76,7 +73,8 @@ def register(sub) -> None:
                    help="workload whose settings fill the options not given: prefill-heavy (16 requests, "
                         "256-token prompts, 64 new tokens, 30M) or decode-heavy (32 requests, 128-token prompts, "
                         "1024 new tokens, heavy 64 + recent 64, 256M) (default: prefill-heavy)")
-    b.add_argument("--kv-memory", default=None, help="KV-cache bytes shared by running requests, e.g. 64M")
+    b.add_argument("--kv-memory", type=parse_bytes, default=None,
+                   help="KV-cache bytes shared by running requests, e.g. 64M (binary units; default: the profile's)")
     b.add_argument("--policies", default="full,h2o", help="comma-separated policies to compare (default: full,h2o)")
     b.add_argument("--heavy", type=int, default=None, help="heavy-hitter slots (evicting policies)")
     b.add_argument("--recent", type=int, default=None, help="recent slots (evicting policies)")
@@ -100,12 +98,11 @@ def register(sub) -> None:
 
 
 def run_serve(args) -> int:
-    from h2okv.serve import EvictionDefaults
-    from h2okv.serve.memory import kv_limit
+    from h2okv.parallel import launch
+    from h2okv.serve.eviction import EvictionDefaults
 
     eviction = EvictionDefaults(policy=check_policy(args.policy), **budget_from_args(args))
     eviction.validate()  # before the (slow) model load
-    kv_memory = kv_limit(args.kv_memory)
     if args.max_queue < 0:
         raise H2OError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 < args.port < 65536:
@@ -113,20 +110,21 @@ def run_serve(args) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if api_key is not None and not api_key.strip():
         raise H2OError(f"--api-key / {API_KEY_ENV} must not be empty")
-    args.eviction, args.kv_memory_bytes, args.api_key = eviction, kv_memory, api_key
-    distributed.prepare(args)  # --tp: the model must shard (a config read, before any rank starts)
-    return distributed.run(args, serve_on_rank, signals_to_rank0=True)
+    args.eviction, args.kv_memory_bytes, args.api_key = eviction, args.kv_memory, api_key
+    launch.prepare(args)  # --tp: the model must shard (a config read, before any rank starts)
+    return launch.run(args, serve_on_rank, signals_to_rank0=True)
 
 
 def serve_on_rank(args) -> int:
     """The server in this process, or one rank of ``serve --tp N``: rank 0 serves HTTP and drives
     the others, which run its executor calls (``serve/tp.py``)."""
     from h2okv.models import load_model
+    from h2okv.parallel.ranks import is_distributed, is_main_rank
     from h2okv.serve import serve_forever
     from h2okv.serve.executor import Executor
 
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
-    if not distributed.is_distributed():
+    if not is_distributed():
         app = _create_app(args, model, tokenizer, None)
         serve_forever(app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout=args.drain_timeout)
         return 0
@@ -135,7 +133,7 @@ def serve_on_rank(args) -> int:
 
     channel = tp.Channel(heartbeat_s=tp.heartbeat_seconds(args.tp_timeout))
     executor = Executor(model, args.chunk_size)
-    if not distributed.is_main_rank():
+    if not is_main_rank():
         tp.follow(executor, channel, tp.RankFigures(executor, channel.rank))
         return 0
     leader = tp.Leader(executor, channel)

@@ -1,2 +1,2 @@
-"""Accuracy evaluations. Every module here that defines ``register_eval(subparsers)`` becomes an
-``h2okv eval <name>`` subcommand (see ``commands/eval.py``)."""
+"""Accuracy evaluations, as library functions that take plain parameters (models, lists, numbers)
+and return rows; ``h2okv eval <kind>`` parses its options in ``h2okv.cli.eval.<kind>`` and calls them."""

@@ -183,3 +183,49 @@ def ranked(values: torch.Tensor) -> list[float]:
     out = torch.sort(values.double().flatten(), descending=True).values
     total = float(out.sum())
     return (out / total).tolist() if total > 0 and not math.isnan(total) else out.tolist()
+
+
+# -- figures ---------------------------------------------------------------------------------------
+def plot_sparsity(rows, path, title: str, threshold: float):
+    from h2okv.eval.plots import new_figure, save_figure
+
+    fig, axes = new_figure(width=7.5)
+    ax = axes[0][0]
+    layers = [r.layer for r in rows]
+    ax.bar(layers, [100 * r.sparsity for r in rows], color="tab:red", alpha=0.8, label="all heads")
+    ax.errorbar(layers, [100 * r.sparsity for r in rows],
+                yerr=[[100 * (r.sparsity - r.min_head_sparsity) for r in rows],
+                      [100 * (r.max_head_sparsity - r.sparsity) for r in rows]],
+                fmt="none", ecolor="black", capsize=2, linewidth=0.8, label="least / most sparse head")
+    ax.axhline(95, color="gray", linestyle="--", linewidth=1, label="95%")
+    low = min(r.min_head_sparsity for r in rows) * 100
+    ax.set_ylim(max(0.0, low - 5), 100)
+    ax.set_xlabel("layer")
+    ax.set_ylabel(f"% of attention probabilities < {threshold:g} x row max")
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    return save_figure(fig, path)
+
+
+def plot_powerlaw(recorder, rows, path, title: str):
+    from h2okv.eval.plots import new_figure, save_figure
+
+    fig, axes = new_figure(width=6.4)
+    ax = axes[0][0]
+    layers = sorted(recorder.accumulated)
+    picks = sorted({layers[round(i * (len(layers) - 1) / 4)] for i in range(5)})  # five layers, first to last
+    from matplotlib import colormaps
+
+    cmap = colormaps["viridis"]
+    slopes = {r.layer: r.powerlaw_slope for r in rows}
+    for i, layer in enumerate(picks):
+        values = ranked(recorder.accumulated[layer].sum(0))
+        ax.loglog(range(1, len(values) + 1), values, color=cmap(i / max(len(picks) - 1, 1)),
+                  label=f"layer {layer} (slope {slopes[layer]:.2f})")
+    ax.set_xlabel("token rank by accumulated attention")
+    ax.set_ylabel("share of the layer's accumulated attention")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)

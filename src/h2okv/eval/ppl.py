@@ -20,28 +20,10 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from h2okv.cli.common import add_model_args, positive_int
 from h2okv.core.attention import attention_modules
-from h2okv.errors import H2OError
-from h2okv.eval.args import (  # noqa: F401 - re-exported: other evals imported them from here
-    add_text_args,
-    add_threads_arg,
-    apply_threads,
-    load_dataset_text,
-    parse_budgets,
-    parse_policies,
-    source_text,
-    text_segments,
-)
-from h2okv.eval.plots import check_output_paths, format_table, new_figure, policy_color, save_figure, write_json
-from h2okv.eval.scoring import make_cache, perplexity, streaming_nll, token_nll  # noqa: F401 - re-exported
-from h2okv.models import load_model
-from h2okv.parallel import ranks as distributed
+from h2okv.eval.plots import new_figure, policy_color, save_figure
+from h2okv.eval.scoring import perplexity, streaming_nll
 from h2okv.policies import policy_class
-
-DEFAULT_POLICIES = "full,h2o,local,sink,random"
-DEFAULT_BUDGETS = "0.05,0.1,0.2,0.5"
-DEFAULT_PLOT = "results/ppl_vs_budget.png"
 
 
 @contextlib.contextmanager
@@ -168,58 +150,3 @@ def plot_ppl(rows: list[PplRow], full_ppl: float, path, title: str):
     right.set_ylabel("perplexity above full cache")
     fig.suptitle(title, fontsize=10)
     return save_figure(fig, path)
-
-
-def register_eval(kinds) -> None:
-    p = kinds.add_parser("ppl", help="streaming perplexity with the cache evicting as the text is read")
-    add_model_args(p)
-    add_text_args(p)
-    p.add_argument("--tokens", type=positive_int, default=1024, help="tokens per segment (default: 1024)")
-    p.add_argument("--segments", type=positive_int, default=1, help="consecutive segments scored in one batch (default: 1)")
-    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default: {DEFAULT_POLICIES})")
-    p.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"cache budgets as fractions of --tokens (default: {DEFAULT_BUDGETS})")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random policy")
-    add_threads_arg(p)
-    distributed.add_tp_args(p)
-    p.add_argument("--json", default=None, help="write the rows as JSON to this file")
-    p.add_argument("--plot", default=DEFAULT_PLOT, help=f"PNG of perplexity vs budget (default: {DEFAULT_PLOT})")
-    p.set_defaults(func=run)
-
-
-def run(args) -> int:
-    # settings are checked here, before the model load and before any rank starts
-    parse_policies(args.policies)
-    parse_budgets(args.budgets)
-    if args.tokens < 2:
-        raise H2OError("--tokens must be at least 2 (perplexity needs a token to predict)")
-    check_output_paths(args.json, args.plot)
-    args.loaded_text = source_text(args)  # read once, before the model load (and before ranks start)
-    distributed.prepare(args)
-    return distributed.run(args, score_on_rank)
-
-
-def score_on_rank(args) -> int:
-    """Load, score, report: in this process, or on every rank of a ``--tp`` run (rank 0 reports)."""
-    policies, budgets = parse_policies(args.policies), parse_budgets(args.budgets)
-    text, label = args.loaded_text
-    apply_threads(args.threads)
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
-    ids = text_segments(tokenizer, text, args.tokens, args.segments)
-    start = time.perf_counter()
-    rows, full_ppl = ppl_grid(model, ids, policies, budgets, seed=args.seed, progress=distributed.is_main_rank())
-    total = time.perf_counter() - start
-    if not distributed.is_main_rank():
-        return 0
-
-    print(f"Streaming perplexity, {args.segments} x {args.tokens} tokens of {label} (eviction after every token)")
-    headers = ["policy", "budget", "slots", "ppl", "x full", "ppl after fill", "x full"]
-    table = [[r.policy, r.budget, r.slots, r.ppl, r.ppl_ratio_to_full, r.ppl_after_fill, r.after_fill_ratio_to_full] for r in rows]
-    print(format_table(headers, table))
-    print(f"full-cache perplexity {full_ppl:.3f}; {len(rows)} rows in {total:.1f} s")
-    if args.json:
-        write_json([vars(r) for r in rows], args.json)
-        print(f"wrote {args.json}")
-    if args.plot:
-        title = f"Streaming perplexity, {args.segments}x{args.tokens} tokens of {label}"
-        print(f"wrote {plot_ppl(rows, full_ppl, args.plot, title)}")
-    return 0

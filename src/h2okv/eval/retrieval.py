@@ -14,19 +14,15 @@ cache after generation (mean over layers, KV heads and trials), which shows *whe
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
-from h2okv.cli.common import add_model_args, positive_int
 from h2okv.core import DEFAULT_CHUNK, H2OCache
 from h2okv.corpus import read_play
 from h2okv.errors import H2OError
-from h2okv.eval.args import add_threads_arg, apply_threads, parse_budgets, parse_policies
-from h2okv.eval.plots import annotated_heatmap, check_output_paths, format_table, new_figure, save_figure, write_json
-from h2okv.models import load_model
+from h2okv.eval.plots import annotated_heatmap, format_table, new_figure, save_figure
 from h2okv.policies import policy_class
 
 INSTRUCTION = (
@@ -36,12 +32,6 @@ INSTRUCTION = (
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\n\nWhat is the pass key? The pass key is"
-
-DEFAULT_POLICIES = "full,h2o,local,sink,random"
-DEFAULT_BUDGETS = "0.2,0.5"
-DEFAULT_CONTEXTS = "512,1024"
-DEFAULT_DEPTHS = "0,0.5,1"
-DEFAULT_PLOT = "results/retrieval_heatmap.png"
 
 
 @dataclass
@@ -235,68 +225,3 @@ def summary_table(cells: list[Cell]) -> str:
             kept = sum(c.needle_kept for c in group) / len(group)
             rows.append([policy, budget, context, *accuracy, f"{mean:.0%}", f"{kept:.0%}"])
     return format_table(headers, rows)
-
-
-def parse_ints(text: str, what: str) -> list[int]:
-    try:
-        values = [int(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        raise H2OError(f"--{what} must be comma-separated integers, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise H2OError(f"--{what} must be positive integers, got {text!r}")
-    return sorted(set(values))
-
-
-def parse_depths(text: str) -> list[float]:
-    try:
-        values = [float(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        raise H2OError(f"--depths must be comma-separated fractions, got {text!r}") from None
-    if not values or not all(0.0 <= v <= 1.0 for v in values):
-        raise H2OError(f"--depths must be fractions in [0, 1], got {text!r}")
-    return sorted(set(values))
-
-
-def register_eval(kinds) -> None:
-    p = kinds.add_parser("retrieval", help="passkey retrieval (needle in a haystack) under eviction")
-    add_model_args(p)
-    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default: {DEFAULT_POLICIES})")
-    p.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"cache budgets as fractions of the prompt (default: {DEFAULT_BUDGETS})")
-    p.add_argument("--contexts", default=DEFAULT_CONTEXTS, help=f"prompt lengths in tokens (default: {DEFAULT_CONTEXTS})")
-    p.add_argument("--depths", default=DEFAULT_DEPTHS, help=f"needle depths, 0 = start, 1 = end (default: {DEFAULT_DEPTHS})")
-    p.add_argument("--trials", type=positive_int, default=2, help="passkeys per cell (default: 2)")
-    p.add_argument("--haystack", default="filler", help="filler (repeated sentences) or shakespeare:NAME (default: filler)")
-    p.add_argument("--chunk-size", type=positive_int, default=DEFAULT_CHUNK,
-                   help=f"prefill chunk; 1 = evict after every prompt token (default: {DEFAULT_CHUNK})")
-    p.add_argument("--max-new-tokens", type=positive_int, default=8)
-    p.add_argument("--seed", type=int, default=0, help="seed of the passkeys, haystack offsets and random policy")
-    add_threads_arg(p)
-    p.add_argument("--json", default=None, help="write one row per cell as JSON to this file")
-    p.add_argument("--plot", default=DEFAULT_PLOT, help=f"heat-map PNG (default: {DEFAULT_PLOT})")
-    p.set_defaults(func=run)
-
-
-def run(args) -> int:
-    policies = parse_policies(args.policies)
-    budgets = parse_budgets(args.budgets)
-    contexts = parse_ints(args.contexts, "contexts")
-    depths = parse_depths(args.depths)
-    if args.haystack != "filler" and not args.haystack.startswith("shakespeare:"):
-        raise H2OError(f"--haystack must be 'filler' or shakespeare:NAME, got {args.haystack!r}")
-    check_output_paths(args.json, args.plot)
-    apply_threads(args.threads)
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
-    start = time.perf_counter()
-    cells = retrieval_grid(model, tokenizer, policies, budgets, contexts, depths, args.trials, args.haystack,
-                           args.chunk_size, args.max_new_tokens, args.seed)
-    seconds = time.perf_counter() - start
-    print(f"Passkey retrieval, {args.haystack} haystack, prefill chunk {args.chunk_size}, {args.trials} trials per cell")
-    print(summary_table(cells))
-    print(f"{len(cells)} cells in {seconds:.1f} s")
-    if args.json:
-        write_json([vars(c) for c in cells], args.json)
-        print(f"wrote {args.json}")
-    if args.plot:
-        title = f"Passkey accuracy ({args.haystack} haystack, prefill chunk {args.chunk_size}, {args.trials} trials/cell)"
-        print(f"wrote {plot_heatmap(cells, args.plot, title)}")
-    return 0

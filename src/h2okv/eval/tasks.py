@@ -17,12 +17,10 @@ import json
 import logging
 import random
 import re
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from h2okv.cli.common import add_model_args, check_policy, positive_int
 from h2okv.corpus import read_play
 from h2okv.errors import H2OError
 from h2okv.eval import offline
@@ -262,61 +260,15 @@ def format_table(results: dict) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
-def register_eval(sub) -> None:
-    p = sub.add_parser("tasks", help="lm-evaluation-harness tasks with each eviction policy (paper: copa, piqa, ...)")
-    p.add_argument("--tasks", required=True,
-                   help=f"comma-separated lm-eval task names; built-in offline task: {SHAKESPEARE_TASK}")
-    p.add_argument("--policies", default="full,h2o,local", help="comma-separated (default: full,h2o,local)")
-    p.add_argument("--budget", type=float, default=0.2,
-                   help="KV budget as a fraction of each request's tokens, split half heavy / half recent (default 0.2)")
-    p.add_argument("--limit", type=positive_int, default=None, help="first N documents of each task")
-    p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (paper: 5)")
-    p.add_argument("--include-path", action="append", default=[], help="directory of extra task YAMLs (repeatable)")
-    p.add_argument("--batch-size", type=positive_int, default=8)
-    p.add_argument("--chunk-size", type=positive_int, default=1,
-                   help="tokens read between evictions while scoring (default 1 = per-token Algorithm 1)")
-    p.add_argument("--local-items", type=positive_int, default=160, help=f"items of {SHAKESPEARE_TASK} (default 160)")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch CPU threads (1 is often fastest on a busy machine: per-token scoring is many small ops)")
-    p.add_argument("--json", required=True, help="write the results here")
-    add_model_args(p)
-    p.set_defaults(func=run)
-
-
-def run(args) -> int:
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    policies = [check_policy(p.strip()) for p in args.policies.split(",") if p.strip()]
-    if not tasks or not policies:
-        raise H2OError("give at least one task and one policy")
-    if not 0.0 < args.budget <= 1.0:
-        raise H2OError(f"--budget must be in (0, 1], got {args.budget}")
+def run_tasks(tasks: list[str], policies: list[str], budget: float, *, local_items: int = 160,
+              include_paths=(), **settings) -> dict:
+    """``evaluate_policies`` with the built-in local tasks (``LOCAL_TASKS``) written to a temporary
+    directory first, unless an include path already has them."""
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    include = list(args.include_path)
+    include = list(include_paths)
     with tempfile.TemporaryDirectory(prefix="h2okv-tasks-") as tmp:
         for name in tasks:
             if name in LOCAL_TASKS and not any((Path(p) / f"{name}.yaml").exists() for p in include):
-                LOCAL_TASKS[name](Path(tmp) / name, n_items=args.local_items)
+                LOCAL_TASKS[name](Path(tmp) / name, n_items=local_items)
                 include.append(str(Path(tmp) / name))
-        results = evaluate_policies(
-            tasks, policies, args.budget, model=args.model, limit=args.limit, num_fewshot=args.num_fewshot,
-            include_paths=include, batch_size=args.batch_size, chunk_size=args.chunk_size,
-            device=args.device, dtype=args.dtype,
-        )
-    print(format_table(results))
-    report = {
-        "command": "h2okv " + " ".join(sys.argv[1:]) if sys.argv and "h2okv" in Path(sys.argv[0]).name else None,
-        "settings": {k: v for k, v in vars(args).items() if k != "func"},
-        "budget_meaning": "fraction of each multiple-choice context's tokens (read once, then branched per "
-                          "continuation); half heavy, half recent",
-        "offline_data": {t: offline.USED[t] for t in tasks if t in offline.USED},
-        "results": results,
-    }
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    print(f"wrote {path}")
-    return 0
+        return evaluate_policies(tasks, policies, budget, include_paths=include, **settings)

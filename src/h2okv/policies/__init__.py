@@ -17,14 +17,18 @@ from h2okv.policies.random import RandomPolicy
 from h2okv.policies.sink import SinkPolicy
 from h2okv.policies.snapkv import SnapKVPolicy
 from h2okv.policies.tova import TOVAPolicy
+from h2okv.policy_names import POLICY_NAMES
 
-POLICIES: dict[str, type[Policy]] = {
+_CLASSES = {
     cls.name: cls
     for cls in (
         FullPolicy, H2OPolicy, LocalPolicy, SinkPolicy, RandomPolicy,
         TOVAPolicy, H2OSinkPolicy, H2OMeanPolicy, SnapKVPolicy,
     )
 }
+if set(_CLASSES) != set(POLICY_NAMES):  # the torch-free name list the CLI's help shows must match
+    raise ImportError(f"h2okv.policy_names lists {POLICY_NAMES}, the policy classes are {tuple(_CLASSES)}")
+POLICIES: dict[str, type[Policy]] = {name: _CLASSES[name] for name in POLICY_NAMES}
 
 
 def parse_policy_spec(spec: str) -> tuple[type[Policy], dict]:

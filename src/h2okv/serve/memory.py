@@ -28,16 +28,12 @@ prompt not started, so once the groups drain that prompt fits.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from h2okv.core import H2OCache
-from h2okv.errors import H2OError
-
-# ensure_free in cache.py grows an empty layer by this many slots on a single-token write
-_FIRST_GROWTH = 32
+from h2okv.core.layer import GROWTH_MIN  # how much an empty layer grows on a 1-token write
 
 
 def bytes_per_slot(model) -> int:
@@ -84,13 +80,13 @@ def reservation(prompt_len: int, max_tokens: int, budget: int | None, chunk: int
     held = prompt_len - (stop - start)  # at most, before any step of its prefill
     if budget is None:
         slots = total
-        peak = prompt_len if prompt_len > 1 else _FIRST_GROWTH
+        peak = prompt_len if prompt_len > 1 else GROWTH_MIN
         shared = held + chunk
     else:
         slots = min(budget + 1, total)
-        peak = min(prompt_len, budget + chunk) if prompt_len > 1 else min(_FIRST_GROWTH, budget + 1)
-        # a step whose rows all feed one token grows an empty cache by _FIRST_GROWTH (amortised growth)
-        shared = min(held, budget) + chunk if prompt_len > 1 else max(chunk, min(_FIRST_GROWTH, budget + 1))
+        peak = min(prompt_len, budget + chunk) if prompt_len > 1 else min(GROWTH_MIN, budget + 1)
+        # a step whose rows all feed one token grows an empty cache by GROWTH_MIN (amortised growth)
+        shared = min(held, budget) + chunk if prompt_len > 1 else max(chunk, min(GROWTH_MIN, budget + 1))
     return Reservation(slots, peak, max(peak, shared))
 
 
@@ -105,24 +101,3 @@ def footprint_slots(batches: dict[str, list[Reservation]], prefilling: list[Rese
         return decode + max((r.prefill_extra for r in prefilling), default=0)
     started = sum(len(rows) * max(r.shared_extra for r in rows) for rows in groups.values() if rows)
     return decode + started + max((r.shared_extra for r in prefilling), default=0)
-
-
-def kv_limit(value) -> int | None:
-    """``--kv-memory``: bytes, with an optional K/M/G (binary) suffix; None or 'inf' for no limit."""
-    if value is None:
-        return None
-    text = str(value).strip().upper().removesuffix("B").removesuffix("I")
-    scale = 1
-    for suffix, factor in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
-        if text.endswith(suffix):
-            text, scale = text[:-1], factor
-            break
-    try:
-        number = float(text)
-    except ValueError:
-        raise H2OError(f"--kv-memory must be a byte count like 64M or 2G, got {value!r}") from None
-    if math.isinf(number):
-        return None
-    if not number > 0:
-        raise H2OError(f"--kv-memory must be > 0, got {value!r}")
-    return int(number * scale)

@@ -21,11 +21,11 @@ these rows, close that uid), so they do what rank 0 decided, whatever it was.
   diverged and fails at once rather than run different forwards (which would deadlock).
 - A communication error (a rank died, or did not answer within ``--tp-timeout``) breaks the group:
   rank 0 stops serving and fails with one line, a follower fails with one line, and the launcher
-  (``h2okv.parallel.ranks``'s spawn, or torchrun) ends the others.
+  (``h2okv.parallel.launch``'s spawn, or torchrun) ends the others.
 - An idle rank 0 sends a heartbeat every few seconds, so a follower waiting for the next call never
   reaches ``--tp-timeout`` while rank 0 lives, and learns within a heartbeat when it does not.
 
-**Shutdown.** Rank 0 alone reacts to SIGTERM: it drains (``server.py``), then sends ``stop``; each
+**Shutdown.** Rank 0 alone reacts to SIGTERM: it drains (``api/server.py``), then sends ``stop``; each
 follower leaves its loop and every rank exits 0. Followers ignore SIGTERM and SIGINT (torchrun
 sends SIGTERM to every rank; the stop comes from rank 0 once it has drained).
 """
@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 import torch
 
-from h2okv.parallel.ranks import is_comm_error
+from h2okv.parallel.launch import is_comm_error
 
 log = logging.getLogger("h2okv.serve")
 

@@ -203,8 +203,9 @@ def bench(model, tokenizer, *, policies: list[str], kv_memory: int, requests: in
     """Serve ``model`` once per (schedule, policy) at the same ``kv_memory``; drive each with the same
     prompts (and arrival times)."""
     from h2okv.policies import make_policy
-    from h2okv.serve.app import EvictionDefaults, create_app
-    from h2okv.serve.server import running_server
+    from h2okv.serve.api.app import create_app
+    from h2okv.serve.api.server import running_server
+    from h2okv.serve.eviction import EvictionDefaults
 
     prompts = hamlet_prompts(tokenizer, requests, prompt_tokens)
     payloads = [{"model": model_name, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
@@ -277,9 +278,9 @@ def ratios(rows: list[dict]) -> dict:
 
 
 def _probe_request(payload, eviction, engine):
-    from h2okv.serve.engine import GenerationRequest
+    from h2okv.serve.types import GenerationRequest
 
-    policy, heavy, recent = eviction.resolve(None, len(payload["prompt"]))
+    policy, heavy, recent = eviction.resolve(len(payload["prompt"]))
     return GenerationRequest(prompt_ids=payload["prompt"], max_tokens=payload["max_tokens"], policy=policy,
                              heavy=heavy, recent=recent)
 
@@ -309,9 +310,9 @@ def bench_command(args) -> str:
 # what --profile fills in for the options not given on the command line
 PROFILES = {
     # the first serve-bench: 256-token prompts, 64 new tokens; budget 10% + 10% of the prompt
-    "prefill-heavy": {"kv_memory": "30M", "requests": 16, "concurrency": 16, "prompt_tokens": 256, "max_tokens": 64},
+    "prefill-heavy": {"kv_memory": 30 << 20, "requests": 16, "concurrency": 16, "prompt_tokens": 256, "max_tokens": 64},
     # the issue's example: long generations from short prompts, a fixed 64 + 64 budget
-    "decode-heavy": {"kv_memory": "256M", "requests": 32, "concurrency": 32, "prompt_tokens": 128,
+    "decode-heavy": {"kv_memory": 256 << 20, "requests": 32, "concurrency": 32, "prompt_tokens": 128,
                      "max_tokens": 1024, "heavy": 64, "recent": 64},
 }
 
@@ -331,9 +332,8 @@ def run(args) -> int:
     """``h2okv serve-bench``: load the model, bench each policy, print and write JSON."""
     from h2okv.models import load_model
     from h2okv.policies import make_policy
-    from h2okv.serve.app import EvictionDefaults
-    from h2okv.serve.engine import SCHEDULES
-    from h2okv.serve.memory import kv_limit
+    from h2okv.serve.eviction import EvictionDefaults
+    from h2okv.serve.scheduler import SCHEDULES
 
     apply_profile(args)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -347,9 +347,7 @@ def run(args) -> int:
               if getattr(args, k, None) is not None}
     for policy in policies:  # validate before the slow model load
         EvictionDefaults(policy=policy, **({} if not make_policy(policy).evicts else budget)).validate()
-    kv_memory = kv_limit(args.kv_memory)
-    if kv_memory is None:
-        raise H2OError("serve-bench needs a finite --kv-memory")
+    kv_memory = args.kv_memory  # bytes: the command line parsed them (h2okv.cli.args.parse_bytes)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     result = bench(model, tokenizer, policies=policies, kv_memory=kv_memory, requests=args.requests,
                    concurrency=args.concurrency, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,

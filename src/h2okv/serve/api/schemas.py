@@ -1,4 +1,4 @@
-"""Request bodies of the OpenAI-compatible API (pydantic) and the OpenAI error format.
+"""Request bodies of the OpenAI-compatible API (pydantic).
 
 Unknown top-level fields are ignored, as OpenAI-compatible servers commonly do; fields we accept
 but cannot honour (``echo``, penalties, ``logit_bias``, tools...) are rejected with a 400 instead of
@@ -12,17 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-
-class APIError(Exception):
-    """An error the client caused (4xx) or one request's failure (5xx), in OpenAI's format."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+from h2okv.serve.api.errors import APIError
+from h2okv.serve.eviction import BUDGET_FIELDS
 
 
 class H2OSettings(BaseModel):
@@ -39,7 +30,11 @@ class H2OSettings(BaseModel):
     recent_ratio: float | None = None
 
     def budget_given(self) -> bool:
-        return any(v is not None for v in (self.heavy, self.recent, self.heavy_ratio, self.recent_ratio))
+        return any(getattr(self, name) is not None for name in BUDGET_FIELDS)
+
+    def budget(self) -> dict | None:
+        """The budget fields given (the others None), or None when none is."""
+        return {name: getattr(self, name) for name in BUDGET_FIELDS} if self.budget_given() else None
 
 
 class StreamOptions(BaseModel):

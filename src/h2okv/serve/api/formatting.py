@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from h2okv.serve.engine import TokenLogprob
+from h2okv.serve.types import TokenLogprob
 
 
 class CompletionLogprobs:

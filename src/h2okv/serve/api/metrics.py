@@ -12,7 +12,8 @@ from collections import deque
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from h2okv.serve.engine import Engine, Observer
+from h2okv.serve.engine import Engine
+from h2okv.serve.types import Observer
 
 # seconds; CPU decode steps run from milliseconds (tiny batches) to seconds (big prefills)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

@@ -1,0 +1,183 @@
+"""Argument types and argument groups that several subcommands share.
+
+Only argparse and light modules are imported here: every subcommand registers its parser on each
+``h2okv`` call, ``--help`` included, so torch and the rest load inside the run functions.
+
+Byte sizes (``--memory-cap``, ``--kv-memory``) have one rule: a plain integer is bytes; ``K``,
+``M``, ``G``, ``T`` are binary (2^10, 2^20, 2^30, 2^40), with or without ``B`` or ``iB`` after
+them, in any case: ``2G`` == ``2GB`` == ``2GiB`` == 2 * 2^30; fractions such as ``1.5M`` are
+allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+
+from h2okv.corpus import DEFAULT_PLAY
+from h2okv.errors import H2OError
+from h2okv.parallel.launch import DEFAULT_TIMEOUT_S
+from h2okv.policy_names import POLICY_NAMES
+
+
+# -- types: a value or a one-line error ------------------------------------------------------------
+def _positive(text: str, convert, noun: str):
+    try:
+        value = convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive {noun}, got {text!r}") from None
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a positive {noun} (> 0), got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _positive(text, int, "integer")
+
+
+def positive_float(text: str) -> float:
+    return _positive(text, float, "number")
+
+
+def positive_seconds(text: str) -> float:
+    return _positive(text, float, "number of seconds")
+
+
+def int_list(text: str) -> list[int]:
+    """``1,8`` -> [1, 8], in the order given."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+_BYTE_SCALE = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_BYTE_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(?:([KMGT])(?:I?B)?|B)?")
+
+
+def parse_bytes(text: str) -> int:
+    """``2147483648``, ``2G``, ``2GB``, ``2GiB``, ``512M``, ``1.5M`` -> bytes (see the module doc)."""
+    match = _BYTE_SIZE.fullmatch(str(text).strip().upper())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a byte size like 2147483648, 512M or 2G (binary units), got {text!r}")
+    value = int(float(match.group(1)) * _BYTE_SCALE[match.group(2) or ""])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive byte size, got {text!r}")
+    return value
+
+
+def memory_limit(text: str) -> int | None:
+    """A byte size, or ``inf`` for no limit (None)."""
+    return None if str(text).strip().lower() in ("inf", "infinity") else parse_bytes(text)
+
+
+# -- lists checked before any model work -----------------------------------------------------------
+def parse_policies(text: str) -> list[str]:
+    """``full,h2o,snapkv:16`` -> names, duplicates dropped; one-line error for a bad name or option."""
+    from h2okv.policies import make_policy
+
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    if not names:
+        raise H2OError("--policies is empty; give e.g. full,h2o,local")
+    for name in names:
+        make_policy(name)  # the policy checks its own options
+    return list(dict.fromkeys(names))
+
+
+def check_policy(name: str) -> str:
+    """``name`` if it is a known policy with valid options (``snapkv:window=16``), else a one-line error."""
+    from h2okv.policies import make_policy
+
+    make_policy(name)  # builds it: the policy checks its own options
+    return name
+
+
+def parse_budgets(text: str) -> list[float]:
+    """Comma-separated cache budgets as fractions of the text, each in (0, 1]."""
+    budgets = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            value = float(part)
+        except ValueError:
+            raise H2OError(f"budget {part!r} is not a number; give fractions like 0.1,0.2") from None
+        if not (0.0 < value <= 1.0):
+            raise H2OError(f"budget {part} must be a fraction of the text in (0, 1]")
+        budgets.append(value)
+    if not budgets:
+        raise H2OError("--budgets is empty; give fractions like 0.1,0.2")
+    return sorted(set(budgets))
+
+
+# -- argument groups -------------------------------------------------------------------------------
+def add_model_args(parser: argparse.ArgumentParser, device: bool = True) -> None:
+    parser.add_argument("--model", default=None, help="HF id, local directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    if device:
+        parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+        parser.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU, bfloat16 on CUDA)")
+
+
+def add_budget_args(parser: argparse.ArgumentParser, policy_default: str = "h2o") -> None:
+    parser.add_argument("--policy", default=policy_default, help=f"one of {', '.join(POLICY_NAMES)}, options after a colon, e.g. snapkv:window=16 (default: {policy_default})")
+    parser.add_argument("--heavy", type=int, default=None, help="heavy-hitter slots per layer/head")
+    parser.add_argument("--recent", type=int, default=None, help="recent-token slots per layer/head")
+    parser.add_argument("--heavy-ratio", type=float, default=None, help="heavy slots as a fraction of the prompt (default 0.1)")
+    parser.add_argument("--recent-ratio", type=float, default=None, help="recent slots as a fraction of the prompt (default 0.1)")
+    parser.add_argument("--chunk-size", type=positive_int, default=512, help="prefill chunk length (default: 512)")
+
+
+def budget_from_args(args) -> dict:
+    return {
+        "heavy": args.heavy,
+        "recent": args.recent,
+        "heavy_ratio": args.heavy_ratio,
+        "recent_ratio": args.recent_ratio,
+    }
+
+
+def add_tp_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tp", type=positive_int, default=None,
+                        help="tensor-parallel ranks: this command starts N processes, each with a slice of every "
+                        "layer and its own cache (default 1; under torchrun: its world size)")
+    parser.add_argument("--tp-timeout", type=positive_seconds, default=DEFAULT_TIMEOUT_S,
+                        help=f"seconds a rank waits for the others before the run fails (default {DEFAULT_TIMEOUT_S:g})")
+
+
+def add_threads_arg(parser, default: int = 1) -> None:
+    parser.add_argument(
+        "--threads", type=positive_int, default=default,
+        help=f"CPU threads for torch (default: {default}); the per-token steps are tiny ops where extra threads cost more than they give",
+    )
+
+
+def apply_threads(threads: int | None) -> None:
+    # Measured on the 2-core dev machine (shared with other jobs): a 512-token streaming pass with
+    # h2o took 12.7 s with 1 thread and 137 s with 2, because each of the 512 x 30 layer steps is a
+    # handful of microsecond-sized ops and OpenMP's synchronisation dominates them.
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def add_text_args(parser) -> None:
+    """Where the text of ``eval ppl`` and ``analyze`` comes from (see ``eval.text.source_text``)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--text", default=None, help="a UTF-8 text file to score")
+    group.add_argument(
+        "--corpus", default=None, help=f"shakespeare:NAME, a play of the offline corpus (default: shakespeare:{DEFAULT_PLAY})"
+    )
+    group.add_argument("--dataset", default=None, help="Hugging Face dataset id[:config] (or local dataset folder); its text column is joined")
+    parser.add_argument("--split", default=None, help="dataset split (default: test if present, else the first)")
+
+
+def text_from_args(args) -> tuple[str, str]:
+    """``(text, label)`` of ``add_text_args``' options."""
+    from h2okv.eval.text import source_text
+
+    return source_text(text=args.text, corpus=args.corpus, dataset=args.dataset, split=args.split)

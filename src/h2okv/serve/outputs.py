@@ -1,0 +1,92 @@
+"""Output processing: from one request's next-token logits to what its client is told.
+
+Per request, an ``Output`` samples the token (``sampling.py``: the request's own seeded generator),
+records its logprobs when asked, and decides whether the generation ends (EOS, a stop string,
+``max_tokens``) and which text is safe to send (``text.py``). It turns that into ``Event``s; the
+engine only routes them. ``sampling.py`` and ``text.py`` stay modules of their own: each is one
+rule (how to pick a token; which decoded text may leave) with tests of its own, and this module is
+the per-token decision that uses both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from h2okv.serve.sampling import make_generator, sample
+from h2okv.serve.text import TextStream
+from h2okv.serve.types import Event, GenerationRequest, TokenLogprob
+
+
+class Output:
+    """What one request has generated so far, and the events it still owes its client."""
+
+    def __init__(self, request: GenerationRequest, decode: Callable[[list[int]], str], device):
+        self.request = request
+        self.generated: list[int] = []
+        self.generator = make_generator(request.seed, device)
+        self.text = TextStream(decode, request.stops)
+        self.logprobs: list[TokenLogprob] = []  # not yet handed out
+
+    def choose(self, logits: torch.Tensor) -> int:
+        """Sample the next token from ``logits`` ``[vocab]`` and record it."""
+        token = sample(logits, self.request.temperature, self.request.top_p, self.generator)
+        self.generated.append(token)
+        return token
+
+    def emit(self, logits: torch.Tensor, token: int, eos_ids: set[int]) -> Event | None:
+        """The event ``token`` (just chosen from ``logits``) gives: ``"done"`` when the generation
+        ends here, ``"text"`` when text is safe to send, None while it is held back."""
+        req = self.request
+        if req.top_logprobs is not None:
+            self.logprobs.append(logprob_of(logits, token, req.top_logprobs))
+        if token in eos_ids and not req.ignore_eos:
+            return self.done(self.text.flush(), "stop")
+        piece, stopped = self.text.push(token)
+        if stopped:
+            return self.done(piece, "stop")
+        if len(self.generated) >= req.max_tokens:
+            return self.done(piece + self.text.flush(), "length")
+        if piece:
+            return Event("text", piece, logprobs=self._take_logprobs())
+        return None
+
+    def done(self, text: str, reason: str) -> Event:
+        """The final event, with ``text`` (what is left to send) and the usage."""
+        prompt = len(self.request.prompt_ids)
+        usage = {"prompt_tokens": prompt, "completion_tokens": len(self.generated),
+                 "total_tokens": prompt + len(self.generated)}
+        return Event("done", text, finish_reason=reason, usage=usage, token_ids=list(self.generated),
+                     logprobs=self._take_logprobs())
+
+    def end(self, reason: str) -> Event:
+        """End now (e.g. ``"timeout"``) with what was generated so far."""
+        return self.done(self.text.flush(), reason)
+
+    def _take_logprobs(self) -> list[TokenLogprob] | None:
+        if self.request.top_logprobs is None:
+            return None
+        taken, self.logprobs = self.logprobs, []
+        return taken
+
+
+def logprob_of(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """Log-probabilities under the model's distribution (before temperature and top-p, as OpenAI's)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = []
+    if k:
+        values, ids = logp.topk(k)
+        top = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token, float(logp[token]), top)
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """The tokens that end a generation: the tokenizer's EOS and the model's generation config's."""
+    ids = set()
+    for value in (getattr(tokenizer, "eos_token_id", None), getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids

@@ -1,0 +1,131 @@
+"""The engine's public data: what a client submits (``GenerationRequest``), what it gets back
+(``Event``s on a ``Handle``), and what the engine reports (``EngineStats``, ``Observer``)."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from h2okv.serve.errors import ServeError
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    policy: str
+    heavy: int | None = None  # absolute slots, resolved from ratios by the caller; None for "full"
+    recent: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stops: list[str] = field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+    top_logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the k likeliest
+    timeout: float | None = None  # seconds from submission; then it ends with finish_reason "timeout"
+
+    @property
+    def budget(self) -> int | None:
+        return None if self.heavy is None else self.heavy + self.recent
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens at this step, likeliest first
+
+
+@dataclass
+class Event:
+    kind: str  # "text" | "done" | "error" | "cancelled"
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict | None = None
+    error: ServeError | None = None
+    token_ids: list[int] | None = None  # "done": every generated id (EOS included)
+    logprobs: list[TokenLogprob] | None = None  # the tokens generated since the previous event
+
+    @property
+    def final(self) -> bool:
+        return self.kind != "text"
+
+
+class Waker(Protocol):
+    def wake(self) -> None: ...
+
+
+class Handle:
+    """The client side of one request: a stream of ``Event``s, and ``cancel()``.
+
+    With an asyncio ``loop`` the events arrive on an ``asyncio.Queue`` (``await handle.next()``),
+    else on a thread-safe queue (``handle.next_blocking()``). ``engine``: woken on ``cancel()``."""
+
+    def __init__(self, engine: Waker, loop: asyncio.AbstractEventLoop | None = None):
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue | queue.Queue = asyncio.Queue() if loop is not None else queue.Queue()
+        self.cancelled = threading.Event()
+        self.finished = threading.Event()
+
+    def push(self, event: Event) -> None:
+        if event.final:
+            self.finished.set()
+        if self._loop is None:
+            self._queue.put(event)
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:  # the client's event loop is gone (server shut down)
+            pass
+
+    async def next(self) -> Event:
+        return await self._queue.get()
+
+    def next_blocking(self, timeout: float | None = None) -> Event:
+        return self._queue.get(timeout=timeout)
+
+    def cancel(self) -> None:
+        """Free this request's slots at the next step boundary (no-op once finished)."""
+        if not self.finished.is_set():
+            self.cancelled.set()
+            self._engine.wake()
+
+    def result_blocking(self, timeout: float = 60.0) -> tuple[str, Event]:
+        """Collect the whole text and the final event (for callers without asyncio)."""
+        parts = []
+        deadline = time.monotonic() + timeout
+        while True:
+            event = self.next_blocking(timeout=max(0.0, deadline - time.monotonic()))
+            parts.append(event.text)
+            if event.final:
+                return "".join(parts), event
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_bytes: int = 0
+    kv_bytes_peak: int = 0
+    full_kv_bytes: int = 0
+    reserved_bytes: int = 0
+    batch_size: int = 0
+    batch_size_max: int = 0
+    generated_tokens: int = 0
+    evicted_tokens: int = 0
+    draining: bool = False
+    finished: dict = field(default_factory=lambda: {"completed": 0, "cancelled": 0, "failed": 0, "timeout": 0})
+
+
+class Observer:
+    """Where the engine reports per-request latencies (``api/metrics.py`` turns them into
+    histograms). Called on the engine thread: implementations must be cheap and thread-safe."""
+
+    def queued(self, seconds: float) -> None: ...
+    def first_token(self, seconds: float) -> None: ...
+    def inter_token(self, seconds: float) -> None: ...
