@@ -249,26 +249,45 @@ def test_long_prompt_under_the_body_limit_stalls_no_one(http, server):
 
 
 # -- 5. policy options --------------------------------------------------------------------------------------
+def greedy_in_chunks(model, ids: list[int], policy: str, steps: int, chunk: int = 64, **budget) -> list[int]:
+    """What the server computes: the prompt fed in ``chunk``-token forwards (snapkv ranks each
+    forward's window), then greedy decode steps, each at its true position."""
+    cache = H2OCache(model, policy=policy, chunk_size=chunk, **budget)
+    out = []
+    with torch.inference_mode():
+        for start in range(0, len(ids), chunk):
+            part = ids[start:start + chunk]
+            logits = model(input_ids=torch.tensor([part]), position_ids=torch.tensor([list(range(start, start + len(part)))]),
+                           past_key_values=cache, use_cache=True).logits[0, -1]
+        for position in range(len(ids), len(ids) + steps):
+            out.append(int(logits.argmax()))
+            logits = model(input_ids=torch.tensor([[out[-1]]]), position_ids=torch.tensor([[position]]),
+                           past_key_values=cache, use_cache=True).logits[0, -1]
+    return out
+
+
 def test_policy_options_are_applied_and_echoed(http, checkpoint):
-    """``snapkv:window=4`` reaches the cache (same text as the model's own generate with that cache)
-    and the response says so."""
-    prompt = "options matter: " + "the observation window decides which tokens stay " * 3
+    """``snapkv:window=4`` reaches the cache (the server's text is the model's own with that cache,
+    and differs from the default window's) and the response says so."""
+    prompt = "options matter: " + "the observation window decides which tokens stay " * 2  # 116 tokens: 64 + 52
     budget = {"heavy": 8, "recent": 8}
-    r = complete(http, prompt, max_tokens=10, temperature=0, ignore_eos=True,
-                 h2o={"policy": "snapkv:window=4", **budget})
-    assert r.status_code == 200, r.text
-    assert r.json()["h2o"]["policy"] == "snapkv:window=4"
+    texts = {}
+    for policy in ("snapkv:window=4", "snapkv"):
+        r = complete(http, prompt, max_tokens=10, temperature=0, ignore_eos=True, h2o={"policy": policy, **budget})
+        assert r.status_code == 200, r.text
+        texts[policy] = r.json()["choices"][0]["text"]
+        echoed = r.json()["h2o"]["policy"]
+    assert echoed == "snapkv:window=32,kernel=7"
+    assert r.json()["h2o"]["policy"] == echoed
+    r = complete(http, prompt, max_tokens=1, h2o={"policy": "snapkv:window=4", **budget})
+    assert r.json()["h2o"]["policy"] == "snapkv:window=4,kernel=7"  # the canonical spec, defaults included
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(checkpoint)
     ids = tok(prompt)["input_ids"]
-    expected = {}
-    for window in (4, 16):
-        cache = H2OCache(model, policy=f"snapkv:window={window}", chunk_size=64, **budget)
-        out = model.generate(torch.tensor([ids]), past_key_values=cache, max_new_tokens=10, min_new_tokens=10,
-                             do_sample=False, pad_token_id=tok.pad_token_id)
-        expected[window] = tok.decode(out[0, len(ids):], skip_special_tokens=True)
-    assert expected[4] != expected[16], "the test prompt must tell the windows apart"
-    assert r.json()["choices"][0]["text"] == expected[4]
+    assert len(ids) % 64 > 1  # the server's chunks are exactly 64-token ones
+    expected = tok.decode(greedy_in_chunks(model, ids, "snapkv:window=4", 10, **budget), skip_special_tokens=True)
+    assert texts["snapkv:window=4"] == expected
+    assert texts["snapkv:window=4"] != texts["snapkv"], "the test prompt must tell the windows apart"
 
 
 @pytest.mark.parametrize("policy", ["snapkv:window=x", "snapkv:window=0", "h2o:window=4", "snapkv:size=4"])

@@ -98,7 +98,7 @@ def edge_request(rng: random.Random) -> tuple[str, dict, dict]:
         body["temperature"] = rng.choice([1e-40, 5e-324, 1e-6])
     elif kind == "policy_option":
         body["h2o"] = {"policy": "snapkv:window=4", "heavy": 4, "recent": 4}
-        expect["policy"] = "snapkv:window=4"
+        expect["policy"] = "snapkv:window=4,kernel=7"
     else:
         body["n"] = expect["choices"] = MAX_N
     return kind, body, expect
