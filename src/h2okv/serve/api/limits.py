@@ -1,9 +1,11 @@
 """The request body limit, enforced before anything parses the body.
 
 ``BodyLimit`` is plain ASGI middleware in front of the app: a request whose ``Content-Length`` is
-over ``max_bytes`` gets a 413 before one byte of its body is read; a body without a length (chunked
-transfer) is read chunk by chunk and answered 413 as soon as the count passes ``max_bytes``, what
-is left unread; a body that takes more than ``read_timeout`` seconds to arrive (a client trickling
+over ``max_bytes`` gets a 413 and a body without a length (chunked transfer) is read chunk by chunk
+and answered 413 as soon as the count passes ``max_bytes``; nothing of such a body is kept or
+parsed. What the client still sends is read and dropped first, up to ``DRAIN_BYTES`` (as nginx's
+lingering close): a server that closes a socket with unread data makes the kernel reset the
+connection, and the client may then lose the 413 it was sent. A body that takes more than ``read_timeout`` seconds to arrive (a client trickling
 it, holding a connection and a file handle) gets a 408. Otherwise the whole body, at most
 ``max_bytes``, is handed to the app as one message, and the app's later ``receive()`` calls (a
 disconnect) go to the client's connection as before.
@@ -23,6 +25,7 @@ from h2okv.serve.api.errors import APIError
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_BODY_TIMEOUT_S = 30.0
+DRAIN_BYTES = 64 << 20  # past this, an over-long body is cut off (the client may see a reset)
 
 
 class BodyTooLarge(Exception):
@@ -41,10 +44,12 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._drain(receive)
             return await self._refuse(scope, receive, send, self._too_large(int(declared)))
         try:
             body, disconnected = await asyncio.wait_for(self._read(receive), self.read_timeout)
         except BodyTooLarge:
+            await self._drain(receive)
             return await self._refuse(scope, receive, send, self._too_large(None))
         except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
             error = APIError(408, f"the request body did not arrive within {self.read_timeout:g} s",
@@ -77,6 +82,21 @@ class BodyLimit:
             parts.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(parts), False
+
+    async def _drain(self, receive) -> None:
+        """Read and drop the rest of a refused body (bounded in bytes and time)."""
+        async def drop():
+            dropped = 0
+            while dropped <= DRAIN_BYTES:
+                message = await receive()
+                dropped += len(message.get("body", b""))
+                if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                    return
+
+        try:
+            await asyncio.wait_for(drop(), self.read_timeout)
+        except asyncio.TimeoutError:
+            pass
 
     def _too_large(self, declared: int | None) -> APIError:
         size = f"{declared} bytes" if declared is not None else "more than that"
