@@ -116,6 +116,16 @@ def test_tiny_temperature_is_greedy(http, temperature):
     assert "".join(texts) == expected
 
 
+@pytest.mark.parametrize("top_p", [5e-324, 1e-45])
+def test_tiny_top_p_keeps_the_likeliest_token(http, top_p):
+    """Found by the fuzz: a top_p that float32 rounds to 0 dropped every token (a 500); the
+    likeliest one always stays, so it is greedy."""
+    prompt = "tiny top_p"
+    r = complete(http, prompt, max_tokens=8, temperature=0.8, top_p=top_p, ignore_eos=True)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == greedy_text(http, prompt)
+
+
 # -- 3. budgets and isolation -----------------------------------------------------------------------------
 @pytest.mark.parametrize("h2o", [{"heavy": 10**30, "recent": 4}, {"heavy": 4, "recent": 10**30},
                                  {"heavy": CONTEXT + 1, "recent": 4}, {"heavy": 1 << 63, "recent": 1 << 63}],

@@ -29,6 +29,7 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
         sorted_probs, order = probs.sort(descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        drop[0] = False  # even for a top_p that float32 rounds to 0 (5e-324)
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         choice = torch.multinomial(sorted_probs, 1, generator=generator)
         return int(order[choice])
