@@ -115,7 +115,9 @@ class Engine:
         self.scheduler = Scheduler(schedule, kv_memory, self.slot_bytes, max_batch, step_tokens)
         self.tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
         self.eos_ids = eos_ids(model, tokenizer)
-        self.vocab = model.get_input_embeddings().num_embeddings
+        # the embedding's rows (the config's count: a tensor-parallel embedding holds a shard of them)
+        self.vocab = getattr(model.config.get_text_config(), "vocab_size", None) or \
+            model.get_input_embeddings().num_embeddings
         self.uids = itertools.count()
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
