@@ -17,6 +17,7 @@ against a real process: never a 5xx, and a healthy server holding no KV memory a
 import asyncio
 import json
 import os
+import socket
 import threading
 import time
 
@@ -36,7 +37,7 @@ KEY = "K"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CONTEXT = 2048
 PROBE_FLAGS = ["--api-key", KEY, "--kv-memory", "64M", "--max-batch", "16", "--max-queue", "32",
-               "--request-timeout", "60", "--chunk-size", "64"]
+               "--request-timeout", "60", "--chunk-size", "64", "--body-timeout", "3"]
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +230,22 @@ def test_body_under_the_limit_is_read(http):
     body = encode({"model": NAME, "prompt": "chunked", "max_tokens": 2})
     r = http.post("/v1/completions", content=iter([body[:10], body[10:]]), headers={"content-type": "application/json"})
     assert r.status_code == 200, r.text
+
+
+def test_trickled_body_is_a_408_and_frees_the_connection(server):
+    """A client that declares a body and never finishes it (a slow-body attack holding a connection
+    and a file handle) gets 408 after --body-timeout (3 s here)."""
+    host, port = server.removeprefix("http://").split(":")
+    started = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {KEY}\r\n"
+                     "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"".encode())
+        answer = b""
+        while piece := sock.recv(4096):  # the server closes the connection after its answer
+            answer += piece
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert 2.5 < time.monotonic() - started < 15
+    assert b'"code":"request_timeout"' in answer
 
 
 def test_long_prompt_under_the_body_limit_stalls_no_one(http, server):
