@@ -315,6 +315,7 @@ def soak(args) -> dict:
         "rss_last_minute_mib": None if last is None else round(last / 2**20, 1),
         "rss_slope_window_s": round(window, 1),
         "rss_slope_mib_per_min": None if slope is None else round(slope, 3),
+        "rss_every_30s_mib": [round(rss / 2**20, 1) for t, rss in rss if int(t) % 30 == 0],
         "generated_tokens": int(metrics["h2okv_generated_tokens_total"]),
         "evicted_tokens": int(metrics["h2okv_evicted_tokens_total"]),
         "kv_bytes_in_use_end": int(metrics["h2okv_kv_bytes_in_use"]),

@@ -75,6 +75,7 @@ def create_app(
             yield
         finally:
             await asyncio.to_thread(engine.stop)
+            serving.workers.shutdown(wait=False)
 
     app = FastAPI(title="h2okv", lifespan=lifespan)
     app.state.engine, app.state.metrics = engine, metrics

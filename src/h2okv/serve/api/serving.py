@@ -4,8 +4,10 @@
    tokenizer), check the lengths against the model's context, resolve the eviction budget, and fan
    out into ``n`` ``GenerationRequest``s (one per choice; seeded choices get seed, seed+1, ...).
    It runs in a worker thread: its work grows with the input (a 4 MB prompt takes seconds to
-   tokenise), and on the event loop it would stall ``/health`` and every running stream. It
-   tokenises with a copy of the tokenizer under a lock of its own, so the engine's detokenising
+   tokenise), and on the event loop it would stall ``/health`` and every running stream. The
+   threads are a small pool of its own (``PREPARE_THREADS``): tokenising is one at a time anyway,
+   and every thread that allocates gets a malloc arena of its own, which the server's RSS keeps.
+   It tokenises with a copy of the tokenizer under a lock of its own, so the engine's detokenising
    (under ``engine.tokenizer_lock``) never waits on a long prompt either. A prompt the tokenizer
    cannot take is the client's fault (400), never a 500;
 2. submit them to the engine, all or none;
@@ -25,10 +27,10 @@ import copy
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastapi import Request
-from starlette.concurrency import run_in_threadpool
 
 from h2okv.errors import H2OError
 from h2okv.serve.api.errors import APIError
@@ -40,6 +42,7 @@ from h2okv.serve.errors import ServeError
 from h2okv.serve.eviction import EvictionDefaults
 from h2okv.serve.types import Event, GenerationRequest, Handle
 
+PREPARE_THREADS = 2
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
 
 
@@ -126,10 +129,11 @@ class Serving:
         self.vocab = len(tokenizer)
         self.encoder = copy.deepcopy(tokenizer)  # prompts are tokenised with this one, off the engine's lock
         self.encoder_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
+        self.workers = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="h2okv-prepare")
 
     async def respond(self, body: CompletionRequest | ChatCompletionRequest, request: Request):
         endpoint = Chat if isinstance(body, ChatCompletionRequest) else Completions
-        gens = await run_in_threadpool(self.prepare, body, endpoint)
+        gens = await asyncio.get_running_loop().run_in_executor(self.workers, self.prepare, body, endpoint)
         handles = self.engine.submit_many(gens, asyncio.get_running_loop())
         envelope = {"id": f"{endpoint.id_prefix}-{uuid.uuid4().hex}", "object": endpoint.object,
                     "created": int(time.time()), "model": self.model_name}
