@@ -51,9 +51,12 @@ peer: $(PEER_STAMP)
 bench-quick: setup
 	$(BIN)/h2okv bench --quick --json results/bench-quick.json
 
-# 150 s of 64 concurrent clients (valid, abandoned and malformed requests) against a real server process
+# 10 minutes of 64 concurrent clients (valid, abandoned, edge and malformed requests) against a real
+# server process (RSS slope over the last 8 minutes <= 1 MiB/min), then the hostile-request fuzz of
+# tests/test_serve_hardening.py at 20x its `make test` length
 soak: setup
-	$(BIN)/python -m h2okv.tools.soak --duration 150 --clients 64 --json docs/results/soak.json
+	$(BIN)/python -m h2okv.tools.soak --duration 600 --clients 64 --json docs/results/soak.json
+	H2OKV_FUZZ_EXAMPLES=3000 $(BIN)/python -m pytest -q tests/test_serve_hardening.py -k fuzz
 
 clean:
 	rm -rf $(VENV) $(PEER_VENV) build *.egg-info src/*.egg-info

@@ -408,6 +408,57 @@ def test_error_in_one_sequence_fails_only_it(engine, monkeypatch):
     assert engine.alive
 
 
+POISON = 257  # a token id no other test prompt holds (prompt() draws from 0..255)
+
+
+def test_poisoned_row_in_a_shared_prefill_fails_alone(model_tok, monkeypatch):
+    """A forward shared by four prompts fails because of one of them (here: a fault injected for
+    any forward that feeds the POISON token, standing for an input no check caught): that one
+    fails, the other three start over and generate exactly what they generate alone."""
+    model, tok = model_tok
+    eng = Engine(model, tok, prefill_chunk=CHUNK, max_batch=16, step_tokens=4096)
+    real = eng.executor.prefill
+    forwards = {"shared_failed": 0}
+
+    def poisoned(parts):
+        if any(POISON in ids for _, ids, _ in parts):
+            forwards["shared_failed"] += len(parts) > 1
+            real(parts)  # the real forward runs (and half-writes the group's cache) before the failure
+            raise RuntimeError("poisoned row")
+        return real(parts)
+
+    monkeypatch.setattr(eng.executor, "prefill", poisoned)
+    eng.start()
+    try:
+        requests = [GenerationRequest(prompt(40 + 7 * i, 100 + i), 12, "h2o", 5, 5, temperature=0.0,
+                                      ignore_eos=True) for i in range(3)]
+        by_itself = [eng.submit(r).result_blocking()[1].token_ids for r in requests]
+        good = [eng.submit(r) for r in requests]
+        bad = eng.submit(GenerationRequest([POISON] * 45, 12, "h2o", 5, 5, temperature=0.0))
+        _, event = bad.result_blocking()
+        assert event.kind == "error" and "poisoned row" in event.error.message
+        for handle, expected in zip(good, by_itself, strict=True):
+            _, done = handle.result_blocking()
+            assert done.kind == "done" and done.token_ids == expected
+        assert forwards["shared_failed"] >= 1  # the four did share the forward that failed
+        deadline = time.monotonic() + 5
+        while eng.stats.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert eng.stats.kv_bytes == 0 and eng.alive
+    finally:
+        eng.stop()
+
+
+def test_request_that_could_break_a_shared_forward_is_refused(engine):
+    for request, param in [(GenerationRequest([1, 2, 10**6], 4, "h2o", 3, 3), "prompt"),
+                           (GenerationRequest([1, 2, 3], 4, "h2o", 10**30, 3), "h2o"),
+                           (GenerationRequest([1, 2, 3], 4, "snapkv:window=0", 3, 3), "h2o"),
+                           (GenerationRequest([1, 2, 3], 4, "h2o", 3, 3, temperature=float("nan")), "temperature")]:
+        with pytest.raises(ServeError) as info:
+            engine.submit(request)
+        assert info.value.kind is ErrorKind.INVALID_REQUEST and info.value.param == param
+
+
 def test_sampling_is_reproducible_with_a_seed(engine):
     def run(seed):
         req = GenerationRequest(prompt(25, 3), 16, "h2o", 4, 4, temperature=1.0, top_p=0.9, seed=seed,

@@ -1,5 +1,7 @@
-"""The soak run, short (``make soak`` runs it for 150 s with 64 clients): a real server process under
-mixed valid, abandoned and malformed traffic ends with no failures, no KV memory held, and exit 0."""
+"""The soak run, short (``make soak`` runs it for 10 minutes with 64 clients): a real server process
+under mixed valid, abandoned, edge and malformed traffic ends with no failures, no 5xx, no KV memory
+held, and exit 0. (20 s are too short to tell a leak from the allocator warming up: the RSS slope
+bound here is loose; ``make soak`` holds it to 1 MiB per minute.)"""
 
 import json
 
@@ -8,10 +10,12 @@ from h2okv.tools import soak
 
 def test_short_soak(tmp_path, capsys):
     out = tmp_path / "soak.json"
-    code = soak.main(["--duration", "20", "--clients", "32", "--rss-tolerance", "0.25", "--json", str(out)])
+    code = soak.main(["--duration", "20", "--clients", "32", "--max-rss-slope", "200", "--json", str(out)])
     report = json.loads(out.read_text())
     assert code == 0, (report["failures"], report["checks"])
     assert report["passed"] and report["failures"] == [] and report["kv_bytes_in_use_end"] == 0
     assert report["counts"]["valid_completed"] > 0 and report["bad_requests"] > 0
+    assert report["checks"]["no_5xx"] and isinstance(report["rss_slope_mib_per_min"], float)
+    assert any(kind.startswith("edge_") for kind in report["counts"])
     assert report["exit_code"] == 0
     capsys.readouterr()

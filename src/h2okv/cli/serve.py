@@ -59,6 +59,15 @@ def register(sub) -> None:
                    help="longer prompts get HTTP 400 (default: the model's context length - 1)")
     p.add_argument("--drain-timeout", type=positive_float, default=30.0,
                    help="on SIGTERM, seconds running requests get to finish before they are ended (default: 30)")
+    p.add_argument("--max-n", type=positive_int, default=8,
+                   help="most choices (n) one request may ask for; each is a running sequence of --max-batch, "
+                        "so this caps the share of the batch one request takes; larger n gets HTTP 400 "
+                        "(default: 8, at most --max-batch)")
+    p.add_argument("--max-body-bytes", type=parse_bytes, default="4M",
+                   help="largest request body, e.g. 4M; a larger one gets HTTP 413 before it is read "
+                        "(default: 4M, a 128k-token prompt with room to spare)")
+    p.add_argument("--body-timeout", type=positive_float, default=30.0,
+                   help="seconds a request body may take to arrive; then HTTP 408 (default: 30)")
     _add_max_batch(p, 32)
     _add_schedule(p)
     add_tp_args(p)
@@ -168,7 +177,8 @@ def _create_app(args, model, tokenizer, executor):
                       eviction=args.eviction, kv_memory=args.kv_memory_bytes, max_batch=args.max_batch,
                       max_queue=args.max_queue, prefill_chunk=args.chunk_size, api_key=args.api_key,
                       request_timeout=args.request_timeout, max_prompt_tokens=args.max_prompt_tokens,
-                      schedule=args.schedule, step_tokens=args.step_tokens, executor=executor)
+                      schedule=args.schedule, step_tokens=args.step_tokens, executor=executor,
+                      max_n=args.max_n, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout)
 
 
 def run_bench(args) -> int:

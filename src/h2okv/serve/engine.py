@@ -19,8 +19,12 @@ sampling, EOS, stop strings, logprobs), which says what the client is told.
 
 Each sequence keeps its own budget, policy settings and positions. Sequences with the same policy
 decode in one forward; different policies are different batches (the cache holds one policy).
-An exception in one request's work fails that request; a failing batch forward fails that batch's
-requests; the engine keeps serving. Errors are ``ServeError``s by kind (``errors.py``).
+An exception in one request's work fails that request alone. A request is checked before it is
+queued (``check_request``: token ids in the vocabulary, a policy spec and budget the cache accepts,
+sampling settings in range), so no input can poison a shared forward; should a shared prefill
+forward fail all the same, its rows are tried one by one (``_isolate``): those that fail alone
+fail, the others start their prompts over, and the engine keeps serving. A failing decode forward
+fails that batch's requests. Errors are ``ServeError``s by kind (``errors.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ from collections import deque
 
 import torch
 
+from h2okv.core import BudgetSpec
+from h2okv.errors import H2OError
+from h2okv.policies import make_policy
 from h2okv.serve.errors import ErrorKind, ServeError
 from h2okv.serve.executor import Executor
 from h2okv.serve.memory import Reservation, prefill_chunks, reservation
@@ -57,6 +64,7 @@ class Sequence:
         self.output = output
         self.chunks = prefill_chunks(len(request.prompt_ids), chunk)
         self.next_chunk = 0
+        self.restarts = 0  # times its prefill started over after a shared forward failed
         self.uid = uid  # the executor's name for this sequence
         self.done = False
         self.submitted = time.monotonic()
@@ -107,6 +115,9 @@ class Engine:
         self.scheduler = Scheduler(schedule, kv_memory, self.slot_bytes, max_batch, step_tokens)
         self.tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
         self.eos_ids = eos_ids(model, tokenizer)
+        # the embedding's rows (the config's count: a tensor-parallel embedding holds a shard of them)
+        self.vocab = getattr(model.config.get_text_config(), "vocab_size", None) or \
+            model.get_input_embeddings().num_embeddings
         self.uids = itertools.count()
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
@@ -140,6 +151,29 @@ class Engine:
                 param="max_tokens", code="kv_memory_exceeded",
             )
 
+    def check_request(self, request: GenerationRequest) -> None:
+        """Raise an ``INVALID_REQUEST`` ``ServeError`` for a request whose row could break a forward
+        it shares with others (or its own sampling): checked before it joins any."""
+        def invalid(message: str, param: str | None = None):
+            return ServeError(ErrorKind.INVALID_REQUEST, message, param=param)
+
+        if not request.prompt_ids or any(not 0 <= t < self.vocab for t in request.prompt_ids):
+            raise invalid(f"prompt token ids must be in [0, {self.vocab}) and not empty", "prompt")
+        if request.max_tokens < 1:
+            raise invalid("max_tokens must be >= 1", "max_tokens")
+        if not (0.0 <= request.temperature < float("inf") and 0.0 < request.top_p <= 1.0):
+            raise invalid("temperature must be finite and >= 0, top_p in (0, 1]", "temperature")
+        try:
+            policy = make_policy(request.policy)
+            if policy.evicts != (request.heavy is not None):
+                raise H2OError(f"policy {policy.name!r} and the budget heavy={request.heavy} do not go together")
+            if request.heavy is not None:
+                if not (0 <= request.heavy < 1 << 31 and 0 <= request.recent < 1 << 31):
+                    raise H2OError(f"budget out of range: heavy={request.heavy}, recent={request.recent}")
+                BudgetSpec.build(policy, request.heavy, request.recent, None, None)
+        except (H2OError, ValueError, TypeError) as exc:
+            raise invalid(f"h2o: {exc}", "h2o") from None
+
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> Handle:
         """Queue a request; raises ``ServeError`` (``INVALID_REQUEST``: never fits; ``OVERLOADED``:
         queue full; ``UNAVAILABLE``: not running or draining)."""
@@ -150,6 +184,7 @@ class Engine:
                     ) -> list[Handle]:
         """Queue several requests (the ``n`` choices of one API call) all or none."""
         for request in requests:
+            self.check_request(request)
             self.check_fits(request)
         seqs = [self._sequence(request, Handle(self, loop)) for request in requests]
         with self._cond:
@@ -323,7 +358,7 @@ class Engine:
             logits = self.executor.prefill(parts)
         except Exception as exc:  # these requests' failure (the shared forward's), not the engine's
             log.exception("prefill failed")
-            for seq in seqs:
+            for seq in self._isolate(seqs):
                 self._prefilling.remove(seq)
                 self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
             return
@@ -340,6 +375,36 @@ class Engine:
             if not seq.done:
                 self.executor.join(seq.uid, seq.reservation.slots)
                 self._batches.setdefault(seq.request.policy, []).append(seq)
+
+    def _isolate(self, seqs: list[Sequence]) -> list[Sequence]:
+        """After a shared prefill forward over ``seqs`` failed (the executor dropped their caches):
+        the ones to fail. Each row replays its prompt so far, up to the chunk that failed, alone; a
+        row that fails alone is to blame, the others start their prompts over (and a row whose
+        forwards fail a second time is failed too: the failure is not one row's)."""
+        for seq in seqs:
+            self.executor.close(seq.uid)
+        if len(seqs) == 1:
+            return seqs
+        to_fail = []
+        for seq in seqs:  # one at a time: a replay is the only row of its policy's prefill group
+            if seq.restarts or not self._replays_alone(seq):
+                to_fail.append(seq)
+            else:
+                seq.next_chunk, seq.restarts = 0, seq.restarts + 1
+        return to_fail
+
+    def _replays_alone(self, seq: Sequence) -> bool:
+        req = seq.request
+        try:
+            self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0)
+            for start, stop in seq.chunks[:seq.next_chunk + 1]:
+                self.executor.prefill([(seq.uid, req.prompt_ids[start:stop], start)])
+            return True
+        except Exception:
+            log.exception("prefill of request %d alone failed", seq.uid)
+            return False
+        finally:
+            self.executor.close(seq.uid)
 
     def _decode_step(self, policy: str) -> None:
         rows = list(self._batches[policy])

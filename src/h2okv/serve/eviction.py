@@ -46,6 +46,6 @@ class EvictionDefaults:
             fields = dict.fromkeys(BUDGET_FIELDS)
         spec = BudgetSpec.build(chosen, **fields)
         if not chosen.evicts:
-            return chosen.name, None, None
+            return chosen.spec, None, None
         heavy, recent = spec.resolve(prompt_len)
-        return chosen.name, heavy, recent
+        return chosen.spec, heavy, recent  # the spec: options such as snapkv's window reach the cache

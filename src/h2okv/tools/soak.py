@@ -1,18 +1,23 @@
 """Soak run: a real ``h2okv serve`` process under mixed, partly hostile traffic for a while.
 
-``python -m h2okv.tools.soak --duration 150 --clients 64`` (``make soak``) starts the server on
+``python -m h2okv.tools.soak --duration 600 --clients 64`` (``make soak``) starts the server on
 127.0.0.1 (the tiny test model by default, ``--model`` for a real one) and runs ``--clients``
 concurrent loops. Each loop sends, at random:
 
 - valid streaming requests (completions or chat, mixed policies and budgets, sometimes ``n=2`` or
   logprobs), some of which the client abandons after a few chunks (a disconnect);
-- bad requests: malformed JSON, wrong types, huge ``max_tokens``, an empty prompt, invalid UTF-8,
-  an unknown policy, an over-long prompt.
+- valid edge requests, which must get a 200: a tiny temperature (greedy), policy options
+  (``snapkv:window=4``, echoed back), ``n`` at the server's ``--max-n``;
+- bad requests: malformed JSON, wrong values, huge ``max_tokens``, an empty prompt, invalid UTF-8,
+  an unknown policy, an over-long prompt, and those of issue 20: a lone surrogate, a budget past
+  the context, a body over ``--max-body-bytes``, bad policy options, wrong JSON types
+  (``"max_tokens": "3"``), over-long or too many stop strings, ``n`` above the cap.
 
-It checks: no 5xx for valid requests; a 4xx in OpenAI's error format for every bad one; every
-completed stream well formed; zero KV bytes and requests in use at the end (``/metrics``); the
-server's RSS in the last minute no higher than in the first (within ``--rss-tolerance``); and that
-SIGTERM then exits 0. Prints and optionally writes a JSON report; exit status 1 if a check fails.
+It checks: no 5xx at all; a 4xx in OpenAI's error format for every bad request; every completed
+stream well formed; zero KV bytes and requests in use at the end (``/metrics``); the server's RSS
+slope over the last ``--rss-window`` seconds (least squares, MiB per minute) at most
+``--max-rss-slope``; and that SIGTERM then exits 0. Prints and optionally writes a JSON report;
+exit status 1 if a check fails.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from h2okv.tools.process import ServerProcess, save_tiny_model
 
 NAME = "soak"
 MAX_PROMPT = 400
+MAX_N = 8  # the server's --max-n
+BIG_BODY = 6 << 20  # over the server's default --max-body-bytes (4 MiB)
 POLICIES = [None, {"policy": "h2o"}, {"policy": "local", "heavy": 0, "recent": 16}, {"policy": "full"},
             {"policy": "sink", "heavy": 4, "recent": 12}, {"policy": "random", "heavy": 8, "recent": 8},
             {"heavy_ratio": 0.2, "recent_ratio": 0.2}]
@@ -42,29 +49,59 @@ POLICIES = [None, {"policy": "h2o"}, {"policy": "local", "heavy": 0, "recent": 1
 
 def bad_request(rng: random.Random) -> tuple[str, str, bytes]:
     """(kind, path, raw body) of a request the server must refuse with a 4xx."""
-    kind = rng.choice(["malformed_json", "wrong_types", "huge_max_tokens", "empty_prompt", "invalid_utf8",
-                       "unknown_policy", "overlong_prompt", "bad_messages"])
-    path = "/v1/completions"
-    body: dict | bytes
-    if kind == "malformed_json":
-        body = rng.choice([b'{"model": "soak", "prompt": "x"', b"{{}", b"not json", b""])
-    elif kind == "wrong_types":
-        body = {"model": NAME, "prompt": "x", "max_tokens": rng.choice(["ten", [1], {"a": 1}, 1.5]),
-                "temperature": "hot"}
-    elif kind == "huge_max_tokens":
-        body = {"model": NAME, "prompt": "x", "max_tokens": rng.choice([10**6, 10**30])}
-    elif kind == "empty_prompt":
-        body = {"model": NAME, "prompt": rng.choice(["", []]), "max_tokens": 4}
-    elif kind == "invalid_utf8":
-        body = b'{"model": "soak", "prompt": "\xff\xfe\xc3(", "max_tokens": 4}'
-    elif kind == "unknown_policy":
-        body = {"model": NAME, "prompt": "x", "max_tokens": 4, "h2o": {"policy": "lru-ish"}}
-    elif kind == "overlong_prompt":
-        body = {"model": NAME, "prompt": " y" * (MAX_PROMPT + 1 + rng.randrange(100)), "max_tokens": 4}
-    else:
-        path, body = "/v1/chat/completions", {"model": NAME, "messages": [{"role": "robot", "content": 3}]}
-    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    kind = rng.choice(sorted(BAD_REQUESTS))
+    path, body = BAD_REQUESTS[kind](rng)
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()  # escapes lone surrogates
     return kind, path, raw
+
+
+def _completion(**fields) -> tuple[str, dict]:
+    return "/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 4, **fields}
+
+
+def _big_body(rng: random.Random) -> tuple[str, bytes]:
+    padding = BIG_BODY + rng.randrange(1 << 20)
+    return "/v1/completions", b'{"model": "soak", "max_tokens": 4, "prompt": "' + b"z" * padding + b'"}'
+
+
+BAD_REQUESTS = {
+    "malformed_json": lambda rng: ("/v1/completions",
+                                   rng.choice([b'{"model": "soak", "prompt": "x"', b"{{}", b"not json", b""])),
+    "wrong_values": lambda rng: _completion(max_tokens=rng.choice(["ten", [1], {"a": 1}, 1.5]), temperature="hot"),
+    "huge_max_tokens": lambda rng: _completion(max_tokens=rng.choice([10**6, 10**30])),
+    "empty_prompt": lambda rng: _completion(prompt=rng.choice(["", []])),
+    "invalid_utf8": lambda rng: ("/v1/completions", b'{"model": "soak", "prompt": "\xff\xfe\xc3(", "max_tokens": 4}'),
+    "unknown_policy": lambda rng: _completion(h2o={"policy": "lru-ish"}),
+    "overlong_prompt": lambda rng: _completion(prompt=" y" * (MAX_PROMPT + 1 + rng.randrange(100))),
+    "bad_messages": lambda rng: ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "robot", "content": 3}]}),
+    # issue 20
+    "lone_surrogate": lambda rng: rng.choice([
+        _completion(prompt="a\ud800b"),
+        ("/v1/chat/completions", {"model": NAME, "max_tokens": 4, "messages": [{"role": "user", "content": "\udfff"}]})]),
+    "huge_budget": lambda rng: _completion(h2o={"heavy": rng.choice([10**30, 1 << 63, 4096]), "recent": 4}),
+    "big_body": _big_body,
+    "bad_policy_option": lambda rng: _completion(h2o={"policy": rng.choice(["snapkv:window=x", "h2o:window=4",
+                                                                            "snapkv:size=3"])}),
+    "wrong_json_types": lambda rng: _completion(**rng.choice([{"max_tokens": "3"}, {"n": "2"}, {"stream": "yes"},
+                                                              {"logprobs": True}, {"temperature": "0"}])),
+    "overlong_stop": lambda rng: _completion(stop=rng.choice([["s" * (1 << 20)], "s" * 300, list("abcdef")])),
+    "n_over_cap": lambda rng: _completion(n=MAX_N + 1 + rng.randrange(8)),
+}
+
+
+def edge_request(rng: random.Random) -> tuple[str, dict, dict]:
+    """(kind, body, what the 200 answer must show) of a valid request at an edge of the schema."""
+    kind = rng.choice(["tiny_temperature", "policy_option", "n_at_cap"])
+    _, body = _completion(prompt="edge " * rng.randint(1, 20), max_tokens=rng.randint(1, 8))
+    expect: dict = {"choices": 1}
+    if kind == "tiny_temperature":
+        body["temperature"] = rng.choice([1e-40, 5e-324, 1e-6])
+    elif kind == "policy_option":
+        body["h2o"] = {"policy": "snapkv:window=4", "heavy": 4, "recent": 4}
+        expect["policy"] = "snapkv:window=4,kernel=7"
+    else:
+        body["n"] = expect["choices"] = MAX_N
+    return kind, body, expect
 
 
 def valid_request(rng: random.Random) -> tuple[str, dict]:
@@ -94,6 +131,10 @@ class Tally:
         self.counts: Counter = Counter()
         self.failures: list[str] = []
 
+    def status(self, code: int) -> None:
+        if code >= 500:
+            self.counts["status_5xx"] += 1
+
     def fail(self, message: str) -> None:
         self.counts["failures"] += 1
         if len(self.failures) < 20:
@@ -109,6 +150,7 @@ async def send_valid(client: httpx.AsyncClient, rng: random.Random, tally: Tally
             return
         if response.status_code != 200:
             detail = (await response.aread())[:200]
+            tally.status(response.status_code)
             tally.fail(f"valid request got HTTP {response.status_code}: {detail!r}")
             return
         events, finished, done = 0, 0, False
@@ -141,6 +183,7 @@ async def send_bad(client: httpx.AsyncClient, rng: random.Random, tally: Tally) 
     kind, path, raw = bad_request(rng)
     response = await client.post(path, content=raw, headers={"content-type": "application/json"})
     tally.counts[f"bad_{kind}"] += 1
+    tally.status(response.status_code)
     try:
         error = response.json()["error"]
         well_formed = set(error) == {"message", "type", "param", "code"} and bool(error["message"])
@@ -150,14 +193,38 @@ async def send_bad(client: httpx.AsyncClient, rng: random.Random, tally: Tally) 
         tally.fail(f"bad request {kind} got HTTP {response.status_code}: {response.text[:200]!r}")
 
 
+async def send_edge(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
+    kind, body, expect = edge_request(rng)
+    response = await client.post("/v1/completions", content=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    tally.status(response.status_code)
+    if response.status_code == 429:
+        tally.counts["valid_429"] += 1
+        return
+    tally.counts[f"edge_{kind}"] += 1
+    try:
+        answer = response.json()
+        shown = {"choices": len(answer["choices"])}
+        if "policy" in expect:
+            shown["policy"] = answer["h2o"]["policy"]
+    except (ValueError, KeyError, TypeError):
+        shown = {}
+    if response.status_code != 200 or shown != expect:
+        tally.fail(f"edge request {kind} got HTTP {response.status_code} ({shown} for {expect}): "
+                   f"{response.text[:200]!r}")
+
+
 async def client_loop(url: str, seed: int, stop_at: float, tally: Tally) -> None:
     rng = random.Random(seed)
     timeout = httpx.Timeout(120.0)
     async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
         while time.monotonic() < stop_at:  # bounded by the duration
             try:
-                if rng.random() < 0.2:
+                draw = rng.random()
+                if draw < 0.2:
                     await send_bad(client, rng, tally)
+                elif draw < 0.25:
+                    await send_edge(client, rng, tally)
                 else:
                     await send_valid(client, rng, tally)
             except httpx.HTTPError as exc:
@@ -185,48 +252,70 @@ def rss_window(samples: list[tuple[float, int]], start: float, stop: float) -> i
     return int(statistics.median(window)) if window else None
 
 
+def rss_slope(samples: list[tuple[float, int]], start: float) -> float | None:
+    """Least-squares slope of RSS over the samples from ``start`` seconds on, in MiB per minute (a
+    leak shows as a steady slope; the first minutes, when allocator pools fill, are left out)."""
+    window = [(t, rss) for t, rss in samples if t >= start]
+    if len(window) < 3:
+        return None
+    slope = statistics.linear_regression([t for t, _ in window], [rss for _, rss in window]).slope
+    return slope * 60 / 2**20
+
+
+def run_server(args, tmp: str) -> tuple[Tally, list, float, dict, int]:
+    """Serve, load, wait for the running requests to end, SIGTERM: (tally, RSS samples, seconds of
+    load, the last /metrics, the exit status)."""
+    model = args.model or str(save_tiny_model(Path(tmp) / "model", layers=2, max_positions=2048))
+    server_args = ["--model", model, "--served-model-name", NAME, "--log-level", "warning",
+                   "--kv-memory", args.kv_memory, "--max-batch", "48", "--max-queue", "128", "--max-n", str(MAX_N),
+                   "--max-prompt-tokens", str(MAX_PROMPT), "--chunk-size", "64", "--request-timeout", "60"]
+    with ServerProcess(server_args, log_path=Path(tmp) / "server.log") as server:
+        server.wait_healthy()
+        started = time.monotonic()
+        tally, rss = asyncio.run(run_load(server, args.clients, args.duration, args.seed))
+        elapsed = time.monotonic() - started
+        deadline = time.monotonic() + 30
+        metrics = scrape(server.url)
+        while (metrics["h2okv_requests_running"] or metrics["h2okv_requests_waiting"]) and \
+                time.monotonic() < deadline:
+            time.sleep(0.2)
+            metrics = scrape(server.url)
+        server.terminate()
+        return tally, rss, elapsed, metrics, server.wait(60)
+
+
 def soak(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="h2okv-soak-") as tmp:
-        model = args.model or str(save_tiny_model(Path(tmp) / "model", layers=2, max_positions=2048))
-        server_args = ["--model", model, "--served-model-name", NAME, "--log-level", "warning",
-                       "--kv-memory", args.kv_memory, "--max-batch", "48", "--max-queue", "128",
-                       "--max-prompt-tokens", str(MAX_PROMPT), "--chunk-size", "64", "--request-timeout", "60"]
-        with ServerProcess(server_args, log_path=Path(tmp) / "server.log") as server:
-            server.wait_healthy()
-            started = time.monotonic()
-            tally, rss = asyncio.run(run_load(server, args.clients, args.duration, args.seed))
-            elapsed = time.monotonic() - started
-            deadline = time.monotonic() + 30
-            metrics = scrape(server.url)
-            while (metrics["h2okv_requests_running"] or metrics["h2okv_requests_waiting"]) and \
-                    time.monotonic() < deadline:
-                time.sleep(0.2)
-                metrics = scrape(server.url)
-            server.terminate()
-            exit_code = server.wait(60)
+        tally, rss, elapsed, metrics, exit_code = run_server(args, tmp)
     minute = min(60.0, elapsed / 2)
     first = rss_window(rss, 0, minute)
     last = rss_window(rss, elapsed - minute, elapsed + 1)
+    window = min(args.rss_window, 0.8 * elapsed)
+    slope = rss_slope(rss, elapsed - window)
     counts = dict(sorted(tally.counts.items()))
     bad = sum(v for k, v in counts.items() if k.startswith("bad_"))
     checks = {
         "no_failures": tally.counts["failures"] == 0,
+        "no_5xx": tally.counts["status_5xx"] == 0,
         "kv_bytes_in_use_zero": metrics["h2okv_kv_bytes_in_use"] == 0,
         "requests_running_zero": metrics["h2okv_requests_running"] == 0 and metrics["h2okv_requests_waiting"] == 0,
-        "rss_not_growing": first is not None and last is not None and last <= first * (1 + args.rss_tolerance),
+        "rss_slope_ok": slope is not None and slope <= args.max_rss_slope,
         "sigterm_exit_0": exit_code == 0,
         "traffic_seen": counts.get("valid_completed", 0) > 0 and bad > 0 and counts.get("valid_disconnected", 0) > 0,
     }
     return {
         "config": {"duration_s": args.duration, "clients": args.clients, "kv_memory": args.kv_memory,
-                   "model": args.model or "tiny random (2 layers)", "seed": args.seed},
+                   "model": args.model or "tiny random (2 layers)", "seed": args.seed,
+                   "max_rss_slope_mib_per_min": args.max_rss_slope},
         "elapsed_s": round(elapsed, 1),
         "counts": counts,
         "bad_requests": bad,
         "failures": tally.failures,
-        "rss_window_s": minute,
-        "rss_first_window_mib": None if first is None else round(first / 2**20, 1),
-        "rss_last_window_mib": None if last is None else round(last / 2**20, 1),
+        "rss_first_minute_mib": None if first is None else round(first / 2**20, 1),
+        "rss_last_minute_mib": None if last is None else round(last / 2**20, 1),
+        "rss_slope_window_s": round(window, 1),
+        "rss_slope_mib_per_min": None if slope is None else round(slope, 3),
+        "rss_every_30s_mib": [round(rss / 2**20, 1) for t, rss in rss if int(t) % 30 == 0],
         "generated_tokens": int(metrics["h2okv_generated_tokens_total"]),
         "evicted_tokens": int(metrics["h2okv_evicted_tokens_total"]),
         "kv_bytes_in_use_end": int(metrics["h2okv_kv_bytes_in_use"]),
@@ -239,13 +328,16 @@ def soak(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m h2okv.tools.soak", description=__doc__.splitlines()[0])
-    p.add_argument("--duration", type=float, default=150.0, help="seconds of load (default: 150)")
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of load (default: 600)")
     p.add_argument("--clients", type=int, default=64, help="concurrent client loops (default: 64)")
     p.add_argument("--kv-memory", default="4M", help="the server's --kv-memory (default: 4M)")
     p.add_argument("--model", default=None, help="checkpoint to serve (default: a tiny random model)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rss-tolerance", type=float, default=0.05,
-                   help="allowed RSS growth from the first to the last minute, as a fraction (default: 0.05)")
+    p.add_argument("--rss-window", type=float, default=480.0,
+                   help="seconds at the end of the load over which the RSS slope is fitted, at most 80%% of "
+                        "--duration (default: 480)")
+    p.add_argument("--max-rss-slope", type=float, default=1.0,
+                   help="largest RSS slope over that window that passes, in MiB per minute (default: 1)")
     p.add_argument("--json", default=None, help="write the report here")
     args = p.parse_args(argv)
     if args.duration <= 0 or args.clients <= 0:

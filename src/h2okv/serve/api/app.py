@@ -3,7 +3,8 @@
 ``create_app`` wires the engine, the metrics and the request path together; ``add_routes``
 declares the routes; nothing else lives here. A completion or chat request goes through
 ``serving.py`` (validation, tokenisation, the fan-out for ``n``, the answer); errors leave in
-OpenAI's format (``errors.py``); an API key guards every route but ``/health`` (``auth.py``).
+OpenAI's format (``errors.py``); an API key guards every route but ``/health`` (``auth.py``);
+request bodies are bounded in size and read time before anything parses them (``limits.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from fastapi.responses import Response
 
 from h2okv.serve.api.auth import RequireAPIKey
 from h2okv.serve.api.errors import APIError, install_error_handlers
+from h2okv.serve.api.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit
 from h2okv.serve.api.metrics import ServeMetrics
 from h2okv.serve.api.schemas import ChatCompletionRequest, CompletionRequest
 from h2okv.serve.api.serving import Limits, Serving, model_context_limit
@@ -40,12 +42,16 @@ def create_app(
     schedule: str = "budget",
     step_tokens: int = 512,
     executor=None,
+    max_n: int = 8,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> FastAPI:
     """An app serving ``model``/``tokenizer`` (injectable: tests pass tiny models). The engine thread
     starts and stops with the app's lifespan; ``app.state.engine`` and ``app.state.metrics`` are
     exposed for in-process callers (and ``serve.api.server`` drains the engine on SIGTERM).
     ``executor``: the engine's executor, when not a plain ``Executor`` of ``model`` (``serve --tp``:
-    ``tp.Leader``)."""
+    ``tp.Leader``). ``max_n``: the most choices one request may ask for (each is a running sequence
+    of the batch, as vLLM counts them; never more than ``max_batch``)."""
     eviction = eviction or EvictionDefaults()
     eviction.validate()
     if request_timeout is not None and not request_timeout > 0:
@@ -55,7 +61,7 @@ def create_app(
     metrics = ServeMetrics(engine)
     engine.observer = metrics
     context = max_context or model_context_limit(model)
-    limits = Limits(context, min(context - 1, max_prompt_tokens or context), request_timeout)
+    limits = Limits(context, min(context - 1, max_prompt_tokens or context), request_timeout, min(max_n, max_batch))
 
     def count_error(status: int) -> None:
         metrics.http_errors.labels(str(status)).inc()
@@ -69,11 +75,13 @@ def create_app(
             yield
         finally:
             await asyncio.to_thread(engine.stop)
+            serving.workers.shutdown(wait=False)
 
     app = FastAPI(title="h2okv", lifespan=lifespan)
     app.state.engine, app.state.metrics = engine, metrics
     install_error_handlers(app, count_error)
-    if api_key:
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, read_timeout=body_timeout, on_refused=count_error)
+    if api_key:  # added last, so it runs first: no body is read for a request without the key
         app.add_middleware(RequireAPIKey, api_key=api_key, on_refused=lambda: count_error(401))
 
     add_routes(app, engine, metrics, serving)

@@ -23,12 +23,15 @@ class RequireAPIKey:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] == "/health":
             return await self.app(scope, receive, send)
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
+        # more than one Authorization header is refused: which one counts would depend on the
+        # framework (last-wins), and a proxy in front may have checked another than the one we read
+        headers = [value for name, value in scope["headers"] if name.lower() == b"authorization"]
+        scheme, _, token = (headers[0] if len(headers) == 1 else b"").partition(b" ")
         if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
             return await self.app(scope, receive, send)
         self.on_refused()
-        given = "a wrong API key" if token.strip() else "no API key"
+        given = ("several Authorization headers" if len(headers) > 1 else
+                 "a wrong API key" if token.strip() else "no API key")
         error = APIError(401, f"this server needs an API key (Authorization: Bearer ...); the request gave {given}",
                          code="invalid_api_key")
         await JSONResponse(error.body(), status_code=401)(scope, receive, send)

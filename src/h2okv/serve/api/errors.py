@@ -58,13 +58,7 @@ def install_error_handlers(app: FastAPI, count_error) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {"type": "", "loc": (), "msg": "invalid request"}
-        if first["type"] == "json_invalid":
-            detail = (first.get("ctx") or {}).get("error", "")
-            return error_response(APIError(400, f"the request body is not valid JSON: {detail}".rstrip(": ")))
-        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
-        message = f"{param}: {first['msg']}" if param else first["msg"]
-        return error_response(APIError(400, message, param=param))
+        return error_response(validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
@@ -75,3 +69,22 @@ def install_error_handlers(app: FastAPI, count_error) -> None:
     async def on_unexpected(request: Request, exc: Exception):
         log.exception("unexpected error")
         return error_response(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+
+
+def validation_error(errors) -> APIError:
+    """The 400 for pydantic's errors: the most telling one (a failed check of ours, such as a lone
+    surrogate, over the type mismatches a union collects from its other members), with the field
+    path as ``param`` (union members' type tags such as ``list[int]`` left out)."""
+    errors = list(errors) or [{"type": "", "loc": (), "msg": "invalid request"}]
+    first = next((e for e in errors if e["type"] == "value_error"), errors[0])
+    if first["type"] == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return APIError(400, f"the request body is not valid JSON: {detail}".rstrip(": "))
+    param = ".".join(str(p) for p in first["loc"] if p != "body" and not _type_tag(p)) or None
+    message = f"{param}: {first['msg']}" if param else first["msg"]
+    return APIError(400, message, param=param)
+
+
+def _type_tag(part) -> bool:
+    """A union member's tag in an error location (``str``, ``list[int]``, ``function-after[...]``)."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "list", "dict"))

@@ -4,16 +4,36 @@ Unknown top-level fields are ignored, as OpenAI-compatible servers commonly do; 
 but cannot honour (``echo``, penalties, ``logit_bias``, tools...) are rejected with a 400 instead of
 being silently dropped. The extensions are ``"h2o"`` (per-request eviction settings) and
 ``ignore_eos`` (as in vLLM).
+
+Types are strict, as OpenAI's API has them: ``"max_tokens": "3"``, ``"n": true`` or
+``"logprobs": true`` on completions are 400s, not coerced (a JSON integer is still a valid
+float). Every string must be encodable as UTF-8 (``Text``): a lone surrogate (``"\ud800"``,
+valid JSON) is a 400 here rather than a tokenizer crash later. Stop strings are bounded in count
+and length (``MAX_STOPS``, ``MAX_STOP_CHARS``): each generated token is checked against each.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from h2okv.serve.api.errors import APIError
 from h2okv.serve.eviction import BUDGET_FIELDS
+
+MAX_STOPS = 4  # as OpenAI's API
+MAX_STOP_CHARS = 256  # far above real stop strings ("\n\n", "</s>"); the per-token check grows with it
+
+
+def _utf8(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the text is not valid UTF-8 (a lone surrogate at character {exc.start})") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
 
 
 class H2OSettings(BaseModel):
@@ -21,9 +41,9 @@ class H2OSettings(BaseModel):
 
     Giving any budget field replaces the server's budget; giving only ``policy`` keeps it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    policy: str | None = None
+    policy: Text | None = None
     heavy: int | None = None
     recent: int | None = None
     heavy_ratio: float | None = None
@@ -38,40 +58,41 @@ class H2OSettings(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False
 
-MAX_N = 16  # choices per request: each one is a sequence holding its own KV memory
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
-    model: str
+    model: Text
     max_tokens: int | None = Field(default=None, gt=0)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    n: int = Field(default=1, ge=1)  # at most the server's --max-n (serving.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 63)  # what torch.Generator accepts
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
-    user: str | None = None
+    user: Text | None = None
     # extensions
     h2o: H2OSettings | None = None
     ignore_eos: bool = False  # as in vLLM: generate exactly max_tokens (benchmarks)
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > 4:
-            raise APIError(400, "stop may hold at most 4 sequences", param="stop")
+        if len(stops) > MAX_STOPS:
+            raise APIError(400, f"stop may hold at most {MAX_STOPS} sequences", param="stop")
         if any(s == "" for s in stops):
             raise APIError(400, "stop sequences must not be empty", param="stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise APIError(400, f"stop sequences may be at most {MAX_STOP_CHARS} characters long", param="stop")
         return stops
 
     def top_logprobs_wanted(self) -> int | None:
@@ -89,11 +110,11 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -109,15 +130,17 @@ class CompletionRequest(_Common):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)

@@ -59,7 +59,11 @@ def serve_forever(app, host: str = "127.0.0.1", port: int = 8000, log_level: str
     """Serve until a signal ends it (see the module docstring). ``on_server(server)`` is called before
     serving starts: a caller that must stop the server from another thread (``tp.py``, when the
     tensor-parallel group breaks) keeps it and sets ``server.should_exit``."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    # idle keep-alive connections close after 5 s and a request head may not pass 16 KiB (h11); a
+    # client that trickles its head is not timed out by uvicorn: put a reverse proxy in front
+    # (nginx: client_header_timeout) when clients are not trusted. Bodies: limits.py.
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                            timeout_keep_alive=5, h11_max_incomplete_event_size=16 * 1024)
     server = DrainingServer(config, app.state.engine, drain_timeout)
     if on_server is not None:
         on_server(server)

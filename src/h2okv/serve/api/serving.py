@@ -2,7 +2,14 @@
 
 1. ``prepare``: validate the body, tokenise it (``tokenize``, the one place input meets the
    tokenizer), check the lengths against the model's context, resolve the eviction budget, and fan
-   out into ``n`` ``GenerationRequest``s (one per choice; seeded choices get seed, seed+1, ...);
+   out into ``n`` ``GenerationRequest``s (one per choice; seeded choices get seed, seed+1, ...).
+   It runs in a worker thread: its work grows with the input (a 4 MB prompt takes seconds to
+   tokenise), and on the event loop it would stall ``/health`` and every running stream. The
+   threads are a small pool of its own (``PREPARE_THREADS``): tokenising is one at a time anyway,
+   and every thread that allocates gets a malloc arena of its own, which the server's RSS keeps.
+   It tokenises with a copy of the tokenizer under a lock of its own, so the engine's detokenising
+   (under ``engine.tokenizer_lock``) never waits on a long prompt either. A prompt the tokenizer
+   cannot take is the client's fault (400), never a 500;
 2. submit them to the engine, all or none;
 3. answer: server-sent events of all choices merged (``sse.py``), or wait for every choice and
    assemble one response.
@@ -16,8 +23,11 @@ the engine raises ``ServeError``s, which ``errors.py`` maps to statuses.
 from __future__ import annotations
 
 import asyncio
+import copy
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -32,6 +42,7 @@ from h2okv.serve.errors import ServeError
 from h2okv.serve.eviction import EvictionDefaults
 from h2okv.serve.types import Event, GenerationRequest, Handle
 
+PREPARE_THREADS = 2
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
 
 
@@ -104,6 +115,7 @@ class Limits:
     context: int  # tokens of prompt + completion the model takes
     prompt: int  # the longest prompt accepted
     request_timeout: float | None = None  # seconds; then a request ends with finish_reason "timeout"
+    max_n: int = 8  # choices per request (--max-n): each is a running sequence, one slot of --max-batch
 
 
 class Serving:
@@ -115,10 +127,13 @@ class Serving:
         self.eviction, self.limits = eviction, limits
         self.count_error = count_error  # count_error(status): an error answer, for /metrics
         self.vocab = len(tokenizer)
+        self.encoder = copy.deepcopy(tokenizer)  # prompts are tokenised with this one, off the engine's lock
+        self.encoder_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
+        self.workers = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="h2okv-prepare")
 
     async def respond(self, body: CompletionRequest | ChatCompletionRequest, request: Request):
         endpoint = Chat if isinstance(body, ChatCompletionRequest) else Completions
-        gens = self.prepare(body, endpoint)
+        gens = await asyncio.get_running_loop().run_in_executor(self.workers, self.prepare, body, endpoint)
         handles = self.engine.submit_many(gens, asyncio.get_running_loop())
         envelope = {"id": f"{endpoint.id_prefix}-{uuid.uuid4().hex}", "object": endpoint.object,
                     "created": int(time.time()), "model": self.model_name}
@@ -146,21 +161,33 @@ class Serving:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
         body.check_supported()
+        if body.n > self.limits.max_n:
+            raise APIError(400, f"n={body.n} is more than this server's --max-n {self.limits.max_n}", param="n")
+        stops = body.stop_list()
+        self.check_budget(body)
         prompt_ids = self.tokenize(body)
         max_tokens = self.check_lengths(len(prompt_ids), endpoint.max_tokens(body), endpoint)
         try:
             policy, heavy, recent = self.eviction.resolve(
                 len(prompt_ids), policy=body.h2o.policy if body.h2o else None,
                 budget=body.h2o.budget() if body.h2o else None)
-        except H2OError as exc:
+        except (H2OError, ValueError, OverflowError) as exc:
             raise APIError(400, f"h2o: {exc}", param="h2o") from None
-        stops = body.stop_list()
         return [GenerationRequest(
             prompt_ids=prompt_ids, max_tokens=max_tokens, policy=policy, heavy=heavy, recent=recent,
             temperature=body.temperature, top_p=body.top_p, stops=stops,
             seed=None if body.seed is None else (body.seed + i) % (1 << 63), ignore_eos=body.ignore_eos,
             top_logprobs=body.top_logprobs_wanted(), timeout=self.limits.request_timeout,
         ) for i in range(body.n)]
+
+    def check_budget(self, body) -> None:
+        """Budgets in slots are at most the context length: no sequence holds more tokens, and
+        larger numbers (1e30) would only overflow the cache's integer tensors."""
+        for name in ("heavy", "recent"):
+            value = getattr(body.h2o, name, None) if body.h2o else None
+            if value is not None and not 0 <= value <= self.limits.context:
+                raise APIError(400, f"h2o.{name}={value} must be in [0, {self.limits.context}] (the model's "
+                               f"context length)", param=f"h2o.{name}")
 
     def check_lengths(self, prompt_len: int, max_tokens: int | None, endpoint) -> int:
         """``max_tokens`` (the endpoint's default when None) once prompt and completion fit the model."""
@@ -190,20 +217,26 @@ class Serving:
                 raise APIError(400, f"the model {self.model_name!r} has no chat template; use /v1/completions")
             messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
                         for m in body.messages]
-            with self.engine.tokenizer_lock:
-                return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                               return_dict=True)["input_ids"])
+            return self._encode("messages", lambda tok: tok.apply_chat_template(
+                messages, add_generation_prompt=True, return_dict=True)["input_ids"])
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 raise APIError(400, f"only one prompt per request is supported (got {len(prompt)})", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            with self.engine.tokenizer_lock:
-                return list(self.tokenizer(prompt)["input_ids"]) if prompt else []
+            return self._encode("prompt", lambda tok: tok(prompt)["input_ids"]) if prompt else []
         if any(not 0 <= t < self.vocab for t in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {self.vocab})", param="prompt")
         return list(prompt)
+
+    def _encode(self, param: str, encode) -> list[int]:
+        """``encode(tokenizer)``'s ids; the tokenizer refusing the input is a 400 on ``param``."""
+        try:
+            with self.encoder_lock:
+                return list(encode(self.encoder))
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise APIError(400, f"{param} cannot be tokenised: {type(exc).__name__}: {exc}", param=param) from None
 
     # -- answers -----------------------------------------------------------------------------------
     def model_list(self) -> dict:
@@ -212,7 +245,7 @@ class Serving:
         settings = {**self.eviction.describe(), "kv_memory": e.kv_memory, "max_batch": e.max_batch,
                     "prefill_chunk": e.prefill_chunk, "schedule": e.schedule, "step_tokens": e.step_tokens,
                     "max_context": self.limits.context, "max_prompt_tokens": self.limits.prompt,
-                    "request_timeout": self.limits.request_timeout}
+                    "request_timeout": self.limits.request_timeout, "max_n": self.limits.max_n}
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "h2okv", "h2o": settings}]}
 
