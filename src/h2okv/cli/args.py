@@ -78,13 +78,9 @@ def memory_limit(text: str) -> int | None:
 # -- lists checked before any model work -----------------------------------------------------------
 def parse_policies(text: str) -> list[str]:
     """``full,h2o,snapkv:16`` -> names, duplicates dropped; one-line error for a bad name or option."""
-    from h2okv.policies import make_policy
-
-    names = [p.strip() for p in text.split(",") if p.strip()]
+    names = [check_policy(p.strip()) for p in text.split(",") if p.strip()]
     if not names:
         raise H2OError("--policies is empty; give e.g. full,h2o,local")
-    for name in names:
-        make_policy(name)  # the policy checks its own options
     return list(dict.fromkeys(names))
 
 

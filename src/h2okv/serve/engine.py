@@ -177,7 +177,6 @@ class Engine:
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> Handle:
         """Queue a request; raises ``ServeError`` (``INVALID_REQUEST``: never fits; ``OVERLOADED``:
         queue full; ``UNAVAILABLE``: not running or draining)."""
-        self.check_fits(request)
         return self.submit_many([request], loop)[0]
 
     def submit_many(self, requests: list[GenerationRequest], loop: asyncio.AbstractEventLoop | None = None,
