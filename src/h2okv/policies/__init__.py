@@ -1,7 +1,7 @@
 """Eviction policies, one small module each, and ``make_policy`` which builds one from its name.
 
 A name may carry options after a colon: ``snapkv:window=16`` (or ``snapkv:16`` for the first
-option). Every command that takes ``--policy``/``--policies`` accepts these names.
+option); the ranking policies take ``heads=shared`` (``tova:heads=shared``), one kept set per layer. Every command that takes ``--policy``/``--policies`` accepts these names.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from h2okv.policies.full import FullPolicy
 from h2okv.policies.h2o import H2OPolicy
 from h2okv.policies.h2o_mean import H2OMeanPolicy
 from h2okv.policies.h2o_sink import H2OSinkPolicy
+from h2okv.policies.knorm import KnormPolicy
 from h2okv.policies.local import LocalPolicy
 from h2okv.policies.random import RandomPolicy
 from h2okv.policies.sink import SinkPolicy
@@ -23,7 +24,7 @@ _CLASSES = {
     cls.name: cls
     for cls in (
         FullPolicy, H2OPolicy, LocalPolicy, SinkPolicy, RandomPolicy,
-        TOVAPolicy, H2OSinkPolicy, H2OMeanPolicy, SnapKVPolicy,
+        TOVAPolicy, H2OSinkPolicy, H2OMeanPolicy, SnapKVPolicy, KnormPolicy,
     )
 }
 if set(_CLASSES) != set(POLICY_NAMES):  # the torch-free name list the CLI's help shows must match

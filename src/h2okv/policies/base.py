@@ -12,7 +12,11 @@ layer:
   updates the per-slot score (summed, replaced by the last query's, ...);
 - ``eviction_key``: the rank of each slot (lower = evicted first);
 - ``prefill_scores``: optionally, scores for a whole prompt computed before it is chunked
-  (SnapKV's look-back window).
+  (SnapKV's look-back window);
+- ``key_scores``: optionally, the score a token starts with, from its key alone, when it is
+  written (Knorm); else it starts at zero;
+- ``shared_heads``: whether the rank is averaged over the KV heads of a layer, so every head keeps
+  the same tokens (option ``heads=shared`` of the score policies, as kvpress's TOVA).
 """
 
 from __future__ import annotations
@@ -53,12 +57,16 @@ class Policy:
     scan_safe: bool = True
     #: the options ``make_policy`` accepts for this policy (name -> type)
     options: dict[str, type] = {}
+    #: rank by the mean over the layer's KV heads (one kept set per layer); see ``heads_option``
+    shared_heads: bool = False
 
     def __init__(self, seed: int = 0, **options):
         self.seed = seed
         unknown = set(options) - set(self.options)
         if unknown:
             raise H2OError(f"policy {self.name!r} has no option {', '.join(sorted(unknown))}")
+        if "heads" in options:
+            self.shared_heads = heads_option(self.name, options["heads"])
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec})"
@@ -66,7 +74,12 @@ class Policy:
     @property
     def spec(self) -> str:
         """The name with its options, as ``make_policy`` parses it (e.g. ``snapkv:window=16``)."""
-        return self.name
+        options = self.spec_options() + (["heads=shared"] if self.shared_heads else [])
+        return f"{self.name}:{','.join(options)}" if options else self.name
+
+    def spec_options(self) -> list[str]:
+        """The policy's own options as ``NAME=VALUE`` strings (``heads`` is added by ``spec``)."""
+        return []
 
     def split(self, heavy: int, recent: int) -> Budget:
         """How a (heavy, recent) budget is used by this policy; the total is always kept."""
@@ -87,3 +100,23 @@ class Policy:
         """Scores for a multi-token forward call, computed before it is chunked, or None (the
         default: scores come from each chunk's attention). See ``snapkv.py``."""
         return None
+
+    def key_scores(self, keys: torch.Tensor) -> torch.Tensor | None:
+        """The scores ``[B, H, m]`` tokens start with, from their keys ``[B, H, m, D]`` alone, or
+        None (the default: they start at zero). Asked whenever tokens are written. See ``knorm.py``."""
+        return None
+
+
+HEADS_CHOICES = {"own": False, "shared": True}
+
+
+def heads_option(policy: str, value: str) -> bool:
+    """``heads=own`` (each KV head keeps its own tokens, the default) or ``heads=shared``.
+
+    Shared: the rank of a slot is the mean of the policy's key over the layer's KV heads, so every
+    head evicts the same slot. Heads start with the same (empty) slot layout and every write and
+    eviction then treats them alike, so the layouts stay aligned and the mean at slot level is the
+    mean per token."""
+    if value not in HEADS_CHOICES:
+        raise H2OError(f"policy {policy!r}: heads must be own or shared, got {value!r}")
+    return HEADS_CHOICES[value]

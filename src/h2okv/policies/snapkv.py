@@ -30,7 +30,7 @@ DEFAULT_KERNEL = 7
 
 class SnapKVPolicy(H2OPolicy):
     name = "snapkv"
-    options = {"window": int, "kernel": int}
+    options = {"window": int, "kernel": int, "heads": str}
 
     def __init__(self, seed: int = 0, window: int = DEFAULT_WINDOW, kernel: int = DEFAULT_KERNEL, **options):
         super().__init__(seed, **options)
@@ -40,9 +40,8 @@ class SnapKVPolicy(H2OPolicy):
             raise H2OError(f"snapkv kernel must be an odd number >= 1, got {kernel}")
         self.window, self.kernel = int(window), int(kernel)
 
-    @property
-    def spec(self) -> str:
-        return f"{self.name}:window={self.window},kernel={self.kernel}"
+    def spec_options(self) -> list[str]:
+        return [f"window={self.window}", f"kernel={self.kernel}"]
 
     def prefill_scores(self, query, key_new, old_keys, old_valid, new_real, scaling):
         """``(old [B, Hkv, cap], new [B, Hkv, n])``: the window's attention mass per slot / new token.

@@ -12,6 +12,7 @@ from h2okv.policies.base import Policy
 class TOVAPolicy(Policy):
     name = "tova"
     needs_scores = True
+    options = {"heads": str}
     score_queries = "last"
 
     def accumulate(self, score, mass):
