@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from h2okv.errors import H2OError
 from h2okv.policies import Policy, policy_class
 
+# the share of a budget fraction kept for the most recent tokens: the paper's half and half
+DEFAULT_RECENT_SHARE = 0.5
+
 
 @dataclass(frozen=True)
 class BudgetSpec:
@@ -52,11 +55,13 @@ class BudgetSpec:
         return cls(heavy_ratio=heavy_ratio, recent_ratio=recent_ratio)
 
     @classmethod
-    def from_fraction(cls, fraction: float) -> BudgetSpec:
-        """Keep ``fraction`` of each prompt, half heavy hitters and half recent tokens: the paper's
-        setting, where a "20% KV cache" (0.2) is 10% heavy + 10% recent."""
-        half = fraction / 2
-        return cls(heavy_ratio=half, recent_ratio=half)
+    def from_fraction(cls, fraction: float, recent_share: float = DEFAULT_RECENT_SHARE) -> BudgetSpec:
+        """Keep ``fraction`` of each prompt, ``recent_share`` of it for the most recent tokens and
+        the rest for the policy's choice. The default (0.5) is the paper's setting, where a "20%
+        KV cache" (0.2) is 10% heavy + 10% recent; a small share (0.05: 1% recent at 20%) spends
+        almost every slot on the policy's ranking, as kvpress's presses do."""
+        share = check_recent_share(recent_share)
+        return cls(heavy_ratio=fraction * (1 - share), recent_ratio=fraction * share)
 
     @property
     def is_ratio(self) -> bool:
@@ -72,10 +77,21 @@ class BudgetSpec:
         return heavy, recent
 
 
-def fraction_budget(policy: str, fraction: float | None) -> dict:
-    """The ``H2OCache`` budget keywords for keeping ``fraction`` of each prompt (``from_fraction``);
-    none for a policy that keeps every token (it takes no budget)."""
+def check_recent_share(share: float) -> float:
+    """``share`` as a float in [0, 1], else a one-line error."""
+    try:
+        value = float(share)
+    except (TypeError, ValueError):
+        raise H2OError(f"recent share must be a number in [0, 1], got {share!r}") from None
+    if not 0.0 <= value <= 1.0:  # also refuses nan
+        raise H2OError(f"recent share must be in [0, 1], got {share!r}")
+    return value
+
+
+def fraction_budget(policy: str, fraction: float | None, recent_share: float = DEFAULT_RECENT_SHARE) -> dict:
+    """The ``H2OCache`` budget keywords for keeping ``fraction`` of each prompt (``from_fraction``,
+    ``recent_share`` of it recent); none for a policy that keeps every token (it takes no budget)."""
     if not policy_class(policy).evicts:
         return {}
-    spec = BudgetSpec.from_fraction(fraction)
+    spec = BudgetSpec.from_fraction(fraction, recent_share)
     return {"heavy_ratio": spec.heavy_ratio, "recent_ratio": spec.recent_ratio}

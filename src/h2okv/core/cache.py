@@ -15,6 +15,7 @@ from h2okv.errors import H2OError
 from h2okv.policies import Budget, Policy, make_policy
 
 DEFAULT_CHUNK = 512
+PREFILL_MODES = ("chunked", "late")
 
 
 class H2OCache(Cache):
@@ -24,6 +25,21 @@ class H2OCache(Cache):
     ``H2OCache(model, policy="h2o", heavy_ratio=0.1, recent_ratio=0.1)``; pass it as
     ``past_key_values`` to ``model.generate`` or ``model(...)``. One cache serves one generation.
     ``policy`` is a name from ``POLICIES``, optionally with options (``"snapkv:window=16"``).
+
+    ``prefill`` says when a forward call of several tokens (a prompt) is ranked:
+
+    - ``"chunked"`` (default): bounded. The call is read in chunks of ``chunk_size`` and evicted
+      down to the budget after each, so a layer never holds more than ``budget + chunk_size``
+      slots per (sequence, KV head); early chunks are ranked before later ones (the question)
+      exist, and later chunks attend only to what was kept.
+    - ``"late"``: the call is read with exact attention (every token sees the whole call before
+      it), the policy's scores accumulate over it, and each layer evicts to the budget once, at
+      the end of the call: a full-cache prefill followed by one ranking. While a layer runs it
+      holds ``budget + n`` slots for a call of ``n`` tokens (about the K/V the model computes for
+      the call anyway); after the call, the budget + 1. The prefill's outputs are a full cache's.
+      A prompt fed in several calls is ranked at the end of each call.
+
+    ``stats()["peak_capacity"]`` reports the most slots each layer ever allocated.
     """
 
     def __init__(
@@ -36,8 +52,12 @@ class H2OCache(Cache):
         recent_ratio: float | None = None,
         chunk_size: int = DEFAULT_CHUNK,
         seed: int = 0,
+        prefill: str = "chunked",
     ):
         self.policy = make_policy(policy, seed=seed)
+        if prefill not in PREFILL_MODES:
+            raise H2OError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
+        self.prefill = prefill
         self.spec = BudgetSpec.build(self.policy, heavy, recent, heavy_ratio, recent_ratio)
         if int(chunk_size) < 1:
             raise H2OError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -187,6 +207,10 @@ class H2OCache(Cache):
             "budget": self.budget(),
             "slots": slots,  # the most live tokens any (sequence, head) of each layer holds
             "capacity": [layer.capacity for layer in layers],
+            "prefill": self.prefill,
+            # the most slots per (sequence, KV head) each layer ever allocated: budget + chunk for
+            # a chunked prefill, budget + the call for a late one
+            "peak_capacity": [layer.peak_capacity for layer in layers],
             "kv_bytes": sum(layer.kv_bytes() for layer in layers),
             "full_kv_bytes": sum(layer.full_kv_bytes() for layer in layers),
         }

@@ -15,12 +15,14 @@ from transformers.cache_utils import CacheLayerMixin
 
 from h2okv.core.attention import PENDING
 from h2okv.core.scan import can_scan, token_scan
-from h2okv.core.step import check_at_budget, chunk_step, decode_step
+from h2okv.core.step import check_at_budget, chunk_step, decode_step, evict
 from h2okv.core.storage import SlotStorage
 from h2okv.errors import H2OError
 
 # decode growth before the budget is reached: at least this many slots at a time
 GROWTH_MIN = 32
+# late prefill's query block when the chunk size is 1 (it bounds memory; it changes no result)
+LATE_BLOCK = 512
 
 
 class SlotLayer(SlotStorage, CacheLayerMixin):
@@ -153,6 +155,9 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
             key_new = key_new.gather(2, order[:, None, :, None].expand_as(key_new))
             value_new = value_new.gather(2, order[:, None, :, None].expand_as(value_new))
 
+        if q_len > 1 and owner.prefill == "late":
+            out = self._attend_late(query, key_new, value_new, nonpad, scaling, sliding_window)
+            return self._finish_call(out, order)
         chunk = owner.chunk_size if q_len > 1 else 1
         if chunk == 1 and q_len > 1 and can_scan(self, nonpad, sliding_window):
             # per-token eviction over the whole call: the logits at once, the recurrence per token
@@ -177,11 +182,42 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
             )
         if q_len > 1:
             self.shrink_to_budget()
+        return self._finish_call(outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2), order)
+
+    def _finish_call(self, out, order):
+        """Fast-decode state, and ``out`` ``[B, Hq, q, D]`` back in the call's token order as ``[B, q, Hq, D]``."""
         self.fast = check_at_budget(self)
-        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # [B, Hq, q, D]
         if order is not None:
             out = torch.empty_like(out).scatter_(2, order[:, None, :, None].expand_as(out), out)
         return out.transpose(1, 2).contiguous()
+
+    def _attend_late(self, query, key_new, value_new, nonpad, scaling, sliding_window):
+        """Late prefill: attend exactly over the whole call, then rank and evict once.
+
+        Every token of the call is written first (the buffer holds the live old slots plus the
+        call: budget + n slots for this layer, while it runs), the queries run in blocks of the
+        chunk size (so a probability block is ``[chunk x (budget + n)]``) with nothing evicted
+        between blocks, the policy's scores accumulate as usual, and one eviction brings every
+        row back to its budget before the next layer runs. The same as a full-cache prefill
+        followed by one ranking with the policy's rule; the chunk size does not change the
+        result (for a policy scored by the last query, that is the call's last real query).
+        """
+        n = query.shape[2]
+        block = self.owner.chunk_size if self.owner.chunk_size > 1 else LATE_BLOCK
+        init = self._prefill_scores(query, key_new, nonpad, scaling)
+        self.ensure_free(n)
+        outputs = []
+        for start in range(0, n, block):
+            stop = min(start + block, n)
+            outputs.append(chunk_step(
+                self, query[:, :, start:stop], key_new[:, :, start:stop], value_new[:, :, start:stop],
+                None if nonpad is None else nonpad[:, start:stop], scaling, sliding_window,
+                None if init is None else init[:, :, start:stop], evicts=False,
+            ))
+        if self.owner.policy.evicts:
+            evict(self, n)
+        self.shrink_to_budget()
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
     def _prefill_scores(self, query, key_new, nonpad, scaling):
         """Let the policy rank a multi-token call before it is chunked (SnapKV); None for most.

@@ -24,8 +24,11 @@ What the cache adds, spelled out below:
 - a policy (``h2okv.policies``) fills in the rule through its hooks: how the budget is split
   (``split``), how many first tokens are never evicted (``sink_tokens``), which queries of a chunk
   count (``score_queries``) and how their mass folds into the score (``accumulate``), the rank by
-  which the lowest candidate goes (``eviction_key``; for ``h2o`` the score itself), and optionally
-  the scores of a whole call before it is chunked (``prefill_scores``, SnapKV).
+  which the lowest candidate goes (``eviction_key``; for ``h2o`` the score itself), optionally
+  the scores of a whole call before it is chunked (``prefill_scores``, SnapKV) and the score a
+  token starts with (``key_scores``, Knorm), and whether the heads share one kept list
+  (``shared_heads``: the lowest mean key over the heads goes);
+- late prefill (``late=True``): a call of several tokens is read whole and ranked once at its end.
 
 ``random`` has no loop form: its draws follow the buffer's shape.
 """
@@ -37,44 +40,88 @@ import torch
 from h2okv.policies import Policy, make_policy
 
 
-def reference_head(q, k, v, policy: str | Policy, heavy: int, recent: int, calls, chunk: int, scale: float):
+def reference_head(q, k, v, policy: str | Policy, heavy: int, recent: int, calls, chunk: int, scale: float,
+                   late: bool = False):
     """One sequence, one KV head. ``q`` ``[g, n, D]``: the query heads that share this KV head;
     ``k`` ``[n, D]``, ``v`` ``[n, Dv]``; ``calls``: the forward calls as ``[(start, stop), ...]``.
 
     Returns ``(out, kept)``: ``out`` ``[g, n, Dv]`` (float64), ``kept`` the sorted kept tokens.
     """
+    out, kept = reference_heads(q[None], k[None], v[None], policy, heavy, recent, calls, chunk, scale, late)
+    return out[0], kept[0]
+
+
+def reference_heads(q, k, v, policy: str | Policy, heavy: int, recent: int, calls, chunk: int, scale: float,
+                    late: bool = False):
+    """Every KV head of one sequence in lock-step: ``q`` ``[Hkv, g, n, D]``, ``k`` ``[Hkv, n, D]``,
+    ``v`` ``[Hkv, n, Dv]``. Each head keeps its own tokens and scores, except under a head-shared
+    policy (``heads=shared``), where one list is kept and the lowest mean key over heads goes.
+    ``late``: a call of several tokens is read whole (no eviction inside it) and ranked once at
+    its end. Returns ``(out [Hkv, g, n, Dv] float64, kept per head)``."""
     policy = make_policy(policy)
+    hkv = k.shape[0]
     budget = policy.split(heavy, recent) if policy.evicts else None
     sinks = min(policy.sink_tokens, budget.heavy) if budget else 0
-    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64)
-    kept: list[int] = []
-    score: dict[int, float] = {}
+    out = torch.zeros(hkv, q.shape[1], q.shape[2], v.shape[-1], dtype=torch.float64)
+    kept: list[list[int]] = [[] for _ in range(hkv)]
+    score: list[dict[int, float]] = [{} for _ in range(hkv)]
     for c0, c1 in calls:
-        upfront = call_scores(policy, q, k, kept, c0, c1, scale) if c1 - c0 > 1 and chunk > 1 else None
-        if upfront is not None:
-            score.update((j, upfront[j]) for j in kept)
-        step = chunk if c1 - c0 > 1 else 1
+        ranked_upfront = c1 - c0 > 1 and (chunk > 1 or late)
+        upfront = [call_scores(policy, q[h], k[h], kept[h], c0, c1, scale) if ranked_upfront else None for h in range(hkv)]
+        for h in range(hkv):
+            if upfront[h] is not None:
+                score[h].update((j, upfront[h][j]) for j in kept[h])
+        step = (c1 - c0 if late else chunk) if c1 - c0 > 1 else 1
         for start in range(c0, c1, step):
             stop = min(start + step, c1)
             new = list(range(start, stop))
-            mass: dict[int, float] = {}
-            for i in new:
-                visible = kept + list(range(start, i + 1))
-                for head in range(q.shape[0]):
-                    p = torch.softmax((k[visible] @ q[head, i]).double() * scale, dim=0)
-                    out[head, i] = p @ v[visible].double()
-                    if policy.score_queries == "all" or i == stop - 1:
-                        for j, p_j in zip(visible, p.tolist(), strict=True):
-                            mass[j] = mass.get(j, 0.0) + p_j
-            for j in new:
-                score[j] = upfront[j] if upfront is not None else 0.0
-            kept += new
-            if policy.needs_scores and upfront is None:
-                fold(policy, score, kept, mass)
-            while budget is not None and len(kept) > budget.total:
-                candidates = [j for j in kept if sinks <= j < stop - budget.recent]
-                kept.remove(lowest(policy, score, candidates, seen=stop))
-    return out, sorted(kept)
+            for h in range(hkv):
+                mass = attend(policy, q[h], k[h], v[h], kept[h], start, stop, scale, out[h])
+                for j in new:
+                    score[h][j] = upfront[h][j] if upfront[h] is not None else start_score(policy, k[h, j])
+                kept[h] += new
+                if policy.needs_scores and upfront[h] is None:
+                    fold(policy, score[h], kept[h], mass)
+            if budget is not None and (stop == c1 or not late):
+                evict_lowest(policy, score, kept, budget, sinks, stop)
+    return out, [sorted(heads) for heads in kept]
+
+
+def attend(policy: Policy, q, k, v, kept: list[int], start: int, stop: int, scale: float, out) -> dict:
+    """Queries ``start..stop-1`` of one KV head's group over its kept tokens and the chunk up to
+    themselves; writes ``out`` ``[g, n, Dv]``, returns the mass ``{token: p}`` the policy counts."""
+    mass: dict[int, float] = {}
+    for i in range(start, stop):
+        visible = kept + list(range(start, i + 1))
+        for head in range(q.shape[0]):
+            p = torch.softmax((k[visible] @ q[head, i]).double() * scale, dim=0)
+            out[head, i] = p @ v[visible].double()
+            if policy.score_queries == "all" or i == stop - 1:
+                for j, p_j in zip(visible, p.tolist(), strict=True):
+                    mass[j] = mass.get(j, 0.0) + p_j
+    return mass
+
+
+def start_score(policy: Policy, key) -> float:
+    """The score a token starts with: from its key (``key_scores``, Knorm), else zero."""
+    fresh = policy.key_scores(key[None, None, None])
+    return 0.0 if fresh is None else float(fresh.reshape(()))
+
+
+def evict_lowest(policy: Policy, score: list[dict], kept: list[list[int]], budget, sinks: int, seen: int) -> None:
+    """Free the lowest candidates until every head holds ``budget.total`` tokens (candidates: kept
+    tokens outside the sinks and the last ``recent`` of the ``seen``)."""
+    for h in range(len(kept)):
+        while len(kept[h]) > budget.total:
+            candidates = [j for j in kept[h] if sinks <= j < seen - budget.recent]
+            if policy.shared_heads:
+                # one list for all heads: the lowest mean key goes from every head
+                keys = torch.stack([rank_keys(policy, score[x], candidates, seen) for x in range(len(kept))])
+                victim = candidates[int(keys.mean(0).argmin())]
+                for heads in kept:
+                    heads.remove(victim)
+            else:
+                kept[h].remove(candidates[int(rank_keys(policy, score[h], candidates, seen).argmin())])
 
 
 def fold(policy: Policy, score: dict, tokens: list[int], mass: dict) -> None:
@@ -84,13 +131,12 @@ def fold(policy: Policy, score: dict, tokens: list[int], mass: dict) -> None:
     score.update(zip(tokens, folded.tolist(), strict=True))
 
 
-def lowest(policy: Policy, score: dict, candidates: list[int], seen: int) -> int:
-    """The candidate the policy ranks lowest once ``seen`` tokens have been read."""
-    key = policy.eviction_key(
+def rank_keys(policy: Policy, score: dict, candidates: list[int], seen: int) -> torch.Tensor:
+    """The policy's eviction key of each candidate once ``seen`` tokens have been read (lowest goes)."""
+    return policy.eviction_key(
         torch.tensor([score[j] for j in candidates], dtype=torch.float64),
         torch.tensor(candidates), torch.tensor(seen),
     )
-    return candidates[int(key.argmin())]
 
 
 def call_scores(policy: Policy, q, k, kept: list[int], c0: int, c1: int, scale: float) -> dict | None:
@@ -106,15 +152,13 @@ def call_scores(policy: Policy, q, k, kept: list[int], c0: int, c1: int, scale: 
     return dict(zip(kept + list(range(c0, c1)), old[0, 0].tolist() + new[0, 0].tolist(), strict=True))
 
 
-def reference(q, k, v, policy: str | Policy, heavy: int, recent: int, calls=None, chunk: int = 1, scale: float = 1.0):
+def reference(q, k, v, policy: str | Policy, heavy: int, recent: int, calls=None, chunk: int = 1, scale: float = 1.0,
+              late: bool = False):
     """Every KV head of one sequence: ``q`` ``[Hq, n, D]``, ``k``/``v`` ``[Hkv, n, D]``; ``calls``
-    defaults to one call of all ``n`` tokens. Returns ``(out [Hq, n, Dv], kept per KV head)``."""
+    defaults to one call of all ``n`` tokens; ``late``: each call ranked once, at its end (late
+    prefill). Returns ``(out [Hq, n, Dv], kept per KV head)``."""
     hkv, n = k.shape[0], k.shape[1]
     g = q.shape[0] // hkv
     calls = calls if calls is not None else [(0, n)]
-    outs, kept = [], []
-    for h in range(hkv):
-        out, kept_h = reference_head(q[h * g:(h + 1) * g], k[h], v[h], policy, heavy, recent, calls, chunk, scale)
-        outs.append(out)
-        kept.append(kept_h)
-    return torch.cat(outs), kept
+    out, kept = reference_heads(q.reshape(hkv, g, *q.shape[1:]), k, v, policy, heavy, recent, calls, chunk, scale, late)
+    return out.reshape(hkv * g, *out.shape[2:]), kept

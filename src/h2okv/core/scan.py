@@ -109,7 +109,8 @@ def token_scan(layer, query, key_new, value_new, scaling) -> torch.Tensor:
     bias[:, :, :cap].masked_fill_(layer.valid, 0.0)
     blocked = protected(ordinal, None, sinks or None)
     blocked[:, :, :cap] |= ~layer.valid
-    score = torch.cat([layer.score, torch.zeros(b, hkv, n, device=device)], dim=2)
+    fresh = policy.key_scores(key_new)
+    score = torch.cat([layer.score, torch.zeros(b, hkv, n, device=device) if fresh is None else fresh], dim=2)
     plan = ScanPlan(cap, n0, recent, budget - live0)
 
     packed = query.reshape(b, hkv, g, n, d)

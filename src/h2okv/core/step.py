@@ -41,8 +41,13 @@ def eviction_rank(policy, layer_idx: int, score, ordinal, n_real, shielded) -> t
     """The policy's rank of every slot, ``+inf`` where ``shielded``: the lowest goes first.
 
     ``n_real`` is ``[B, 1, 1]``: real tokens of each sequence seen so far (this step's included).
+    A head-shared policy ranks by the mean over the layer's KV heads: every head then evicts the
+    same slot, which keeps the heads' slot layouts aligned (``policies/base.py:heads_option``).
     """
-    return policy.eviction_key(score, ordinal, n_real, layer_idx).masked_fill(shielded, math.inf)
+    key = policy.eviction_key(score, ordinal, n_real, layer_idx)
+    if policy.shared_heads:
+        key = key.mean(dim=1, keepdim=True).expand_as(key)
+    return key.masked_fill(shielded, math.inf)
 
 
 def evict(layer, m: int) -> None:
@@ -74,11 +79,12 @@ def last_real_query(real: torch.Tensor) -> torch.Tensor:
     return torch.arange(real.shape[1], device=real.device) == last
 
 
-def chunk_step(layer, query, k_new, v_new, nonpad, scaling, sliding_window, init_scores=None):
+def chunk_step(layer, query, k_new, v_new, nonpad, scaling, sliding_window, init_scores=None, evicts=True):
     """One chunk of ``m`` new tokens (real tokens first in each row; ``nonpad=None``: all real).
 
     ``init_scores`` ``[B, Hkv, m]``: the new tokens' scores when the policy ranked the whole call
-    up front (then this chunk's attention mass is not needed); else they start at zero.
+    up front (then this chunk's attention mass is not needed); else the policy's ``key_scores``
+    or zero. ``evicts=False`` leaves the eviction to the caller (late prefill: once per call).
     Returns ``[B, Hq, m, D]``.
     """
     policy = layer.owner.policy
@@ -99,7 +105,8 @@ def chunk_step(layer, query, k_new, v_new, nonpad, scaling, sliding_window, init
     real = nonpad if nonpad is not None else torch.ones(b, m, dtype=torch.bool, device=device)
     ordinals = layer.n_real[:, None] + torch.arange(m, device=device)  # [B, m]
     layer.ordinal.scatter_(2, slot_of_token, ordinals[:, None, :].expand(b, hkv, m))
-    layer.score.scatter_(2, slot_of_token, 0.0 if init_scores is None else init_scores)
+    fresh = init_scores if init_scores is not None else policy.key_scores(k_new)
+    layer.score.scatter_(2, slot_of_token, 0.0 if fresh is None else fresh)
 
     # which slots each new query may see: live old slots, plus new tokens up to itself (pads
     # sit after the real tokens of their row, so a real query never sees one)
@@ -120,13 +127,25 @@ def chunk_step(layer, query, k_new, v_new, nonpad, scaling, sliding_window, init
         weight = last_real_query(real)
     out, mass = slot_attention(query, layer.keys, layer.values, allowed, scaling, need_mass=need_mass, query_weight=weight)
     if mass is not None:
-        policy.accumulate(layer.score, mass)
+        fold_mass(policy, layer.score, mass, weight)
 
     layer.valid.scatter_(2, slot_of_token, real[:, None, :].expand(b, hkv, m))
     layer.n_real = layer.n_real + real.sum(-1)
-    if policy.evicts:
+    if policy.evicts and evicts:
         evict(layer, m)
     return out
+
+
+def fold_mass(policy, score, mass, weight) -> None:
+    """``policy.accumulate``, except in rows where no query of the chunk counted (a chunk of pads
+    only): their scores stay, as if the chunk had not run for them (a replacing policy, ``tova``,
+    would otherwise replace them by zeros)."""
+    if weight is None or bool(weight.any(-1).all()):
+        policy.accumulate(score, mass)
+        return
+    folded = score.clone()
+    policy.accumulate(folded, mass)
+    score.copy_(torch.where(weight.any(-1)[:, None, None], folded, score))
 
 
 # -- the decode fast path ----------------------------------------------------------------------------
@@ -192,7 +211,8 @@ def decode_step(layer, query, k_new, v_new, scaling):
     layer.values.scatter_(2, index, v_new)
     ordinal = fast.ordinal_src if fast is not None else layer.n_real.view(b, 1, 1).expand(b, hkv, 1)
     layer.ordinal.scatter_(2, slot, ordinal)
-    layer.score.scatter_(2, slot, 0.0)
+    fresh = policy.key_scores(k_new)
+    layer.score.scatter_(2, slot, 0.0 if fresh is None else fresh)
     layer.valid.scatter_(2, slot, True)
     out, mass = slot_attention(
         query, layer.keys, layer.values, None if dense else layer.valid[:, :, None, :], scaling,
