@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache, TextStreamer
 
 from h2okv.core import DEFAULT_CHUNK, H2OCache, fraction_budget
+from h2okv.core.budget import DEFAULT_RECENT_SHARE
 from h2okv.errors import H2OError
 
 
@@ -27,13 +28,15 @@ def budget_kwargs(heavy=None, recent=None, heavy_ratio=None, recent_ratio=None) 
 
 
 def new_cache(model, policy: str | None, fraction: float | None = None, chunk_size: int = DEFAULT_CHUNK,
-              seed: int = 0):
+              seed: int = 0, recent_share: float = DEFAULT_RECENT_SHARE, prefill: str = "chunked"):
     """The cache for one run: an ``H2OCache`` under ``policy`` keeping ``fraction`` of each prompt
-    (``fraction_budget``; ignored for a policy that keeps everything), or, for ``policy=None``, the
-    plain ``DynamicCache`` transformers runs by default (the benchmarks' baseline)."""
+    (``fraction_budget``, ``recent_share`` of it recent; ignored for a policy that keeps
+    everything) with the ``prefill`` mode (``H2OCache``), or, for ``policy=None``, the plain
+    ``DynamicCache`` transformers runs by default (the benchmarks' baseline)."""
     if policy is None:
         return DynamicCache(config=model.config)
-    return H2OCache(model, policy=policy, chunk_size=chunk_size, seed=seed, **fraction_budget(policy, fraction))
+    return H2OCache(model, policy=policy, chunk_size=chunk_size, seed=seed, prefill=prefill,
+                    **fraction_budget(policy, fraction, recent_share))
 
 
 def pad_rows(rows: list[list[int]], pad_id: int, device="cpu", side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,9 @@ from h2okv.errors import H2OError
 from h2okv.parallel.launch import DEFAULT_TIMEOUT_S
 from h2okv.policy_names import POLICY_NAMES
 
+# H2OCache's prefill modes (core/cache.py PREFILL_MODES; kept here so --help loads no torch)
+PREFILL_CHOICES = ("chunked", "late")
+
 
 # -- types: a value or a one-line error ------------------------------------------------------------
 def _positive(text: str, convert, noun: str):
@@ -134,6 +137,38 @@ def budget_from_args(args) -> dict:
         "heavy_ratio": args.heavy_ratio,
         "recent_ratio": args.recent_ratio,
     }
+
+
+def recent_share(text: str) -> float:
+    """A share of the budget in [0, 1] (``--recent-share``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a share in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a share in [0, 1], got {text!r}")
+    return value
+
+
+def add_budget_shape_args(parser: argparse.ArgumentParser, prefill: bool = True) -> None:
+    """How a ``--budgets`` fraction is spent (``--recent-share``) and, where prompts are read in
+    forward calls of several tokens, when they are ranked (``--prefill``)."""
+    parser.add_argument("--recent-share", type=recent_share, default=0.5,
+                        help="share of each budget kept for the most recent tokens, the rest ranked by the policy "
+                        "(default: 0.5, the paper's half and half; e.g. 0.05)")
+    if prefill:
+        parser.add_argument("--prefill", choices=PREFILL_CHOICES, default="chunked",
+                            help="chunked: evict after every prefill chunk (bounded: budget + chunk slots); late: read "
+                            "the whole prompt with exact attention, then rank once (a layer holds budget + prompt "
+                            "while it runs) (default: chunked)")
+
+
+def shape_from_args(args) -> dict:
+    """``new_cache``'s ``recent_share`` and ``prefill`` keywords from ``add_budget_shape_args``."""
+    shape = {"recent_share": args.recent_share}
+    if getattr(args, "prefill", None) is not None:
+        shape["prefill"] = args.prefill
+    return shape
 
 
 def add_tp_args(parser: argparse.ArgumentParser) -> None:

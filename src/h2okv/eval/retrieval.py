@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from h2okv.core import DEFAULT_CHUNK, H2OCache
+from h2okv.core.budget import DEFAULT_RECENT_SHARE
 from h2okv.corpus import read_play
 from h2okv.errors import H2OError
 from h2okv.eval.plots import annotated_heatmap, format_table, new_figure, save_figure
@@ -141,11 +142,24 @@ class Cell:
     haystack: str
     chunk_size: int
     answers: list[str] = field(default_factory=list)
+    prefill: str = "chunked"  # H2OCache's prefill mode (a peer's rows: its own, see its README)
+    recent_share: float = DEFAULT_RECENT_SHARE
+
+    @property
+    def config(self) -> str:
+        """The policy with the cache settings that differ from the defaults, e.g. ``knorm late r0.05``."""
+        parts = [self.policy]
+        if self.prefill != "chunked":
+            parts.append(self.prefill)
+        if self.recent_share != DEFAULT_RECENT_SHARE and policy_class(self.policy).evicts:
+            parts.append(f"r{self.recent_share:g}")
+        return " ".join(parts)
 
 
-def run_batch(model, tokenizer, prompts, policy, budget, chunk_size, max_new_tokens, seed=0):
-    """Greedy answers for prompts of equal length under one policy/budget; ``(answers, kept)``."""
-    cache = new_cache(model, policy, budget, chunk_size=chunk_size, seed=seed)
+def run_batch(model, tokenizer, prompts, policy, budget, chunk_size, max_new_tokens, seed=0, shape=None):
+    """Greedy answers for prompts of equal length under one policy/budget; ``(answers, kept)``.
+    ``shape``: ``new_cache``'s ``recent_share`` and ``prefill`` (default: the defaults)."""
+    cache = new_cache(model, policy, budget, chunk_size=chunk_size, seed=seed, **(shape or {}))
     ids = torch.tensor([p.ids for p in prompts], dtype=torch.long, device=model.device)
     with torch.inference_mode():
         out = model.generate(
@@ -163,7 +177,9 @@ def grid_prompts(tokenizer, contexts, depths, trials, haystack="filler", seed=0)
 
 
 def retrieval_grid(model, tokenizer, policies, budgets, contexts, depths, trials, haystack="filler",
-                   chunk_size=DEFAULT_CHUNK, max_new_tokens=8, seed=0, progress=True) -> list[Cell]:
+                   chunk_size=DEFAULT_CHUNK, max_new_tokens=8, seed=0, progress=True,
+                   recent_share=DEFAULT_RECENT_SHARE, prefill="chunked") -> list[Cell]:
+    shape = {"recent_share": recent_share, "prefill": prefill}
     prompts_by_context = grid_prompts(tokenizer, contexts, depths, trials, haystack, seed)
     runs = [(p, None) for p in policies if not policy_class(p).evicts]
     runs += [(p, b) for p in policies if policy_class(p).evicts for b in budgets]
@@ -173,7 +189,8 @@ def retrieval_grid(model, tokenizer, policies, budgets, contexts, depths, trials
             for context in contexts:
                 bar.set_postfix_str(f"{policy}@{budget:g} ctx {context}" if budget else f"{policy} ctx {context}")
                 prompts = prompts_by_context[context]
-                answers, kept = run_batch(model, tokenizer, prompts, policy, budget, chunk_size, max_new_tokens, seed)
+                answers, kept = run_batch(model, tokenizer, prompts, policy, budget, chunk_size, max_new_tokens, seed,
+                                          shape)
                 for d_index, depth in enumerate(depths):
                     rows = range(d_index * trials, (d_index + 1) * trials)
                     correct = sum(is_correct(answers[i], prompts[i].passkey) for i in rows)
@@ -181,7 +198,7 @@ def retrieval_grid(model, tokenizer, policies, budgets, contexts, depths, trials
                         policy=policy, budget=1.0 if budget is None else budget, context=context, depth=depth,
                         trials=trials, correct=correct, accuracy=correct / trials,
                         needle_kept=round(sum(kept[i] for i in rows) / trials, 4), haystack=haystack,
-                        chunk_size=chunk_size, answers=[answers[i] for i in rows],
+                        chunk_size=chunk_size, answers=[answers[i] for i in rows], **shape,
                     ))
                 bar.update(1)
     return cells
@@ -211,7 +228,8 @@ def export_prompts(model_path: str, tokenizer, budgets, contexts, depths, trials
 
 # -- outputs -------------------------------------------------------------------------------------
 def configs(cells: list[Cell]) -> list[tuple[str, float]]:
-    return list(dict.fromkeys((c.policy, c.budget) for c in cells))
+    """``(config, budget)`` pairs in first-seen order (``Cell.config``: policy and cache settings)."""
+    return list(dict.fromkeys((c.config, c.budget) for c in cells))
 
 
 def plot_heatmap(cells: list[Cell], path, title: str):
@@ -225,14 +243,15 @@ def plot_heatmap(cells: list[Cell], path, title: str):
     fig, axes = new_figure(ncols=ncols, nrows=nrows, width=1.0 + 1.1 * len(contexts), height=0.6 + 0.5 * len(depths))
     for index, (policy, budget) in enumerate(panels):
         ax = axes[index // ncols][index % ncols]
-        by_key = {(c.depth, c.context): c for c in cells if (c.policy, c.budget) == (policy, budget)}
+        group = [c for c in cells if (c.config, c.budget) == (policy, budget)]
+        by_key = {(c.depth, c.context): c for c in group}
         grid = [[by_key[d, ctx].accuracy if (d, ctx) in by_key else float("nan") for ctx in contexts] for d in depths]
         notes = None
-        if policy_class(policy).evicts:
+        if policy_class(group[0].policy).evicts:
             notes = [[f"kept {by_key[d, ctx].needle_kept:.0%}" if (d, ctx) in by_key else "" for ctx in contexts]
                      for d in depths]
         annotated_heatmap(ax, grid, [f"{d:g}" for d in depths], [str(c) for c in contexts], notes=notes)
-        ax.set_title(policy if policy == "full" else f"{policy}, {budget:.0%} cache", fontsize=10)
+        ax.set_title(policy if not policy_class(group[0].policy).evicts else f"{policy}, {budget:.0%} cache", fontsize=10)
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel("needle depth")
     for index in range(len(panels), nrows * ncols):
@@ -247,7 +266,7 @@ def summary_table(cells: list[Cell]) -> str:
     rows = []
     for policy, budget in configs(cells):
         for context in sorted({c.context for c in cells}):
-            group = [c for c in cells if (c.policy, c.budget, c.context) == (policy, budget, context)]
+            group = [c for c in cells if (c.config, c.budget, c.context) == (policy, budget, context)]
             by_depth = {c.depth: c for c in group}
             accuracy = [f"{by_depth[d].correct}/{by_depth[d].trials}" for d in depths]
             mean = sum(c.accuracy for c in group) / len(group)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from h2okv.cli.args import (
+    add_budget_shape_args,
     add_model_args,
     add_threads_arg,
     apply_threads,
@@ -11,6 +12,7 @@ from h2okv.cli.args import (
     parse_budgets,
     parse_policies,
     positive_int,
+    shape_from_args,
 )
 from h2okv.errors import H2OError
 
@@ -32,6 +34,7 @@ def register(kinds) -> None:
     p.add_argument("--haystack", default="filler", help="filler (repeated sentences) or shakespeare:NAME (default: filler)")
     p.add_argument("--chunk-size", type=positive_int, default=None,
                    help="prefill chunk; 1 = evict after every prompt token (default: the cache's default chunk)")
+    add_budget_shape_args(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=8)
     p.add_argument("--seed", type=int, default=0, help="seed of the passkeys, haystack offsets and random policy")
     add_threads_arg(p)
@@ -76,9 +79,10 @@ def run(args) -> int:
         return export(args, model, tokenizer, budgets, contexts, depths)
     start = time.perf_counter()
     cells = retrieval_grid(model, tokenizer, policies, budgets, contexts, depths, args.trials, args.haystack,
-                           chunk, args.max_new_tokens, args.seed)
+                           chunk, args.max_new_tokens, args.seed, **shape_from_args(args))
     seconds = time.perf_counter() - start
-    print(f"Passkey retrieval, {args.haystack} haystack, prefill chunk {chunk}, {args.trials} trials per cell")
+    print(f"Passkey retrieval, {args.haystack} haystack, prefill {args.prefill} (chunk {chunk}), recent share "
+          f"{args.recent_share:g}, {args.trials} trials per cell")
     print(summary_table(cells))
     print(f"{len(cells)} cells in {seconds:.1f} s")
     if args.json:
