@@ -14,13 +14,20 @@ import torch
 
 from h2okv.policies.base import Policy
 
+NORM_MAX = 60000.0  # below float16's largest finite value
+
 
 class KnormPolicy(Policy):
     name = "knorm"
     options = {"heads": str}
 
     def key_scores(self, keys):
-        return -torch.linalg.vector_norm(keys.float(), dim=-1)
+        # Rounded to float16's 11 significant bits: the same token id at two positions has the
+        # same first-layer key norm up to rounding noise (~1e-7), and a padded batch rounds a little
+        # differently than the row alone. Coarser than that noise, the tie is exact in both, and
+        # exact ties fall to the slot order, which a row keeps in a batch: batch == batch-of-one.
+        norm = torch.linalg.vector_norm(keys.float(), dim=-1).clamp(max=NORM_MAX)
+        return -norm.to(torch.float16).float()
 
     def eviction_key(self, score, ordinal, n_real, layer_idx=0):
         return score
