@@ -7,6 +7,7 @@ import logging
 import os
 
 from h2okv.cli.args import (
+    PREFILL_CHOICES,
     add_budget_args,
     add_model_args,
     add_tp_args,
@@ -68,6 +69,10 @@ def register(sub) -> None:
                         "(default: 4M, a 128k-token prompt with room to spare)")
     p.add_argument("--body-timeout", type=positive_float, default=30.0,
                    help="seconds a request body may take to arrive; then HTTP 408 (default: 30)")
+    p.add_argument("--prefill", choices=PREFILL_CHOICES, default="chunked",
+                   help="chunked: a prompt is fed and evicted in --chunk-size chunks (bounded: budget + chunk "
+                        "slots); late: a prompt is fed in one forward call, read with exact attention and ranked "
+                        "once at its end (peak: the prompt; better retrieval) (default: chunked)")
     _add_max_batch(p, 32)
     _add_schedule(p)
     add_tp_args(p)
@@ -110,7 +115,7 @@ def run_serve(args) -> int:
     from h2okv.parallel import launch
     from h2okv.serve.eviction import EvictionDefaults
 
-    eviction = EvictionDefaults(policy=check_policy(args.policy), **budget_from_args(args))
+    eviction = EvictionDefaults(policy=check_policy(args.policy), prefill=args.prefill, **budget_from_args(args))
     eviction.validate()  # before the (slow) model load
     if args.max_queue < 0:
         raise H2OError(f"--max-queue must be >= 0, got {args.max_queue}")
@@ -141,7 +146,7 @@ def serve_on_rank(args) -> int:
     from h2okv.serve import tp
 
     channel = tp.Channel(heartbeat_s=tp.heartbeat_seconds(args.tp_timeout))
-    executor = Executor(model, args.chunk_size)
+    executor = Executor(model, args.chunk_size, args.eviction.prefill)
     if not is_main_rank():
         tp.follow(executor, channel, tp.RankFigures(executor, channel.rank))
         return 0

@@ -94,7 +94,8 @@ class Sequence:
 class Engine:
     def __init__(self, model, tokenizer, *, kv_memory: int | None = None, max_batch: int = 32,
                  max_queue: int = 256, prefill_chunk: int = 128, schedule: str = "budget",
-                 step_tokens: int = 512, observer: Observer | None = None, executor=None):
+                 step_tokens: int = 512, observer: Observer | None = None, executor=None,
+                 prefill: str = "chunked"):
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or step_tokens < 1:
             raise ValueError("max_batch, prefill_chunk and step_tokens must be >= 1, max_queue >= 0")
         if schedule not in SCHEDULES:
@@ -104,7 +105,9 @@ class Engine:
         self.observer = observer or Observer()
         # every model run and cache change goes through the executor (plain-data calls, see executor.py);
         # ``serve --tp`` passes one that also sends each call to the other ranks (tp.py)
-        self.executor = executor if executor is not None else Executor(model, prefill_chunk)
+        self.executor = executor if executor is not None else Executor(model, prefill_chunk, prefill)
+        # late prefill ranks a prompt once, at the end of the call that feeds it: so it is fed whole
+        self.whole_prompts = prefill == "late"
         self.tokenizer = tokenizer
         self.device = model.device
         self.kv_memory = kv_memory
@@ -136,7 +139,12 @@ class Engine:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def reservation(self, request: GenerationRequest) -> Reservation:
-        return reservation(len(request.prompt_ids), request.max_tokens, request.budget, self.prefill_chunk)
+        return reservation(len(request.prompt_ids), request.max_tokens, request.budget, self.chunk_for(request))
+
+    def chunk_for(self, request: GenerationRequest) -> int:
+        """The prefill chunk of ``request``: the whole prompt under late prefill (its peak is then
+        the prompt, as ``reservation`` counts it), else ``prefill_chunk``."""
+        return max(1, len(request.prompt_ids)) if self.whole_prompts else self.prefill_chunk
 
     def check_fits(self, request: GenerationRequest) -> None:
         """Raise an ``INVALID_REQUEST`` ``ServeError`` for a request that could never fit under
@@ -202,7 +210,7 @@ class Engine:
 
     def _sequence(self, request: GenerationRequest, handle: Handle) -> Sequence:
         output = Output(request, self.decode, self.device)
-        return Sequence(request, handle, self.reservation(request), next(self.uids), self.prefill_chunk, output)
+        return Sequence(request, handle, self.reservation(request), next(self.uids), self.chunk_for(request), output)
 
     def wake(self) -> None:
         with self._cond:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from h2okv.core import BudgetSpec
+from h2okv.core.cache import PREFILL_MODES
+from h2okv.errors import H2OError
 from h2okv.policies import make_policy
 
 BUDGET_FIELDS = ("heavy", "recent", "heavy_ratio", "recent_ratio")
@@ -20,6 +22,9 @@ class EvictionDefaults:
     recent: int | None = None
     heavy_ratio: float | None = None
     recent_ratio: float | None = None
+    #: H2OCache's prefill mode for every request (``serve --prefill``): ``late`` feeds a prompt in
+    #: one forward call and ranks it once at its end (peak: the prompt), ``chunked`` is bounded
+    prefill: str = "chunked"
 
     def describe(self) -> dict:
         return {"policy": self.policy, **self.budget()}
@@ -30,6 +35,8 @@ class EvictionDefaults:
 
     def validate(self) -> None:
         BudgetSpec.build(make_policy(self.policy), **self.budget())
+        if self.prefill not in PREFILL_MODES:
+            raise H2OError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {self.prefill!r}")
 
     def resolve(self, prompt_len: int, policy: str | None = None,
                 budget: dict | None = None) -> tuple[str, int | None, int | None]:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from h2okv.core import H2OCache
+from h2okv.core.cache import PREFILL_MODES
 from h2okv.serve.batch import DecodeBatch
 from h2okv.serve.memory import bytes_per_slot
 
@@ -78,12 +79,15 @@ class SequenceSpec:
 class Executor:
     """Owns ``model`` and the caches; see the module docstring for the determinism rule."""
 
-    def __init__(self, model, prefill_chunk: int):
+    def __init__(self, model, prefill_chunk: int, prefill: str = "chunked"):
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
         self.model = model
         self.device = model.device
         self.prefill_chunk = prefill_chunk
+        self.prefill_mode = prefill  # H2OCache's: the engine feeds a late prompt in one call
         # only the last position's logits are needed; older transformers lack the argument
         self._keep_last = (
             {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
@@ -204,7 +208,8 @@ class Executor:
 
     def _new_cache(self, spec: SequenceSpec) -> H2OCache:
         budget = {} if spec.heavy is None else {"heavy": spec.heavy, "recent": spec.recent}
-        return H2OCache(self.model, policy=spec.policy, chunk_size=self.prefill_chunk, seed=spec.seed, **budget)
+        return H2OCache(self.model, policy=spec.policy, chunk_size=self.prefill_chunk, seed=spec.seed,
+                        prefill=self.prefill_mode, **budget)
 
     def _prefill_group(self, policy: str, parts: list[tuple[int, list[int], int]]) -> dict[int, torch.Tensor]:
         group = self._groups.setdefault(policy, PrefillGroup())

@@ -57,7 +57,8 @@ def create_app(
     if request_timeout is not None and not request_timeout > 0:
         raise ValueError("request_timeout must be > 0")
     engine = Engine(model, tokenizer, kv_memory=kv_memory, max_batch=max_batch, max_queue=max_queue,
-                    prefill_chunk=prefill_chunk, schedule=schedule, step_tokens=step_tokens, executor=executor)
+                    prefill_chunk=prefill_chunk, schedule=schedule, step_tokens=step_tokens, executor=executor,
+                    prefill=eviction.prefill)
     metrics = ServeMetrics(engine)
     engine.observer = metrics
     context = max_context or model_context_limit(model)
