@@ -1,0 +1,58 @@
+"""The issue-16 options through the commands: ``eval retrieval --prefill/--recent-share``,
+``bench --policies knorm``, the new flags' one-line errors."""
+
+import json
+
+import pytest
+
+import h2okv.models
+from h2okv.cli import main
+from h2okv.eval.retrieval import Cell, summary_table
+from h2okv.tools.tiny import tiny_model
+from test_eval_retrieval import CharTokenizer
+
+
+def test_retrieval_runs_late_prefill_with_a_recent_share(tmp_path, monkeypatch, capsys):
+    model = tiny_model("llama", seed=3)
+    monkeypatch.setattr(h2okv.models, "load_model", lambda *a, **k: (model, CharTokenizer()))
+    out = tmp_path / "r.json"
+    argv = ["eval", "retrieval", "--contexts", "300", "--depths", "0,1", "--trials", "1",
+            "--policies", "knorm,tova:heads=shared", "--budgets", "0.2", "--max-new-tokens", "2",
+            "--prefill", "late", "--recent-share", "0.05", "--json", str(out), "--plot", ""]
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert {(r["policy"], r["prefill"], r["recent_share"]) for r in rows} == {
+        ("knorm", "late", 0.05), ("tova:heads=shared", "late", 0.05)}
+    table = summary_table([Cell(**r) for r in rows])
+    assert "knorm late r0.05" in table and "tova:heads=shared late r0.05" in capsys.readouterr().out
+
+
+def test_cells_of_older_files_still_load():
+    old = {"policy": "h2o", "budget": 0.2, "context": 300, "depth": 0.0, "trials": 1, "correct": 0, "accuracy": 0.0,
+           "needle_kept": 0.5, "haystack": "filler", "chunk_size": 512, "answers": ["x"]}
+    assert Cell(**old).config == "h2o"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["eval", "retrieval", "--prefill", "early"], "argument --prefill: invalid choice"),
+        (["eval", "retrieval", "--recent-share", "1.5"], "argument --recent-share: must be a share in [0, 1]"),
+        (["eval", "retrieval", "--recent-share", "x"], "argument --recent-share: expected a share in [0, 1]"),
+        (["eval", "retrieval", "--policies", "tova:heads=some"], "heads must be own or shared"),
+        (["serve", "--prefill", "early"], "argument --prefill: invalid choice"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in err
+
+
+def test_bench_times_the_new_policies(tmp_path):
+    out = tmp_path / "p.json"
+    assert main(["bench", "--model", "tiny:llama", "--policies", "knorm,tova:heads=shared", "--context", "64",
+                 "--steps", "3", "--scoring-tokens", "48", "--no-progress", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["decode"]) == {"knorm", "tova:heads=shared", "reference"}
+    assert all(r["kept_tokens"] == 12 for r in result["decode"].values())
