@@ -27,6 +27,15 @@ def test_retrieval_runs_late_prefill_with_a_recent_share(tmp_path, monkeypatch, 
     assert "knorm late r0.05" in table and "tova:heads=shared late r0.05" in capsys.readouterr().out
 
 
+def test_policy_lists_take_policies_with_several_options():
+    from h2okv.cli.args import parse_policies
+
+    assert parse_policies("h2o,snapkv:window=1,kernel=1,heads=shared,knorm") == [
+        "h2o", "snapkv:window=1,kernel=1,heads=shared", "knorm"]
+    with pytest.raises(h2okv.H2OError, match="has no option 'span'"):
+        parse_policies("h2o,snapkv:window=1,span=2")
+
+
 def test_cells_of_older_files_still_load():
     old = {"policy": "h2o", "budget": 0.2, "context": 300, "depth": 0.0, "trials": 1, "correct": 0, "accuracy": 0.0,
            "needle_kept": 0.5, "haystack": "filler", "chunk_size": 512, "answers": ["x"]}

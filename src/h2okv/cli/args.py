@@ -80,8 +80,17 @@ def memory_limit(text: str) -> int | None:
 
 # -- lists checked before any model work -----------------------------------------------------------
 def parse_policies(text: str) -> list[str]:
-    """``full,h2o,snapkv:16`` -> names, duplicates dropped; one-line error for a bad name or option."""
-    names = [check_policy(p.strip()) for p in text.split(",") if p.strip()]
+    """``full,h2o,snapkv:16`` -> names, duplicates dropped; one-line error for a bad name or option.
+
+    A part with ``=`` and no ``:`` continues the policy before it, so a policy with several options
+    fits in the list: ``h2o,snapkv:window=1,kernel=1,heads=shared`` is two policies."""
+    specs: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if specs and "=" in part and ":" not in part:
+            specs[-1] += "," + part
+        elif part:
+            specs.append(part)
+    names = [check_policy(spec) for spec in specs]
     if not names:
         raise H2OError("--policies is empty; give e.g. full,h2o,local")
     return list(dict.fromkeys(names))
