@@ -89,7 +89,7 @@ def run(args) -> int:
         write_json([vars(c) for c in cells], args.json)
         print(f"wrote {args.json}")
     if args.plot:
-        title = f"Passkey accuracy ({args.haystack} haystack, prefill chunk {chunk}, {args.trials} trials/cell)"
+        title = f"Passkey accuracy ({args.haystack} haystack, {args.prefill} prefill, chunk {chunk}, {args.trials} trials/cell)"
         print(f"wrote {plot_heatmap(cells, args.plot, title)}")
     return 0
 
