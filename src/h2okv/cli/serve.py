@@ -136,7 +136,9 @@ def serve_on_rank(args) -> int:
     from h2okv.parallel.ranks import is_distributed, is_main_rank
     from h2okv.serve import serve_forever
     from h2okv.serve.executor import Executor
+    from h2okv.serve.heap import pin_mmap_threshold
 
+    pin_mmap_threshold()  # a long-running process: freed large buffers go back to the OS (serve/heap.py)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
     if not is_distributed():
         app = _create_app(args, model, tokenizer, None)

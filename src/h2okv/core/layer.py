@@ -9,6 +9,7 @@ token-by-token call to ``scan.py``, and everything else, chunk by chunk, to ``st
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -38,6 +39,27 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         self.tokens_seen = 0  # positions consumed, pads included: what generate needs for positions
         self.peak_capacity = 0
         self.fast = None
+
+    # The cache holds its layers; a layer's way back to its cache is a weak reference. With a strong
+    # one, cache and layers form a reference cycle: a cache nobody holds any more (a finished
+    # request's, in the server) and its K/V buffers would wait for Python's cyclic collector, which
+    # runs rarely, and the heap would grow in between (issue 20's soak). Weak, they go at once.
+    @property
+    def owner(self):
+        return self._owner()
+
+    @owner.setter
+    def owner(self, cache) -> None:
+        self._owner = weakref.ref(cache)
+
+    def __getstate__(self) -> dict:  # copy, deepcopy and pickle carry the cache itself, not the weakref
+        state = dict(self.__dict__)
+        state["_owner"] = self.owner
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.owner = state["_owner"]
 
     # -- transformers Cache layer protocol ---------------------------------------------------
     def lazy_initialization(self, key_states, value_states):
