@@ -151,6 +151,41 @@ void scan_block(float *logits, float *bias, uint8_t *blocked, float *score, cons
     }
 }
 
+/* q . k over d floats: eight lanes at a time (no horizontal sum per step), then the lanes */
+static inline float dot(const float *q, const float *k, int64_t d) {
+    vf8 acc = {0};
+    int64_t j = 0;
+    for (; j + 8 <= d; j += 8) {
+        vf8 a, b;
+        memcpy(&a, q + j, sizeof a);
+        memcpy(&b, k + j, sizeof b);
+        acc += a * b;
+    }
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; j < d; j++) s += q[j] * k[j];
+    return s;
+}
+
+/* One KV head's g query heads over cap slots: p [g, cap] gets the probabilities, out [g, dv] the
+ * output. Slot-major, so each key and value row is read once for the whole group. */
+static void attend_group(const float *q, const float *keys, const float *values, float *p, float *out,
+                         int64_t g, int64_t cap, int64_t d, int64_t dv, float scaling) {
+    for (int64_t c = 0; c < cap; c++) {
+        const float *kc = keys + c * d;
+        for (int64_t h = 0; h < g; h++) p[h * cap + c] = dot(q + h * d, kc, d) * scaling;
+    }
+    for (int64_t h = 0; h < g; h++) softmax_row(p + h * cap, NULL, NULL, cap);
+    memset(out, 0, (size_t)(g * dv) * sizeof(float));
+    for (int64_t c = 0; c < cap; c++) {
+        const float *vc = values + c * dv;
+        for (int64_t h = 0; h < g; h++) {
+            float w = p[h * cap + c], *o = out + h * dv;
+            #pragma omp simd
+            for (int64_t j = 0; j < dv; j++) o[j] += w * vc[j];
+        }
+    }
+}
+
 /* The dense at-budget decode step for rows = B * Hkv (sequence, KV head) pairs with g query
  * heads each. Per pair: write the new key/value/ordinal/score into `slot` (the only free slot),
  * attend over all cap slots (q [rows, g, d]; out [rows, g, dv]), fold the mass into the score,
@@ -171,26 +206,7 @@ void decode_dense(const float *q, const float *k_new, const float *v_new,
         od[s] = n_real[seq];
         sc[s] = 0.0f;
         valid[r * cap + s] = 1;
-        for (int64_t h = 0; h < g; h++) {
-            const float *qh = q + (r * g + h) * d;
-            float *ph = p + h * cap;
-            for (int64_t c = 0; c < cap; c++) {
-                const float *kc = kr + c * d;
-                float dot = 0.0f;
-                #pragma omp simd reduction(+ : dot)
-                for (int64_t j = 0; j < d; j++) dot += qh[j] * kc[j];
-                ph[c] = dot * scaling;
-            }
-            softmax_row(ph, NULL, NULL, cap);
-            float *o = out + (r * g + h) * dv;
-            memset(o, 0, (size_t)dv * sizeof(float));
-            for (int64_t c = 0; c < cap; c++) {
-                const float *vc = vr + c * dv;
-                float w = ph[c];
-                #pragma omp simd
-                for (int64_t j = 0; j < dv; j++) o[j] += w * vc[j];
-            }
-        }
+        attend_group(q + r * g * d, kr, vr, p, out + r * g * dv, g, cap, d, dv, scaling);
         if (acc != ACC_NONE) {
             /* the group's mass first, then folded in: the order of eager's sum and add */
             for (int64_t c = 0; c < cap; c++) {
