@@ -60,6 +60,7 @@ class Clock:
 def instrumented(clock: Clock):
     """Timers around the seams of the core; the originals are put back on exit."""
     import h2okv.core.attention as attn_mod
+    import h2okv.core.native.calls as native_mod
 
     patches = [
         (SlotLayer, "attend", "attention call (h2o)"),
@@ -67,6 +68,8 @@ def instrumented(clock: Clock):
         (step_mod, "slot_attention", "slot_attention"),
         (layer_mod, "token_scan", "token_scan"),
         (scan_mod, "scan_block", "scan recurrence"),
+        (native_mod, "scan_block", "scan recurrence (native)"),
+        (native_mod, "decode_dense", "decode_dense (native)"),
         (attn_mod, "sdpa_attention_forward", "attention call (sdpa)"),
     ]
     saved = []
