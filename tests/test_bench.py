@@ -237,3 +237,17 @@ def test_kernel_study_on_a_tiny_model(tmp_path, capsys):
     assert "unavailable here" in out.with_suffix(".md").read_text()
     assert main(["bench", "--model", "tiny:llama", "--kernels", "eager,fast", "--json", str(out)]) == 2
     assert "unknown kernels 'fast'" in capsys.readouterr().err
+
+
+def test_profile_step_tool_on_a_tiny_model(tmp_path):
+    """python -m h2okv.tools.profile_step: per-layer groups of a decode step, both paths, and scoring."""
+    from h2okv.tools.profile_step import main as profile
+
+    out = tmp_path / "p.json"
+    assert profile(["--model", "tiny:llama", "--batch", "1", "--context", "64", "--steps", "2",
+                    "--scoring-tokens", "48", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    decode = result["decode"]["1"]
+    assert decode["h2o"]["groups"]["attention call (h2o)"]["calls_per_step"] == 2  # one per layer
+    assert decode["reference"]["groups"]["attention call (sdpa)"]["calls_per_step"] == 2
+    assert result["scoring"]["h2o"]["cpu_median_s"] > 0 and result["scoring"]["plain"]["cpu_median_s"] > 0
