@@ -126,6 +126,32 @@ def test_native_decode_after_a_chunked_prefill_mha_and_sinks(monkeypatch):
     assert fast[1] == slow[1]
 
 
+def test_native_decode_rows_of_different_lengths(monkeypatch):
+    """Left-padded prompts of 20 and 13 real tokens, one absolute budget: rows decode at their own
+    ordinals (n_real, window) in the C step, as in eager."""
+    needs_native()
+    decodes = counting(monkeypatch, native_calls, "decode_dense")
+    model = tiny_model("llama")
+    ids = random_ids(30, batch=2, seed=9)
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, :7] = 0
+
+    def run(name):
+        with kernels.use_kernels(name):
+            cache = H2OCache(model, policy="h2o-mean", heavy=4, recent=4, chunk_size=8)
+            logits = [model(ids[:, :20], attention_mask=mask, past_key_values=cache).logits[:, -1:]]
+            logits += [model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(20, 30)]
+        layer = cache.layers[0]
+        kept = [sorted(layer.ordinal[r, h][layer.valid[r, h]].tolist()) for r in range(2) for h in range(2)]
+        return torch.cat(logits, dim=1), kept, layer.n_real.tolist()
+
+    fast = run("native")
+    assert decodes and fast[2] == [30, 23]
+    slow = run("eager")
+    torch.testing.assert_close(fast[0], slow[0], atol=1e-5, rtol=1e-5)
+    assert fast[1:] == slow[1:]
+
+
 def test_a_rule_the_kernels_do_not_know_runs_eager():
     class Halved(H2OPolicy):
         def accumulate(self, score, mass):
