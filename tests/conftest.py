@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# Triton's interpreter (its kernels on CPU tensors) must be chosen before triton is first imported:
+# without a GPU, tests/test_core_kernels.py runs the Triton kernels that way
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from h2okv.tools.tiny import TINY_CONFIGS, tiny_model, word_tokenizer
 

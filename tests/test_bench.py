@@ -214,3 +214,40 @@ def test_policy_study_on_a_tiny_model(tmp_path, capsys):
     assert "/ reference step" in out.with_suffix(".md").read_text()
     assert main(["bench", "--model", "tiny:llama", "--policies", "h2o,nope", "--json", str(out)]) == 2
     assert "unknown policy 'nope'" in capsys.readouterr().err
+
+
+def test_kernel_study_on_a_tiny_model(tmp_path, capsys):
+    """bench --kernels: each path's decode step against the same-size reference and per-token
+    scoring against a plain forward, in one run; a path that cannot run here is reported, not run."""
+    from h2okv.core.kernels import unavailable_reason
+
+    out = tmp_path / "k.json"
+    assert main(["bench", "--model", "tiny:llama", "--kernels", "eager,native,triton", "--context", "64",
+                 "--batch", "1,2", "--steps", "3", "--scoring-tokens", "48", "--threads", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    cpu = torch.device("cpu")
+    expected = ["eager"] + [k for k in ("native", "triton") if unavailable_reason(k, cpu) is None]
+    assert result["unavailable"]["triton"] == "triton kernels need a CUDA device"
+    paths = {f"h2o/{k}" for k in expected}
+    assert {r["path"] for r in result["decode"]} == paths | {"reference"}
+    assert {(r["context"], r["batch"]) for r in result["decode"]} == {(64, 1), (64, 2)}
+    assert all(r["kept_tokens"] == 12 for r in result["decode"])
+    assert all(r["vs_reference_step"] == 1.0 for r in result["decode"] if r["path"] == "reference")
+    assert set(result["scoring"]) == paths | {"plain"}
+    assert "unavailable here" in out.with_suffix(".md").read_text()
+    assert main(["bench", "--model", "tiny:llama", "--kernels", "eager,fast", "--json", str(out)]) == 2
+    assert "unknown kernels 'fast'" in capsys.readouterr().err
+
+
+def test_profile_step_tool_on_a_tiny_model(tmp_path):
+    """python -m h2okv.tools.profile_step: per-layer groups of a decode step, both paths, and scoring."""
+    from h2okv.tools.profile_step import main as profile
+
+    out = tmp_path / "p.json"
+    assert profile(["--model", "tiny:llama", "--batch", "1", "--context", "64", "--steps", "2",
+                    "--scoring-tokens", "48", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    decode = result["decode"]["1"]
+    assert decode["h2o"]["groups"]["attention call (h2o)"]["calls_per_step"] == 2  # one per layer
+    assert decode["reference"]["groups"]["attention call (sdpa)"]["calls_per_step"] == 2
+    assert result["scoring"]["h2o"]["cpu_median_s"] > 0 and result["scoring"]["plain"]["cpu_median_s"] > 0

@@ -50,6 +50,10 @@ def register(sub) -> None:
     p.add_argument("--policies", default=None, metavar="LIST",
                    help="instead of the grid: decode step of each policy vs the same-size reference, and per-token "
                    "scoring vs a plain forward (e.g. h2o,tova,h2o-sink,h2o-mean,snapkv)")
+    p.add_argument("--kernels", default=None, metavar="LIST",
+                   help="instead of the grid: h2o's decode step under each kernel path (eager, native, triton, auto) vs "
+                   "the same-size reference, and per-token scoring vs a plain forward; a path that cannot run here is "
+                   "reported as unavailable (e.g. eager,native,triton)")
     p.add_argument("--scoring-tokens", type=positive_int, default=2048, help="tokens of the --policies scoring pass (default 2048)")
     p.add_argument("--scoring-repeats", type=positive_int, default=1, help="passes per policy in the --policies scoring study (default 1)")
     add_tp_args(p)
@@ -156,11 +160,54 @@ def run_policies(args) -> int:
     return 0
 
 
+def run_kernels(args) -> int:
+    """The --kernels study (``bench/kernel_speed.py``)."""
+    from h2okv.core.kernels import check_kernels
+
+    kernels = [check_kernels(k.strip()) for k in args.kernels.split(",") if k.strip()]
+    if not kernels:
+        raise H2OError("--kernels needs at least one of eager, native, triton, auto")
+    if not 0.0 < args.budget < 1.0:
+        raise H2OError(f"--budget must be in (0, 1), got {args.budget}")
+    threads, why = choose_threads(args.threads, args.device)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    from h2okv.bench import kernel_speed
+    from h2okv.bench.model import load_bench_model
+    from h2okv.bench.report import write_report
+    from h2okv.bench.runner import prompt_ids
+
+    model, tokenizer = load_bench_model(args.model, args.device, args.dtype)
+    runnable, unavailable = kernel_speed.available_paths(kernels, model.device)
+    contexts, batches, steps = args.context or [2048], args.batch or [1], args.steps or 32
+    result = {"budget": args.budget, "steps": steps, "threads": why, "kernels": kernels, "unavailable": unavailable,
+              "scoring_tokens": args.scoring_tokens, "arguments": {k: v for k, v in vars(args).items() if k != "func"}}
+    if runnable:
+        vocab = model.config.get_text_config().vocab_size
+        ids = prompt_ids(tokenizer, args.play, args.scoring_tokens, vocab).to(model.device)
+        import torch
+
+        with torch.no_grad():
+            result["scoring"] = kernel_speed.scoring_costs(model, ids, runnable, args.budget, args.scoring_repeats)
+            result["decode"] = kernel_speed.decode_costs(model, tokenizer, runnable, contexts, batches, args.budget, steps)
+    else:
+        result["decode"] = []
+    result["native_build"] = kernel_speed.native_build()
+    report = kernel_speed.markdown(result)
+    print(report)
+    print("wrote " + ", ".join(str(p) for p in write_report(result, report, args.json)))
+    return 0
+
+
 def run(args) -> int:
     if args.serve is not None:
         return run_serve(args)
     if not args.json:
         raise H2OError("give --json PATH for the result")
+    if args.kernels:
+        return run_kernels(args)
     if args.policies:
         return run_policies(args)
     cfg = config_from_args(args)

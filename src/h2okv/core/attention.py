@@ -27,6 +27,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from h2okv.core.kernels import triton_on
 from h2okv.errors import H2OError
 
 ATTN_NAME = "h2o"
@@ -73,6 +74,10 @@ def slot_attention(
         out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=scaling)
         return out.reshape(b, hq, m, values.shape[-1]), None
 
+    if triton_on(query.device):  # fused kernels: the mass from the log-sum-exp, no probability matrix
+        from h2okv.core.triton_attention import triton_slot_attention
+
+        return triton_slot_attention(query, keys, values, allowed, scaling, query_weight)
     # in place where the tensor is fresh: on the decode path every op counts, and in a prefill
     # chunk the logits are the largest tensor there is
     logits = torch.matmul(packed, keys.transpose(-1, -2))

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from h2okv.core.kernels import native_on
+from h2okv.core.native import calls as native
 from h2okv.core.step import eviction_rank, protected
 
 # bytes of float32 logits one query block may take, and its most queries: a block's logits span
@@ -115,6 +117,7 @@ def token_scan(layer, query, key_new, value_new, scaling) -> torch.Tensor:
 
     packed = query.reshape(b, hkv, g, n, d)
     block = max(1, min(n, BLOCK_QUERIES, BLOCK_BYTES // max(1, 4 * b * hq * total)))
+    use_native = native_on(device)
     outs = []
     for start in range(0, n, block):
         stop = min(start + block, n)
@@ -123,7 +126,11 @@ def token_scan(layer, query, key_new, value_new, scaling) -> torch.Tensor:
         logits = logits.float() if logits.dtype != torch.float32 else logits
         logits.mul_(scaling)
         sub = ScanState(bias[..., :width], blocked[..., :width], score[..., :width], ordinal[..., :width])
-        scan_block(logits, sub, plan, start, policy, layer.layer_idx)
+        rule = native.scan_rule(policy, logits, sub) if use_native else None
+        if rule is not None:
+            native.scan_block(logits, sub, plan, start, policy, rule)  # the same recurrence in C
+        else:
+            scan_block(logits, sub, plan, start, policy, layer.layer_idx)
         probs = logits if logits.dtype == values.dtype else logits.to(values.dtype)
         outs.append(torch.matmul(probs, values[:, :, None, :width]))  # [B, Hkv, g, blk, Dv]
     out = torch.cat(outs, dim=3).reshape(b, hq, n, values.shape[-1])

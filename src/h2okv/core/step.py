@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from h2okv.core.attention import slot_attention
+from h2okv.core.kernels import native_on
+from h2okv.core.native import calls as native
 
 
 # -- the eviction rule -------------------------------------------------------------------------------
@@ -200,6 +202,10 @@ def decode_step(layer, query, k_new, v_new, scaling):
     if fast is not None and (fast.valid is not layer.valid or fast.n_real is not layer.n_real):
         layer.fast = fast = check_at_budget(layer)  # the buffers were replaced (resize, rows)
     dense = fast is not None and layer.capacity == fast.dense_capacity
+    if dense and native_on(layer.device):
+        rule = native.decode_rule(layer, query)
+        if rule is not None:  # the whole step below as one C call (core/native)
+            return native.decode_dense(layer, fast, query, k_new, v_new, scaling, rule)
     if dense and fast.next_free is not None:
         slot = fast.next_free  # the only free slot: last step's victim
     else:

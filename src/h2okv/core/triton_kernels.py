@@ -1,0 +1,175 @@
+"""Triton kernels for attention that must return each key's probability mass (H2O's scores).
+
+FlashAttention cannot hand back the probability matrix, and materialising it is what makes
+mass-returning attention slow on a GPU. These kernels never store it:
+
+1. ``chunk_lse_kernel``: fused attention over one block of packed query rows; writes the output
+   and each row's log-sum-exp (online softmax over key blocks).
+2. ``column_mass_kernel``: per block of keys, the mass ``sum_q w_q * exp(q.k * scale - lse_q)``
+   over every query row, recomputing the logits instead of reading probabilities.
+3. ``decode_mass_kernel``: both passes in one program per (sequence, KV head) for a decode step.
+
+Grouped-query attention is packed as in ``slot_attention``: the ``g`` query heads of a KV head are
+the rows ``gi * m + qi`` of one ``[g*m, D]`` block, so K/V are read once per KV head and never
+expanded, and the column sum over those rows is the KV head's score. Masks are boolean
+``allowed[b, h, qi, key]`` (any strides: a broadcast mask is passed with zero strides); query
+weights (padded rows, "last query only" policies) scale each query's contribution to the mass.
+
+Imported only when a kernel is launched (``triton_attention.py``); under ``TRITON_INTERPRET=1``
+(set before this module is imported) the kernels run on CPU tensors, which is how the tests
+hold them to the eager path.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _logits(q, k_ptrs, key_ok, d_ok, scaling, IEEE: tl.constexpr):
+    """``q [M, D] @ k.T`` scaled, -inf where ``key_ok`` is False; ``k_ptrs`` ``[N, D]``."""
+    k = tl.load(k_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return s.to(tl.float32) * scaling
+
+
+@triton.jit
+def _online_step(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One key block of the online softmax: rows whose keys so far are all masked stay at zero."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv.to(tl.float32)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def chunk_lse_kernel(
+    Q, K, V, ALLOWED, OUT, LSE,
+    s_qb, s_qh, s_qr,  # packed queries [B, Hkv, g*m, D], last stride 1
+    s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
+    s_ab, s_ah, s_aq, s_an,  # allowed [B, Hkv, m, cap]
+    s_ob, s_oh, s_or, s_lb, s_lh,
+    hkv, rows, m, cap, d, dv, scaling,
+    HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    b, h = bh // hkv, bh % hkv
+    r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    od, odv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+    row_ok, d_ok, dv_ok = r < rows, od < d, odv < dv
+    q = tl.load(Q + b * s_qb + h * s_qh + r[:, None] * s_qr + od[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for start in range(0, cap, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        key_ok = n < cap
+        s = _logits(q, K + b * s_kb + h * s_kh + n[:, None] * s_kn + od[None, :], key_ok, d_ok, scaling, IEEE)
+        ok = key_ok[None, :] & row_ok[:, None]
+        if HAS_MASK:
+            a = tl.load(ALLOWED + b * s_ab + h * s_ah + (r % m)[:, None] * s_aq + n[None, :] * s_an, mask=ok, other=0)
+            ok = ok & (a != 0)
+        s = tl.where(ok, s, float("-inf"))
+        v = tl.load(V + b * s_vb + h * s_vh + n[:, None] * s_vn + odv[None, :], mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
+        m_i, l_i, acc = _online_step(s, v, m_i, l_i, acc, IEEE)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    tl.store(OUT + b * s_ob + h * s_oh + r[:, None] * s_or + odv[None, :], out.to(OUT.dtype.element_ty),
+             mask=row_ok[:, None] & dv_ok[None, :])
+    tl.store(LSE + b * s_lb + h * s_lh + r, m_i + tl.log(l_safe), mask=row_ok)
+
+
+@triton.jit
+def column_mass_kernel(
+    Q, K, ALLOWED, LSE, WEIGHT, MASS,
+    s_qb, s_qh, s_qr, s_kb, s_kh, s_kn,
+    s_ab, s_ah, s_aq, s_an, s_lb, s_lh, s_wb, s_mb, s_mh,
+    hkv, rows, m, cap, d, scaling,
+    HAS_MASK: tl.constexpr, HAS_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    b, h = bh // hkv, bh % hkv
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    od = tl.arange(0, BLOCK_D)
+    key_ok, d_ok = n < cap, od < d
+    k = tl.load(K + b * s_kb + h * s_kh + n[:, None] * s_kn + od[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    mass = tl.zeros([BLOCK_N], tl.float32)
+    for start in range(0, rows, BLOCK_M):
+        r = start + tl.arange(0, BLOCK_M)
+        row_ok = r < rows
+        q = tl.load(Q + b * s_qb + h * s_qh + r[:, None] * s_qr + od[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scaling
+        else:
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scaling
+        lse = tl.load(LSE + b * s_lb + h * s_lh + r, mask=row_ok, other=float("inf"))
+        ok = row_ok[:, None] & key_ok[None, :] & (lse[:, None] != float("-inf"))
+        if HAS_MASK:
+            a = tl.load(ALLOWED + b * s_ab + h * s_ah + (r % m)[:, None] * s_aq + n[None, :] * s_an, mask=ok, other=0)
+            ok = ok & (a != 0)
+        p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
+        if HAS_WEIGHT:
+            w = tl.load(WEIGHT + b * s_wb + r % m, mask=row_ok, other=0).to(tl.float32)
+            p = p * w[:, None]
+        mass += tl.sum(p, 0)
+    tl.store(MASS + b * s_mb + h * s_mh + n, mass, mask=key_ok)
+
+
+@triton.jit
+def decode_mass_kernel(
+    Q, K, V, VALID, WEIGHT, OUT, MASS,
+    s_qb, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ab, s_ah, s_wb, s_ob, s_mb, s_mh,
+    hkv, g, cap, d, dv, scaling,
+    HAS_MASK: tl.constexpr, HAS_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """One decode step for one (sequence, KV head): its ``g`` query heads against ``cap`` slots
+    (``VALID`` marks the live ones); the output, then each slot's mass summed over the group."""
+    bh = tl.program_id(0)
+    b, h = bh // hkv, bh % hkv
+    gi, od, odv = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+    g_ok, d_ok, dv_ok = gi < g, od < d, odv < dv
+    # queries [B, Hq, D] (one token): the group's heads are rows h*g .. h*g + g - 1
+    q = tl.load(Q + b * s_qb + (h * g + gi)[:, None] * d + od[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    k_base, v_base = K + b * s_kb + h * s_kh, V + b * s_vb + h * s_vh
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    for start in range(0, cap, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        key_ok = n < cap
+        if HAS_MASK:
+            key_ok = key_ok & (tl.load(VALID + b * s_ab + h * s_ah + n, mask=n < cap, other=0) != 0)
+        s = _logits(q, k_base + n[:, None] * s_kn + od[None, :], key_ok, d_ok, scaling, IEEE)
+        s = tl.where(key_ok[None, :] & g_ok[:, None], s, float("-inf"))
+        v = tl.load(v_base + n[:, None] * s_vn + odv[None, :], mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
+        m_i, l_i, acc = _online_step(s, v, m_i, l_i, acc, IEEE)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    tl.store(OUT + b * s_ob + (h * g + gi)[:, None] * dv + odv[None, :], (acc / l_safe[:, None]).to(OUT.dtype.element_ty),
+             mask=g_ok[:, None] & dv_ok[None, :])
+    lse = m_i + tl.log(l_safe)
+    w = 1.0
+    if HAS_WEIGHT:
+        w = tl.load(WEIGHT + b * s_wb).to(tl.float32)
+    for start in range(0, cap, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        key_ok = n < cap
+        if HAS_MASK:
+            key_ok = key_ok & (tl.load(VALID + b * s_ab + h * s_ah + n, mask=n < cap, other=0) != 0)
+        s = _logits(q, k_base + n[:, None] * s_kn + od[None, :], key_ok, d_ok, scaling, IEEE)
+        ok = key_ok[None, :] & g_ok[:, None] & (lse[:, None] != float("-inf"))
+        p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
+        tl.store(MASS + b * s_mb + h * s_mh + n, tl.sum(p, 0) * w, mask=n < cap)

@@ -1,0 +1,277 @@
+"""The kernel paths (``h2okv.core.kernels``) against the eager path, fallbacks included.
+
+- native (C, CPU): the scan's recurrence and the dense decode step equal eager on every policy
+  whose rule the kernels know; an unknown rule, a missing compiler, or ``eager`` run eager.
+- triton: under Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors) the kernels equal
+  eager ``slot_attention`` (output and per-slot mass) for GQA and MHA, masks with free slots,
+  padded rows and each score policy's query weights; a whole tiny model decodes the same.
+"""
+
+import math
+import os
+import warnings
+
+import pytest
+import torch
+
+import h2okv.core.native.calls as native_calls
+import h2okv.core.scan as scan_mod
+from h2okv import H2OCache, H2OError
+from h2okv.core import kernels
+from h2okv.core.attention import slot_attention
+from h2okv.core.native import build
+from h2okv.core.native.rules import native_rule
+from h2okv.core.scan import ScanPlan, ScanState, scan_block
+from h2okv.core.step import last_real_query
+from h2okv.policies import H2OPolicy, make_policy
+from h2okv.tools.tiny import random_ids, tiny_model
+
+SCORE_POLICIES = ["h2o", "tova", "h2o-sink", "h2o-mean", "snapkv"]
+NATIVE_POLICIES = [*SCORE_POLICIES, "local", "sink"]
+
+
+def needs_native():
+    if build.library() is None:
+        pytest.skip(f"no native kernels here: {build.BUILD.error}")
+
+
+def scan_inputs(seed, b=2, hkv=2, g=3, blk=6, cap=5, n=20):
+    """A scan call mid-way: ``cap`` old slots (one free), then new tokens; one block of queries."""
+    gen = torch.Generator().manual_seed(seed)
+    total = cap + n
+    logits = torch.randn(b, hkv, g, blk, total, generator=gen) * 2
+    bias = torch.full((b, hkv, total), -math.inf)
+    bias[:, :, : cap - 1] = 0.0  # the last old slot is free
+    ordinal = torch.cat([torch.randperm(cap, generator=gen).expand(b, hkv, cap),
+                         (cap + torch.arange(n)).expand(b, hkv, n)], dim=2).contiguous()
+    blocked = (ordinal < 2) | (bias[..., :] == -math.inf) & (torch.arange(total) < cap)
+    score = torch.rand(b, hkv, total, generator=gen)
+    return logits, ScanState(bias, blocked, score, ordinal)
+
+
+def cut(state, width):
+    """The state of the keys written so far (views, as ``token_scan`` passes them)."""
+    return ScanState(*(t[..., :width] for t in (state.bias, state.blocked, state.score, state.ordinal)))
+
+
+@pytest.mark.parametrize("policy", NATIVE_POLICIES)
+def test_native_scan_block_equals_eager(policy):
+    needs_native()
+    pol = make_policy(policy)
+    plan = ScanPlan(first_new=5, n0=5, recent=3, evict_from=2)
+    for start in (0, 6):
+        logits, state = scan_inputs(7 + start)
+        width = plan.first_new + start + logits.shape[3]
+        logits = logits[..., :width].contiguous()
+        eager = ScanState(*(t.clone() for t in (state.bias, state.blocked, state.score, state.ordinal)))
+        want = logits.clone()
+        scan_block(want, cut(eager, width), plan, start, pol, 0)
+        rule = native_calls.scan_rule(pol, logits, cut(state, width))
+        assert rule is not None
+        native_calls.scan_block(logits, cut(state, width), plan, start, pol, rule)
+        torch.testing.assert_close(logits, want, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(state.score, eager.score, atol=1e-6, rtol=1e-5)
+        assert torch.equal(state.bias, eager.bias) and torch.equal(state.blocked, eager.blocked)
+
+
+def run_tiny(policy, kernels_name, arch="qwen2", chunk=1, batch=2, device="cpu", cuts=(25, 34, 44)):
+    """Two scoring calls, then decode steps at the budget (up to ``cuts``); logits and kept sets."""
+    model = tiny_model(arch).to(device)
+    a, b, n = cuts
+    ids = random_ids(n, batch=batch, seed=5).to(device)
+    with kernels.use_kernels(kernels_name):
+        cache = H2OCache(model, policy=policy, heavy=6, recent=5, chunk_size=chunk)
+        logits = [model(ids[:, :a], past_key_values=cache).logits, model(ids[:, a:b], past_key_values=cache).logits]
+        logits += [model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(b, n)]
+    kept = [[sorted(layer.ordinal[r, h][layer.valid[r, h]].tolist()) for r in range(batch)
+             for h in range(layer.keys.shape[1])] for layer in cache.layers]
+    return torch.cat(logits, dim=1), kept
+
+
+def counting(monkeypatch, module, name):
+    calls = []
+    original = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("policy", NATIVE_POLICIES)
+def test_native_paths_equal_eager_on_a_model(policy, monkeypatch):
+    """Per-token scoring (scan) then dense decode steps: the C kernels ran, same logits and kept sets."""
+    needs_native()
+    scans = counting(monkeypatch, native_calls, "scan_block")
+    decodes = counting(monkeypatch, native_calls, "decode_dense")
+    fast_logits, fast_kept = run_tiny(policy, "native")
+    assert scans and len(decodes) == 2 * 10  # 2 layers x 10 decode steps
+    n_scans = len(scans)
+    slow_logits, slow_kept = run_tiny(policy, "eager")
+    assert len(scans) == n_scans and len(decodes) == 20  # eager never called them
+    torch.testing.assert_close(fast_logits, slow_logits, atol=1e-5, rtol=1e-5)
+    assert fast_kept == slow_kept
+
+
+def test_native_decode_after_a_chunked_prefill_mha_and_sinks(monkeypatch):
+    """MHA (gpt_neox), sinks, rows of different lengths' budgets alike: decode runs natively."""
+    needs_native()
+    decodes = counting(monkeypatch, native_calls, "decode_dense")
+    fast = run_tiny("h2o-sink", "native", arch="gpt_neox", chunk=4)
+    assert decodes
+    slow = run_tiny("h2o-sink", "eager", arch="gpt_neox", chunk=4)
+    torch.testing.assert_close(fast[0], slow[0], atol=1e-5, rtol=1e-5)
+    assert fast[1] == slow[1]
+
+
+def test_native_decode_rows_of_different_lengths(monkeypatch):
+    """Left-padded prompts of 20 and 13 real tokens, one absolute budget: rows decode at their own
+    ordinals (n_real, window) in the C step, as in eager."""
+    needs_native()
+    decodes = counting(monkeypatch, native_calls, "decode_dense")
+    model = tiny_model("llama")
+    ids = random_ids(30, batch=2, seed=9)
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, :7] = 0
+
+    def run(name):
+        with kernels.use_kernels(name):
+            cache = H2OCache(model, policy="h2o-mean", heavy=4, recent=4, chunk_size=8)
+            logits = [model(ids[:, :20], attention_mask=mask, past_key_values=cache).logits[:, -1:]]
+            logits += [model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(20, 30)]
+        layer = cache.layers[0]
+        kept = [sorted(layer.ordinal[r, h][layer.valid[r, h]].tolist()) for r in range(2) for h in range(2)]
+        return torch.cat(logits, dim=1), kept, layer.n_real.tolist()
+
+    fast = run("native")
+    assert decodes and fast[2] == [30, 23]
+    slow = run("eager")
+    torch.testing.assert_close(fast[0], slow[0], atol=1e-5, rtol=1e-5)
+    assert fast[1:] == slow[1:]
+
+
+def test_a_rule_the_kernels_do_not_know_runs_eager():
+    class Halved(H2OPolicy):
+        def accumulate(self, score, mass):
+            score.add_(mass / 2)
+
+    assert native_rule(Halved()) is None
+    assert native_rule(make_policy("h2o")) is not None
+    assert native_rule(make_policy("random")) is None  # its key draws numbers
+
+
+def test_without_a_compiler_the_core_warns_once_and_runs_eager(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("H2OKV_CACHE", str(tmp_path))
+    build.reset()
+    try:
+        with pytest.warns(UserWarning, match="native CPU kernels unavailable"):
+            assert not kernels.native_on(torch.device("cpu"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # not a second time
+            assert not kernels.native_on(torch.device("cpu"))
+            scans = []
+            monkeypatch.setattr(scan_mod.native, "scan_block", lambda *a: scans.append(a))
+            logits, kept = run_tiny("h2o", "native")
+        assert not scans
+        assert kernels.unavailable_reason("native", torch.device("cpu")).startswith("no C compiler")
+    finally:
+        build.reset()
+    want_logits, want_kept = run_tiny("h2o", "eager")
+    torch.testing.assert_close(logits, want_logits)
+    assert kept == want_kept
+
+
+def test_kernel_names_are_checked(monkeypatch):
+    with pytest.raises(H2OError, match="unknown kernels"):
+        kernels.set_kernels("fast")
+    monkeypatch.setenv(kernels.ENV, "eager")
+    assert kernels.get_kernels() == "eager"
+    with kernels.use_kernels("native"):
+        assert kernels.get_kernels() == "native"
+    assert kernels.get_kernels() == "eager"
+    assert kernels.unavailable_reason("triton", torch.device("cpu")) == "triton kernels need a CUDA device"
+    assert not kernels.triton_on(torch.device("cpu"))
+
+
+# -- triton, under the interpreter ---------------------------------------------------------------
+@pytest.fixture
+def interpreted():
+    """The Triton kernels' entry point and the device they run on: CUDA, or CPU tensors under the
+    interpreter (``TRITON_INTERPRET=1``, set by conftest.py before triton is imported)."""
+    from h2okv.core.triton_attention import triton_available, triton_import_error, triton_slot_attention
+
+    if not triton_available():
+        pytest.skip(triton_import_error())
+    if torch.cuda.is_available():
+        return triton_slot_attention, "cuda"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not 1 (it must be set before triton is imported)")
+    return triton_slot_attention, "cpu"
+
+
+def attention_inputs(seed, b, hq, hkv, m, cap, d=16, dv=16):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, m, d, generator=gen)
+    k = torch.randn(b, hkv, cap, d, generator=gen)
+    v = torch.randn(b, hkv, cap, dv, generator=gen)
+    return q, k, v
+
+
+def check_against_eager(interpreted, q, k, v, allowed, weight):
+    fn, device = interpreted
+    q, k, v = q.to(device), k.to(device), v.to(device)
+    allowed = None if allowed is None else allowed.to(device)
+    weight = None if weight is None else weight.to(device)
+    out, mass = fn(q, k, v, allowed, 0.3, weight)
+    want_out, want_mass = slot_attention(q, k, v, allowed, 0.3, need_mass=True, query_weight=weight)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mass, want_mass, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
+def test_triton_decode_kernel_equals_eager(interpreted, heads):
+    hq, hkv = heads
+    q, k, v = attention_inputs(1, 3, hq, hkv, 1, 70, d=8, dv=12)
+    valid = torch.rand(3, hkv, 70, generator=torch.Generator().manual_seed(2)) > 0.3  # free slots
+    valid[..., 5] = True
+    check_against_eager(interpreted, q, k, v, None, None)  # dense: every slot
+    check_against_eager(interpreted, q, k, v, valid[:, :, None, :], None)
+    check_against_eager(interpreted, q, k, v, valid[:, :, None, :], torch.tensor([[True], [False], [True]]))  # a pad row
+
+
+@pytest.mark.parametrize("heads", [(6, 2), (2, 2)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("queries", ["all", "last", "padded"])
+def test_triton_chunk_pair_equals_eager(interpreted, heads, queries):
+    """Output + LSE, then the column sums: every score policy's query weighting."""
+    hq, hkv = heads
+    b, m, old = 2, 5, 40
+    q, k, v = attention_inputs(3, b, hq, hkv, m, old + m)
+    # a chunk step's mask: live old slots (some free) plus new tokens up to each query
+    live = torch.rand(b, hkv, 1, old, generator=torch.Generator().manual_seed(4)) > 0.25
+    causal = torch.arange(m)[None, :] <= torch.arange(m)[:, None]
+    allowed = torch.cat([live.expand(b, hkv, m, old), causal.expand(b, hkv, m, m)], dim=-1)
+    real = torch.tensor([[True] * m, [True] * 3 + [False] * 2])  # row 1 right-padded
+    weight = {"all": None, "last": last_real_query(real), "padded": real}[queries]
+    check_against_eager(interpreted, q, k, v, allowed, weight)
+    check_against_eager(interpreted, q, k, v, None, weight)
+
+
+@pytest.mark.parametrize("policy", SCORE_POLICIES)
+def test_triton_path_decodes_a_tiny_model_like_eager(interpreted, policy, monkeypatch):
+    """A whole model (chunked prefill, then decode) with the mass-returning attention in the kernels."""
+    import h2okv.core.attention as attention
+    import h2okv.core.triton_attention as triton_attention
+
+    _, device = interpreted
+    short = dict(chunk=4, device=device, cuts=(12, 16, 19), batch=1)  # the interpreter is slow: few launches
+    want = run_tiny(policy, "eager", **short)
+    calls = counting(monkeypatch, triton_attention, "triton_slot_attention")
+    if device == "cpu":  # selected on CUDA only: forced here, the rest of the core stays eager
+        monkeypatch.setattr(attention, "triton_on", lambda device: True)
+    got = run_tiny(policy, "triton" if device == "cuda" else "eager", **short)
+    assert calls
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    assert got[1] == want[1]
