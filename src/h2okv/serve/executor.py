@@ -78,10 +78,11 @@ class SequenceSpec:
 class Executor:
     """Owns ``model`` and the caches; see the module docstring for the determinism rule."""
 
-    def __init__(self, model, prefill_chunk: int):
+    def __init__(self, model, prefill_chunk: int, positions: str = "true"):
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
         self.model = model
+        self.positions = positions  # every cache's position scheme (``H2OCache(positions=...)``)
         self.device = model.device
         self.prefill_chunk = prefill_chunk
         # only the last position's logits are needed; older transformers lack the argument
@@ -204,7 +205,9 @@ class Executor:
 
     def _new_cache(self, spec: SequenceSpec) -> H2OCache:
         budget = {} if spec.heavy is None else {"heavy": spec.heavy, "recent": spec.recent}
-        return H2OCache(self.model, policy=spec.policy, chunk_size=self.prefill_chunk, seed=spec.seed, **budget)
+        positions = self.positions if spec.heavy is not None else "true"  # keeping everything, nothing rolls
+        return H2OCache(self.model, policy=spec.policy, chunk_size=self.prefill_chunk, seed=spec.seed,
+                        positions=positions, **budget)
 
     def _prefill_group(self, policy: str, parts: list[tuple[int, list[int], int]]) -> dict[int, torch.Tensor]:
         group = self._groups.setdefault(policy, PrefillGroup())
