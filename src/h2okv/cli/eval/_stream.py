@@ -6,8 +6,6 @@ from __future__ import annotations
 from h2okv.cli.args import parse_policies
 from h2okv.errors import H2OError
 
-STREAM_PLOT = "results/ppl_stream.png"
-
 
 def parse_slots(text: str | None) -> list[int]:
     try:
@@ -80,10 +78,6 @@ def stream_on_rank(args, model, tokenizer) -> int:
         write_json({"text": label, "runs": done}, args.json)
         print(f"wrote {args.json}")
     if args.plot:
-        from h2okv.cli.eval.ppl import DEFAULT_PLOT
-
-        if args.plot == DEFAULT_PLOT:  # the grid's figure is another plot
-            args.plot = STREAM_PLOT
         context = model.config.get_text_config().max_position_embeddings
         title = f"Perplexity per {args.window_tokens}-token window, {args.tokens} tokens of {label}"
         print(f"wrote {plot_stream(done, args.plot, title, context)}")

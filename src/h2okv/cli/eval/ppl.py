@@ -18,6 +18,7 @@ from h2okv.errors import H2OError
 DEFAULT_POLICIES = "full,h2o,local,sink,random"
 DEFAULT_BUDGETS = "0.05,0.1,0.2,0.5"
 DEFAULT_PLOT = "results/ppl_vs_budget.png"
+STREAM_PLOT = "results/ppl_stream.png"  # stream mode's default: the grid's figure is another plot
 
 
 def register(kinds) -> None:
@@ -78,6 +79,8 @@ def score_on_rank(args) -> int:
     if args.window_tokens is not None:
         from h2okv.cli.eval._stream import stream_on_rank
 
+        if args.plot == DEFAULT_PLOT:
+            args.plot = STREAM_PLOT
         return stream_on_rank(args, model, tokenizer)
     ids = text_segments(tokenizer, text, args.tokens, args.segments)
     start = time.perf_counter()
