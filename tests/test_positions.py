@@ -226,3 +226,25 @@ def test_a_call_longer_than_the_window_is_refused_in_one_line(small):
     cache = H2OCache(small, "h2o", heavy=8, recent=8, positions="rolling")
     with pytest.raises(H2OError, match="feed the text in pieces"):
         small(random_ids(WINDOW + 1), past_key_values=cache, use_cache=True)
+
+
+# -- the long stream (eval ppl --window-tokens) -----------------------------------------------------
+def test_stream_in_pieces_equals_one_call_and_rolls_past_the_window_at_constant_kv(small):
+    from h2okv.eval.scoring import token_nll
+    from h2okv.eval.stream import stream_ppl
+
+    ids = random_ids(60, seed=11)[0]
+    pieces = stream_ppl(small, ids, "h2o", 16, "true", window_tokens=20)
+    one = small(ids[None], past_key_values=H2OCache(small, "h2o", heavy=8, recent=8, chunk_size=1)).logits
+    nll = token_nll(one, ids[None])[0]
+    for w, end in zip(pieces.windows, (20, 40, 60), strict=True):
+        start = max(0, end - 20 - 1)
+        assert w.end == end
+        assert w.ppl == pytest.approx(float(nll[start:end - 1].double().mean().exp()), rel=1e-4)
+
+    long = stream_ppl(small, random_ids(400, seed=12)[0], "sink", 16, "rolling", window_tokens=32)
+    assert len(long.windows) == 13 and len({w.kv_bytes for w in long.windows}) == 1
+    full = stream_ppl(small, random_ids(400, seed=12)[0], "full", None, "true", window_tokens=32)
+    assert full.windows[-1].end == WINDOW and "context" in full.stopped
+    with pytest.raises(H2OError, match="keeps every token"):
+        stream_ppl(small, ids, "full", None, "rolling")
