@@ -160,6 +160,19 @@ def test_a_rule_the_kernels_do_not_know_runs_eager():
     assert native_rule(Halved()) is None
     assert native_rule(make_policy("h2o")) is not None
     assert native_rule(make_policy("random")) is None  # its key draws numbers
+    # rules added later in the core: a rank shared over heads, a starting score from the key
+    assert native_rule(make_policy("h2o:heads=shared")) is None
+    assert native_rule(make_policy("tova:heads=shared")) is None
+    assert native_rule(make_policy("knorm")) is None
+
+
+@pytest.mark.parametrize("policy", ["knorm", "h2o:heads=shared"])
+def test_policies_the_kernels_do_not_know_give_the_eager_result_under_native(policy):
+    """Under the default kernels, a policy the C loops do not know decodes exactly as eager."""
+    fast = run_tiny(policy, "native")
+    slow = run_tiny(policy, "eager")
+    torch.testing.assert_close(fast[0], slow[0], atol=0, rtol=0)
+    assert fast[1] == slow[1]
 
 
 def test_without_a_compiler_the_core_warns_once_and_runs_eager(monkeypatch, tmp_path):

@@ -8,6 +8,7 @@ from h2okv.errors import H2OError
 from h2okv.paths import package_dir
 
 DEFAULT_PLAY = "hamlet_gut"
+ALL_PLAYS = "all"
 
 
 def plays_dir() -> Path:
@@ -22,6 +23,10 @@ def list_plays() -> list[str]:
 
 
 def read_play(name: str = DEFAULT_PLAY) -> str:
+    """One play's text; ``all``: every play once (the modern-spelling ``*_gut`` texts, not the
+    folio copies of the same plays), in name order, one after another: a long stream."""
+    if name == ALL_PLAYS:
+        return "\n\n".join(read_play(play) for play in list_plays() if play.endswith("_gut"))
     path = plays_dir() / f"{name.removesuffix('.txt')}.txt"
     if not path.is_file():
         raise H2OError(f"no play named {name!r}; available: {', '.join(list_plays()[:8])}, ...")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, TextStreamer
+from transformers import DynamicCache, LogitsProcessorList, TextStreamer
 
 from h2okv.core import DEFAULT_CHUNK, H2OCache, fraction_budget
 from h2okv.core.budget import DEFAULT_RECENT_SHARE
@@ -72,6 +72,20 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = False, device="cpu") -> d
     return {k: v.to(device) for k, v in enc.items()}
 
 
+class KVWatch:
+    """A ``LogitsProcessor`` that records ``(tokens seen, KV bytes)`` every ``every`` tokens: the
+    memory of a long generation, step by step, without a second pass."""
+
+    def __init__(self, cache: H2OCache, every: int):
+        self.cache, self.every, self.history = cache, every, []
+
+    def __call__(self, input_ids, scores):
+        seen = self.cache.get_seq_length()
+        if seen % self.every == 0 or not self.history:
+            self.history.append((seen, sum(layer.kv_bytes() for layer in self.cache.layers)))
+        return scores
+
+
 def generate(
     model,
     tokenizer,
@@ -81,11 +95,16 @@ def generate(
     chat: bool = False,
     stream: bool = False,
     chunk_size: int = DEFAULT_CHUNK,
+    positions: str = "true",
+    kv_every: int | None = None,
     **budget,
 ) -> Generation:
-    cache = H2OCache(model, policy=policy, chunk_size=chunk_size, **budget_kwargs(**budget))
+    """Greedy generation under ``policy``; ``positions="rolling"`` goes on past the context window.
+    ``kv_every``: ``stats["kv_history"]`` gets ``(tokens seen, KV bytes)`` every that many tokens."""
+    cache = H2OCache(model, policy=policy, chunk_size=chunk_size, positions=positions, **budget_kwargs(**budget))
     inputs = encode_prompt(tokenizer, prompt, chat=chat, device=model.device)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+    watch = KVWatch(cache, kv_every) if kv_every else None
     with torch.inference_mode():
         out = model.generate(
             **inputs,
@@ -94,9 +113,13 @@ def generate(
             do_sample=False,
             streamer=streamer,
             pad_token_id=tokenizer.pad_token_id,
+            logits_processor=LogitsProcessorList([watch] if watch else []),
         )
     new = out[0, inputs["input_ids"].shape[1] :]
-    return Generation(tokenizer.decode(new, skip_special_tokens=True), int(new.numel()), cache.stats(), new.tolist())
+    stats = cache.stats()
+    if watch is not None:
+        stats["kv_history"] = watch.history + [(stats["tokens_seen"], stats["kv_bytes"])]
+    return Generation(tokenizer.decode(new, skip_special_tokens=True), int(new.numel()), stats, new.tolist())
 
 
 def summary_line(stats: dict) -> str:

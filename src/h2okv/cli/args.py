@@ -210,7 +210,8 @@ def add_text_args(parser) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--text", default=None, help="a UTF-8 text file to score")
     group.add_argument(
-        "--corpus", default=None, help=f"shakespeare:NAME, a play of the offline corpus (default: shakespeare:{DEFAULT_PLAY})"
+        "--corpus", default=None, help=f"shakespeare:NAME, a play of the offline corpus (default: shakespeare:{DEFAULT_PLAY}); "
+        "shakespeare:all: every play, one after another"
     )
     group.add_argument("--dataset", default=None, help="Hugging Face dataset id[:config] (or local dataset folder); its text column is joined")
     parser.add_argument("--split", default=None, help="dataset split (default: test if present, else the first)")

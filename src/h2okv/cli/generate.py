@@ -15,6 +15,11 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    p.add_argument("--positions", default="true",
+                   help="true (default) or rolling (rolling:shift, rolling:order): keep positions inside the "
+                        "model's context window, so generation goes on past it in constant memory")
+    p.add_argument("--kv-every", type=positive_int, default=None,
+                   help="print the KV memory every N tokens (it stays flat once an evicting cache is full)")
     add_model_args(p)
     add_budget_args(p)
     add_tp_args(p)
@@ -40,10 +45,12 @@ def read_prompt(args) -> str:
 
 def run(args) -> int:
     from h2okv.core import BudgetSpec
+    from h2okv.core.positions import parse_positions
     from h2okv.parallel import launch
     from h2okv.policies import make_policy
 
     args.prompt_text = read_prompt(args)
+    parse_positions(args.positions)
     budget = budget_from_args(args)
     # validate settings before the (slow) model load and before any rank starts
     BudgetSpec.build(make_policy(args.policy), **{k: budget[k] for k in ("heavy", "recent", "heavy_ratio", "recent_ratio")})
@@ -63,7 +70,8 @@ def generate_on_rank(args) -> int:
     stream = args.stream and is_main_rank()
     result = generate(
         model, tokenizer, args.prompt_text, policy=args.policy, max_new_tokens=args.max_new_tokens,
-        chat=args.chat, stream=stream, chunk_size=args.chunk_size, **budget_kwargs(**budget_from_args(args)),
+        chat=args.chat, stream=stream, chunk_size=args.chunk_size, positions=args.positions,
+        kv_every=args.kv_every, **budget_kwargs(**budget_from_args(args)),
     )
     stats = gather_stats(result.stats)
     if not is_main_rank():
@@ -72,5 +80,7 @@ def generate_on_rank(args) -> int:
         print(result.text)
     else:
         print()
+    for seen, kv in stats.get("kv_history", []):
+        print(f"[kv] tokens seen {seen}: KV {kv / 2**20:.2f} MiB")
     print(summary_line(stats))
     return 0

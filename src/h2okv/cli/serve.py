@@ -57,7 +57,11 @@ def register(sub) -> None:
                    help="seconds a request may take from arrival; then it ends with finish_reason 'timeout' "
                         "and the text so far (default: none)")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=None,
-                   help="longer prompts get HTTP 400 (default: the model's context length - 1)")
+                   help="longer prompts get HTTP 400 (default: the model's context length - 1; with "
+                        "--positions rolling it may exceed the context: such prompts are read with eviction)")
+    p.add_argument("--positions", default="true",
+                   help="true (default) or rolling (rolling:shift, rolling:order): evicting requests keep their "
+                        "positions inside the context window, so max_tokens may exceed the context length")
     p.add_argument("--drain-timeout", type=positive_float, default=30.0,
                    help="on SIGTERM, seconds running requests get to finish before they are ended (default: 30)")
     p.add_argument("--max-n", type=positive_int, default=8,
@@ -112,11 +116,13 @@ def register(sub) -> None:
 
 
 def run_serve(args) -> int:
+    from h2okv.core.positions import parse_positions
     from h2okv.parallel import launch
     from h2okv.serve.eviction import EvictionDefaults
 
     eviction = EvictionDefaults(policy=check_policy(args.policy), prefill=args.prefill, **budget_from_args(args))
     eviction.validate()  # before the (slow) model load
+    parse_positions(args.positions)
     if args.max_queue < 0:
         raise H2OError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 < args.port < 65536:
@@ -148,7 +154,7 @@ def serve_on_rank(args) -> int:
     from h2okv.serve import tp
 
     channel = tp.Channel(heartbeat_s=tp.heartbeat_seconds(args.tp_timeout))
-    executor = Executor(model, args.chunk_size, args.eviction.prefill)
+    executor = Executor(model, args.chunk_size, args.eviction.prefill, args.positions)
     if not is_main_rank():
         tp.follow(executor, channel, tp.RankFigures(executor, channel.rank))
         return 0
@@ -185,7 +191,8 @@ def _create_app(args, model, tokenizer, executor):
                       max_queue=args.max_queue, prefill_chunk=args.chunk_size, api_key=args.api_key,
                       request_timeout=args.request_timeout, max_prompt_tokens=args.max_prompt_tokens,
                       schedule=args.schedule, step_tokens=args.step_tokens, executor=executor,
-                      max_n=args.max_n, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout)
+                      max_n=args.max_n, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+                      positions=args.positions)
 
 
 def run_bench(args) -> int:

@@ -11,6 +11,7 @@ from transformers.cache_utils import Cache
 from h2okv.core.attention import prepare_model
 from h2okv.core.budget import BudgetSpec
 from h2okv.core.layer import SlotLayer
+from h2okv.core.positions import RollingPositions, parse_positions
 from h2okv.errors import H2OError
 from h2okv.policies import Budget, Policy, make_policy
 
@@ -40,6 +41,9 @@ class H2OCache(Cache):
       A prompt fed in several calls is ranked at the end of each call.
 
     ``stats()["peak_capacity"]`` reports the most slots each layer ever allocated.
+
+    ``positions="rolling"`` keeps every position the model sees inside its context window so the
+    cache reads and generates past it (``core/positions.py``); the default ``"true"`` does not.
     """
 
     def __init__(
@@ -53,6 +57,7 @@ class H2OCache(Cache):
         chunk_size: int = DEFAULT_CHUNK,
         seed: int = 0,
         prefill: str = "chunked",
+        positions: str = "true",
     ):
         self.policy = make_policy(policy, seed=seed)
         if prefill not in PREFILL_MODES:
@@ -64,6 +69,8 @@ class H2OCache(Cache):
         self.chunk_size = int(chunk_size)
         num_layers = prepare_model(model)
         super().__init__(layers=[SlotLayer(self, i) for i in range(num_layers)])
+        scheme = parse_positions(positions)
+        self.rolling = None if scheme is None else RollingPositions(model, scheme)
         self._row_budgets: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- rows: generate's beam search and batch expansion, the server's continuous batching -----
@@ -75,6 +82,8 @@ class H2OCache(Cache):
             self._row_budgets = (heavy.index_select(0, index.cpu()), recent.index_select(0, index.cpu()))
         for layer in self.layers:
             layer.select_rows(index)
+        if self.rolling is not None:
+            self.rolling.select_rows(index)
 
     def append_rows(self, other: H2OCache) -> None:
         """Append ``other``'s rows (a cache of the same model and policy that has run); both end at
@@ -83,6 +92,10 @@ class H2OCache(Cache):
             raise H2OError("append_rows needs two caches that have both seen a forward call")
         if self.policy.spec != other.policy.spec or len(self.layers) != len(other.layers):
             raise H2OError(f"cannot join a {other.policy.spec!r} cache to a {self.policy.spec!r} cache")
+        if (self.rolling is None) != (other.rolling is None):
+            raise H2OError("cannot join a cache with rolling positions to one with true positions")
+        if self.rolling is not None:
+            self.rolling.append_rows(other.rolling)
         for mine, theirs in zip(self.layers, other.layers, strict=True):
             mine.append_rows(theirs)
             mine.tokens_seen = max(mine.tokens_seen, theirs.tokens_seen)
@@ -100,6 +113,8 @@ class H2OCache(Cache):
         twin = copy.copy(self)
         heavy, recent = self._row_budgets
         twin._row_budgets = (heavy.index_select(0, index), recent.index_select(0, index))
+        if self.rolling is not None:
+            twin.rolling = self.rolling.take_rows(index)
         twin.layers = []
         for layer in self.layers:
             mine = copy.copy(layer)
@@ -129,6 +144,8 @@ class H2OCache(Cache):
         if len(running) != len(self.layers):
             raise H2OError("add_rows needs every layer to have run")
         self._row_budgets = (torch.cat([self._row_budgets[0], heavy]), torch.cat([self._row_budgets[1], recent]))
+        if self.rolling is not None:
+            self.rolling.add_rows(len(pairs))
         sinks = heavy.clamp(max=self.policy.sink_tokens)
         for layer in self.layers:
             layer.add_empty_rows(heavy, recent, sinks)

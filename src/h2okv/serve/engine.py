@@ -95,7 +95,7 @@ class Engine:
     def __init__(self, model, tokenizer, *, kv_memory: int | None = None, max_batch: int = 32,
                  max_queue: int = 256, prefill_chunk: int = 128, schedule: str = "budget",
                  step_tokens: int = 512, observer: Observer | None = None, executor=None,
-                 prefill: str = "chunked"):
+                 prefill: str = "chunked", positions: str = "true"):
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or step_tokens < 1:
             raise ValueError("max_batch, prefill_chunk and step_tokens must be >= 1, max_queue >= 0")
         if schedule not in SCHEDULES:
@@ -105,7 +105,7 @@ class Engine:
         self.observer = observer or Observer()
         # every model run and cache change goes through the executor (plain-data calls, see executor.py);
         # ``serve --tp`` passes one that also sends each call to the other ranks (tp.py)
-        self.executor = executor if executor is not None else Executor(model, prefill_chunk, prefill)
+        self.executor = executor if executor is not None else Executor(model, prefill_chunk, prefill, positions)
         # late prefill ranks a prompt once, at the end of the call that feeds it: so it is fed whole
         self.whole_prompts = prefill == "late"
         self.tokenizer = tokenizer

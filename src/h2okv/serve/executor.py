@@ -79,12 +79,13 @@ class SequenceSpec:
 class Executor:
     """Owns ``model`` and the caches; see the module docstring for the determinism rule."""
 
-    def __init__(self, model, prefill_chunk: int, prefill: str = "chunked"):
+    def __init__(self, model, prefill_chunk: int, prefill: str = "chunked", positions: str = "true"):
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
         self.model = model
+        self.positions = positions  # every cache's position scheme (``H2OCache(positions=...)``)
         self.device = model.device
         self.prefill_chunk = prefill_chunk
         self.prefill_mode = prefill  # H2OCache's: the engine feeds a late prompt in one call
@@ -208,8 +209,9 @@ class Executor:
 
     def _new_cache(self, spec: SequenceSpec) -> H2OCache:
         budget = {} if spec.heavy is None else {"heavy": spec.heavy, "recent": spec.recent}
+        positions = self.positions if spec.heavy is not None else "true"  # keeping everything, nothing rolls
         return H2OCache(self.model, policy=spec.policy, chunk_size=self.prefill_chunk, seed=spec.seed,
-                        prefill=self.prefill_mode, **budget)
+                        prefill=self.prefill_mode, positions=positions, **budget)
 
     def _prefill_group(self, policy: str, parts: list[tuple[int, list[int], int]]) -> dict[int, torch.Tensor]:
         group = self._groups.setdefault(policy, PrefillGroup())

@@ -11,4 +11,6 @@ def register(sub) -> None:
     p = sub.add_parser("eval", help="accuracy evaluations (perplexity, tasks, summarization, retrieval)")
     kinds = p.add_subparsers(dest="eval_kind", required=True, parser_class=type(p))
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):  # a kind's helpers, not a kind (as in cli/main.py)
+            continue
         importlib.import_module(f"{__name__}.{info.name}").register(kinds)

@@ -18,6 +18,7 @@ from h2okv.errors import H2OError
 DEFAULT_POLICIES = "full,h2o,local,sink,random"
 DEFAULT_BUDGETS = "0.05,0.1,0.2,0.5"
 DEFAULT_PLOT = "results/ppl_vs_budget.png"
+STREAM_PLOT = "results/ppl_stream.png"  # stream mode's default: the grid's figure is another plot
 
 
 def register(kinds) -> None:
@@ -31,6 +32,12 @@ def register(kinds) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random policy")
     add_threads_arg(p)
     add_tp_args(p)
+    p.add_argument("--window-tokens", type=positive_int, default=None,
+                   help="stream mode: read --tokens in forward calls of this many tokens into one cache of --slots, "
+                        "and report perplexity per window (far past the context window with --positions rolling)")
+    p.add_argument("--slots", default=None, help="stream mode: comma-separated budgets in slots per layer/head (e.g. 512,1024)")
+    p.add_argument("--positions", default="true",
+                   help="stream mode: comma-separated position schemes: true, rolling, rolling:shift, rolling:order (default: true)")
     p.add_argument("--json", default=None, help="write the rows as JSON to this file")
     p.add_argument("--plot", default=DEFAULT_PLOT, help=f"PNG of perplexity vs budget (default: {DEFAULT_PLOT})")
     p.set_defaults(func=run)
@@ -46,6 +53,10 @@ def run(args) -> int:
     if args.tokens < 2:
         raise H2OError("--tokens must be at least 2 (perplexity needs a token to predict)")
     check_output_paths(args.json, args.plot)
+    if args.window_tokens is not None:
+        from h2okv.cli.eval._stream import check_stream_args
+
+        check_stream_args(args)
     args.loaded_text = text_from_args(args)  # read once, before the model load (and before ranks start)
     launch.prepare(args)
     return launch.run(args, score_on_rank)
@@ -65,6 +76,12 @@ def score_on_rank(args) -> int:
     text, label = args.loaded_text
     apply_threads(args.threads)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
+    if args.window_tokens is not None:
+        from h2okv.cli.eval._stream import stream_on_rank
+
+        if args.plot == DEFAULT_PLOT:
+            args.plot = STREAM_PLOT
+        return stream_on_rank(args, model, tokenizer)
     ids = text_segments(tokenizer, text, args.tokens, args.segments)
     start = time.perf_counter()
     rows, full_ppl = ppl_grid(model, ids, policies, budgets, seed=args.seed, progress=is_main_rank())

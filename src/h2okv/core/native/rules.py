@@ -27,10 +27,16 @@ def _tables():
 
 def native_rule(policy) -> tuple[int, int] | None:
     """``(accumulate code, key code)`` for ``policy``, or None when the kernels do not know its rule."""
+    from h2okv.policies import Policy
+
     accumulate, keys = _tables()
     cls = type(policy)
     acc = accumulate.get(cls.accumulate) if policy.needs_scores else ACC_NONE
     key = keys.get(cls.eviction_key)
     if acc is None or key is None or not policy.evicts:
+        return None
+    # the C loops rank each head alone and start every new slot at score 0: a rank shared over
+    # heads, or a starting score taken from the key (knorm), is a rule they do not know
+    if getattr(policy, "shared_heads", False) or type(policy).key_scores is not Policy.key_scores:
         return None
     return acc, key

@@ -15,6 +15,8 @@ import contextlib
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from h2okv.core.positions import parse_positions
+from h2okv.core.rope import RopeRotation
 from h2okv.serve.api.auth import RequireAPIKey
 from h2okv.serve.api.errors import APIError, install_error_handlers
 from h2okv.serve.api.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit
@@ -45,24 +47,31 @@ def create_app(
     max_n: int = 8,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
+    positions: str = "true",
 ) -> FastAPI:
     """An app serving ``model``/``tokenizer`` (injectable: tests pass tiny models). The engine thread
     starts and stops with the app's lifespan; ``app.state.engine`` and ``app.state.metrics`` are
     exposed for in-process callers (and ``serve.api.server`` drains the engine on SIGTERM).
     ``executor``: the engine's executor, when not a plain ``Executor`` of ``model`` (``serve --tp``:
     ``tp.Leader``). ``max_n``: the most choices one request may ask for (each is a running sequence
-    of the batch, as vLLM counts them; never more than ``max_batch``)."""
+    of the batch, as vLLM counts them; never more than ``max_batch``). ``positions="rolling"``: evicting
+    requests roll their positions (``H2OCache(positions=...)``), so ``max_tokens`` and, read with
+    eviction, prompts may exceed the context length (``--max-prompt-tokens``)."""
     eviction = eviction or EvictionDefaults()
     eviction.validate()
     if request_timeout is not None and not request_timeout > 0:
         raise ValueError("request_timeout must be > 0")
     engine = Engine(model, tokenizer, kv_memory=kv_memory, max_batch=max_batch, max_queue=max_queue,
                     prefill_chunk=prefill_chunk, schedule=schedule, step_tokens=step_tokens, executor=executor,
-                    prefill=eviction.prefill)
+                    prefill=eviction.prefill, positions=positions)
     metrics = ServeMetrics(engine)
     engine.observer = metrics
     context = max_context or model_context_limit(model)
-    limits = Limits(context, min(context - 1, max_prompt_tokens or context), request_timeout, min(max_n, max_batch))
+    rolling = parse_positions(positions) is not None
+    if rolling:
+        RopeRotation.from_model(model)  # a model that cannot roll fails at start, not per request
+    prompt_limit = max_prompt_tokens or context - 1 if rolling else min(context - 1, max_prompt_tokens or context)
+    limits = Limits(context, prompt_limit, request_timeout, min(max_n, max_batch), rolling)
 
     def count_error(status: int) -> None:
         metrics.http_errors.labels(str(status)).inc()

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from h2okv.errors import H2OError
+from h2okv.policies import make_policy
 from h2okv.serve.api.errors import APIError
 from h2okv.serve.api.formatting import CompletionLogprobs, chat_logprobs, merge_completion_logprobs
 from h2okv.serve.api.schemas import ChatCompletionRequest, CompletionRequest
@@ -116,6 +117,7 @@ class Limits:
     prompt: int  # the longest prompt accepted
     request_timeout: float | None = None  # seconds; then a request ends with finish_reason "timeout"
     max_n: int = 8  # choices per request (--max-n): each is a running sequence, one slot of --max-batch
+    rolling: bool = False  # --positions rolling: an evicting request is not bound by the context
 
 
 class Serving:
@@ -166,7 +168,7 @@ class Serving:
         stops = body.stop_list()
         self.check_budget(body)
         prompt_ids = self.tokenize(body)
-        max_tokens = self.check_lengths(len(prompt_ids), endpoint.max_tokens(body), endpoint)
+        max_tokens = self.check_lengths(len(prompt_ids), endpoint.max_tokens(body), endpoint, self.rolls(body))
         try:
             policy, heavy, recent = self.eviction.resolve(
                 len(prompt_ids), policy=body.h2o.policy if body.h2o else None,
@@ -189,14 +191,31 @@ class Serving:
                 raise APIError(400, f"h2o.{name}={value} must be in [0, {self.limits.context}] (the model's "
                                f"context length)", param=f"h2o.{name}")
 
-    def check_lengths(self, prompt_len: int, max_tokens: int | None, endpoint) -> int:
-        """``max_tokens`` (the endpoint's default when None) once prompt and completion fit the model."""
+    def rolls(self, body) -> bool:
+        """Does this request roll its positions past the context (``--positions rolling`` and a
+        policy that evicts)? A bad policy name is not ours to report here (``resolve`` does)."""
+        if not self.limits.rolling:
+            return False
+        try:
+            return make_policy(body.h2o.policy if body.h2o and body.h2o.policy else self.eviction.policy).evicts
+        except (H2OError, ValueError):
+            return False
+
+    def check_lengths(self, prompt_len: int, max_tokens: int | None, endpoint, rolls: bool = False) -> int:
+        """``max_tokens`` (the endpoint's default when None) once prompt and completion fit the model;
+        ``rolls``: the request's positions roll, so only the prompt limit holds."""
         where, limit = endpoint.prompt_param, self.limits.context
         if not prompt_len:
             raise APIError(400, "the prompt is empty", param=where)
         if prompt_len > self.limits.prompt:
             raise APIError(400, f"the prompt has {prompt_len} tokens; this server accepts at most "
                            f"{self.limits.prompt}", param=where, code="context_length_exceeded")
+        if rolls:
+            return endpoint.default_max_tokens if max_tokens is None else max_tokens
+        if prompt_len >= limit:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; the model's context length is {limit} "
+                           f"(longer prompts need --positions rolling and an evicting policy)", param=where,
+                           code="context_length_exceeded")
         if max_tokens is None:
             max_tokens = max(1, min(endpoint.default_max_tokens, limit - prompt_len))
         if max_tokens > limit:

@@ -1,0 +1,115 @@
+"""A long stream scored in pieces: perplexity per window of tokens, far past the context window.
+
+``eval ppl --window-tokens W`` reads the text in forward calls of ``W`` tokens into ONE cache
+with a fixed number of slots (``heavy = recent = slots / 2``) and per-token eviction
+(``chunk_size=1``), so every prediction sees what Algorithm 1 keeps, as in ``eval ppl``'s single
+call, while the work per call stays bounded (the per-token scan's logits span the call's keys, so
+one call over 64k tokens would be quadratic). The first token of a piece is predicted from the
+previous piece's last logits, so no prediction is lost. Per window: perplexity, tokens/s of the
+scoring and KV bytes; ``on_window`` gets each as it completes (long runs write JSON as they go).
+
+``full`` keeps everything; with true positions it stops where the text leaves the model's
+context (positions past it were never trained), and a rolling cache is refused for it: with
+every token kept, no position scheme keeps the distances inside the window.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from h2okv.core import H2OCache
+from h2okv.errors import H2OError
+from h2okv.eval.plots import new_figure, policy_color, save_figure
+from h2okv.eval.scoring import token_nll
+from h2okv.policies import policy_class
+
+
+@dataclass
+class StreamWindow:
+    end: int  # tokens read after this window
+    ppl: float
+    tokens_per_s: float
+    kv_bytes: int
+
+
+@dataclass
+class StreamRun:
+    policy: str
+    slots: int | None
+    positions: str
+    tokens: int  # tokens asked for
+    window_tokens: int
+    windows: list[StreamWindow] = field(default_factory=list)
+    stopped: str | None = None  # why the run ended before ``tokens`` (full: the context)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def stream_cache(model, policy: str, slots: int | None, positions: str, seed: int = 0) -> H2OCache:
+    if not policy_class(policy).evicts:
+        return H2OCache(model, policy=policy, positions=positions, seed=seed)
+    half = slots // 2
+    return H2OCache(model, policy=policy, heavy=slots - half, recent=half, chunk_size=1, positions=positions, seed=seed)
+
+
+def stream_ppl(model, ids: torch.Tensor, policy: str, slots: int | None, positions: str = "true",
+               window_tokens: int = 2048, seed: int = 0, on_window=None) -> StreamRun:
+    """Score ``ids`` ``[N]`` in pieces of ``window_tokens``; see the module docstring."""
+    total = int(ids.shape[-1])
+    if not policy_class(policy).evicts and positions != "true":
+        raise H2OError(f"{policy!r} keeps every token, so no position scheme keeps its distances inside the window")
+    run = StreamRun(policy, slots, positions, total, window_tokens)
+    context = model.config.get_text_config().max_position_embeddings
+    cache = stream_cache(model, policy, slots, positions, seed)
+    ids = ids.reshape(1, -1).to(model.device)
+    last = None  # the previous piece's last logits: they predict this piece's first token
+    with torch.inference_mode():
+        for start in range(0, total, window_tokens):
+            stop = min(start + window_tokens, total)
+            if not policy_class(policy).evicts and positions == "true" and stop > context:
+                run.stopped = f"the text leaves the model's context of {context} positions"
+                break
+            piece = ids[:, start:stop]
+            began = time.perf_counter()
+            logits = model(piece, past_key_values=cache, use_cache=True).logits
+            seconds = time.perf_counter() - began
+            nll = token_nll(logits, piece)
+            if last is not None:
+                first = torch.nn.functional.cross_entropy(last.float(), piece[:, 0], reduction="none")
+                nll = torch.cat([first[:, None], nll], dim=1)
+            last = logits[:, -1]
+            window = StreamWindow(stop, math.exp(float(nll.double().mean())), round((stop - start) / seconds, 2),
+                                  cache.stats()["kv_bytes"])
+            run.windows.append(window)
+            if on_window is not None:
+                on_window(run)
+    return run
+
+
+def plot_stream(runs: list[dict], path, title: str, context: int | None = None):
+    """Perplexity per window vs tokens read, a line per (policy, slots, positions), log y."""
+    fig, axes = new_figure(width=7.5, height=4.6)
+    ax = axes[0][0]
+    styles = {"true": ":", "rolling": "-", "rolling:shift": "-", "rolling:order": "--"}
+    for run in runs:
+        if not run["windows"]:
+            continue
+        x = [w["end"] / 1000 for w in run["windows"]]
+        y = [w["ppl"] for w in run["windows"]]
+        slots = "all" if run["slots"] is None else run["slots"]
+        ax.plot(x, y, marker=".", linestyle=styles.get(run["positions"], "-"), color=policy_color(run["policy"]),
+                label=f"{run['policy']} {slots} {run['positions']}")
+    if context:
+        ax.axvline(context / 1000, color="grey", linewidth=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens read (thousands); each point: the perplexity of the window ending there")
+    ax.set_ylabel("perplexity per window")
+    ax.grid(True, alpha=0.3, which="both")
+    ax.legend(fontsize=7, ncol=2)
+    fig.suptitle(title, fontsize=10)
+    return save_figure(fig, path)
