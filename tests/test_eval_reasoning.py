@@ -1,0 +1,110 @@
+"""``eval reasoning``: the offline loader on a fixture of the OLMES request format, batched greedy
+decoding (each row equal to its batch-of-one run, every policy), absolute budgets kept through long
+generations, the grid and its report."""
+
+from pathlib import Path
+
+import pytest
+
+from h2okv import H2OCache
+from h2okv.errors import H2OError
+from h2okv.eval.greedy import greedy_rows
+from h2okv.eval.reasoning_data import load_problems
+from h2okv.generation import new_cache
+from h2okv.policy_names import POLICY_NAMES
+from h2okv.tools.tiny import random_ids
+
+FIXTURE = Path(__file__).parent / "fixtures" / "oe_eval_tasks"
+
+
+# -- the offline loader ----------------------------------------------------------------------------
+def test_loader_reads_gsm8k_requests():
+    problems = load_problems("gsm8k", root=FIXTURE)
+    assert [p.id for p in problems] == [0, 1, 2, 3]
+    first = problems[0]
+    assert first.question.startswith("Janet\u2019s ducks lay 16 eggs per day.")
+    assert first.gold == "18"
+    assert first.fewshot_context.startswith("Question: There are 15 trees")
+    assert first.fewshot_context.endswith(first.question + "\nAnswer:")
+    assert "\n\n" in first.stop and "Question:" in first.stop
+
+
+def test_loader_reads_math500_gold_from_the_solution():
+    problems = load_problems("math500", root=FIXTURE)
+    first = problems[0]
+    assert first.question.startswith("Convert the point $(0,3)$")
+    # the file's doc.answer is "\le(3,..." (an old normaliser ate "ft"); the solution's box is intact
+    assert first.gold == "\\left( 3, \\frac{\\pi}{2} \\right)"
+    assert first.fewshot_context.endswith("Solution:")
+
+
+def test_loader_slices_and_errors(tmp_path):
+    assert [p.id for p in load_problems("gsm8k", limit=2, offset=1, root=FIXTURE)] == [1, 2]
+    with pytest.raises(H2OError, match="no problems"):
+        load_problems("gsm8k", offset=10, root=FIXTURE)
+    with pytest.raises(H2OError, match="unknown reasoning task"):
+        load_problems("aime", root=FIXTURE)
+    with pytest.raises(H2OError, match="make eval-data"):
+        load_problems("gsm8k", root=tmp_path)
+
+
+# -- batched greedy decoding -----------------------------------------------------------------------
+def budget_of(policy):
+    return {} if policy == "full" else {"slots": 9}
+
+
+def run(model, prompts, policy, eos, steps=14):
+    cache = new_cache(model, policy, seed=3, **budget_of(policy))
+    return greedy_rows(model, prompts, cache, steps, eos_ids=eos), cache
+
+
+# every policy but random, whose draws come from one generator for the whole batch
+@pytest.mark.parametrize("policy", [p for p in POLICY_NAMES if p != "random"])
+def test_batch_equals_batch_of_one_for_every_policy(llama, policy):
+    """Left-padded rows of different lengths that finish at different steps (so the batch shrinks
+    under the others): every row's tokens equal its run alone."""
+    prompts = [random_ids(n, seed=20 + i)[0].tolist() for i, n in enumerate([23, 11, 17, 30])]
+    free, _ = run(llama, prompts, policy, eos=set())
+    # an EOS that row 1 meets part-way: rows that produce it stop early, the others go on
+    eos = {free[1].token_ids[4]}
+    batch, _ = run(llama, prompts, policy, eos)
+    assert len({len(r.token_ids) for r in batch}) > 1, "the rows should finish at different steps"
+    for prompt, row in zip(prompts, batch, strict=True):
+        alone, _ = run(llama, [prompt], policy, eos)
+        assert row.token_ids == alone[0].token_ids
+        assert row.finish == alone[0].finish
+        assert row.kv_slots == alone[0].kv_slots
+
+
+def test_stop_strings_end_a_row():
+    decode = lambda ids: " ".join(f"w{i}" for i in ids)  # noqa: E731
+    from h2okv.tools.tiny import tiny_model
+
+    model = tiny_model("qwen2")
+    prompt = random_ids(12, seed=5)[0].tolist()
+    free = greedy_rows(model, [prompt], new_cache(model, "h2o", slots=8), 10, eos_ids=set())[0]
+    stop = (f"w{free.token_ids[3]}",)
+    first = next(i for i, t in enumerate(free.token_ids) if f"w{t}" == stop[0])
+    cut = greedy_rows(model, [prompt], new_cache(model, "h2o", slots=8), 10, eos_ids=set(), stop=stop, decode=decode)[0]
+    assert cut.finish == "stop" and cut.token_ids == free.token_ids[: first + 1]
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova", "snapkv", "local", "sink", "h2o-mean", "h2o-sink", "random"])
+def test_absolute_budget_kept_through_long_generation(llama, policy):
+    """12 slots per (layer, head), 10- and 6-token prompts, 60 new tokens (6x the budget): the cache
+    never holds more than the budget (plus the one slot the next token is written into)."""
+    prompts = [random_ids(10, seed=1)[0].tolist(), random_ids(6, seed=2)[0].tolist()]
+    cache = new_cache(llama, policy, slots=12)
+    rows = greedy_rows(llama, prompts, cache, 60, eos_ids=set())
+    assert [len(r.token_ids) for r in rows] == [60, 60]
+    assert [r.kv_slots for r in rows] == [12, 12]
+    stats = cache.stats()
+    assert stats["budget"] == [12, 12] and max(stats["slots"]) == 12
+    assert max(stats["capacity"]) <= 12 + 1
+    assert stats["tokens_seen"] >= 10 + 59
+
+
+def test_slot_budget_splits_half_and_half(llama):
+    cache = new_cache(llama, "h2o", slots=9)
+    assert (cache.spec.heavy, cache.spec.recent) == (4, 5)
+    assert isinstance(new_cache(llama, "full", slots=9), H2OCache) and new_cache(llama, "full", slots=9).spec.heavy is None
