@@ -108,3 +108,65 @@ def test_slot_budget_splits_half_and_half(llama):
     cache = new_cache(llama, "h2o", slots=9)
     assert (cache.spec.heavy, cache.spec.recent) == (4, 5)
     assert isinstance(new_cache(llama, "full", slots=9), H2OCache) and new_cache(llama, "full", slots=9).spec.heavy is None
+
+
+# -- the command, its pieces and the report -------------------------------------------------------
+@pytest.fixture
+def tiny_chat(monkeypatch):
+    """``load_model`` returns a tiny chat model; the problems are the fixture's."""
+    import h2okv.models
+    from h2okv.tools.tiny_chat import tiny_chat_model
+
+    pair = tiny_chat_model(layers=2)
+    monkeypatch.setattr(h2okv.models, "load_model", lambda *args, **kwargs: pair)
+    monkeypatch.setenv("H2OKV_OE_EVAL_TASKS", str(FIXTURE))
+    return pair
+
+
+def test_pieces_merge_into_one_report(tiny_chat, tmp_path, capsys):
+    import json
+
+    from h2okv.cli import main
+
+    common = ["eval", "reasoning", "--limit", "3", "--max-new-tokens", "6", "--batch-size", "2"]
+    full, h2o = tmp_path / "full.json", tmp_path / "h2o.json"
+    assert main([*common, "--policies", "full", "--json", str(full)]) == 0
+    assert main([*common, "--policies", "h2o,local", "--budgets", "0.5,24", "--json", str(h2o)]) == 0
+    piece = json.loads(h2o.read_text())
+    assert len(piece["rows"]) == 2 * 2 * 3 and len(piece["batches"]) == 2 * 2 * 2  # 3 problems in batches of 2
+    assert {r["budget"] for r in piece["rows"]} == {0.5, 24}  # a fraction and a slot count, told apart
+    assert all(r["kv_slots"] <= 24 for r in piece["rows"] if r["budget"] == 24)
+    # resuming a finished piece runs nothing and keeps it whole
+    assert main([*common, "--policies", "h2o,local", "--budgets", "0.5,24", "--json", str(h2o), "--resume"]) == 0
+    assert json.loads(h2o.read_text())["rows"] == piece["rows"]
+    out, plot = tmp_path / "merged.json", tmp_path / "acc.png"
+    assert main(["eval", "reasoning-report", str(full), str(h2o), "--json", str(out), "--plot", str(plot)]) == 0
+    summaries = json.loads(out.read_text())["summaries"]
+    assert [(s["policy"], s["budget"]) for s in summaries] == [
+        ("full", None), ("h2o", 0.5), ("local", 0.5), ("h2o", 24), ("local", 24)]
+    assert all(s["n"] == 3 and s["agreement"] is not None and s["tokens_per_s"] > 0 for s in summaries)
+    assert summaries[0]["agreement"] == 1.0
+    assert plot.stat().st_size > 0
+    assert "agree w/ full" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("budgets, message", [("64,abc", "budget 'abc'"), ("1", "budget '1'"), ("1.5", "budget '1.5'"),
+                                              ("0", "budget '0'"), (",", "--budgets is empty")])
+def test_bad_budgets_are_one_line_errors(budgets, message, capsys, monkeypatch):
+    import h2okv.models
+    from h2okv.cli import main
+
+    monkeypatch.setattr(h2okv.models, "load_model", lambda *a, **k: pytest.fail("validation comes first"))
+    assert main(["eval", "reasoning", "--budgets", budgets]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_resume_refuses_another_setup(tiny_chat, tmp_path, capsys):
+    from h2okv.cli import main
+
+    piece = tmp_path / "p.json"
+    args = ["eval", "reasoning", "--limit", "1", "--policies", "full", "--max-new-tokens", "3", "--json", str(piece)]
+    assert main(args) == 0
+    assert main([*args[:-2], "--max-new-tokens", "4", "--json", str(piece), "--resume"]) == 2
+    assert "--resume" in capsys.readouterr().err
