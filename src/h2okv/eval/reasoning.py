@@ -18,6 +18,7 @@ merges pieces (per policy, per problem range) into the table and the plot.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -91,7 +92,9 @@ def run_batch(model, tokenizer, setup: Setup, problems: list[Problem], policy: s
             "kv_slots": result.kv_slots,
         })
     timing = {"policy": policy, "budget": budget, "rows": len(problems),
-              "new_tokens": sum(r["new_tokens"] for r in rows), "seconds": round(seconds, 3)}
+              "new_tokens": sum(r["new_tokens"] for r in rows), "seconds": round(seconds, 3),
+              # the machine may be shared: the 1-minute load average when the batch ended, for context
+              "load_avg_1m": round(os.getloadavg()[0], 2)}
     return rows, timing
 
 
