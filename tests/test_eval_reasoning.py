@@ -144,7 +144,8 @@ def test_pieces_merge_into_one_report(tiny_chat, tmp_path, capsys):
     summaries = json.loads(out.read_text())["summaries"]
     assert [(s["policy"], s["budget"]) for s in summaries] == [
         ("full", None), ("h2o", 0.5), ("local", 0.5), ("h2o", 24), ("local", 24)]
-    assert all(s["n"] == 3 and s["agreement"] is not None and s["tokens_per_s"] > 0 for s in summaries)
+    assert all(s["n"] == 3 and s["agreement"] is not None and s["tokens_per_s"] > 0 and s["tokens_per_cpu_s"] > 0
+               for s in summaries)
     assert summaries[0]["agreement"] == 1.0
     assert plot.stat().st_size > 0
     assert "agree w/ full" in capsys.readouterr().out

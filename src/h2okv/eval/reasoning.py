@@ -78,10 +78,10 @@ def run_batch(model, tokenizer, setup: Setup, problems: list[Problem], policy: s
     prompts = [prompt_ids(tokenizer, p, setup.style) for p in problems]
     fraction, slots = (budget, None) if isinstance(budget, float) else (None, budget)
     cache = new_cache(model, policy, fraction, seed=setup.seed, slots=slots)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     results = greedy_rows(model, prompts, cache, setup.max_new_tokens, eos_ids, stop=stop, decode=tokenizer.decode,
                           pad_id=tokenizer.pad_token_id or 0)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     rows = []
     for problem, prompt, result in zip(problems, prompts, results, strict=True):
         predicted = extract_answer(setup.task, answer_text(tokenizer, result.token_ids, stop))
@@ -93,7 +93,9 @@ def run_batch(model, tokenizer, setup: Setup, problems: list[Problem], policy: s
         })
     timing = {"policy": policy, "budget": budget, "rows": len(problems),
               "new_tokens": sum(r["new_tokens"] for r in rows), "seconds": round(seconds, 3),
-              # the machine may be shared: the 1-minute load average when the batch ended, for context
+              # the machine may be shared: this process's CPU time (all its threads) does not count the
+              # time others took, and the 1-minute load average when the batch ended gives the context
+              "cpu_seconds": round(cpu_seconds, 3),
               "load_avg_1m": round(os.getloadavg()[0], 2)}
     return rows, timing
 

@@ -9,7 +9,8 @@ prompt style, policy, budget, problem id), and a problem graded twice keeps its 
   (both without an answer counts as agreeing), over the problems full also ran;
 - mean generated length (does eviction make answers longer?), mean prompt + answer length;
 - mean KV bytes a problem's cache holds at its end (live slots), and generated tokens per second
-  over the batches that ran it (prefill included).
+  over the batches that ran it (prefill included), per wall-clock second and per second of the
+  process's CPU time (on a shared machine the second does not count the time other jobs took).
 """
 
 from __future__ import annotations
@@ -64,17 +65,18 @@ def summarize(rows: list[dict], batches: list[dict]) -> list[dict]:
     for row in rows:
         cells[tuple(row[k] for k in GROUP) + (row["policy"], row["budget"])].append(row)
     full = {tuple(r[k] for k in GROUP) + (r["id"],): r["predicted"] for r in rows if r["budget"] is None}
-    speed = defaultdict(lambda: [0, 0.0])
+    speed = defaultdict(lambda: [0, 0.0, 0.0])
     for b in batches:
         key = tuple(b[k] for k in GROUP) + (b["policy"], b["budget"])
         speed[key][0] += b["new_tokens"]
         speed[key][1] += b["seconds"]
+        speed[key][2] += b.get("cpu_seconds") or float("nan")  # pieces from before it was recorded: unknown
     out = []
     for key, group in cells.items():
         n = len(group)
         scores = [float(r["correct"]) for r in group]
         paired = [(r, full[key[:3] + (r["id"],)]) for r in group if key[:3] + (r["id"],) in full]
-        tokens, seconds = speed[key]
+        tokens, seconds, cpu_seconds = speed[key]
         out.append({
             **dict(zip(GROUP, key[:3], strict=True)), "policy": key[3], "budget": key[4], "n": n,
             "accuracy": sum(scores) / n, "stderr": mean_stderr(scores) if n > 1 else None,
@@ -84,6 +86,7 @@ def summarize(rows: list[dict], batches: list[dict]) -> list[dict]:
             "hit_max_new_tokens": sum(r["finish"] == "length" for r in group) / n,
             "mean_kv_bytes": sum(r["kv_bytes"] for r in group) / n,
             "tokens_per_s": tokens / seconds if seconds else None,
+            "tokens_per_cpu_s": tokens / cpu_seconds if cpu_seconds and cpu_seconds == cpu_seconds else None,
         })
     out.sort(key=lambda s: (*(s[k] for k in GROUP), s["budget"] is not None, _budget_order(s["budget"]), s["policy"]))
     return out
@@ -91,7 +94,7 @@ def summarize(rows: list[dict], batches: list[dict]) -> list[dict]:
 
 def summary_table(summaries: list[dict]) -> str:
     headers = ["model", "task", "style", "policy", "budget", "n", "accuracy", "agree w/ full", "gen len",
-               "final len", "at max", "KV MiB", "tok/s"]
+               "final len", "at max", "KV MiB", "tok/s", "tok/cpu-s"]
     table = []
     for s in summaries:
         accuracy = f"{s['accuracy']:.1%}" + (f" ± {s['stderr']:.1%}" if s["stderr"] is not None else "")
@@ -100,6 +103,7 @@ def summary_table(summaries: list[dict]) -> str:
             "-" if s["agreement"] is None else f"{s['agreement']:.1%}", round(s["mean_new_tokens"], 1),
             round(s["mean_final_length"], 1), f"{s['hit_max_new_tokens']:.0%}", round(s["mean_kv_bytes"] / 2**20, 2),
             None if s["tokens_per_s"] is None else round(s["tokens_per_s"], 2),
+            None if s["tokens_per_cpu_s"] is None else round(s["tokens_per_cpu_s"], 2),
         ])
     return format_table(headers, table)
 
