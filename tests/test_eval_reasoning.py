@@ -130,7 +130,8 @@ def test_pieces_merge_into_one_report(tiny_chat, tmp_path, capsys):
 
     common = ["eval", "reasoning", "--limit", "3", "--max-new-tokens", "6", "--batch-size", "2"]
     full, h2o = tmp_path / "full.json", tmp_path / "h2o.json"
-    assert main([*common, "--policies", "full", "--json", str(full)]) == 0
+    assert main([*common, "--policies", "full", "--json", str(full), "--keep-text"]) == 0
+    assert all(isinstance(r["text"], str) for r in json.loads(full.read_text())["rows"])
     assert main([*common, "--policies", "h2o,local", "--budgets", "0.5,24", "--json", str(h2o)]) == 0
     piece = json.loads(h2o.read_text())
     assert len(piece["rows"]) == 2 * 2 * 3 and len(piece["batches"]) == 2 * 2 * 2  # 3 problems in batches of 2

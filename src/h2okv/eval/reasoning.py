@@ -72,8 +72,10 @@ def runs_of(policies: list[str], budgets: list) -> list[tuple[str, int | float |
         (p, b) for p in policies if policy_class(p).evicts for b in budgets]
 
 
-def run_batch(model, tokenizer, setup: Setup, problems: list[Problem], policy: str, budget, eos_ids) -> tuple[list[dict], dict]:
-    """Grade one batch under one (policy, budget): ``(rows, timing)``."""
+def run_batch(model, tokenizer, setup: Setup, problems: list[Problem], policy: str, budget, eos_ids,
+              keep_text: bool = False) -> tuple[list[dict], dict]:
+    """Grade one batch under one (policy, budget): ``(rows, timing)``; ``keep_text``: each row keeps
+    the generated text (to check the grading by eye; ~1 KB a problem)."""
     stop = () if setup.style == "chat" else problems[0].stop
     prompts = [prompt_ids(tokenizer, p, setup.style) for p in problems]
     fraction, slots = (budget, None) if isinstance(budget, float) else (None, budget)
@@ -84,12 +86,13 @@ def run_batch(model, tokenizer, setup: Setup, problems: list[Problem], policy: s
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     rows = []
     for problem, prompt, result in zip(problems, prompts, results, strict=True):
-        predicted = extract_answer(setup.task, answer_text(tokenizer, result.token_ids, stop))
+        text = answer_text(tokenizer, result.token_ids, stop)
+        predicted = extract_answer(setup.task, text)
         rows.append({
             **asdict(setup), "policy": policy, "budget": budget, "id": problem.id, "prompt_tokens": len(prompt),
             "new_tokens": len(result.token_ids), "finish": result.finish, "predicted": predicted, "gold": problem.gold,
             "correct": is_correct(setup.task, predicted, problem.gold), "kv_bytes": result.kv_bytes,
-            "kv_slots": result.kv_slots,
+            "kv_slots": result.kv_slots, **({"text": text} if keep_text else {}),
         })
     timing = {"policy": policy, "budget": budget, "rows": len(problems),
               "new_tokens": sum(r["new_tokens"] for r in rows), "seconds": round(seconds, 3),
@@ -101,7 +104,7 @@ def run_batch(model, tokenizer, setup: Setup, problems: list[Problem], policy: s
 
 
 def reasoning_grid(model, tokenizer, setup: Setup, problems: list[Problem], policies, budgets, piece: dict | None = None,
-                   on_batch=None, progress=True) -> dict:
+                   on_batch=None, progress=True, keep_text=False) -> dict:
     """Run every (policy, budget) over ``problems``; returns the piece (``PIECE_FORMAT``).
     ``piece``: one to go on from (its rows are kept, the problems they cover skipped);
     ``on_batch(piece)`` is called after every batch (the command writes the JSON there)."""
@@ -118,7 +121,7 @@ def reasoning_grid(model, tokenizer, setup: Setup, problems: list[Problem], poli
               disable=not progress) as bar:
         for policy, budget, batch in work:
             bar.set_postfix_str(f"{policy} {budget_label(budget)}")
-            rows, timing = run_batch(model, tokenizer, setup, batch, policy, budget, eos)
+            rows, timing = run_batch(model, tokenizer, setup, batch, policy, budget, eos, keep_text)
             piece["rows"] += rows
             piece["batches"].append(timing)
             if on_batch is not None:

@@ -38,6 +38,7 @@ def register(kinds) -> None:
     p.add_argument("--json", default=None, help="the piece: every graded problem, rewritten after each batch")
     p.add_argument("--resume", action="store_true", help="go on from the --json piece: skip the problems it holds")
     p.add_argument("--plot", default=None, help="accuracy vs budget PNG of this run")
+    p.add_argument("--keep-text", action="store_true", help="keep each generated answer's text in the piece")
     p.set_defaults(func=run)
 
 
@@ -78,7 +79,8 @@ def run(args) -> int:
                   max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed)
     save = (lambda piece: write_json(piece, args.json)) if args.json else None
     start = time.perf_counter()
-    piece = reasoning_grid(model, tokenizer, setup, problems, policies, budgets, piece=_resumed(args, setup), on_batch=save)
+    piece = reasoning_grid(model, tokenizer, setup, problems, policies, budgets, piece=_resumed(args, setup), on_batch=save,
+                           keep_text=args.keep_text)
     summaries = summarize(piece["rows"], [{**{k: setup.__dict__[k] for k in ("model", "task", "style")}, **b}
                                           for b in piece["batches"]])
     print(f"{args.task}, {args.prompt} prompts, problems {args.offset}..{args.offset + len(problems) - 1}, "
