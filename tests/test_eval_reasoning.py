@@ -172,3 +172,21 @@ def test_resume_refuses_another_setup(tiny_chat, tmp_path, capsys):
     assert main(args) == 0
     assert main([*args[:-2], "--max-new-tokens", "4", "--json", str(piece), "--resume"]) == 2
     assert "--resume" in capsys.readouterr().err
+
+
+def test_fewshot_prompts_are_the_files_own(tiny_chat, tmp_path):
+    """--prompt fewshot feeds the request file's few-shot context as plain text and cuts at its stops."""
+    import json
+
+    from h2okv.cli import main
+    from h2okv.eval.reasoning import answer_text, prompt_ids
+
+    _, tok = tiny_chat
+    problem = load_problems("math500", limit=1, root=FIXTURE)[0]
+    assert tok.decode(prompt_ids(tok, problem, "fewshot")) == problem.fewshot_context
+    assert answer_text(tok, tok("x = 1\n\nProblem: next")["input_ids"], problem.stop) == "x = 1"
+    piece = tmp_path / "few.json"
+    assert main(["eval", "reasoning", "--task", "math500", "--prompt", "fewshot", "--limit", "2", "--policies", "h2o",
+                 "--budgets", "32", "--max-new-tokens", "4", "--json", str(piece)]) == 0
+    rows = json.loads(piece.read_text())["rows"]
+    assert [r["style"] for r in rows] == ["fewshot", "fewshot"] and all(r["new_tokens"] <= 4 for r in rows)
