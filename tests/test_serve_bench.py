@@ -114,3 +114,21 @@ def test_drive_with_poisson_arrivals(tiny):
         report = asyncio.run(drive(url, payloads, concurrency=6, arrivals=arrivals))
     assert report.summary["ok"] == 6 and report.summary["completion_tokens"] == 24
     assert report.wall_s >= arrivals[-1] > 0
+
+
+def test_gsm8k_profile_grades_the_served_answers(tiny, tmp_path, monkeypatch):
+    """The reasoning profile sends the fixture's GSM8K problems as chat prompts and grades every answer."""
+    from pathlib import Path
+
+    monkeypatch.setenv("H2OKV_OE_EVAL_TASKS", str(Path(__file__).parent / "fixtures" / "oe_eval_tasks"))
+    out = tmp_path / "gsm8k.json"
+    code = main(["serve-bench", "--profile", "gsm8k", "--requests", "3", "--max-tokens", "5", "--heavy", "16",
+                 "--recent", "16", "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["task"] == "gsm8k" and result["config"]["max_tokens"] == 5
+    for row in result["results"]:
+        assert row["ok"] == row["graded"] == 3 and 0 <= row["correct"] <= 3
+        assert row["accuracy"] == round(row["correct"] / 3, 4)
+    assert result["command"].startswith("h2okv serve-bench --profile gsm8k")
+    assert "--prompt-tokens" not in result["command"]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, LogitsProcessorList, TextStreamer
 
-from h2okv.core import DEFAULT_CHUNK, H2OCache, fraction_budget
+from h2okv.core import DEFAULT_CHUNK, H2OCache, fraction_budget, slot_budget
 from h2okv.core.budget import DEFAULT_RECENT_SHARE
 from h2okv.errors import H2OError
 
@@ -28,15 +28,17 @@ def budget_kwargs(heavy=None, recent=None, heavy_ratio=None, recent_ratio=None) 
 
 
 def new_cache(model, policy: str | None, fraction: float | None = None, chunk_size: int = DEFAULT_CHUNK,
-              seed: int = 0, recent_share: float = DEFAULT_RECENT_SHARE, prefill: str = "chunked"):
+              seed: int = 0, recent_share: float = DEFAULT_RECENT_SHARE, prefill: str = "chunked",
+              slots: int | None = None):
     """The cache for one run: an ``H2OCache`` under ``policy`` keeping ``fraction`` of each prompt
-    (``fraction_budget``, ``recent_share`` of it recent; ignored for a policy that keeps
-    everything) with the ``prefill`` mode (``H2OCache``), or, for ``policy=None``, the plain
+    (``fraction_budget``, ``recent_share`` of it recent) or, given ``slots``, that many tokens per
+    layer and KV head (``slot_budget``, half recent) - both ignored for a policy that keeps
+    everything - with the ``prefill`` mode (``H2OCache``), or, for ``policy=None``, the plain
     ``DynamicCache`` transformers runs by default (the benchmarks' baseline)."""
     if policy is None:
         return DynamicCache(config=model.config)
-    return H2OCache(model, policy=policy, chunk_size=chunk_size, seed=seed, prefill=prefill,
-                    **fraction_budget(policy, fraction, recent_share))
+    budget = fraction_budget(policy, fraction, recent_share) if slots is None else slot_budget(policy, slots)
+    return H2OCache(model, policy=policy, chunk_size=chunk_size, seed=seed, prefill=prefill, **budget)
 
 
 def pad_rows(rows: list[list[int]], pad_id: int, device="cpu", side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:

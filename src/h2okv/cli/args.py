@@ -122,6 +122,29 @@ def parse_budgets(text: str) -> list[float]:
     return sorted(set(budgets))
 
 
+def parse_kv_budgets(text: str) -> list[int | float]:
+    """Comma-separated budgets, each either slots per layer and KV head (an integer >= 2: ``128``)
+    or a fraction of each prompt (a number with a point, in (0, 1]: ``0.25``); both may be mixed."""
+    budgets = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if part.isdigit() and int(part) >= 2:
+            budgets.append(int(part))
+            continue
+        try:
+            value = float(part) if "." in part else None
+        except ValueError:
+            value = None
+        if value is None or not 0.0 < value <= 1.0:
+            raise H2OError(f"budget {part!r}: give slots per layer and head (an integer >= 2, e.g. 128) "
+                           "or a fraction of the prompt with a point (e.g. 0.25)")
+        budgets.append(value)
+    if not budgets:
+        raise H2OError("--budgets is empty; give e.g. 64,128,256,512 (slots) or 0.1,0.2 (fractions)")
+    return sorted(set(budgets), key=lambda b: (isinstance(b, int), b))
+
+
 # -- argument groups -------------------------------------------------------------------------------
 def add_model_args(parser: argparse.ArgumentParser, device: bool = True) -> None:
     parser.add_argument("--model", default=None, help="HF id, local directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")

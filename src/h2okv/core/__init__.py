@@ -8,11 +8,11 @@
 | ``step.py`` | the eviction rule (once), the general step, the decode fast path |
 | ``scan.py`` | per-token eviction over a whole call, the recurrence only |
 | ``storage.py`` | one layer's slot buffers; resize/compaction and row operations |
-| ``budget.py`` | ``BudgetSpec``: what the user asked for, resolved per row; a budget fraction's split, once |
+| ``budget.py`` | ``BudgetSpec``: what the user asked for, resolved per row; a budget fraction's (and slot count's) split, once |
 | ``cache.py`` | ``H2OCache`` and its public row operations |
 """
 
-from h2okv.core.budget import BudgetSpec, fraction_budget
+from h2okv.core.budget import BudgetSpec, fraction_budget, slot_budget
 
 # the cache and its layers load transformers on first use: budget arithmetic (reports, argument
 # checks) should not pay for it
@@ -29,4 +29,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["DEFAULT_CHUNK", "BudgetSpec", "H2OCache", "SlotLayer", "fraction_budget"]
+__all__ = ["DEFAULT_CHUNK", "BudgetSpec", "H2OCache", "SlotLayer", "fraction_budget", "slot_budget"]

@@ -63,6 +63,13 @@ class BudgetSpec:
         share = check_recent_share(recent_share)
         return cls(heavy_ratio=fraction * (1 - share), recent_ratio=fraction * share)
 
+    @classmethod
+    def from_slots(cls, slots: int) -> BudgetSpec:
+        """Keep ``slots`` tokens per (layer, KV head) whatever the prompt's length, split like
+        ``from_fraction``: half heavy hitters, half recent tokens (the odd slot is recent)."""
+        heavy = int(slots) // 2
+        return cls(heavy=heavy, recent=int(slots) - heavy)
+
     @property
     def is_ratio(self) -> bool:
         return self.heavy_ratio is not None
@@ -95,3 +102,12 @@ def fraction_budget(policy: str, fraction: float | None, recent_share: float = D
         return {}
     spec = BudgetSpec.from_fraction(fraction, recent_share)
     return {"heavy_ratio": spec.heavy_ratio, "recent_ratio": spec.recent_ratio}
+
+
+def slot_budget(policy: str, slots: int | None) -> dict:
+    """The ``H2OCache`` budget keywords for keeping ``slots`` tokens per (layer, KV head)
+    (``from_slots``); none for a policy that keeps every token."""
+    if not policy_class(policy).evicts:
+        return {}
+    spec = BudgetSpec.from_slots(slots)
+    return {"heavy": spec.heavy, "recent": spec.recent}

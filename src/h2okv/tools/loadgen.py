@@ -8,9 +8,11 @@ request holds, hence how many run at once. ``--schedules budget,serial`` repeats
 both prefill schedules; ``--arrival-rate`` sends requests at Poisson arrival times instead of all at
 once.
 
-Two profiles (``--profile``): ``prefill-heavy`` (long prompts, few new tokens: the workload of the
-first serve-bench) and ``decode-heavy`` (short prompts, long generations: the paper's dialogue and
-story-writing setting, where the KV cache grows with every generated token).
+Three profiles (``--profile``): ``prefill-heavy`` (long prompts, few new tokens: the workload of the
+first serve-bench), ``decode-heavy`` (short prompts, long generations: the paper's dialogue and
+story-writing setting, where the KV cache grows with every generated token) and ``gsm8k`` (real
+GSM8K problems as 0-shot chat prompts, greedy until EOS, each served answer graded like
+``h2okv eval reasoning`` grades it: throughput comes with the accuracy it was served at).
 """
 
 from __future__ import annotations
@@ -196,20 +198,50 @@ def hamlet_prompts(tokenizer, count: int, tokens: int) -> list[list[int]]:
     return [ids[(i * 7919) % span:(i * 7919) % span + tokens] for i in range(count)]
 
 
+def reasoning_payloads(tokenizer, task: str, count: int, max_tokens: int, model_name: str):
+    """``(payloads, problems)``: the first ``count`` problems of ``task`` as ``eval reasoning``'s 0-shot
+    chat prompts (token ids), greedy, ending at EOS."""
+    from h2okv.eval.reasoning import prompt_ids
+    from h2okv.eval.reasoning_data import load_problems
+
+    problems = load_problems(task, count)
+    payloads = [{"model": model_name, "prompt": prompt_ids(tokenizer, p, "chat"), "max_tokens": max_tokens,
+                 "temperature": 0.0} for p in problems]
+    return payloads, problems
+
+
+def grade(results: list[RequestResult], problems) -> dict:
+    """Accuracy of the served answers (a failed request counts as wrong), graded as ``eval reasoning`` does."""
+    from lm_eval.api.metrics import mean_stderr
+
+    from h2okv.eval.answers import extract_answer, is_correct
+
+    scores = [float(r.ok and is_correct(p.task, extract_answer(p.task, r.text), p.gold))
+              for r, p in zip(results, problems, strict=True)]
+    return {"accuracy": round(sum(scores) / len(scores), 4),
+            "accuracy_stderr": round(mean_stderr(scores), 4) if len(scores) > 1 else None,
+            "correct": int(sum(scores)), "graded": len(scores)}
+
+
 def bench(model, tokenizer, *, policies: list[str], kv_memory: int, requests: int, concurrency: int,
-          prompt_tokens: int, max_tokens: int, budget: dict | None = None, prefill_chunk: int = 128,
+          prompt_tokens: int | None, max_tokens: int, budget: dict | None = None, prefill_chunk: int = 128,
           max_batch: int = 64, model_name: str = "bench", schedules: tuple[str, ...] = ("budget",),
-          step_tokens: int = 512, arrival_rate: float | None = None, seed: int = 0, progress=print) -> dict:
+          step_tokens: int = 512, arrival_rate: float | None = None, seed: int = 0, task: str | None = None,
+          progress=print) -> dict:
     """Serve ``model`` once per (schedule, policy) at the same ``kv_memory``; drive each with the same
-    prompts (and arrival times)."""
+    prompts (and arrival times): Hamlet cuts of ``prompt_tokens`` generating ``max_tokens`` each, or,
+    with ``task``, that task's problems, graded."""
     from h2okv.policies import make_policy
     from h2okv.serve.api.app import create_app
     from h2okv.serve.api.server import running_server
     from h2okv.serve.eviction import EvictionDefaults
 
-    prompts = hamlet_prompts(tokenizer, requests, prompt_tokens)
-    payloads = [{"model": model_name, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
-                 "ignore_eos": True} for p in prompts]
+    problems = None
+    if task:
+        payloads, problems = reasoning_payloads(tokenizer, task, requests, max_tokens, model_name)
+    else:
+        payloads = [{"model": model_name, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
+                     "ignore_eos": True} for p in hamlet_prompts(tokenizer, requests, prompt_tokens)]
     arrivals = None if arrival_rate is None else poisson_arrivals(requests, arrival_rate, seed)
     rows = []
     for schedule in schedules:
@@ -240,6 +272,7 @@ def bench(model, tokenizer, *, policies: list[str], kv_memory: int, requests: in
                 "evicted_tokens": int(after["h2okv_evicted_tokens_total"]),
                 # the machine may be shared: 1-minute load averages around the run, for context
                 "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                **(grade(report.results, problems) if problems else {}),
             }
             rows.append(row)
             progress(format_row(row))
@@ -247,7 +280,7 @@ def bench(model, tokenizer, *, policies: list[str], kv_memory: int, requests: in
         "config": {"kv_memory": kv_memory, "requests": requests, "concurrency": concurrency,
                    "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "budget": budget or {},
                    "prefill_chunk": prefill_chunk, "max_batch": max_batch, "schedules": list(schedules),
-                   "step_tokens": step_tokens, "arrival_rate": arrival_rate, "seed": seed,
+                   "step_tokens": step_tokens, "arrival_rate": arrival_rate, "seed": seed, "task": task,
                    "bytes_per_token": app.state.engine.slot_bytes, "device": str(model.device),
                    "dtype": str(model.dtype).removeprefix("torch."),
                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()},
@@ -270,6 +303,9 @@ def ratios(rows: list[dict]) -> dict:
             out[f"{schedule}/h2o_vs_full_tokens_per_s"] = tokens
             if h2o["itl_p95_s"] and full["itl_p95_s"]:
                 out[f"{schedule}/full_vs_h2o_itl_p95"] = round(full["itl_p95_s"] / h2o["itl_p95_s"], 3)
+            if full.get("accuracy_stderr"):  # served answers graded: h2o's accuracy in full's standard errors
+                gap = (h2o["accuracy"] - full["accuracy"]) / full["accuracy_stderr"]
+                out[f"{schedule}/h2o_minus_full_accuracy_in_stderr"] = round(gap, 3)
     for policy in dict.fromkeys(r["policy"] for r in rows):
         serial, budget = by.get(("serial", policy)), by.get(("budget", policy))
         if serial and budget and serial["ttft_p95_s"] and budget["ttft_p95_s"]:
@@ -286,7 +322,8 @@ def _probe_request(payload, eviction, engine):
 
 
 def format_row(row: dict) -> str:
-    return (f"{row['policy']:>6} ({row['schedule']}): {row['ok']}/{row['requests']} ok, {row['requests_per_s']} req/s, "
+    graded = f", accuracy {row['correct']}/{row['graded']}" if "graded" in row else ""
+    return (f"{row['policy']:>6} ({row['schedule']}): {row['ok']}/{row['requests']} ok{graded}, {row['requests_per_s']} req/s, "
             f"{row['tokens_per_s']} tok/s, TTFT p50 {row['ttft_p50_s']} s p95 {row['ttft_p95_s']} s, "
             f"ITL p50 {row['itl_p50_s']} s p95 {row['itl_p95_s']} s, queue p95 {row['queue_p95_s']} s, "
             f"max batch {row['max_concurrent_batch']}, KV/request {row['kv_bytes_per_request'] / 2**20:.2f} MiB, "
@@ -298,7 +335,7 @@ def bench_command(args) -> str:
     parts = ["h2okv serve-bench", f"--profile {args.profile}", f"--kv-memory {args.kv_memory}",
              f"--policies {args.policies}", f"--schedules {args.schedules}",
              f"--requests {args.requests}", f"--concurrency {args.concurrency}",
-             f"--prompt-tokens {args.prompt_tokens}", f"--max-tokens {args.max_tokens}",
+             *([f"--prompt-tokens {args.prompt_tokens}"] if args.prompt_tokens else []), f"--max-tokens {args.max_tokens}",
              f"--chunk-size {args.chunk_size}", f"--step-tokens {args.step_tokens}", f"--max-batch {args.max_batch}"]
     for name in ("heavy", "recent", "heavy_ratio", "recent_ratio", "arrival_rate", "model", "device", "dtype",
                  "json"):
@@ -314,6 +351,10 @@ PROFILES = {
     # the issue's example: long generations from short prompts, a fixed 64 + 64 budget
     "decode-heavy": {"kv_memory": 256 << 20, "requests": 32, "concurrency": 32, "prompt_tokens": 128,
                      "max_tokens": 1024, "heavy": 64, "recent": 64},
+    # served reasoning: real GSM8K problems (0-shot chat, ~70-150 prompt tokens), up to 512 new
+    # tokens until EOS, graded; a fixed 64 + 64 budget (eval reasoning's 128-slot point)
+    "gsm8k": {"kv_memory": 64 << 20, "requests": 32, "concurrency": 32, "max_tokens": 512, "heavy": 64, "recent": 64,
+              "task": "gsm8k"},
 }
 
 
@@ -353,7 +394,7 @@ def run(args) -> int:
                    concurrency=args.concurrency, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                    budget=budget, prefill_chunk=args.chunk_size, max_batch=args.max_batch,
                    model_name=args.model or "smollm2", schedules=schedules, step_tokens=args.step_tokens,
-                   arrival_rate=args.arrival_rate, seed=args.seed)
+                   arrival_rate=args.arrival_rate, seed=args.seed, task=getattr(args, "task", None))
     result["command"] = bench_command(args)
     if args.json:
         path = Path(args.json)

@@ -1,0 +1,94 @@
+"""``h2okv eval reasoning``: GSM8K / MATH-500 step by step under every policy and KV budget
+(``h2okv.eval.reasoning``)."""
+
+from __future__ import annotations
+
+from h2okv.cli.args import (
+    add_model_args,
+    add_threads_arg,
+    apply_threads,
+    parse_kv_budgets,
+    parse_policies,
+    positive_int,
+)
+from h2okv.errors import H2OError
+
+DEFAULT_POLICIES = "full,h2o,h2o-mean,tova,snapkv,h2o-sink,sink,local"
+DEFAULT_BUDGETS = "64,128,256,512"
+
+
+def register(kinds) -> None:
+    p = kinds.add_parser("reasoning", help="step-by-step math (GSM8K, MATH-500) generated under a KV budget")
+    add_model_args(p)
+    p.add_argument("--task", choices=("gsm8k", "math500"), default="gsm8k", help="problem set (default: gsm8k)")
+    p.add_argument("--prompt", choices=("chat", "fewshot"), default="chat",
+                   help="chat: 0-shot in the model's chat template, final answer in \\boxed{}; fewshot: the "
+                        "request file's own few-shot prompt as plain text (default: chat)")
+    p.add_argument("--limit", type=positive_int, default=None, help="number of problems (default: all)")
+    p.add_argument("--offset", type=int, default=0, help="first problem (0-based; pieces take consecutive ranges)")
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default: {DEFAULT_POLICIES})")
+    p.add_argument("--budgets", default=DEFAULT_BUDGETS,
+                   help="KV budgets: integers are slots per layer and KV head (half heavy hitters, half recent), "
+                        f"numbers with a point are fractions of the prompt (default: {DEFAULT_BUDGETS})")
+    p.add_argument("--max-new-tokens", type=positive_int, default=512, help="(default: 512)")
+    p.add_argument("--batch-size", type=positive_int, default=8,
+                   help="problems per batch, left-padded; each row evicts and stops on its own (default: 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random policy")
+    add_threads_arg(p)
+    p.add_argument("--json", default=None, help="the piece: every graded problem, rewritten after each batch")
+    p.add_argument("--resume", action="store_true", help="go on from the --json piece: skip the problems it holds")
+    p.add_argument("--plot", default=None, help="accuracy vs budget PNG of this run")
+    p.add_argument("--keep-text", action="store_true", help="keep each generated answer's text in the piece")
+    p.set_defaults(func=run)
+
+
+def _resumed(args, setup) -> dict | None:
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from h2okv.eval.reasoning_report import read_piece
+
+    if not (args.resume and args.json and Path(args.json).is_file()):
+        return None
+    piece = read_piece(args.json)
+    if piece["setup"] != asdict(setup):
+        raise H2OError(f"--resume: {args.json} was run with {piece['setup']}, not {asdict(setup)}")
+    return piece
+
+
+def run(args) -> int:
+    import time
+
+    from h2okv.eval.plots import check_output_paths, write_json
+    from h2okv.eval.reasoning import Setup, reasoning_grid
+    from h2okv.eval.reasoning_data import load_problems
+    from h2okv.eval.reasoning_report import plot_accuracy, summarize, summary_table
+    from h2okv.models import load_model
+
+    policies = parse_policies(args.policies)
+    budgets = parse_kv_budgets(args.budgets)
+    if args.offset < 0:
+        raise H2OError(f"--offset must be >= 0, got {args.offset}")
+    if args.resume and not args.json:
+        raise H2OError("--resume needs --json (the piece to go on from)")
+    check_output_paths(args.json, args.plot)
+    problems = load_problems(args.task, args.limit, args.offset)
+    apply_threads(args.threads)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    setup = Setup(model=args.model or model.name_or_path, task=args.task, style=args.prompt,
+                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed)
+    save = (lambda piece: write_json(piece, args.json)) if args.json else None
+    start = time.perf_counter()
+    piece = reasoning_grid(model, tokenizer, setup, problems, policies, budgets, piece=_resumed(args, setup), on_batch=save,
+                           keep_text=args.keep_text)
+    summaries = summarize(piece["rows"], [{**{k: setup.__dict__[k] for k in ("model", "task", "style")}, **b}
+                                          for b in piece["batches"]])
+    print(f"{args.task}, {args.prompt} prompts, problems {args.offset}..{args.offset + len(problems) - 1}, "
+          f"greedy, up to {args.max_new_tokens} new tokens, batches of {args.batch_size}")
+    print(summary_table(summaries))
+    print(f"{time.perf_counter() - start:.1f} s")
+    if args.json:
+        print(f"wrote {args.json}")
+    if args.plot:
+        print(f"wrote {plot_accuracy(summaries, args.plot)}")
+    return 0

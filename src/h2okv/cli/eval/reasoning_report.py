@@ -1,0 +1,33 @@
+"""``h2okv eval reasoning-report``: ``eval reasoning`` pieces merged into one table and one plot
+(``h2okv.eval.reasoning_report``)."""
+
+from __future__ import annotations
+
+from h2okv.errors import H2OError
+
+
+def register(kinds) -> None:
+    p = kinds.add_parser("reasoning-report", help="merge `eval reasoning` JSON pieces into one table and plot")
+    p.add_argument("pieces", nargs="+", help="JSON files written by `h2okv eval reasoning --json`")
+    p.add_argument("--json", default=None, help="write the merged summaries here")
+    p.add_argument("--plot", default=None, help="accuracy vs budget PNG (full as a horizontal band)")
+    p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from h2okv.eval.plots import check_output_paths, write_json
+    from h2okv.eval.reasoning_report import markdown_table, merge, plot_accuracy, summarize, summary_table
+
+    check_output_paths(args.json, args.plot)
+    rows, batches = merge(args.pieces)
+    if not rows:
+        raise H2OError("the pieces hold no graded problems")
+    summaries = summarize(rows, batches)
+    print(markdown_table(summaries) if args.markdown else summary_table(summaries))
+    if args.json:
+        write_json({"pieces": list(args.pieces), "summaries": summaries}, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        print(f"wrote {plot_accuracy(summaries, args.plot)}")
+    return 0

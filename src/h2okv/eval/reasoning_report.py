@@ -1,0 +1,154 @@
+"""``h2okv eval reasoning-report``: ``eval reasoning`` pieces merged into one table and one plot.
+
+Pieces may split a grid by policy, by budget or by problem range; rows are keyed by (model, task,
+prompt style, policy, budget, problem id), and a problem graded twice keeps its last row. Per
+(policy, budget):
+
+- accuracy and its standard error (lm-eval's ``mean_stderr``: sample standard deviation / sqrt(n));
+- agreement with full: the share of problems whose final answer equals full's on the same problem
+  (both without an answer counts as agreeing), over the problems full also ran;
+- mean generated length (does eviction make answers longer?), mean prompt + answer length;
+- mean KV bytes a problem's cache holds at its end (live slots), and generated tokens per second
+  over the batches that ran it (prefill included), per wall-clock second and per second of the
+  process's CPU time (on a shared machine the second does not count the time other jobs took).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from h2okv.errors import H2OError
+from h2okv.eval.answers import INVALID, is_correct
+from h2okv.eval.plots import format_table, new_figure, policy_color, save_figure
+from h2okv.eval.reasoning import PIECE_FORMAT, budget_label
+
+GROUP = ("model", "task", "style")  # what a table and a panel are about
+
+
+def read_piece(path: str | Path) -> dict:
+    try:
+        piece = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise H2OError(f"cannot read piece {str(path)!r}: {exc}") from None
+    if not isinstance(piece, dict) or piece.get("format") != PIECE_FORMAT:
+        raise H2OError(f"{path} is not an `h2okv eval reasoning` piece (format {PIECE_FORMAT})")
+    return piece
+
+
+def merge(paths) -> tuple[list[dict], list[dict]]:
+    """``(rows, batches)`` of all pieces; a problem graded twice under the same setup keeps its last row."""
+    rows: dict[tuple, dict] = {}
+    batches = []
+    for path in paths:
+        piece = read_piece(path)
+        for row in piece["rows"]:
+            rows[tuple(row[k] for k in GROUP) + (row["policy"], row["budget"], row["id"])] = row
+        batches += [{**{k: piece["setup"][k] for k in GROUP}, **b} for b in piece["batches"]]
+    return list(rows.values()), batches
+
+
+def _same_answer(task: str, a: str, b: str) -> bool:
+    return (a == INVALID and b == INVALID) or is_correct(task, a, b)
+
+
+def _budget_order(budget) -> tuple:
+    return (0, 0.0) if budget is None else (1 if isinstance(budget, float) else 2, float(budget))
+
+
+def summarize(rows: list[dict], batches: list[dict]) -> list[dict]:
+    """One summary per (model, task, style, policy, budget), full first, then by policy and budget."""
+    from lm_eval.api.metrics import mean_stderr
+
+    cells = defaultdict(list)
+    for row in rows:
+        cells[tuple(row[k] for k in GROUP) + (row["policy"], row["budget"])].append(row)
+    full = {tuple(r[k] for k in GROUP) + (r["id"],): r["predicted"] for r in rows if r["budget"] is None}
+    speed = defaultdict(lambda: [0, 0.0, 0.0])
+    for b in batches:
+        key = tuple(b[k] for k in GROUP) + (b["policy"], b["budget"])
+        speed[key][0] += b["new_tokens"]
+        speed[key][1] += b["seconds"]
+        speed[key][2] += b.get("cpu_seconds") or float("nan")  # pieces from before it was recorded: unknown
+    out = []
+    for key, group in cells.items():
+        n = len(group)
+        scores = [float(r["correct"]) for r in group]
+        paired = [(r, full[key[:3] + (r["id"],)]) for r in group if key[:3] + (r["id"],) in full]
+        tokens, seconds, cpu_seconds = speed[key]
+        out.append({
+            **dict(zip(GROUP, key[:3], strict=True)), "policy": key[3], "budget": key[4], "n": n,
+            "accuracy": sum(scores) / n, "stderr": mean_stderr(scores) if n > 1 else None,
+            "agreement": (sum(_same_answer(key[1], r["predicted"], f) for r, f in paired) / len(paired)) if paired else None,
+            "mean_new_tokens": sum(r["new_tokens"] for r in group) / n,
+            "mean_final_length": sum(r["prompt_tokens"] + r["new_tokens"] for r in group) / n,
+            "hit_max_new_tokens": sum(r["finish"] == "length" for r in group) / n,
+            "mean_kv_bytes": sum(r["kv_bytes"] for r in group) / n,
+            "tokens_per_s": tokens / seconds if seconds else None,
+            "tokens_per_cpu_s": tokens / cpu_seconds if cpu_seconds and cpu_seconds == cpu_seconds else None,
+        })
+    out.sort(key=lambda s: (*(s[k] for k in GROUP), s["budget"] is not None, _budget_order(s["budget"]), s["policy"]))
+    return out
+
+
+def summary_table(summaries: list[dict]) -> str:
+    headers = ["model", "task", "style", "policy", "budget", "n", "accuracy", "agree w/ full", "gen len",
+               "final len", "at max", "KV MiB", "tok/s", "tok/cpu-s"]
+    table = []
+    for s in summaries:
+        accuracy = f"{s['accuracy']:.1%}" + (f" ± {s['stderr']:.1%}" if s["stderr"] is not None else "")
+        table.append([
+            Path(s["model"]).name, s["task"], s["style"], s["policy"], budget_label(s["budget"]), s["n"], accuracy,
+            "-" if s["agreement"] is None else f"{s['agreement']:.1%}", round(s["mean_new_tokens"], 1),
+            round(s["mean_final_length"], 1), f"{s['hit_max_new_tokens']:.0%}", round(s["mean_kv_bytes"] / 2**20, 2),
+            None if s["tokens_per_s"] is None else round(s["tokens_per_s"], 2),
+            None if s["tokens_per_cpu_s"] is None else round(s["tokens_per_cpu_s"], 2),
+        ])
+    return format_table(headers, table)
+
+
+def markdown_table(summaries: list[dict]) -> str:
+    lines = ["| policy | budget | n | accuracy | agreement with full | generated tokens | KV at end (MiB) | tokens/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for s in summaries:
+        se = f" ± {s['stderr']:.1%}" if s["stderr"] is not None else ""
+        agree = "-" if s["agreement"] is None else f"{s['agreement']:.1%}"
+        speed = "-" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:.2f}"
+        lines.append(f"| {s['policy']} | {budget_label(s['budget'])} | {s['n']} | {s['accuracy']:.1%}{se} | {agree} | "
+                     f"{s['mean_new_tokens']:.0f} | {s['mean_kv_bytes'] / 2**20:.2f} | {speed} |")
+    return "\n".join(lines)
+
+
+def plot_accuracy(summaries: list[dict], path) -> Path:
+    """Accuracy vs budget, one line per policy (error bars: one standard error), full as a
+    horizontal band (its accuracy ± one standard error); one panel per (model, task, style, kind
+    of budget)."""
+    panels = defaultdict(list)
+    for s in summaries:
+        if s["budget"] is not None:
+            panels[tuple(s[k] for k in GROUP) + (isinstance(s["budget"], int),)].append(s)
+    if not panels:
+        raise H2OError("nothing to plot: the pieces hold no evicting policy's rows")
+    fig, axes = new_figure(ncols=len(panels), width=6.0, height=4.2)
+    for ax, (key, group) in zip(axes[0], panels.items(), strict=True):
+        for f in (s for s in summaries if tuple(s[k] for k in GROUP) == key[:3] and s["budget"] is None):
+            low, high = f["accuracy"] - (f["stderr"] or 0), f["accuracy"] + (f["stderr"] or 0)
+            ax.axhspan(low, high, color="black", alpha=0.12, lw=0)
+            ax.axhline(f["accuracy"], color="black", lw=1.2, label=f"full ({f['accuracy']:.1%}, n={f['n']})")
+        for policy in dict.fromkeys(s["policy"] for s in group):
+            line = sorted((s for s in group if s["policy"] == policy), key=lambda s: s["budget"])
+            ax.errorbar([s["budget"] for s in line], [s["accuracy"] for s in line], yerr=[s["stderr"] or 0 for s in line],
+                        marker="o", ms=4, capsize=2, label=policy, color=policy_color(policy))
+        if key[3]:
+            ax.set_xscale("log", base=2)
+            ticks = sorted({s["budget"] for s in group})
+            ax.set_xticks(ticks, labels=[str(t) for t in ticks])
+            ax.set_xlabel("KV budget (slots per layer and KV head)")
+        else:
+            ax.set_xlabel("KV budget (fraction of the prompt)")
+        ax.set_ylabel("accuracy (exact match)")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{Path(key[0]).name}: {key[1]}, {key[2]}", fontsize=10)
+        ax.legend(fontsize=7)
+    return save_figure(fig, path)
