@@ -27,13 +27,23 @@ def budget_kwargs(heavy=None, recent=None, heavy_ratio=None, recent_ratio=None) 
 
 
 def new_cache(model, policy: str | None, fraction: float | None = None, chunk_size: int = DEFAULT_CHUNK,
-              seed: int = 0):
+              seed: int = 0, **options):
     """The cache for one run: an ``H2OCache`` under ``policy`` keeping ``fraction`` of each prompt
     (``fraction_budget``; ignored for a policy that keeps everything), or, for ``policy=None``, the
-    plain ``DynamicCache`` transformers runs by default (the benchmarks' baseline)."""
+    plain ``DynamicCache`` transformers runs by default (the benchmarks' baseline). ``options`` are
+    further ``H2OCache`` keywords, passed through unread (evaluations' ``--cache-option``); an
+    unknown one is a one-line error."""
     if policy is None:
         return DynamicCache(config=model.config)
-    return H2OCache(model, policy=policy, chunk_size=chunk_size, seed=seed, **fraction_budget(policy, fraction))
+    budget = fraction_budget(policy, fraction)
+    if clash := sorted(set(options) & {"policy", "chunk_size", "seed", *budget}):
+        raise H2OError(f"cache option(s) {', '.join(clash)} are set by the evaluation itself")
+    try:
+        return H2OCache(model, policy=policy, chunk_size=chunk_size, seed=seed, **budget, **options)
+    except TypeError as exc:
+        if "unexpected keyword" not in str(exc):
+            raise
+        raise H2OError(f"unknown cache option: {exc}") from None
 
 
 def pad_rows(rows: list[list[int]], pad_id: int, device="cpu", side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:
