@@ -54,6 +54,8 @@ PRESSES = ["full", "knorm", "tova", "snapkv", "streaming", "observed", "expected
 def make_press(name: str, ratio: float):
     """The press behind one of our short names. SnapKV uses the window and kernel that the issue
     compared with h2okv's one-chunk ``snapkv`` (32, 7); the rest use kvpress's defaults."""
+    if name == "full":
+        return None
     import kvpress
 
     simple = {"knorm": kvpress.KnormPress, "tova": kvpress.TOVAPress, "streaming": kvpress.StreamingLLMPress,
@@ -65,8 +67,6 @@ def make_press(name: str, ratio: float):
         return kvpress.SnapKVPress(compression_ratio=ratio, window_size=32, kernel_size=7)
     if name == "adakv-snapkv":
         return kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio, window_size=32, kernel_size=7))
-    if name == "full":
-        return None
     raise SystemExit(f"run_kvpress: unknown press {name!r}; known: {', '.join(PRESSES)}")
 
 

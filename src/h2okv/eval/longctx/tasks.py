@@ -238,7 +238,8 @@ def parse_tasks(text: str) -> list[str]:
     names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
     unknown = [t for t in names if t not in TASKS]
     if not names or unknown:
-        raise H2OError(f"--tasks: unknown task(s) {', '.join(unknown) or text!r}; known: {', '.join(TASKS)}")
+        named = ", ".join(unknown) if unknown else repr(text)
+        raise H2OError(f"--tasks: unknown task(s) {named}; known: {', '.join(TASKS)}")
     return names
 
 
