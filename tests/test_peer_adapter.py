@@ -5,6 +5,7 @@ modes (the question read with the context, or on top of the context's cache)."""
 import ast
 import dataclasses
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -65,7 +66,7 @@ def test_no_press_decodes_as_generate(adapter, mode):
 
 
 @pytest.mark.parametrize("question, mode", [("aware", "question-compressed"), ("agnostic", "question-out")])
-def test_longctx_export_is_read_token_identical_and_scored_as_h2okv_scores(adapter, question, mode):
+def test_longctx_export_is_read_token_identical_and_scored_as_h2okv_scores(adapter, question, mode, tmp_path):
     """The adapter feeds the model exactly the ids ``eval longctx`` feeds it, and with no press its
     rows equal h2okv's ``full`` rows (answers, scores, shape): the metric is one file, loaded by path."""
     from h2okv.eval.longctx.rows import ROW_FIELDS
@@ -85,7 +86,8 @@ def test_longctx_export_is_read_token_identical_and_scored_as_h2okv_scores(adapt
         return inner(*args, **kwargs)
 
     model.model.forward = recording
-    rows = adapter.run_longctx(exported, ["full"], [mode], [0.2], "m", models={"sdpa": (model, tok)})
+    out = tmp_path / "kvpress.json"
+    rows = adapter.run_longctx(exported, ["full"], [mode], [0.2], "m", models={"sdpa": (model, tok)}, out=str(out))
     prompts = [p for group in grid_prompts(tok, spec).values() for p in group]
     reads = [ids for ids in fed if len(ids) > 1]  # prompt reads, not decode steps
     if question == "aware":
@@ -97,3 +99,7 @@ def test_longctx_export_is_read_token_identical_and_scored_as_h2okv_scores(adapt
         assert tuple(row) == ROW_FIELDS and row["question"] == question and row["policy"] == "kvpress-full"
         mine = ours[row["task"], row["sample"]]
         assert (row["answer"], row["score"], row["references"]) == (mine["answer"], mine["score"], mine["references"])
+    fed.clear()  # a second run on the same file resumes: nothing left to run
+    assert adapter.run_longctx(exported, ["full"], [mode], [0.2], "m", models={"sdpa": (model, tok)},
+                               out=str(out)) == rows == json.loads(out.read_text())
+    assert fed == []

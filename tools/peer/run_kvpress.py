@@ -19,7 +19,8 @@ A longctx export (format ``h2okv-longctx-prompts/1``) gives rows of ``h2okv eval
 shape instead, one per prompt, press, budget and mode, scored with the very metric h2okv uses: the
 adapter loads ``src/h2okv/eval/longctx/metric.py`` and ``rows.py`` by path (standard library only,
 no h2okv import). ``policy`` = ``kvpress-<press>``, ``question`` = ``aware`` (question-compressed)
-or ``agnostic`` (question-out); ``full`` runs in every mode asked.
+or ``agnostic`` (question-out); ``full`` runs in every mode asked. The ``--json`` file is rewritten
+after each press x budget x mode, and rows already in it are skipped (an interrupted run resumes).
 
 How the question is handled:
 
@@ -175,24 +176,36 @@ def longctx_rows(exported: dict, prompts: list[dict], answers: list[str], policy
 
 
 def run_longctx(exported: dict, presses: list[str], modes: list[str], budgets: list[float], model_path: str,
-                models: dict | None = None) -> list[dict]:
-    """Every press x budget x mode on every prompt of a longctx export (``full``: budget 1, every mode)."""
+                models: dict | None = None, out: str | None = None) -> list[dict]:
+    """Every press x budget x mode on every prompt of a longctx export (``full``: budget 1, every
+    mode). With ``out``, rows already in that file are kept and their prompts skipped, and the file
+    is rewritten after each press x budget x mode: a long run resumes, as ``eval longctx`` does."""
+    table = load_by_path("rows")
+    rows = table.read_rows(out) if out else []
+    done = {table.row_key(r) for r in rows}
     models = {} if models is None else models
-    rows = []
     for name in presses:
-        attention = "eager" if name == "observed" else "sdpa"
-        if attention not in models:
-            models[attention] = load(model_path, attention)
-        model, tokenizer = models[attention]
         for budget in ([1.0] if name == "full" else budgets):
             for mode in modes:
+                policy = f"kvpress-{name}"
+                todo = [p for p in exported["prompts"] if table.row_key({
+                    "question": QUESTION_OF_MODE[mode], "policy": policy, "budget": budget, "cache_options": {},
+                    "task": p["task"], "context": p["context"], "sample": p["sample"]}) not in done]
+                if not todo:
+                    continue
+                attention = "eager" if name == "observed" else "sdpa"  # ObservedAttention needs the weights
+                if attention not in models:
+                    models[attention] = load(model_path, attention)
+                model, tokenizer = models[attention]
                 press = make_press(name, round(1.0 - budget, 6))
                 start = time.perf_counter()
-                answers = [answer_one(model, tokenizer, press, p, mode, p["max_new_tokens"]) for p in exported["prompts"]]
-                found = longctx_rows(exported, exported["prompts"], answers, f"kvpress-{name}", budget, mode,
+                answers = [answer_one(model, tokenizer, press, p, mode, p["max_new_tokens"]) for p in todo]
+                found = longctx_rows(exported, todo, answers, policy, budget, mode,
                                      (time.perf_counter() - start) / len(answers))
-                rows += found
-                print(f"kvpress-{name} @ {budget:g} ({QUESTION_OF_MODE[mode]}): mean score "
+                rows = table.merge_rows(rows, found)
+                if out:
+                    table.write_rows(rows, out)
+                print(f"{policy} @ {budget:g} ({QUESTION_OF_MODE[mode]}): mean score "
                       f"{100 * sum(r['score'] for r in found) / len(found):.1f} ({time.perf_counter() - start:.0f} s)",
                       flush=True)
     return rows
@@ -226,10 +239,12 @@ def main(argv=None) -> int:
     budgets = [float(b) for b in args.budgets.split(",")] if args.budgets else exported["budgets"]
     if args.threads:
         torch.set_num_threads(args.threads)
-    runner = run_longctx if exported["format"] == LONGCTX_FORMAT else run
-    rows = runner(exported, presses, modes, budgets, args.model or exported["model"])
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    if exported["format"] == LONGCTX_FORMAT:  # writes (and resumes) args.json as it goes
+        rows = run_longctx(exported, presses, modes, budgets, args.model or exported["model"], out=args.json)
+    else:
+        rows = run(exported, presses, modes, budgets, args.model or exported["model"])
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     print(f"wrote {len(rows)} rows to {args.json}")
     return 0
 
