@@ -157,9 +157,9 @@ def test_agnostic_full_answers_like_aware_full_and_evicts_before_the_question(es
     tok = Chars()
     model = tiny_model("llama", seed=4, max_position_embeddings=2048)
     model.generation_config.eos_token_id = None
-    prompts = prompts_of(tok, essay, "niah_single_1", 900, samples=1)
-    aware = generate_answers(model, tok, prompts, new_cache(model, "full"), "aware", 6)
-    agnostic = generate_answers(model, tok, prompts, new_cache(model, "full"), "agnostic", 6)
+    prompts = prompts_of(tok, essay, "niah_single_1", 600, samples=1)
+    aware = generate_answers(model, tok, prompts, new_cache(model, "full"), "aware", 4)
+    agnostic = generate_answers(model, tok, prompts, new_cache(model, "full"), "agnostic", 4)
     assert aware == agnostic
     cache = new_cache(model, "h2o", 0.2, chunk_size=128)
     seen = []
@@ -172,7 +172,7 @@ def test_agnostic_full_answers_like_aware_full_and_evicts_before_the_question(es
     model.forward = recording
     generate_answers(model, tok, prompts, cache, "agnostic", 2)
     q = prompts[0].question
-    assert seen[0] == (q, 0) and seen[1] == (900 - q, q)  # context alone, then the question on its cache
+    assert seen[0] == (q, 0) and seen[1] == (600 - q, q)  # context alone, then the question on its cache
 
 
 def test_cache_options_pass_through_and_bad_ones_fail(monkeypatch):
