@@ -108,7 +108,7 @@ def run(args) -> int:
 def run_grid(args, model, tokenizer, spec) -> int:
     import time
 
-    from h2okv.eval.longctx.report import plot_scores, summary_table
+    from h2okv.eval.longctx.report import models_of, plot_scores, summary_table
     from h2okv.eval.longctx.rows import merge_rows, row_key, write_rows
     from h2okv.eval.longctx.runner import run_grid as grid
     from h2okv.generation import new_cache
@@ -134,7 +134,8 @@ def run_grid(args, model, tokenizer, spec) -> int:
     if args.json:
         print(f"wrote {args.json}")
     if args.plot and rows:
-        print(f"wrote {plot_scores(rows, args.plot, f'RULER-style tasks, {spec.haystack} haystack')}")
+        title = f"RULER-style tasks, {spec.haystack} haystack, {models_of(rows)}"
+        print(f"wrote {plot_scores(rows, args.plot, title)}")
     return 0
 
 
@@ -150,7 +151,7 @@ def read_row_files(paths: list[str]) -> list[dict]:
 def merge(args) -> int:
     from pathlib import Path
 
-    from h2okv.eval.longctx.report import plot_scores, summary_table
+    from h2okv.eval.longctx.report import models_of, plot_scores, summary_table
     from h2okv.eval.longctx.rows import write_rows
 
     missing = [p for p in args.merge if not Path(p).is_file()]
@@ -163,7 +164,7 @@ def merge(args) -> int:
     if args.json:
         print(f"wrote {write_rows(rows, args.json)} ({len(rows)} rows)")
     if args.plot:
-        print(f"wrote {plot_scores(rows, args.plot, 'RULER-style tasks')}")
+        print(f"wrote {plot_scores(rows, args.plot, f'RULER-style tasks, {models_of(rows)}')}")
     return 0
 
 

@@ -9,6 +9,13 @@ from __future__ import annotations
 from h2okv.eval.longctx.rows import config_label
 from h2okv.eval.plots import format_table, new_figure, policy_color, save_figure
 
+MARKERS = "osD^vP*X"
+
+
+def models_of(rows: list[dict]) -> str:
+    """The models' folder names, for titles (``.../SmolLM2-135M-Instruct.Q4_1-...`` -> that name)."""
+    return ", ".join(sorted({str(r.get("model") or "?").rstrip("/").rsplit("/", 1)[-1] for r in rows}))
+
 
 def group_key(row: dict) -> tuple:
     return row["question"], config_label(row["policy"], row.get("cache_options")), float(row["budget"]), int(row["context"])
@@ -46,13 +53,14 @@ def plot_scores(rows: list[dict], path, title: str):
     for ax, (question, context) in zip(axes[0], panels, strict=True):
         here = [s for s in summary if (s["question"], s["context"]) == (question, context)]
         budgets = sorted({s["budget"] for s in here})
-        for config in dict.fromkeys(s["config"] for s in here):
+        for index, config in enumerate(dict.fromkeys(s["config"] for s in here)):
             points = sorted((s["budget"], s["average"]) for s in here if s["config"] == config)
             color = policy_color(config.split()[0])
             if len(points) == 1 and points[0][0] == 1.0:
                 ax.axhline(points[0][1], color=color or "black", linestyle="--", label=config)
-            else:
-                ax.plot(*zip(*points), marker="o", color=color, label=config)
+            else:  # markers of shrinking size and different shapes: equal scores stay visible
+                ax.plot(*zip(*points), marker=MARKERS[index % len(MARKERS)], markersize=max(11 - 1.5 * index, 4),
+                        color=color, label=config, alpha=0.85)
         ax.set_xticks(budgets, labels=[f"{b:.0%}" for b in budgets])
         ax.set_ylim(-3, 103)
         ax.set_xlabel("cache budget (share of the prompt)")
