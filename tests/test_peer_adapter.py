@@ -5,6 +5,7 @@ modes (the question read with the context, or on top of the context's cache)."""
 import ast
 import dataclasses
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,43 @@ def test_no_press_decodes_as_generate(adapter, mode):
     answer = adapter.answer_one(model, IdTokenizer(), None, prompt, mode, max_new_tokens=6)
     expected = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
     assert answer == IdTokenizer().decode(expected[0, 40:].tolist())
+
+
+@pytest.mark.parametrize("question, mode", [("aware", "question-compressed"), ("agnostic", "question-out")])
+def test_longctx_export_is_read_token_identical_and_scored_as_h2okv_scores(adapter, question, mode, tmp_path):
+    """The adapter feeds the model exactly the ids ``eval longctx`` feeds it, and with no press its
+    rows equal h2okv's ``full`` rows (answers, scores, shape): the metric is one file, loaded by path."""
+    from h2okv.eval.longctx.rows import ROW_FIELDS
+    from h2okv.eval.longctx.runner import GridSpec, export_prompts, grid_prompts, run_grid
+    from test_eval_longctx import Chars
+
+    tok, model = Chars(), tiny_model("llama", seed=6, max_position_embeddings=2048)
+    spec = GridSpec(tasks=["niah_single_1", "fwe"], contexts=[700], samples=2, policies=["full"], budgets=[0.2],
+                    haystack="filler", max_new_tokens=4, question=question)
+    exported = export_prompts("m", tok, spec)
+    ours = {(r["task"], r["sample"]): r for r in run_grid(model, tok, spec, progress=False)}
+    fed = []
+    inner = model.model.forward
+
+    def recording(*args, **kwargs):
+        fed.append(kwargs["input_ids"][0].tolist())
+        return inner(*args, **kwargs)
+
+    model.model.forward = recording
+    out = tmp_path / "kvpress.json"
+    rows = adapter.run_longctx(exported, ["full"], [mode], [0.2], "m", models={"sdpa": (model, tok)}, out=str(out))
+    prompts = [p for group in grid_prompts(tok, spec).values() for p in group]
+    reads = [ids for ids in fed if len(ids) > 1]  # prompt reads, not decode steps
+    if question == "aware":
+        assert reads == [p.ids for p in prompts]
+    else:  # the context, then the question on its cache
+        assert reads == [part for p in prompts for part in (p.ids[: p.question], p.ids[p.question :])]
+    assert len(rows) == len(ours) == 4
+    for row in rows:
+        assert tuple(row) == ROW_FIELDS and row["question"] == question and row["policy"] == "kvpress-full"
+        mine = ours[row["task"], row["sample"]]
+        assert (row["answer"], row["score"], row["references"]) == (mine["answer"], mine["score"], mine["references"])
+    fed.clear()  # a second run on the same file resumes: nothing left to run
+    assert adapter.run_longctx(exported, ["full"], [mode], [0.2], "m", models={"sdpa": (model, tok)},
+                               out=str(out)) == rows == json.loads(out.read_text())
+    assert fed == []

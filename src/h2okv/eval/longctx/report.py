@@ -1,0 +1,71 @@
+"""The long-context table and plot, from rows of any origin (h2okv or the kvpress adapter).
+
+Scores are RULER's: the mean of the samples' scores x 100, per task, and their plain average over
+the tasks of the group.
+"""
+
+from __future__ import annotations
+
+from h2okv.eval.longctx.rows import config_label
+from h2okv.eval.plots import format_table, new_figure, policy_color, save_figure
+
+MARKERS = "osD^vP*X"
+
+
+def models_of(rows: list[dict]) -> str:
+    """The models' folder names, for titles (``.../SmolLM2-135M-Instruct.Q4_1-...`` -> that name)."""
+    return ", ".join(sorted({str(r.get("model") or "?").rstrip("/").rsplit("/", 1)[-1] for r in rows}))
+
+
+def group_key(row: dict) -> tuple:
+    return row["question"], config_label(row["policy"], row.get("cache_options")), float(row["budget"]), int(row["context"])
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One entry per (question, configuration, budget, context): per-task scores and their average."""
+    groups: dict[tuple, dict[str, list[float]]] = {}
+    for row in rows:
+        groups.setdefault(group_key(row), {}).setdefault(row["task"], []).append(float(row["score"]))
+    summary = []
+    for (question, config, budget, context), by_task in groups.items():
+        scores = {task: 100 * sum(s) / len(s) for task, s in by_task.items()}
+        summary.append({"question": question, "config": config, "budget": budget, "context": context,
+                        "samples": min(len(s) for s in by_task.values()), "tasks": scores,
+                        "average": sum(scores.values()) / len(scores)})
+    return sorted(summary, key=lambda s: (s["question"], s["context"], s["config"] != "full", s["config"], -s["budget"]))
+
+
+def summary_table(rows: list[dict]) -> str:
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    headers = ["question", "context", "config", "budget", "n", *tasks, "average"]
+    table = [[s["question"], s["context"], s["config"], s["budget"], s["samples"],
+              *(f"{s['tasks'][t]:.1f}" if t in s["tasks"] else "-" for t in tasks), f"{s['average']:.1f}"]
+             for s in summarize(rows)]
+    return format_table(headers, table)
+
+
+def plot_scores(rows: list[dict], path, title: str):
+    """Average score vs budget, one line per configuration, one panel per (question mode, context);
+    a configuration that keeps everything is a dashed horizontal line."""
+    summary = summarize(rows)
+    panels = sorted({(s["question"], s["context"]) for s in summary})
+    fig, axes = new_figure(ncols=len(panels), width=5.2, height=4.0)
+    for ax, (question, context) in zip(axes[0], panels, strict=True):
+        here = [s for s in summary if (s["question"], s["context"]) == (question, context)]
+        budgets = sorted({s["budget"] for s in here})
+        for index, config in enumerate(dict.fromkeys(s["config"] for s in here)):
+            points = sorted((s["budget"], s["average"]) for s in here if s["config"] == config)
+            color = policy_color(config.split()[0])
+            if len(points) == 1 and points[0][0] == 1.0:
+                ax.axhline(points[0][1], color=color or "black", linestyle="--", label=config)
+            else:  # markers of shrinking size and different shapes: equal scores stay visible
+                ax.plot(*zip(*points), marker=MARKERS[index % len(MARKERS)], markersize=max(11 - 1.5 * index, 4),
+                        color=color, label=config, alpha=0.85)
+        ax.set_xticks(budgets, labels=[f"{b:.0%}" for b in budgets])
+        ax.set_ylim(-3, 103)
+        ax.set_xlabel("cache budget (share of the prompt)")
+        ax.set_ylabel("RULER score (average over tasks)")
+        ax.set_title(f"{context} tokens, question {question}", fontsize=10)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    return save_figure(fig, path)

@@ -1,0 +1,72 @@
+"""The JSON rows of ``h2okv eval longctx`` (one per sample and configuration), with no dependency
+beyond the standard library: the kvpress adapter (``tools/peer/run_kvpress.py``) loads this file by
+path and writes the same rows, so any mix of files merges into one table.
+
+A row is identified by ``row_key``: the question mode, the configuration (policy, budget, cache
+options), the task, the context length and the sample. A grid split across sessions writes
+several files; ``merge_rows`` joins them, a later file's row replacing an earlier one's with the
+same key.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROW_FIELDS = (
+    "task", "context", "sample", "question", "policy", "budget", "cache_options", "chunk_size",
+    "metric", "score", "answer", "references", "haystack", "seed", "model", "max_new_tokens", "seconds",
+)
+
+
+def config_label(policy: str, cache_options: dict | None) -> str:
+    """How a configuration is named in tables and plots: the policy spec, then its cache options."""
+    if not cache_options:
+        return policy
+    return f"{policy} [{','.join(f'{k}={v}' for k, v in sorted(cache_options.items()))}]"
+
+
+def make_row(**fields) -> dict:
+    missing = [f for f in ROW_FIELDS if f not in fields]
+    unknown = [f for f in fields if f not in ROW_FIELDS]
+    if missing or unknown:
+        raise ValueError(f"row fields: missing {missing}, unknown {unknown}")
+    row = {f: fields[f] for f in ROW_FIELDS}
+    row["cache_options"] = dict(row["cache_options"] or {})
+    return row
+
+
+def row_key(row: dict) -> tuple:
+    options = tuple(sorted((row.get("cache_options") or {}).items()))
+    return (row["question"], row["policy"], float(row["budget"]), options, row["task"], int(row["context"]),
+            int(row["sample"]))
+
+
+def merge_rows(*groups: list[dict]) -> list[dict]:
+    """All rows of ``groups``, one per key, in first-seen order; a later duplicate wins."""
+    merged: dict[tuple, dict] = {}
+    for group in groups:
+        for row in group:
+            merged[row_key(row)] = row
+    return list(merged.values())
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """The rows of one file (``[]`` when it does not exist yet)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and "question" in r and "task" in r for r in rows):
+        raise ValueError(f"{path} does not hold eval longctx rows")
+    return rows
+
+
+def write_rows(rows: list[dict], path: str | Path) -> Path:
+    """Written to a temporary file first, then renamed: an interrupted run never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path

@@ -1,0 +1,152 @@
+"""Running the long-context grid: prompts per (task, context), then one greedy batch per
+configuration, scored with RULER's metric into rows (``rows.py``).
+
+Question modes:
+
+- ``aware``: the whole prompt, question included, is one forward call under the cache's policy,
+  then greedy decoding (the question is read, and ranked, with the context).
+- ``agnostic``: the context part (``ids[:question]``) is one forward call under the policy, which
+  evicts down to its budget without having seen the question; the question part is then a second
+  call on that cache, and decoding follows (kvpress's "question kept out" protocol).
+
+All prompts of one (task, context) have the same length; in ``aware`` mode they run as one batch
+with no padding. In ``agnostic`` mode prompts are batched when their question starts at the same
+position (the first call must have one length), else they run in smaller groups.
+
+``done`` keys (rows already in the output file) are skipped, so an interrupted grid resumes, and
+a grid split across sessions (``--tasks``/``--contexts``/``--policies`` pieces) merges later.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from h2okv.core import DEFAULT_CHUNK
+from h2okv.eval.haystack import Haystack
+from h2okv.eval.longctx.metric import score
+from h2okv.eval.longctx.prompt import Frame, LongPrompt
+from h2okv.eval.longctx.rows import make_row, row_key
+from h2okv.eval.longctx.tasks import build_prompts
+from h2okv.generation import new_cache
+from h2okv.policies import policy_class
+
+QUESTION_MODES = ("aware", "agnostic")
+
+
+@dataclass
+class GridSpec:
+    tasks: list[str]
+    contexts: list[int]
+    samples: int
+    policies: list[str]
+    budgets: list[float]
+    question: str = "aware"
+    seed: int = 0
+    haystack: str = "essays"
+    chunk_size: int = DEFAULT_CHUNK
+    cache_options: dict = field(default_factory=dict)
+    max_new_tokens: int | None = None  # None: each task's own
+    chat: bool = True
+
+    def configs(self) -> list[tuple[str, float]]:
+        """(policy, budget) pairs; a policy that keeps everything runs once, at budget 1."""
+        runs = [(p, 1.0) for p in self.policies if not policy_class(p).evicts]
+        return runs + [(p, b) for p in self.policies if policy_class(p).evicts for b in self.budgets]
+
+
+def haystack_source(tokenizer, spec: str):
+    """Task haystack kind ("essay": the run's ``spec``; "filler") -> a ``Haystack``, each built once."""
+    return functools.lru_cache(maxsize=None)(lambda kind: Haystack(tokenizer, spec if kind == "essay" else "filler"))
+
+
+def grid_prompts(tokenizer, spec: GridSpec) -> dict[tuple[str, int], list[LongPrompt]]:
+    frame, haystacks = Frame(tokenizer, spec.chat), haystack_source(tokenizer, spec.haystack)
+    return {(t, c): build_prompts(frame, haystacks, t, c, spec.samples, spec.seed) for t in spec.tasks for c in spec.contexts}
+
+
+def generate_answers(model, tokenizer, prompts: list[LongPrompt], cache, question: str, max_new_tokens: int) -> list[str]:
+    """Greedy answers of prompts of one length (and, for ``agnostic``, one question position)."""
+    ids = torch.tensor([p.ids for p in prompts], dtype=torch.long, device=model.device)
+    with torch.inference_mode():
+        if question == "agnostic":
+            context = ids[:, : prompts[0].question]
+            # the context alone: the cache evicts to its budget before the question exists
+            model(input_ids=context, attention_mask=torch.ones_like(context), past_key_values=cache, use_cache=True,
+                  logits_to_keep=1)
+        # generate reads only the ids the cache has not seen: all of them, or the question part
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
+
+
+def batches(prompts: list[LongPrompt], question: str) -> list[list[LongPrompt]]:
+    if question == "aware":
+        return [prompts]
+    groups: dict[int, list[LongPrompt]] = {}
+    for p in prompts:
+        groups.setdefault(p.question, []).append(p)
+    return list(groups.values())
+
+
+def run_config(model, tokenizer, prompts, spec: GridSpec, policy: str, budget: float, meta: dict) -> list[dict]:
+    """The rows of one configuration on one (task, context)'s prompts."""
+    rows = []
+    for group in batches(prompts, spec.question):
+        max_new = spec.max_new_tokens or group[0].max_new_tokens
+        cache = new_cache(model, policy, budget, chunk_size=spec.chunk_size, seed=spec.seed, **spec.cache_options)
+        start = time.perf_counter()
+        answers = generate_answers(model, tokenizer, group, cache, spec.question, max_new)
+        seconds = (time.perf_counter() - start) / len(group)
+        for p, answer in zip(group, answers, strict=True):
+            rows.append(make_row(
+                task=p.task, context=p.context, sample=p.sample, question=spec.question, policy=policy, budget=budget,
+                cache_options=spec.cache_options, chunk_size=spec.chunk_size, metric=p.metric,
+                score=score(p.metric, answer, p.references), answer=answer, references=p.references,
+                haystack=spec.haystack, seed=spec.seed, model=meta.get("model"), max_new_tokens=max_new,
+                seconds=round(seconds, 3),
+            ))
+    return sorted(rows, key=lambda r: r["sample"])
+
+
+def cell_keys(spec: GridSpec, task: str, context: int, policy: str, budget: float) -> set[tuple]:
+    return {row_key({"question": spec.question, "policy": policy, "budget": budget, "cache_options": spec.cache_options,
+                     "task": task, "context": context, "sample": s}) for s in range(spec.samples)}
+
+
+def run_grid(model, tokenizer, spec: GridSpec, done: set[tuple] = frozenset(), on_rows=None, progress=True,
+             meta: dict | None = None) -> list[dict]:
+    """Every (task, context, configuration) cell not in ``done``; ``on_rows(rows)`` after each."""
+    prompts = grid_prompts(tokenizer, spec)
+    todo = [(t, c, p, b) for (t, c) in prompts for p, b in spec.configs() if not cell_keys(spec, t, c, p, b) <= done]
+    found = []
+    with tqdm(total=len(todo), desc=f"longctx ({spec.question})", unit="cell", disable=not progress) as bar:
+        for task, context, policy, budget in todo:
+            bar.set_postfix_str(f"{task} {context} {policy}@{budget:g}")
+            rows = run_config(model, tokenizer, prompts[task, context], spec, policy, budget, meta or {})
+            found += rows
+            if on_rows is not None:
+                on_rows(rows)
+            bar.update(1)
+    return found
+
+
+EXPORT_FORMAT = "h2okv-longctx-prompts/1"
+
+
+def export_prompts(model_path: str, tokenizer, spec: GridSpec) -> dict:
+    """The grid's prompts as plain JSON for a peer (``tools/peer/run_kvpress.py``): token ids split
+    at the question, the references and metric each answer is scored with, and how to decode."""
+    prompts = [
+        {"task": p.task, "context": p.context, "sample": p.sample, "context_ids": p.ids[: p.question],
+         "question_ids": p.ids[p.question :], "references": p.references, "metric": p.metric,
+         "max_new_tokens": spec.max_new_tokens or p.max_new_tokens}
+        for group in grid_prompts(tokenizer, spec).values() for p in group
+    ]
+    return {"format": EXPORT_FORMAT, "model": model_path, "haystack": spec.haystack, "seed": spec.seed,
+            "chat": spec.chat, "budgets": list(spec.budgets), "decoding": "greedy",
+            "pad_token_id": tokenizer.pad_token_id, "prompts": prompts}
