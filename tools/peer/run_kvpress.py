@@ -115,7 +115,9 @@ def cells(exported: dict, answers: list[str], policy: str, budget: float) -> lis
         correct = sum(p["passkey"] in a for p, a in group)
         rows.append({"policy": policy, "budget": budget, "context": context, "depth": depth, "trials": len(group),
                      "correct": correct, "accuracy": correct / len(group), "needle_kept": None,
-                     "haystack": exported["haystack"], "chunk_size": context, "answers": [a for _, a in group]})
+                     "haystack": exported["haystack"], "chunk_size": context, "answers": [a for _, a in group],
+                     # a press compresses each layer once, after the whole prompt: h2okv's late prefill
+                     "prefill": "late"})
     return rows
 
 
