@@ -40,7 +40,6 @@ def new_cache(model, policy: str | None, fraction: float | None = None, chunk_si
     if policy is None:
         return DynamicCache(config=model.config)
     budget = fraction_budget(policy, fraction, recent_share) if slots is None else slot_budget(policy, slots)
-    prefill = options.pop("prefill", prefill)  # --cache-option prefill=late works like --prefill late
     if clash := sorted(set(options) & {"policy", "chunk_size", "seed", *budget}):
         raise H2OError(f"cache option(s) {', '.join(clash)} are set by the evaluation itself")
     try:

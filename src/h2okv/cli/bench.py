@@ -125,18 +125,9 @@ def run_serve(args) -> int:
     return int(importlib.import_module("h2okv.tools.loadgen").run(serve_args) or 0)
 
 
-def run_policies(args) -> int:
-    """The --policies study (``bench/policy_speed.py``)."""
-    from tqdm.auto import tqdm
-
-    from h2okv.bench.model import load_bench_model
-    from h2okv.bench.policy_speed import decode_costs, markdown, scoring_costs
-    from h2okv.bench.report import write_report
-    from h2okv.bench.runner import prompt_ids
-
-    policies = [p for p in parse_policies(args.policies) if p != "full"]
-    context = (args.context or [2048])[0]
-    steps = args.steps or 32
+def load_study(args):
+    """What the --policies and --kernels studies share before they measure: the budget checked,
+    torch's threads chosen, the model loaded. Returns ``(model, tokenizer, why the threads)``."""
     if not 0.0 < args.budget < 1.0:
         raise H2OError(f"--budget must be in (0, 1), got {args.budget}")
     threads, why = choose_threads(args.threads, args.device)
@@ -144,7 +135,24 @@ def run_policies(args) -> int:
         import torch
 
         torch.set_num_threads(threads)
+    from h2okv.bench.model import load_bench_model
+
     model, tokenizer = load_bench_model(args.model, args.device, args.dtype)
+    return model, tokenizer, why
+
+
+def run_policies(args) -> int:
+    """The --policies study (``bench/policy_speed.py``)."""
+    from tqdm.auto import tqdm
+
+    from h2okv.bench.policy_speed import decode_costs, markdown, scoring_costs
+    from h2okv.bench.report import write_report
+    from h2okv.bench.runner import prompt_ids
+
+    policies = [p for p in parse_policies(args.policies) if p != "full"]
+    context = (args.context or [2048])[0]
+    steps = args.steps or 32
+    model, tokenizer, why = load_study(args)
     vocab = model.config.get_text_config().vocab_size
     ids = prompt_ids(tokenizer, args.play, max(context, args.scoring_tokens), vocab).to(model.device)
     units = (len(policies) + 1) * args.scoring_repeats
@@ -167,19 +175,11 @@ def run_kernels(args) -> int:
     kernels = [check_kernels(k.strip()) for k in args.kernels.split(",") if k.strip()]
     if not kernels:
         raise H2OError("--kernels needs at least one of eager, native, triton, auto")
-    if not 0.0 < args.budget < 1.0:
-        raise H2OError(f"--budget must be in (0, 1), got {args.budget}")
-    threads, why = choose_threads(args.threads, args.device)
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
     from h2okv.bench import kernel_speed
-    from h2okv.bench.model import load_bench_model
     from h2okv.bench.report import write_report
     from h2okv.bench.runner import prompt_ids
 
-    model, tokenizer = load_bench_model(args.model, args.device, args.dtype)
+    model, tokenizer, why = load_study(args)
     runnable, unavailable = kernel_speed.available_paths(kernels, model.device)
     contexts, batches, steps = args.context or [2048], args.batch or [1], args.steps or 32
     result = {"budget": args.budget, "steps": steps, "threads": why, "kernels": kernels, "unavailable": unavailable,
