@@ -25,6 +25,10 @@ def run_cli(capsys, *argv):
         (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "must be a positive integer (> 0)"),
         (["generate", "--prompt", "hi", "--model", "/nonexistent/model-dir"], "not found"),
         (["generate", "--prompt", "hi", "--model", "/nonexistent/model.gguf"], "not found"),
+        (["generate", "--prompt", "hi", "--temperature", "-1"], "must be a finite number >= 0"),
+        (["generate", "--prompt", "hi", "--temperature", "nan"], "must be a finite number >= 0"),
+        (["generate", "--prompt", "hi", "--top-p", "1.5"], "must be in (0, 1]"),
+        (["generate", "--prompt", "hi", "--repetition-penalty", "0"], "must be a positive number"),
     ],
 )
 def test_bad_input_one_line_exit_2(capsys, argv, fragment):
@@ -64,6 +68,31 @@ def test_generate_on_tiny_model(capsys, monkeypatch, tmp_path):
     assert len(lines[0].split()) == 6  # six generated token ids
     assert lines[-1].startswith("[h2o] tokens seen 55, slots kept 7 per layer/head")
     assert "MiB vs full-cache" in lines[-1]
+
+
+def test_generate_samples_reproducibly_with_a_seed(tiny_dir):
+    """--temperature samples (greedy at 0), seeded: the same seed gives the same tokens, and a high
+    temperature on a random model leaves the greedy path."""
+    from h2okv.generation import generate
+    from h2okv.models import load_model
+
+    model, tokenizer = load_model(str(tiny_dir), cache=False)
+    prompt = " ".join(f"w{i}" for i in range(5, 30))
+    run = lambda **kw: generate(model, tokenizer, prompt, heavy=4, recent=4, max_new_tokens=24, **kw).token_ids  # noqa: E731
+    greedy = run()
+    assert run(temperature=0.0, seed=5) == greedy  # temperature 0: the seed does not matter
+    sampled = run(temperature=5.0, seed=1)
+    assert run(temperature=5.0, seed=1) == sampled
+    assert sampled != greedy and run(temperature=5.0, seed=2) != sampled
+    assert len(run(repetition_penalty=1.3)) == 24
+    # make greedy's first token the end of sequence: generation stops there unless told not to
+    stop, model.generation_config.eos_token_id = model.generation_config.eos_token_id, greedy[0]
+    try:
+        assert len(run()) == 1
+        ignoring = run(ignore_eos=True)
+        assert len(ignoring) == 24 and greedy[0] not in ignoring
+    finally:
+        model.generation_config.eos_token_id = stop
 
 
 def test_generate_chat_without_a_template_is_one_line(capsys, tiny_dir):

@@ -25,7 +25,7 @@ from h2okv.models import load_model
 from h2okv.parallel import launch
 from h2okv.parallel import ranks as tp_ranks
 from h2okv.tools.tiny import tiny_model
-from tp_group import HEAVY, MODELS, RECENT, generate_command
+from tp_group import HEAVY, MODELS, PROMPT, RECENT, ROLL_WINDOW, generate_command, generate_rolling
 from tp_group import generate_tokens as _generate
 from tp_rank_bodies import fail_on_rank_1, hang_on_rank_1
 
@@ -67,6 +67,19 @@ def test_tp_generate_equals_single_process(tp_session, tp_dirs, arch, kv, policy
             assert rank_stats["budget"] == [HEAVY + RECENT]
     assert tp_stats["kv_bytes"] == stats["kv_bytes"]
     assert tp_stats["full_kv_bytes"] == stats["full_kv_bytes"]
+
+
+@pytest.mark.slow
+def test_tp_rolling_positions_equal_single_process_past_the_window(tp_session, tp_group):
+    """Each rank re-rotates its own KV heads by the same offsets: 2 ranks generate the same tokens
+    as one process to 2.5x the model's window, with every position the model sees inside it."""
+    tp_tokens, tp_logits, tp_largest = tp_session[0]["rolling"]
+    model, _ = load_model(str(tp_group.rolling_dir), cache=False)
+    tokens, logits, largest = generate_rolling(model)
+    assert len(tokens) == logits.shape[0] and PROMPT + len(tokens) > 2 * ROLL_WINDOW
+    assert tp_largest == largest and largest < ROLL_WINDOW
+    assert tp_tokens == tokens
+    torch.testing.assert_close(tp_logits, logits, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow

@@ -44,6 +44,9 @@ PROMPT = 40
 NEW_TOKENS = 8
 HEAVY = RECENT = 5
 
+# rolling positions (issue 19): a model with a 48-position window generates to 2.5x its window
+ROLL_WINDOW, ROLL_NEW_TOKENS = 48, 80
+
 SERVE_NAME = "tiny"
 SERVE_HEAVY = SERVE_RECENT = 8
 SERVE_CHUNK = 16
@@ -60,6 +63,23 @@ def generate_tokens(model, policy):
                              min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
                              return_dict_in_generate=True, pad_token_id=0)
     return out.sequences[0, PROMPT:].tolist(), torch.stack(out.logits).float(), cache.stats()
+
+
+def generate_rolling(model):
+    """(new tokens, logits per step, largest position seen) of an h2o generation with rolling positions
+    that goes ROLL_NEW_TOKENS past a prompt of PROMPT tokens, far past the model's ROLL_WINDOW."""
+    cache = H2OCache(model, policy="h2o", heavy=HEAVY, recent=RECENT, chunk_size=16, positions="rolling")
+    seen = []
+    hook = model.model.register_forward_pre_hook(
+        lambda _module, _args, kwargs: seen.append(int(kwargs["position_ids"].max())), with_kwargs=True)
+    try:
+        with torch.inference_mode():
+            out = model.generate(random_ids(PROMPT, seed=3), past_key_values=cache, max_new_tokens=ROLL_NEW_TOKENS,
+                                 min_new_tokens=ROLL_NEW_TOKENS, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=0)
+    finally:
+        hook.remove()
+    return out.sequences[0, PROMPT:].tolist(), torch.stack(out.logits).float(), max(seen)
 
 
 # -- on every rank (module-level: the spawned ranks import them by name) --------------------------
@@ -83,6 +103,8 @@ def equivalence_on_rank(args) -> dict:
         for policy in ("full", "h2o"):
             tokens, logits, stats = generate_tokens(model, policy)
             results[(key, policy)] = (tokens, logits, gather_stats(stats))
+    model, _ = load_model(args.rolling_dir, tp=args.tp, cache=False)
+    results["rolling"] = generate_rolling(model)
     for argv in args.commands:
         assert cli.main(argv) == 0
     with contextlib.redirect_stdout(io.StringIO()) as printed:  # what each rank's generate prints
@@ -180,6 +202,10 @@ class TPGroup:
             tiny_model(arch, num_attention_heads=4, num_key_value_heads=kv).save_pretrained(path)
             word_tokenizer().save_pretrained(path)
             self.dirs[(arch, kv)] = str(path)
+        self.rolling_dir = root / "llama_kv2_window48"
+        tiny_model("llama", num_attention_heads=4, num_key_value_heads=2,
+                   max_position_embeddings=ROLL_WINDOW).save_pretrained(self.rolling_dir)
+        word_tokenizer().save_pretrained(self.rolling_dir)
         # the served model: a tiny Qwen2 with 4 KV heads (2 per rank) and a byte-level chat tokenizer
         self.checkpoint = save_tiny_model(root / "chat_qwen2_kv4", arch="qwen2", num_key_value_heads=4,
                                           max_positions=1024, initializer_range=0.3)
@@ -198,7 +224,8 @@ class TPGroup:
         self.url = f"http://127.0.0.1:{self.port}"
         serve = ["serve", "--model", str(self.checkpoint), "--served-model-name", SERVE_NAME, "--log-level", "warning",
                  "--port", str(self.port), *SERVE_SETTINGS, "--tp", "2", "--tp-timeout", "60"]
-        self.args = Namespace(tp=2, tp_timeout=600, device="cpu", dirs=self.dirs, out=str(self.out / "tp.pt"),
+        self.args = Namespace(tp=2, tp_timeout=600, device="cpu", dirs=self.dirs,
+                              rolling_dir=str(self.rolling_dir), out=str(self.out / "tp.pt"),
                               commands=[[*argv, "--tp", "2"] for argv in self.commands.values()],
                               generate=generate_command(self.dirs), serve=serve)
         self.code: int | None = None

@@ -108,20 +108,32 @@ def generate(
     chunk_size: int = DEFAULT_CHUNK,
     positions: str = "true",
     kv_every: int | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    repetition_penalty: float = 1.0,
+    seed: int = 0,
+    ignore_eos: bool = False,
     **budget,
 ) -> Generation:
-    """Greedy generation under ``policy``; ``positions="rolling"`` goes on past the context window.
+    """Generation under ``policy``, greedy unless ``temperature`` > 0 (then sampled with ``top_p``,
+    seeded by ``seed``), for exactly ``max_new_tokens`` with ``ignore_eos``; ``positions="rolling"`` goes on past the context window.
     ``kv_every``: ``stats["kv_history"]`` gets ``(tokens seen, KV bytes)`` every that many tokens."""
     cache = H2OCache(model, policy=policy, chunk_size=chunk_size, positions=positions, **budget_kwargs(**budget))
     inputs = encode_prompt(tokenizer, prompt, chat=chat, device=model.device)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     watch = KVWatch(cache, kv_every) if kv_every else None
+    sampling = {"do_sample": False}
+    if temperature > 0:
+        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+        torch.manual_seed(seed)  # the same on every --tp rank: all ranks draw the same tokens
     with torch.inference_mode():
         out = model.generate(
             **inputs,
             past_key_values=cache,
             max_new_tokens=max_new_tokens,
-            do_sample=False,
+            repetition_penalty=repetition_penalty,
+            min_new_tokens=max_new_tokens if ignore_eos else None,
+            **sampling,
             streamer=streamer,
             pad_token_id=tokenizer.pad_token_id,
             logits_processor=LogitsProcessorList([watch] if watch else []),

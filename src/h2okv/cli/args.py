@@ -43,6 +43,24 @@ def positive_float(text: str) -> float:
     return _positive(text, float, "number")
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def probability(text: str) -> float:
+    """A nucleus mass: (0, 1]."""
+    value = _positive(text, float, "number")
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
 def positive_seconds(text: str) -> float:
     return _positive(text, float, "number of seconds")
 

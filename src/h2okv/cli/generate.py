@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from h2okv.cli.args import add_budget_args, add_model_args, add_tp_args, budget_from_args, positive_int
+from h2okv.cli.args import (
+    add_budget_args,
+    add_model_args,
+    add_tp_args,
+    budget_from_args,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    probability,
+)
 from h2okv.errors import H2OError
 
 
@@ -20,6 +29,15 @@ def register(sub) -> None:
                         "model's context window, so generation goes on past it in constant memory")
     p.add_argument("--kv-every", type=positive_int, default=None,
                    help="print the KV memory every N tokens (it stays flat once an evicting cache is full)")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0,
+                   help="sampling temperature; 0 (default) is greedy decoding")
+    p.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass (with --temperature)")
+    p.add_argument("--repetition-penalty", type=positive_float, default=1.0,
+                   help="divide the logits of tokens already in the text by this (1: off); long greedy or "
+                        "low-temperature texts from small models loop without it")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (every --tp rank uses the same)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="never stop at the end-of-sequence token: generate exactly --max-new-tokens (long runs)")
     add_model_args(p)
     add_budget_args(p)
     add_tp_args(p)
@@ -71,7 +89,8 @@ def generate_on_rank(args) -> int:
     result = generate(
         model, tokenizer, args.prompt_text, policy=args.policy, max_new_tokens=args.max_new_tokens,
         chat=args.chat, stream=stream, chunk_size=args.chunk_size, positions=args.positions,
-        kv_every=args.kv_every, **budget_kwargs(**budget_from_args(args)),
+        kv_every=args.kv_every, temperature=args.temperature, top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty, seed=args.seed, ignore_eos=args.ignore_eos, **budget_kwargs(**budget_from_args(args)),
     )
     stats = gather_stats(result.stats)
     if not is_main_rank():

@@ -22,7 +22,11 @@ def tiny_tokenizer():
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     core = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    # GPT-2's word-splitting regex, as every real byte-level BPE tokenizer has: the ids are the same
+    # bytes either way, but the BPE model caches each pre-tokenised piece (up to 10,000 of them, the
+    # tokenizers default). Unsplit, every distinct prompt was one cache entry of a few KB, and a
+    # server soak saw that bounded cache fill as a slow RSS climb.
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     core.decoder = decoders.ByteLevel()
     tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
