@@ -244,6 +244,7 @@ def test_stream_in_pieces_equals_one_call_and_rolls_past_the_window_at_constant_
 
     long = stream_ppl(small, random_ids(400, seed=12)[0], "sink", 16, "rolling", window_tokens=32)
     assert len(long.windows) == 13 and len({w.kv_bytes for w in long.windows}) == 1
+    assert all(w.tokens_per_s > 0 and w.cpu_tokens_per_s > 0 for w in long.windows)
     full = stream_ppl(small, random_ids(400, seed=12)[0], "full", None, "true", window_tokens=32)
     assert full.windows[-1].end == WINDOW and "context" in full.stopped
     with pytest.raises(H2OError, match="keeps every token"):

@@ -32,8 +32,11 @@ from h2okv.policies import policy_class
 class StreamWindow:
     end: int  # tokens read after this window
     ppl: float
-    tokens_per_s: float
+    tokens_per_s: float  # per wall second
     kv_bytes: int
+    # per second of this process's CPU time: the cost of the work itself, which stays comparable
+    # across windows when other jobs share the machine (wall time does not)
+    cpu_tokens_per_s: float
 
 
 @dataclass
@@ -75,16 +78,16 @@ def stream_ppl(model, ids: torch.Tensor, policy: str, slots: int | None, positio
                 run.stopped = f"the text leaves the model's context of {context} positions"
                 break
             piece = ids[:, start:stop]
-            began = time.perf_counter()
+            began, began_cpu = time.perf_counter(), time.process_time()
             logits = model(piece, past_key_values=cache, use_cache=True).logits
-            seconds = time.perf_counter() - began
+            seconds, cpu_seconds = time.perf_counter() - began, time.process_time() - began_cpu
             nll = token_nll(logits, piece)
             if last is not None:
                 first = torch.nn.functional.cross_entropy(last.float(), piece[:, 0], reduction="none")
                 nll = torch.cat([first[:, None], nll], dim=1)
             last = logits[:, -1]
             window = StreamWindow(stop, math.exp(float(nll.double().mean())), round((stop - start) / seconds, 2),
-                                  cache.stats()["kv_bytes"])
+                                  cache.stats()["kv_bytes"], round((stop - start) / max(cpu_seconds, 1e-9), 2))
             run.windows.append(window)
             if on_window is not None:
                 on_window(run)

@@ -69,9 +69,9 @@ def stream_on_rank(args, model, tokenizer) -> int:
         done.append(run.as_dict())
         if not main:
             continue
-        save_rows = [[w.end, round(w.ppl, 3), w.tokens_per_s, w.kv_bytes] for w in run.windows]
+        save_rows = [[w.end, round(w.ppl, 3), w.tokens_per_s, w.cpu_tokens_per_s, w.kv_bytes] for w in run.windows]
         print(f"{policy} slots={slots or 'all'} positions={positions}" + (f" (stopped: {run.stopped})" if run.stopped else ""))
-        print(format_table(["tokens", "ppl", "tokens/s", "KV bytes"], save_rows))
+        print(format_table(["tokens", "ppl", "tokens/s", "tokens/CPU-s", "KV bytes"], save_rows))
     if not main:
         return 0
     if args.json:
