@@ -110,6 +110,9 @@ def test_parse_budgets_sorted_unique():
         (["--corpus", "gutenberg:x"], "--corpus must look like shakespeare:NAME"),
         (["--corpus", "shakespeare:no_such_play"], "no play named 'no_such_play'"),
         (["--plot", "out.jpg"], "--plot must end in .png"),
+        (["--reference-context", "2048"], "give --window-tokens too"),
+        (["--window-tokens", "64", "--slots", "16", "--reference-context", "-1"], "--reference-context must be >= 0"),
+        (["--window-tokens", "64"], "needs --slots"),
     ],
 )
 def test_cli_bad_input_is_one_line_exit_2(argv, message, capsys):

@@ -249,3 +249,22 @@ def test_stream_in_pieces_equals_one_call_and_rolls_past_the_window_at_constant_
     assert full.windows[-1].end == WINDOW and "context" in full.stopped
     with pytest.raises(H2OError, match="keeps every token"):
         stream_ppl(small, ids, "full", None, "rolling")
+
+
+def test_reference_windows_equal_full_attention_over_each_window_and_its_context(small):
+    """The yardstick run: each window's perplexity is that of one full-attention call over the
+    window and the context before it, from a fresh cache, read in calls of the window's size."""
+    from h2okv.eval.scoring import token_nll
+    from h2okv.eval.stream import reference_ppl
+
+    ids = random_ids(100, seed=13)[0]
+    run = reference_ppl(small, ids, context_tokens=20, window_tokens=16)
+    assert [w.end for w in run.windows] == [16, 32, 48, 64, 80, 96, 100] and run.positions == "sliding:20"
+    for w in run.windows:
+        start = w.end - 16 if w.end != 100 else 96
+        lo = max(0, start - 20)
+        nll = token_nll(small(ids[None, lo:w.end]).logits, ids[None, lo:w.end])[0][max(start - lo - 1, 0):]
+        assert w.ppl == pytest.approx(float(nll.double().mean().exp()), rel=1e-4)
+        assert w.kv_bytes > 0 and w.cpu_tokens_per_s > 0
+    with pytest.raises(H2OError, match="exceed the model's context"):
+        reference_ppl(small, ids, context_tokens=WINDOW, window_tokens=16)

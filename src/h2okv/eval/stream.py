@@ -11,6 +11,11 @@ scoring and KV bytes; ``on_window`` gets each as it completes (long runs write J
 ``full`` keeps everything; with true positions it stops where the text leaves the model's
 context (positions past it were never trained), and a rolling cache is refused for it: with
 every token kept, no position scheme keeps the distances inside the window.
+
+``reference_ppl`` is the yardstick for a long stream's windows: each window read with full
+attention after the ``context_tokens`` before it, from a fresh cache at positions 0.. (what the
+model does at that point of the text with the most context it was trained for). Texts differ in
+difficulty from window to window; a stream that keeps up shows the same ups and downs as this.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from h2okv.core import H2OCache
 from h2okv.errors import H2OError
@@ -94,18 +100,63 @@ def stream_ppl(model, ids: torch.Tensor, policy: str, slots: int | None, positio
     return run
 
 
+def reference_ppl(model, ids: torch.Tensor, context_tokens: int, window_tokens: int = 2048,
+                  on_window=None) -> StreamRun:
+    """Each window of ``ids`` scored with full attention over it and the ``context_tokens`` before
+    it (fresh per window, read in calls of ``window_tokens``), see the module docstring."""
+    limit = model.config.get_text_config().max_position_embeddings
+    if context_tokens + window_tokens > limit:
+        raise H2OError(f"--reference-context {context_tokens} + --window-tokens {window_tokens} exceed the model's "
+                       f"context of {limit} positions")
+    total = int(ids.shape[-1])
+    run = StreamRun("full", None, f"sliding:{context_tokens}", total, window_tokens)
+    ids = ids.reshape(1, -1).to(model.device)
+    with torch.inference_mode():
+        for start in range(0, total, window_tokens):
+            stop, lo = min(start + window_tokens, total), max(0, start - context_tokens)
+            began, began_cpu = time.perf_counter(), time.process_time()
+            nll, kv_bytes = window_losses(model, ids, lo, start, stop, window_tokens)
+            seconds, cpu_seconds = time.perf_counter() - began, time.process_time() - began_cpu
+            run.windows.append(StreamWindow(stop, math.exp(float(nll.double().mean())),
+                                            round((stop - start) / seconds, 2), kv_bytes,
+                                            round((stop - start) / max(cpu_seconds, 1e-9), 2)))
+            if on_window is not None:
+                on_window(run)
+    return run
+
+
+def window_losses(model, ids: torch.Tensor, lo: int, start: int, stop: int, call_tokens: int) -> torch.Tensor:
+    """``(losses, KV bytes)``: the losses of tokens ``start..stop-1`` (token 0 has none) after reading
+    ``ids[lo:stop]`` with full attention from a fresh cache, in calls of ``call_tokens`` (only the
+    window's logits are kept), and the bytes that cache holds at the end."""
+    cache, losses, previous = DynamicCache(config=model.config), [], None
+    for at in range(lo, stop, call_tokens):
+        end = min(at + call_tokens, stop)
+        logits = model(ids[:, at:end], past_key_values=cache, use_cache=True).logits[0].float()
+        if end > start:
+            first = max(at, start, 1)  # the first token this call predicts inside the window
+            if first == at:  # the call's first token: predicted by the previous call's last logits
+                losses.append(torch.nn.functional.cross_entropy(previous[None], ids[0, at:at + 1], reduction="none"))
+                first += 1
+            losses.append(torch.nn.functional.cross_entropy(logits[first - 1 - at:end - 1 - at], ids[0, first:end],
+                                                            reduction="none"))
+        previous = logits[-1]
+    kv_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    return torch.cat(losses), kv_bytes
+
+
 def plot_stream(runs: list[dict], path, title: str, context: int | None = None):
     """Perplexity per window vs tokens read, a line per (policy, slots, positions), log y."""
     fig, axes = new_figure(width=7.5, height=4.6)
     ax = axes[0][0]
-    styles = {"true": ":", "rolling": "-", "rolling:shift": "-", "rolling:order": "--"}
+    styles = {"true": ":", "rolling": "-", "rolling:shift": "-", "rolling:order": "--"}  # sliding: "-." below
     for run in runs:
         if not run["windows"]:
             continue
         x = [w["end"] / 1000 for w in run["windows"]]
         y = [w["ppl"] for w in run["windows"]]
         slots = "all" if run["slots"] is None else run["slots"]
-        ax.plot(x, y, marker=".", linestyle=styles.get(run["positions"], "-"), color=policy_color(run["policy"]),
+        ax.plot(x, y, marker=".", linestyle=styles.get(run["positions"], "-."), color=policy_color(run["policy"]),
                 label=f"{run['policy']} {slots} {run['positions']}")
     if context:
         ax.axvline(context / 1000, color="grey", linewidth=0.8)

@@ -33,6 +33,8 @@ def check_stream_args(args) -> None:
     parse_position_list(args.positions)
     if args.segments != 1:
         raise H2OError("stream mode (--window-tokens) reads one stream: --segments must be 1")
+    if args.reference_context is not None and args.reference_context < 0:
+        raise H2OError(f"--reference-context must be >= 0 tokens, got {args.reference_context}")
 
 
 def stream_runs(policies, slots, positions):
@@ -50,7 +52,7 @@ def stream_runs(policies, slots, positions):
 
 def stream_on_rank(args, model, tokenizer) -> int:
     from h2okv.eval.plots import format_table, write_json
-    from h2okv.eval.stream import plot_stream, stream_ppl
+    from h2okv.eval.stream import plot_stream, reference_ppl, stream_ppl
     from h2okv.eval.text import text_segments
     from h2okv.parallel.ranks import is_main_rank
 
@@ -63,6 +65,12 @@ def stream_on_rank(args, model, tokenizer) -> int:
         if args.json and main:
             write_json({"text": label, "runs": done + [run.as_dict()]}, args.json)
 
+    if args.reference_context is not None:
+        done.append(reference_ppl(model, ids, args.reference_context, args.window_tokens, on_window=save).as_dict())
+        print(f"reference: full attention over each window and the {args.reference_context} tokens before it")
+        print(format_table(["tokens", "ppl", "tokens/s", "tokens/CPU-s", "KV bytes"],
+                           [[w["end"], round(w["ppl"], 3), w["tokens_per_s"], w["cpu_tokens_per_s"], w["kv_bytes"]]
+                            for w in done[-1]["windows"]]))
     for policy, slots, positions in stream_runs(parse_policies(args.policies), parse_slots(args.slots),
                                                  parse_position_list(args.positions)):
         run = stream_ppl(model, ids, policy, slots, positions, args.window_tokens, args.seed, on_window=save)

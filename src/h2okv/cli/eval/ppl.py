@@ -38,6 +38,10 @@ def register(kinds) -> None:
     p.add_argument("--slots", default=None, help="stream mode: comma-separated budgets in slots per layer/head (e.g. 512,1024)")
     p.add_argument("--positions", default="true",
                    help="stream mode: comma-separated position schemes: true, rolling, rolling:shift, rolling:order (default: true)")
+    p.add_argument("--reference-context", type=int, default=None, metavar="N",
+                   help="stream mode: add a yardstick run, each window read with full attention after the N tokens "
+                        "before it (fresh per window; N + --window-tokens within the model's context), to tell the "
+                        "text's own ups and downs from the cache's")
     p.add_argument("--json", default=None, help="write the rows as JSON to this file")
     p.add_argument("--plot", default=DEFAULT_PLOT, help=f"PNG of perplexity vs budget (default: {DEFAULT_PLOT})")
     p.set_defaults(func=run)
@@ -53,6 +57,8 @@ def run(args) -> int:
     if args.tokens < 2:
         raise H2OError("--tokens must be at least 2 (perplexity needs a token to predict)")
     check_output_paths(args.json, args.plot)
+    if args.reference_context is not None and args.window_tokens is None:
+        raise H2OError("--reference-context belongs to stream mode: give --window-tokens too")
     if args.window_tokens is not None:
         from h2okv.cli.eval._stream import check_stream_args
 
