@@ -101,6 +101,25 @@ def test_generation_keeps_every_position_inside_the_window(small, scheme, policy
     assert cache.get_seq_length() == 329  # true count of tokens read, unchanged
 
 
+def test_generate_past_the_window_reports_flat_kv_memory_as_it_goes(small, tiny_dir):
+    """What `h2okv generate --positions rolling --kv-every K --stream` shows: KV bytes every K tokens,
+    each reported as it happens, flat once the budget is full, for 4x the model's window."""
+    from h2okv.generation import generate
+    from h2okv.models import load_model
+
+    _, tokenizer = load_model(str(tiny_dir), cache=False)  # a word tokenizer for the tiny vocab
+    live = []
+    result = generate(small, tokenizer, " ".join(f"w{i}" for i in range(5, 25)), heavy=8, recent=8,
+                      max_new_tokens=4 * WINDOW, positions="rolling", kv_every=32, ignore_eos=True,
+                      on_kv=lambda seen, kv, seconds: live.append((seen, kv, seconds)))
+    assert result.new_tokens == 4 * WINDOW
+    history = result.stats["kv_history"]
+    assert [(seen, kv) for seen, kv, _ in live] == history[:-1] and len(live) >= 8
+    assert [seconds for *_, seconds in live] == sorted(seconds for *_, seconds in live)
+    after_fill = {kv for seen, kv in history if seen > 16}
+    assert len(after_fill) == 1 and after_fill == {result.stats["kv_bytes"]}
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("chunk", [1, 8])
 def test_reading_in_pieces_keeps_positions_inside_the_window_at_constant_memory(small, scheme, chunk):

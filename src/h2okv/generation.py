@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -85,15 +86,21 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = False, device="cpu") -> d
 
 class KVWatch:
     """A ``LogitsProcessor`` that records ``(tokens seen, KV bytes)`` every ``every`` tokens: the
-    memory of a long generation, step by step, without a second pass."""
+    memory of a long generation, step by step, without a second pass. ``on_record(seen, bytes,
+    seconds since the first record)`` is told each one as it happens (a long run shows it live)."""
 
-    def __init__(self, cache: H2OCache, every: int):
-        self.cache, self.every, self.history = cache, every, []
+    def __init__(self, cache: H2OCache, every: int, on_record=None):
+        self.cache, self.every, self.history, self.on_record = cache, every, [], on_record
+        self.began = None
 
     def __call__(self, input_ids, scores):
         seen = self.cache.get_seq_length()
         if seen % self.every == 0 or not self.history:
             self.history.append((seen, sum(layer.kv_bytes() for layer in self.cache.layers)))
+            now = time.perf_counter()
+            self.began = now if self.began is None else self.began
+            if self.on_record is not None:
+                self.on_record(*self.history[-1], now - self.began)
         return scores
 
 
@@ -113,15 +120,17 @@ def generate(
     repetition_penalty: float = 1.0,
     seed: int = 0,
     ignore_eos: bool = False,
+    on_kv=None,
     **budget,
 ) -> Generation:
     """Generation under ``policy``, greedy unless ``temperature`` > 0 (then sampled with ``top_p``,
     seeded by ``seed``), for exactly ``max_new_tokens`` with ``ignore_eos``; ``positions="rolling"`` goes on past the context window.
-    ``kv_every``: ``stats["kv_history"]`` gets ``(tokens seen, KV bytes)`` every that many tokens."""
+    ``kv_every``: ``stats["kv_history"]`` gets ``(tokens seen, KV bytes)`` every that many tokens,
+    each also handed to ``on_kv(seen, bytes, seconds)`` as it happens (``KVWatch``)."""
     cache = H2OCache(model, policy=policy, chunk_size=chunk_size, positions=positions, **budget_kwargs(**budget))
     inputs = encode_prompt(tokenizer, prompt, chat=chat, device=model.device)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
-    watch = KVWatch(cache, kv_every) if kv_every else None
+    watch = KVWatch(cache, kv_every, on_kv) if kv_every else None
     sampling = {"do_sample": False}
     if temperature > 0:
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from h2okv.cli.args import (
@@ -86,11 +87,19 @@ def generate_on_rank(args) -> int:
 
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
     stream = args.stream and is_main_rank()
+
+    first: list[int] = []  # tokens seen at the first report: the rate counts from there
+
+    def kv_line(seen: int, kv: int, seconds: float) -> None:  # live while streaming, on stderr beside the text
+        first[:] = first or [seen]
+        rate = f", {seen - first[0]} tokens in {seconds:.0f} s" if seen > first[0] else ""
+        print(f"[kv] tokens seen {seen}: KV {kv / 2**20:.2f} MiB{rate}", file=sys.stderr, flush=True)
     result = generate(
         model, tokenizer, args.prompt_text, policy=args.policy, max_new_tokens=args.max_new_tokens,
         chat=args.chat, stream=stream, chunk_size=args.chunk_size, positions=args.positions,
         kv_every=args.kv_every, temperature=args.temperature, top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty, seed=args.seed, ignore_eos=args.ignore_eos, **budget_kwargs(**budget_from_args(args)),
+        repetition_penalty=args.repetition_penalty, seed=args.seed, ignore_eos=args.ignore_eos,
+        on_kv=kv_line if stream else None, **budget_kwargs(**budget_from_args(args)),
     )
     stats = gather_stats(result.stats)
     if not is_main_rank():
