@@ -15,6 +15,10 @@ shape of ``h2okv eval retrieval --json``'s rows (one per policy x budget x conte
 out), so both files merge into one table. ``needle_kept`` is null (a compressed DynamicCache keeps
 no token positions) and ``chunk_size`` is the whole compressed span (kvpress reads it at once).
 
+A reasoning export (format ``h2okv-reasoning-prompts/1``, from ``h2okv eval reasoning
+--export-prompts``) runs kvpress's ``DecodingPress`` around each of ``--presses`` (knorm, tova,
+expected) at each slot budget instead: see ``decoding_kvpress.py`` (loaded by path, beside this file).
+
 A longctx export (format ``h2okv-longctx-prompts/1``) gives rows of ``h2okv eval longctx --json``'s
 shape instead, one per prompt, press, budget and mode, scored with the very metric h2okv uses: the
 adapter loads ``src/h2okv/eval/longctx/metric.py`` and ``rows.py`` by path (standard library only,
@@ -45,6 +49,7 @@ import torch
 
 EXPORT_FORMAT = "h2okv-retrieval-prompts/1"
 LONGCTX_FORMAT = "h2okv-longctx-prompts/1"
+REASONING_FORMAT = "h2okv-reasoning-prompts/1"
 MODES = {"question-compressed": "", "question-out": "-qout"}
 QUESTION_OF_MODE = {"question-compressed": "aware", "question-out": "agnostic"}  # eval longctx's names
 MODE_OF_NAME = {**{m: m for m in MODES}, **{q: m for m, q in QUESTION_OF_MODE.items()}}
@@ -153,11 +158,12 @@ def run(exported: dict, presses: list[str], modes: list[str], budgets: list[floa
     return rows
 
 
-def load_by_path(name: str):
-    """``h2okv/eval/longctx/<name>.py`` (standard library only) without importing h2okv."""
+def load_by_path(name: str, folder: Path = LONGCTX_DIR):
+    """``h2okv/eval/longctx/<name>.py`` (standard library only) without importing h2okv; or, with
+    ``folder``, a module beside this file (this script is run by path, not as a package)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(f"h2okv_longctx_{name}", LONGCTX_DIR / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"h2okv_peer_{name}", folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -221,6 +227,8 @@ def parse_args(argv):
                         "agnostic = question-out)")
     parser.add_argument("--budgets", default=None, help="kept fractions (default: the export's budgets)")
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the export's model)")
+    parser.add_argument("--compression-interval", type=int, default=1,
+                        help="reasoning exports: DecodingPress compresses every N decode steps (default: 1)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--json", required=True, help="output rows")
     return parser.parse_args(argv)
@@ -229,9 +237,12 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     exported = json.loads(Path(args.prompts).read_text())
-    if exported.get("format") not in (EXPORT_FORMAT, LONGCTX_FORMAT):
-        raise SystemExit(f"run_kvpress: {args.prompts} is neither an {EXPORT_FORMAT} nor an {LONGCTX_FORMAT} export")
+    if exported.get("format") not in (EXPORT_FORMAT, LONGCTX_FORMAT, REASONING_FORMAT):
+        raise SystemExit(f"run_kvpress: {args.prompts} is not an {EXPORT_FORMAT}, {LONGCTX_FORMAT} or "
+                         f"{REASONING_FORMAT} export")
     presses = [p.strip() for p in args.presses.split(",") if p.strip()]
+    if exported["format"] == REASONING_FORMAT:
+        return main_reasoning(args, exported, presses)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if unknown := [p for p in presses if p not in PRESSES]:  # fail before any model is loaded
         raise SystemExit(f"run_kvpress: unknown press(es) {unknown}; known: {', '.join(PRESSES)}")
@@ -248,6 +259,26 @@ def main(argv=None) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     print(f"wrote {len(rows)} rows to {args.json}")
+    return 0
+
+
+def main_reasoning(args, exported: dict, scorers: list[str]) -> int:
+    decoding = load_by_path("decoding_kvpress", Path(__file__).resolve().parent)
+    if unknown := [s for s in scorers if s not in decoding.SCORERS]:  # fail before any model is loaded
+        raise SystemExit(f"run_kvpress: unknown decoding scorer(s) {unknown}; known: {', '.join(decoding.SCORERS)}")
+    if args.compression_interval < 1:
+        raise SystemExit(f"run_kvpress: --compression-interval must be >= 1, got {args.compression_interval}")
+    try:
+        budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else exported["budgets"]
+    except ValueError:
+        raise SystemExit(f"run_kvpress: --budgets {args.budgets!r}: DecodingPress takes slot counts") from None
+    budgets = decoding.check_budgets(budgets)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.model:
+        exported = {**exported, "model_path": args.model}
+    piece = decoding.run_reasoning(exported, scorers, budgets, args.compression_interval, load, {}, out=args.json)
+    print(f"{len(piece['rows'])} rows in {args.json}: grade and merge them with `h2okv eval reasoning-report`")
     return 0
 
 

@@ -31,6 +31,7 @@ from h2okv.generation import chat_prompt_ids, new_cache
 from h2okv.policies import policy_class
 
 PIECE_FORMAT = "h2okv-reasoning/1"
+EXPORT_FORMAT = "h2okv-reasoning-prompts/1"  # read by tools/peer/run_kvpress.py
 STYLES = ("chat", "fewshot")
 CHAT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -64,6 +65,17 @@ def answer_text(tokenizer, token_ids: list[int], stop: tuple[str, ...]) -> str:
     text = tokenizer.decode(token_ids, skip_special_tokens=True)
     cuts = [text.find(s) for s in stop if s in text]
     return text[: min(cuts)] if cuts else text
+
+
+def export_prompts(model_path: str, tokenizer, setup: Setup, problems: list[Problem], budgets: list, eos_ids) -> dict:
+    """The problems as plain JSON for a peer (``tools/peer/run_kvpress.py``, which cannot import
+    h2okv): the very prompt ids ``run_batch`` feeds the model, the tokens and stop strings that end
+    an answer, and the setup the peer's piece must carry to merge with ours. Grading stays ours:
+    the peer returns each answer's text and ``reasoning_report`` grades it with ``answers.py``."""
+    return {"format": EXPORT_FORMAT, "model_path": model_path, "setup": asdict(setup), "budgets": list(budgets),
+            "decoding": "greedy", "eos_ids": sorted(eos_ids),
+            "problems": [{"id": p.id, "prompt_ids": prompt_ids(tokenizer, p, setup.style), "gold": p.gold,
+                          "stop": list(p.stop) if setup.style == "fewshot" else []} for p in problems]}
 
 
 def runs_of(policies: list[str], budgets: list) -> list[tuple[str, int | float | None]]:

@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from h2okv.errors import H2OError
-from h2okv.eval.answers import INVALID, is_correct
+from h2okv.eval.answers import INVALID, extract_answer, is_correct
 from h2okv.eval.plots import format_table, new_figure, policy_color, save_figure
 from h2okv.eval.reasoning import PIECE_FORMAT, budget_label
 
@@ -37,13 +37,24 @@ def read_piece(path: str | Path) -> dict:
     return piece
 
 
+def graded(row: dict) -> dict:
+    """A peer's row (``tools/peer/run_kvpress.py``) carries the answer's text and no grade: it is
+    graded here, by the same ``answers.py`` functions as ours, so both sides are graded alike."""
+    if row.get("predicted") is not None:
+        return row
+    if not isinstance(row.get("text"), str):
+        raise H2OError(f"row {row.get('policy')} / problem {row.get('id')} has neither a grade nor the answer's text")
+    predicted = extract_answer(row["task"], row["text"])
+    return {**row, "predicted": predicted, "correct": is_correct(row["task"], predicted, row["gold"])}
+
+
 def merge(paths) -> tuple[list[dict], list[dict]]:
     """``(rows, batches)`` of all pieces; a problem graded twice under the same setup keeps its last row."""
     rows: dict[tuple, dict] = {}
     batches = []
     for path in paths:
         piece = read_piece(path)
-        for row in piece["rows"]:
+        for row in map(graded, piece["rows"]):
             rows[tuple(row[k] for k in GROUP) + (row["policy"], row["budget"], row["id"])] = row
         batches += [{**{k: piece["setup"][k] for k in GROUP}, **b} for b in piece["batches"]]
     return list(rows.values()), batches

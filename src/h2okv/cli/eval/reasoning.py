@@ -39,6 +39,9 @@ def register(kinds) -> None:
     p.add_argument("--resume", action="store_true", help="go on from the --json piece: skip the problems it holds")
     p.add_argument("--plot", default=None, help="accuracy vs budget PNG of this run")
     p.add_argument("--keep-text", action="store_true", help="keep each generated answer's text in the piece")
+    p.add_argument("--export-prompts", default=None, metavar="FILE",
+                   help="run nothing: write the problems' prompt token ids, gold answers, stop tokens and setup "
+                        "for tools/peer/run_kvpress.py (kvpress's DecodingPress on the same prompts)")
     p.set_defaults(func=run)
 
 
@@ -72,11 +75,14 @@ def run(args) -> int:
     if args.resume and not args.json:
         raise H2OError("--resume needs --json (the piece to go on from)")
     check_output_paths(args.json, args.plot)
+    check_output_paths(args.export_prompts, None)
     problems = load_problems(args.task, args.limit, args.offset)
     apply_threads(args.threads)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     setup = Setup(model=args.model or model.name_or_path, task=args.task, style=args.prompt,
                   max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed)
+    if args.export_prompts:
+        return export(args, model, tokenizer, setup, problems, budgets)
     save = (lambda piece: write_json(piece, args.json)) if args.json else None
     start = time.perf_counter()
     piece = reasoning_grid(model, tokenizer, setup, problems, policies, budgets, piece=_resumed(args, setup), on_batch=save,
@@ -91,4 +97,16 @@ def run(args) -> int:
         print(f"wrote {args.json}")
     if args.plot:
         print(f"wrote {plot_accuracy(summaries, args.plot)}")
+    return 0
+
+
+def export(args, model, tokenizer, setup, problems, budgets) -> int:
+    from h2okv.eval.plots import write_json
+    from h2okv.eval.reasoning import export_prompts
+    from h2okv.serve.outputs import eos_ids
+
+    # the folder the model was loaded from: for built-in GGUF models, the converted checkpoint
+    exported = export_prompts(model.name_or_path, tokenizer, setup, problems, budgets, eos_ids(model, tokenizer))
+    write_json(exported, args.export_prompts)
+    print(f"wrote {len(problems)} {args.task} prompts of {exported['model_path']} to {args.export_prompts}")
     return 0
