@@ -287,3 +287,16 @@ def test_reference_windows_equal_full_attention_over_each_window_and_its_context
         assert w.kv_bytes > 0 and w.cpu_tokens_per_s > 0
     with pytest.raises(H2OError, match="exceed the model's context"):
         reference_ppl(small, ids, context_tokens=WINDOW, window_tokens=16)
+
+
+def test_stream_plot_adds_the_ratio_panel_when_a_yardstick_is_there(small, tmp_path):
+    from PIL import Image
+
+    from h2okv.eval.stream import plot_stream, reference_ppl, stream_ppl
+
+    ids = random_ids(96, seed=14)[0]
+    rolled = stream_ppl(small, ids, "sink", 16, "rolling", window_tokens=32).as_dict()
+    yardstick = reference_ppl(small, ids, context_tokens=16, window_tokens=32).as_dict()
+    alone = Image.open(plot_stream([rolled], tmp_path / "one.png", "t", WINDOW)).size
+    both = Image.open(plot_stream([yardstick, rolled], tmp_path / "two.png", "t", WINDOW)).size
+    assert both[0] == alone[0] and both[1] > alone[1]  # a second panel below, same width

@@ -146,24 +146,47 @@ def window_losses(model, ids: torch.Tensor, lo: int, start: int, stop: int, call
 
 
 def plot_stream(runs: list[dict], path, title: str, context: int | None = None):
-    """Perplexity per window vs tokens read, a line per (policy, slots, positions), log y."""
-    fig, axes = new_figure(width=7.5, height=4.6)
+    """Perplexity per window vs tokens read, a line per (policy, slots, positions), log y. With a
+    yardstick run (``reference_ppl``) a second panel shows each run's ratio to it, window by window:
+    the text's own ups and downs cancel there, and what is left is the cache's cost."""
+    reference = next((r for r in runs if r["positions"].startswith("sliding") and r["windows"]), None)
+    fig, axes = new_figure(nrows=2 if reference else 1, width=7.5, height=4.6 if not reference else 3.6,
+                           sharex=True)
     ax = axes[0][0]
-    styles = {"true": ":", "rolling": "-", "rolling:shift": "-", "rolling:order": "--"}  # sliding: "-." below
     for run in runs:
-        if not run["windows"]:
-            continue
-        x = [w["end"] / 1000 for w in run["windows"]]
-        y = [w["ppl"] for w in run["windows"]]
-        slots = "all" if run["slots"] is None else run["slots"]
-        ax.plot(x, y, marker=".", linestyle=styles.get(run["positions"], "-."), color=policy_color(run["policy"]),
-                label=f"{run['policy']} {slots} {run['positions']}")
-    if context:
-        ax.axvline(context / 1000, color="grey", linewidth=0.8)
+        if run["windows"]:
+            ax.plot(*_series(run, lambda w: w["ppl"]), **_style(run))
     ax.set_yscale("log")
-    ax.set_xlabel("tokens read (thousands); each point: the perplexity of the window ending there")
     ax.set_ylabel("perplexity per window")
-    ax.grid(True, alpha=0.3, which="both")
     ax.legend(fontsize=7, ncol=2)
+    if reference:
+        by_end = {w["end"]: w["ppl"] for w in reference["windows"]}
+        ratio_ax = axes[1][0]
+        for run in runs:
+            if run is reference or not any(w["end"] in by_end for w in run["windows"]):
+                continue
+            inside = {**run, "windows": [w for w in run["windows"] if w["end"] in by_end]}
+            ratio_ax.plot(*_series(inside, lambda w: w["ppl"] / by_end[w["end"]]), **_style(run))
+        ratio_ax.axhline(1.0, color="black", linewidth=0.8)
+        ratio_ax.set_ylim(0.9, 1.6)  # true positions leave the panel: the first panel shows them
+        ratio_ax.set_ylabel(f"ratio to full attention\n({reference['positions']})")
+    for row in axes:
+        row[0].grid(True, alpha=0.3, which="both")
+        if context:
+            row[0].axvline(context / 1000, color="grey", linewidth=0.8)
+    axes[-1][0].set_xlabel("tokens read (thousands); each point: the window ending there")
     fig.suptitle(title, fontsize=10)
     return save_figure(fig, path)
+
+
+def _series(run: dict, value) -> tuple[list[float], list[float]]:
+    return [w["end"] / 1000 for w in run["windows"]], [value(w) for w in run["windows"]]
+
+
+def _style(run: dict) -> dict:
+    """Colour by policy, line by position scheme (sliding: the yardstick), marker by budget."""
+    styles = {"true": ":", "rolling": "-", "rolling:shift": "-", "rolling:order": "--"}
+    slots = "all" if run["slots"] is None else run["slots"]
+    return {"linestyle": styles.get(run["positions"], "-."), "color": policy_color(run["policy"]),
+            "marker": "." if (run["slots"] or 0) <= 512 else "x", "markersize": 4,
+            "label": f"{run['policy']} {slots} {run['positions']}"}
