@@ -2,7 +2,6 @@
 ``eval retrieval``'s, and its decoding, with no press, equals ``generate``'s greedy decoding in both
 modes (the question read with the context, or on top of the context's cache)."""
 
-import ast
 import dataclasses
 import importlib.util
 import json
@@ -13,6 +12,7 @@ import torch
 
 from h2okv.eval.retrieval import Cell, summary_table
 from h2okv.tools.tiny import tiny_model
+from source_imports import top_level_imports
 
 ADAPTER = Path(__file__).resolve().parents[1] / "tools" / "peer" / "run_kvpress.py"
 
@@ -32,12 +32,7 @@ class IdTokenizer:
 
 def test_adapter_does_not_import_h2okv():
     """h2okv is not installed in the peer's venv."""
-    imported = set()
-    for node in ast.walk(ast.parse(ADAPTER.read_text())):
-        if isinstance(node, ast.Import):
-            imported.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            imported.add(node.module.split(".")[0])
+    imported = top_level_imports(ADAPTER)
     assert "h2okv" not in imported and {"torch", "transformers", "kvpress"} <= imported
 
 

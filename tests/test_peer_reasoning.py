@@ -3,7 +3,6 @@ without kvpress: the export holds the very prompt ids ``eval reasoning`` feeds t
 peer's decoding with no press reproduces h2okv's ``full`` rows, which ``reasoning-report`` grades
 with our ``answers.py`` and merges beside ours."""
 
-import ast
 import importlib.util
 import json
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 
 from h2okv.errors import H2OError
 from h2okv.eval.reasoning import EXPORT_FORMAT
+from source_imports import top_level_imports
 
 PEER = Path(__file__).resolve().parents[1] / "tools" / "peer" / "decoding_kvpress.py"
 FIXTURE = Path(__file__).parent / "fixtures" / "oe_eval_tasks"
@@ -52,12 +52,7 @@ def record_prompts(model) -> list[list[int]]:
 
 def test_peer_does_not_import_h2okv():
     """h2okv (and lm-eval) are not installed in the peer's venv."""
-    imported = set()
-    for node in ast.walk(ast.parse(PEER.read_text())):
-        if isinstance(node, ast.Import):
-            imported.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            imported.add(node.module.split(".")[0])
+    imported = top_level_imports(PEER)
     assert not imported & {"h2okv", "lm_eval"} and {"torch", "transformers", "kvpress"} <= imported
 
 

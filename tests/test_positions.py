@@ -111,10 +111,11 @@ def test_generate_past_the_window_reports_flat_kv_memory_as_it_goes(small, tiny_
     live = []
     result = generate(small, tokenizer, " ".join(f"w{i}" for i in range(5, 25)), heavy=8, recent=8,
                       max_new_tokens=4 * WINDOW, positions="rolling", kv_every=32, ignore_eos=True,
-                      on_kv=lambda seen, kv, seconds: live.append((seen, kv, seconds)))
+                      on_kv=lambda seen, kv, since, seconds: live.append((seen, kv, since, seconds)))
     assert result.new_tokens == 4 * WINDOW
     history = result.stats["kv_history"]
-    assert [(seen, kv) for seen, kv, _ in live] == history[:-1] and len(live) >= 8
+    assert [(seen, kv) for seen, kv, *_ in live] == history[:-1] and len(live) >= 8
+    assert [since for _, _, since, _ in live] == [seen - live[0][0] for seen, *_ in live]
     assert [seconds for *_, seconds in live] == sorted(seconds for *_, seconds in live)
     after_fill = {kv for seen, kv in history if seen > 16}
     assert len(after_fill) == 1 and after_fill == {result.stats["kv_bytes"]}

@@ -1,25 +1,15 @@
 """The runtime (``h2okv.serve`` outside ``api/``) knows nothing of HTTP: it neither imports the
 HTTP layer nor FastAPI, pydantic, starlette or uvicorn, so the engine runs without a server."""
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
 
 import h2okv.serve
+from source_imports import imported_modules
 
 SERVE = Path(h2okv.serve.__file__).parent
 HTTP = ("h2okv.serve.api", "fastapi", "pydantic", "starlette", "uvicorn")
-
-
-def imported_modules(path: Path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-    return names
 
 
 def test_runtime_modules_do_not_import_http():

@@ -54,15 +54,20 @@ SERVE_SETTINGS = ["--policy", "h2o", "--heavy", str(SERVE_HEAVY), "--recent", st
                   "--chunk-size", str(SERVE_CHUNK)]
 
 
+def greedy_new_tokens(model, cache, new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """(new tokens, logits per step) of a greedy generation of exactly ``new_tokens`` on the fixed prompt."""
+    with torch.inference_mode():
+        out = model.generate(random_ids(PROMPT, seed=3), past_key_values=cache, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences[0, PROMPT:].tolist(), torch.stack(out.logits).float()
+
+
 def generate_tokens(model, policy):
     """(new tokens, logits per step, cache stats) of a greedy generation on a fixed prompt."""
     kw = {"heavy": HEAVY, "recent": RECENT} if policy == "h2o" else {}
     cache = H2OCache(model, policy=policy, chunk_size=16, **kw)
-    with torch.inference_mode():
-        out = model.generate(random_ids(PROMPT, seed=3), past_key_values=cache, max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
-    return out.sequences[0, PROMPT:].tolist(), torch.stack(out.logits).float(), cache.stats()
+    return *greedy_new_tokens(model, cache, NEW_TOKENS), cache.stats()
 
 
 def generate_rolling(model):
@@ -73,13 +78,10 @@ def generate_rolling(model):
     hook = model.model.register_forward_pre_hook(
         lambda _module, _args, kwargs: seen.append(int(kwargs["position_ids"].max())), with_kwargs=True)
     try:
-        with torch.inference_mode():
-            out = model.generate(random_ids(PROMPT, seed=3), past_key_values=cache, max_new_tokens=ROLL_NEW_TOKENS,
-                                 min_new_tokens=ROLL_NEW_TOKENS, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True, pad_token_id=0)
+        tokens, logits = greedy_new_tokens(model, cache, ROLL_NEW_TOKENS)
     finally:
         hook.remove()
-    return out.sequences[0, PROMPT:].tolist(), torch.stack(out.logits).float(), max(seen)
+    return tokens, logits, max(seen)
 
 
 # -- on every rank (module-level: the spawned ranks import them by name) --------------------------

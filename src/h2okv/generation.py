@@ -87,7 +87,8 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = False, device="cpu") -> d
 class KVWatch:
     """A ``LogitsProcessor`` that records ``(tokens seen, KV bytes)`` every ``every`` tokens: the
     memory of a long generation, step by step, without a second pass. ``on_record(seen, bytes,
-    seconds since the first record)`` is told each one as it happens (a long run shows it live)."""
+    tokens and seconds since the first record)`` is told each one as it happens (a long run shows
+    it live)."""
 
     def __init__(self, cache: H2OCache, every: int, on_record=None):
         self.cache, self.every, self.history, self.on_record = cache, every, [], on_record
@@ -100,7 +101,7 @@ class KVWatch:
             now = time.perf_counter()
             self.began = now if self.began is None else self.began
             if self.on_record is not None:
-                self.on_record(*self.history[-1], now - self.began)
+                self.on_record(*self.history[-1], seen - self.history[0][0], now - self.began)
         return scores
 
 
@@ -124,9 +125,11 @@ def generate(
     **budget,
 ) -> Generation:
     """Generation under ``policy``, greedy unless ``temperature`` > 0 (then sampled with ``top_p``,
-    seeded by ``seed``), for exactly ``max_new_tokens`` with ``ignore_eos``; ``positions="rolling"`` goes on past the context window.
+    seeded by ``seed``), for exactly ``max_new_tokens`` with ``ignore_eos``; ``positions="rolling"``
+    goes on past the context window.
     ``kv_every``: ``stats["kv_history"]`` gets ``(tokens seen, KV bytes)`` every that many tokens,
-    each also handed to ``on_kv(seen, bytes, seconds)`` as it happens (``KVWatch``)."""
+    each also handed to ``on_kv(seen, bytes, tokens since the first, seconds)`` as it happens
+    (``KVWatch``)."""
     cache = H2OCache(model, policy=policy, chunk_size=chunk_size, positions=positions, **budget_kwargs(**budget))
     inputs = encode_prompt(tokenizer, prompt, chat=chat, device=model.device)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None

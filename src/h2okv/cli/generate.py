@@ -88,12 +88,10 @@ def generate_on_rank(args) -> int:
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
     stream = args.stream and is_main_rank()
 
-    first: list[int] = []  # tokens seen at the first report: the rate counts from there
-
-    def kv_line(seen: int, kv: int, seconds: float) -> None:  # live while streaming, on stderr beside the text
-        first[:] = first or [seen]
-        rate = f", {seen - first[0]} tokens in {seconds:.0f} s" if seen > first[0] else ""
+    def kv_line(seen: int, kv: int, since: int, seconds: float) -> None:  # live while streaming, on stderr
+        rate = f", {since} tokens in {seconds:.0f} s" if since else ""
         print(f"[kv] tokens seen {seen}: KV {kv / 2**20:.2f} MiB{rate}", file=sys.stderr, flush=True)
+
     result = generate(
         model, tokenizer, args.prompt_text, policy=args.policy, max_new_tokens=args.max_new_tokens,
         chat=args.chat, stream=stream, chunk_size=args.chunk_size, positions=args.positions,

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import DynamicCache
 
+from h2okv.bench.memory import cache_kv_bytes
 from h2okv.core import H2OCache
 from h2okv.errors import H2OError
 from h2okv.eval.plots import new_figure, policy_color, save_figure
@@ -43,6 +44,22 @@ class StreamWindow:
     # per second of this process's CPU time: the cost of the work itself, which stays comparable
     # across windows when other jobs share the machine (wall time does not)
     cpu_tokens_per_s: float
+
+
+class Clock:
+    """Wall and CPU seconds of one window's scoring, and the window built from them."""
+
+    def __init__(self):
+        self.began, self.began_cpu = time.perf_counter(), time.process_time()
+
+    def stop(self) -> None:
+        self.seconds = time.perf_counter() - self.began
+        self.cpu_seconds = time.process_time() - self.began_cpu
+
+    def window(self, start: int, stop: int, nll: torch.Tensor, kv_bytes: int) -> StreamWindow:
+        tokens = stop - start
+        return StreamWindow(stop, math.exp(float(nll.double().mean())), round(tokens / self.seconds, 2), kv_bytes,
+                            round(tokens / max(self.cpu_seconds, 1e-9), 2))
 
 
 @dataclass
@@ -84,17 +101,15 @@ def stream_ppl(model, ids: torch.Tensor, policy: str, slots: int | None, positio
                 run.stopped = f"the text leaves the model's context of {context} positions"
                 break
             piece = ids[:, start:stop]
-            began, began_cpu = time.perf_counter(), time.process_time()
+            clock = Clock()
             logits = model(piece, past_key_values=cache, use_cache=True).logits
-            seconds, cpu_seconds = time.perf_counter() - began, time.process_time() - began_cpu
+            clock.stop()
             nll = token_nll(logits, piece)
             if last is not None:
                 first = torch.nn.functional.cross_entropy(last.float(), piece[:, 0], reduction="none")
                 nll = torch.cat([first[:, None], nll], dim=1)
             last = logits[:, -1]
-            window = StreamWindow(stop, math.exp(float(nll.double().mean())), round((stop - start) / seconds, 2),
-                                  cache.stats()["kv_bytes"], round((stop - start) / max(cpu_seconds, 1e-9), 2))
-            run.windows.append(window)
+            run.windows.append(clock.window(start, stop, nll, cache.stats()["kv_bytes"]))
             if on_window is not None:
                 on_window(run)
     return run
@@ -114,12 +129,10 @@ def reference_ppl(model, ids: torch.Tensor, context_tokens: int, window_tokens: 
     with torch.inference_mode():
         for start in range(0, total, window_tokens):
             stop, lo = min(start + window_tokens, total), max(0, start - context_tokens)
-            began, began_cpu = time.perf_counter(), time.process_time()
+            clock = Clock()
             nll, kv_bytes = window_losses(model, ids, lo, start, stop, window_tokens)
-            seconds, cpu_seconds = time.perf_counter() - began, time.process_time() - began_cpu
-            run.windows.append(StreamWindow(stop, math.exp(float(nll.double().mean())),
-                                            round((stop - start) / seconds, 2), kv_bytes,
-                                            round((stop - start) / max(cpu_seconds, 1e-9), 2)))
+            clock.stop()
+            run.windows.append(clock.window(start, stop, nll, kv_bytes))
             if on_window is not None:
                 on_window(run)
     return run
@@ -141,8 +154,7 @@ def window_losses(model, ids: torch.Tensor, lo: int, start: int, stop: int, call
             losses.append(torch.nn.functional.cross_entropy(logits[first - 1 - at:end - 1 - at], ids[0, first:end],
                                                             reduction="none"))
         previous = logits[-1]
-    kv_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-    return torch.cat(losses), kv_bytes
+    return torch.cat(losses), cache_kv_bytes(cache)
 
 
 def plot_stream(runs: list[dict], path, title: str, context: int | None = None):

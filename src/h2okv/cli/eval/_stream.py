@@ -65,21 +65,21 @@ def stream_on_rank(args, model, tokenizer) -> int:
         if args.json and main:
             write_json({"text": label, "runs": done + [run.as_dict()]}, args.json)
 
+    def report(run, heading: str) -> None:
+        done.append(run.as_dict())
+        if main:
+            print(heading + (f" (stopped: {run.stopped})" if run.stopped else ""))
+            print(format_table(["tokens", "ppl", "tokens/s", "tokens/CPU-s", "KV bytes"],
+                               [[w.end, round(w.ppl, 3), w.tokens_per_s, w.cpu_tokens_per_s, w.kv_bytes]
+                                for w in run.windows]))
+
     if args.reference_context is not None:
-        done.append(reference_ppl(model, ids, args.reference_context, args.window_tokens, on_window=save).as_dict())
-        print(f"reference: full attention over each window and the {args.reference_context} tokens before it")
-        print(format_table(["tokens", "ppl", "tokens/s", "tokens/CPU-s", "KV bytes"],
-                           [[w["end"], round(w["ppl"], 3), w["tokens_per_s"], w["cpu_tokens_per_s"], w["kv_bytes"]]
-                            for w in done[-1]["windows"]]))
+        report(reference_ppl(model, ids, args.reference_context, args.window_tokens, on_window=save),
+               f"reference: full attention over each window and the {args.reference_context} tokens before it")
     for policy, slots, positions in stream_runs(parse_policies(args.policies), parse_slots(args.slots),
                                                  parse_position_list(args.positions)):
-        run = stream_ppl(model, ids, policy, slots, positions, args.window_tokens, args.seed, on_window=save)
-        done.append(run.as_dict())
-        if not main:
-            continue
-        save_rows = [[w.end, round(w.ppl, 3), w.tokens_per_s, w.cpu_tokens_per_s, w.kv_bytes] for w in run.windows]
-        print(f"{policy} slots={slots or 'all'} positions={positions}" + (f" (stopped: {run.stopped})" if run.stopped else ""))
-        print(format_table(["tokens", "ppl", "tokens/s", "tokens/CPU-s", "KV bytes"], save_rows))
+        report(stream_ppl(model, ids, policy, slots, positions, args.window_tokens, args.seed, on_window=save),
+               f"{policy} slots={slots or 'all'} positions={positions}")
     if not main:
         return 0
     if args.json:
