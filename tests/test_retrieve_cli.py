@@ -27,6 +27,25 @@ def test_retrieval_runs_late_prefill_with_a_recent_share(tmp_path, monkeypatch, 
     assert "knorm late r0.05" in table and "tova:heads=shared late r0.05" in capsys.readouterr().out
 
 
+def test_retrieval_shares_slots_among_heads(tmp_path, monkeypatch, capsys):
+    """--head-budgets adaptive reaches the cache (its rows and labels say so); a policy that cannot
+    take it fails before the grid with one line."""
+    model = tiny_model("llama", seed=3)
+    monkeypatch.setattr(h2okv.models, "load_model", lambda *a, **k: (model, CharTokenizer()))
+    out = tmp_path / "r.json"
+    argv = ["eval", "retrieval", "--contexts", "300", "--depths", "0,1", "--trials", "1", "--policies",
+            "snapkv:window=1", "--budgets", "0.2", "--max-new-tokens", "2", "--head-budgets", "adaptive",
+            "--json", str(out), "--plot", ""]
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert {r["head_budgets"] for r in rows} == {"adaptive"}
+    assert "snapkv:window=1 adaptive" in capsys.readouterr().out
+    argv[argv.index("snapkv:window=1")] = "tova"
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "use prefill=late" in err[0]
+
+
 def test_policy_lists_take_policies_with_several_options():
     from h2okv.cli.args import parse_policies
 

@@ -211,13 +211,20 @@ def add_budget_shape_args(parser: argparse.ArgumentParser, prefill: bool = True)
                             help="chunked: evict after every prefill chunk (bounded: budget + chunk slots); late: read "
                             "the whole prompt with exact attention, then rank once (a layer holds budget + prompt "
                             "while it runs) (default: chunked)")
+        parser.add_argument("--head-budgets", choices=("uniform", "adaptive"), default="uniform",
+                            help="uniform: every KV head keeps the same slots; adaptive: each layer's ranked slots "
+                            "are shared out among its heads by the policy's rank (Ada-KV; needs --prefill late, "
+                            "or snapkv/knorm) (default: uniform)")
 
 
 def shape_from_args(args) -> dict:
-    """``new_cache``'s ``recent_share`` and ``prefill`` keywords from ``add_budget_shape_args``."""
+    """``new_cache``'s ``recent_share``, ``prefill`` and ``head_budgets`` keywords from
+    ``add_budget_shape_args``."""
     shape = {"recent_share": args.recent_share}
     if getattr(args, "prefill", None) is not None:
         shape["prefill"] = args.prefill
+    if getattr(args, "head_budgets", "uniform") != "uniform":
+        shape["head_budgets"] = args.head_budgets
     return shape
 
 

@@ -10,6 +10,7 @@ from transformers.cache_utils import Cache
 
 from h2okv.core.attention import prepare_model
 from h2okv.core.budget import BudgetSpec
+from h2okv.core.head_budget import DEFAULT_FLOOR, HEAD_BUDGETS
 from h2okv.core.layer import SlotLayer
 from h2okv.core.positions import RollingPositions, parse_positions
 from h2okv.errors import H2OError
@@ -42,6 +43,12 @@ class H2OCache(Cache):
 
     ``stats()["peak_capacity"]`` reports the most slots each layer ever allocated.
 
+    ``head_budgets="adaptive"`` shares each layer's heavy slots out among its KV heads by the
+    policy's rank (Ada-KV, ``core/head_budget.py``; ``head_floor`` is the share of a uniform head's
+    choice every head keeps first). It needs a ranking policy with its own heads and a call ranked
+    whole: ``prefill="late"``, or a policy that ranks the call before it is chunked (``snapkv``,
+    ``knorm``). The layer's capacity is then its largest head budget, and ``stats()`` reports it.
+
     ``positions="rolling"`` keeps every position the model sees inside its context window so the
     cache reads and generates past it (``core/positions.py``); the default ``"true"`` does not.
     """
@@ -58,6 +65,8 @@ class H2OCache(Cache):
         seed: int = 0,
         prefill: str = "chunked",
         positions: str = "true",
+        head_budgets: str = "uniform",
+        head_floor: float = DEFAULT_FLOOR,
     ):
         self.policy = make_policy(policy, seed=seed)
         if prefill not in PREFILL_MODES:
@@ -67,11 +76,35 @@ class H2OCache(Cache):
         if int(chunk_size) < 1:
             raise H2OError(f"chunk_size must be >= 1, got {chunk_size}")
         self.chunk_size = int(chunk_size)
+        self.head_budgets, self.head_floor = self._check_head_budgets(head_budgets, head_floor)
         num_layers = prepare_model(model)
         super().__init__(layers=[SlotLayer(self, i) for i in range(num_layers)])
         scheme = parse_positions(positions)
         self.rolling = None if scheme is None else RollingPositions(model, scheme)
         self._row_budgets: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _check_head_budgets(self, mode, floor) -> tuple[str, float]:
+        """``(mode, floor)`` when the pair works with the policy and prefill, else a one-line error."""
+        if mode not in HEAD_BUDGETS:
+            raise H2OError(f"head_budgets must be one of {', '.join(HEAD_BUDGETS)}, got {mode!r}")
+        if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.0 <= floor <= 1.0:
+            raise H2OError(f"head_floor must be a number in [0, 1], got {floor!r}")
+        if mode == "uniform":
+            return mode, float(floor)
+        policy = self.policy
+        ranks = policy.needs_scores or type(policy).key_scores is not Policy.key_scores
+        if not policy.evicts or not ranks or policy.name == "random":
+            raise H2OError(f"head_budgets=adaptive needs a ranking policy (h2o, tova, snapkv, knorm, ...), "
+                           f"not {policy.name!r}")
+        if policy.shared_heads:
+            raise H2OError(f"head_budgets=adaptive shares slots among heads that keep their own tokens; "
+                           f"{policy.spec!r} keeps one set per layer")
+        upfront = type(policy).prefill_scores is not Policy.prefill_scores or not policy.needs_scores
+        if self.prefill == "chunked" and (not upfront or self.chunk_size == 1):
+            raise H2OError(f"head_budgets=adaptive with chunked prefill needs a policy that ranks the whole "
+                           f"prompt before it is chunked (snapkv, knorm) and chunk_size > 1; "
+                           f"{policy.spec!r} with chunk_size {self.chunk_size}: use prefill=late")
+        return mode, float(floor)
 
     # -- rows: generate's beam search and batch expansion, the server's continuous batching -----
     def select_rows(self, index) -> None:
@@ -215,6 +248,13 @@ class H2OCache(Cache):
         heavy, recent = self._row_budgets
         return (heavy + recent).tolist()
 
+    @staticmethod
+    def _head_range(layer) -> list[int] | None:
+        if not layer.has_budget or not layer.owner.policy.evicts:
+            return None
+        budget = layer.slot_budget()
+        return [int(budget.min()), int(budget.max())]
+
     def stats(self) -> dict:
         layers = [layer for layer in self.layers if layer.is_initialized]
         slots = [int(layer.live_slots().max()) for layer in layers]
@@ -225,6 +265,9 @@ class H2OCache(Cache):
             "slots": slots,  # the most live tokens any (sequence, head) of each layer holds
             "capacity": [layer.capacity for layer in layers],
             "prefill": self.prefill,
+            "head_budgets": self.head_budgets,
+            # per layer, the fewest and most slots one KV head may hold (equal unless adaptive)
+            "head_budget_range": [self._head_range(layer) for layer in layers],
             # the most slots per (sequence, KV head) each layer ever allocated: budget + chunk for
             # a chunked prefill, budget + the call for a late one
             "peak_capacity": [layer.peak_capacity for layer in layers],

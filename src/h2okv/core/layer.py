@@ -15,8 +15,9 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from h2okv.core.attention import PENDING
+from h2okv.core.head_budget import allocate
 from h2okv.core.scan import can_scan, token_scan
-from h2okv.core.step import check_at_budget, chunk_step, decode_step, evict
+from h2okv.core.step import check_at_budget, chunk_step, decode_step, evict, protected
 from h2okv.core.storage import SlotStorage
 from h2okv.errors import H2OError
 
@@ -120,6 +121,9 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         cached = self.__dict__.get("_max_budget")
         if cached is not None:
             return cached
+        if self.has_budget and self.head_heavy is not None:  # this layer's largest head budget
+            self._max_budget = int(self.slot_budget().max())
+            return self._max_budget
         value = self.owner.max_budget
         if value != math.inf or not self.owner.policy.evicts:
             self._max_budget = value
@@ -187,6 +191,8 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
             self.fast = check_at_budget(self)
             return out.transpose(1, 2).contiguous()
         init = self._prefill_scores(query, key_new, nonpad, scaling) if q_len > 1 and chunk > 1 else None
+        if q_len > 1 and chunk > 1 and owner.head_budgets == "adaptive":
+            self._share_out_upfront(key_new, nonpad, init)
         outputs = []
         for start in range(0, q_len, chunk):
             stop = min(start + chunk, q_len)
@@ -237,9 +243,33 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
                 None if init is None else init[:, :, start:stop], evicts=False,
             ))
         if self.owner.policy.evicts:
+            if self.owner.head_budgets == "adaptive":
+                self._share_out(self.score, self.ordinal, self.valid, self.n_real)
             evict(self, n)
         self.shrink_to_budget()
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+    # -- head-adaptive budgets (head_budget.py) --------------------------------------------------
+    def _share_out(self, score, ordinal, live, n_real) -> None:
+        """Share the layer's heavy slots out among its heads by the policy's rank of ``score``
+        (``[B, H, N]`` with ``ordinal`` and ``live``) once ``n_real`` tokens have been read."""
+        rows = (-1, 1, 1)
+        key = self.owner.policy.eviction_key(score, ordinal, n_real.view(rows), self.layer_idx)
+        candidate = live & ~protected(ordinal, (n_real - self.recent).view(rows), self.sinks.view(rows))
+        self.head_heavy = allocate(key, candidate, self.heavy, self.sinks, self.owner.head_floor)
+        self.__dict__.pop("_max_budget", None)
+
+    def _share_out_upfront(self, key_new, nonpad, init) -> None:
+        """Chunked prefill of a call the policy ranks whole before it is chunked (``init``: its
+        look-ahead scores; else the keys' own scores): the shares are fixed before the first chunk
+        is evicted, from the live slots and the call's tokens, as they will stand at its end."""
+        fresh = init if init is not None else self.owner.policy.key_scores(key_new)
+        b, h, n = key_new.shape[:3]
+        real = torch.ones(b, n, dtype=torch.bool, device=self.device) if nonpad is None else nonpad
+        n_end = self.n_real + real.sum(-1)
+        ordinals = (self.n_real[:, None] + torch.arange(n, device=self.device))[:, None].expand(b, h, n)
+        self._share_out(torch.cat([self.score, fresh.float()], -1), torch.cat([self.ordinal, ordinals], -1),
+                        torch.cat([self.valid, real[:, None].expand(b, h, n)], -1), n_end)
 
     def _prefill_scores(self, query, key_new, nonpad, scaling):
         """Let the policy rank a multi-token call before it is chunked (SnapKV); None for most.

@@ -28,7 +28,11 @@ What the cache adds, spelled out below:
   the scores of a whole call before it is chunked (``prefill_scores``, SnapKV) and the score a
   token starts with (``key_scores``, Knorm), and whether the heads share one kept list
   (``shared_heads``: the lowest mean key over the heads goes);
-- late prefill (``late=True``): a call of several tokens is read whole and ranked once at its end.
+- late prefill (``late=True``): a call of several tokens is read whole and ranked once at its end;
+- head-adaptive budgets (``adaptive=FLOOR``, Ada-KV): when a call has been ranked whole (late, or
+  up front by ``prefill_scores``/``key_scores``), the heads' heavy slots are shared out anew:
+  each head first takes its own best ``FLOOR`` share of a uniform head's choice, then the best
+  candidates of all heads take the rest (``share_out`` below).
 
 ``random`` has no loop form: its draws follow the buffer's shape.
 """
@@ -41,7 +45,7 @@ from h2okv.policies import Policy, make_policy
 
 
 def reference_head(q, k, v, policy: str | Policy, heavy: int, recent: int, calls, chunk: int, scale: float,
-                   late: bool = False):
+                   late: bool = False):  # one head: nothing to share out among heads
     """One sequence, one KV head. ``q`` ``[g, n, D]``: the query heads that share this KV head;
     ``k`` ``[n, D]``, ``v`` ``[n, Dv]``; ``calls``: the forward calls as ``[(start, stop), ...]``.
 
@@ -52,16 +56,18 @@ def reference_head(q, k, v, policy: str | Policy, heavy: int, recent: int, calls
 
 
 def reference_heads(q, k, v, policy: str | Policy, heavy: int, recent: int, calls, chunk: int, scale: float,
-                    late: bool = False):
+                    late: bool = False, adaptive: float | None = None):
     """Every KV head of one sequence in lock-step: ``q`` ``[Hkv, g, n, D]``, ``k`` ``[Hkv, n, D]``,
     ``v`` ``[Hkv, n, Dv]``. Each head keeps its own tokens and scores, except under a head-shared
     policy (``heads=shared``), where one list is kept and the lowest mean key over heads goes.
     ``late``: a call of several tokens is read whole (no eviction inside it) and ranked once at
-    its end. Returns ``(out [Hkv, g, n, Dv] float64, kept per head)``."""
+    its end; ``adaptive``: head-adaptive budgets with that floor. Returns
+    ``(out [Hkv, g, n, Dv] float64, kept per head)``."""
     policy = make_policy(policy)
     hkv = k.shape[0]
     budget = policy.split(heavy, recent) if policy.evicts else None
     sinks = min(policy.sink_tokens, budget.heavy) if budget else 0
+    totals = [budget.total] * hkv if budget else None  # slots per head
     out = torch.zeros(hkv, q.shape[1], q.shape[2], v.shape[-1], dtype=torch.float64)
     kept: list[list[int]] = [[] for _ in range(hkv)]
     score: list[dict[int, float]] = [{} for _ in range(hkv)]
@@ -71,6 +77,12 @@ def reference_heads(q, k, v, policy: str | Policy, heavy: int, recent: int, call
         for h in range(hkv):
             if upfront[h] is not None:
                 score[h].update((j, upfront[h][j]) for j in kept[h])
+        if adaptive is not None and ranked_upfront and not late:
+            # the call ranked before it is chunked: by the look-ahead, else by each key alone
+            ranks = [upfront[h] if upfront[h] is not None
+                     else {**score[h], **{j: start_score(policy, k[h, j]) for j in range(c0, c1)}} for h in range(hkv)]
+            tokens = [kept[h] + list(range(c0, c1)) for h in range(hkv)]
+            totals = share_out(policy, ranks, tokens, budget, sinks, c1, adaptive)
         step = (c1 - c0 if late else chunk) if c1 - c0 > 1 else 1
         for start in range(c0, c1, step):
             stop = min(start + step, c1)
@@ -82,8 +94,10 @@ def reference_heads(q, k, v, policy: str | Policy, heavy: int, recent: int, call
                 kept[h] += new
                 if policy.needs_scores and upfront[h] is None:
                     fold(policy, score[h], kept[h], mass)
+            if adaptive is not None and late and c1 - c0 > 1 and stop == c1:
+                totals = share_out(policy, score, kept, budget, sinks, stop, adaptive)
             if budget is not None and (stop == c1 or not late):
-                evict_lowest(policy, score, kept, budget, sinks, stop)
+                evict_lowest(policy, score, kept, budget, sinks, stop, totals)
     return out, [sorted(heads) for heads in kept]
 
 
@@ -108,11 +122,12 @@ def start_score(policy: Policy, key) -> float:
     return 0.0 if fresh is None else float(fresh.reshape(()))
 
 
-def evict_lowest(policy: Policy, score: list[dict], kept: list[list[int]], budget, sinks: int, seen: int) -> None:
-    """Free the lowest candidates until every head holds ``budget.total`` tokens (candidates: kept
-    tokens outside the sinks and the last ``recent`` of the ``seen``)."""
+def evict_lowest(policy: Policy, score: list[dict], kept: list[list[int]], budget, sinks: int, seen: int,
+                 totals: list[int]) -> None:
+    """Free the lowest candidates until every head ``h`` holds ``totals[h]`` tokens (candidates:
+    kept tokens outside the sinks and the last ``recent`` of the ``seen``)."""
     for h in range(len(kept)):
-        while len(kept[h]) > budget.total:
+        while len(kept[h]) > totals[h]:
             candidates = [j for j in kept[h] if sinks <= j < seen - budget.recent]
             if policy.shared_heads:
                 # one list for all heads: the lowest mean key goes from every head
@@ -122,6 +137,28 @@ def evict_lowest(policy: Policy, score: list[dict], kept: list[list[int]], budge
                     heads.remove(victim)
             else:
                 kept[h].remove(candidates[int(rank_keys(policy, score[h], candidates, seen).argmin())])
+
+
+def share_out(policy: Policy, score: list[dict], tokens: list[list[int]], budget, sinks: int, seen: int,
+              floor: float) -> list[int]:
+    """Ada-KV's shares once ``seen`` tokens are read: each head's slot total. A uniform head chooses
+    ``heavy - sinks`` candidates; each head first takes its own best ``floor`` of that, then the
+    best remaining candidates of all heads (ties: lower head first) until every head's choices add
+    up to ``heads x (heavy - sinks)``; when the candidates are fewer, the spare slots go evenly."""
+    heads = len(tokens)
+    choice = max(budget.heavy - sinks, 0)
+    first = int(choice * floor)
+    picks, rest = [0] * heads, []
+    for h in range(heads):
+        candidates = [j for j in tokens[h] if sinks <= j < seen - budget.recent]
+        ranked = sorted(zip(rank_keys(policy, score[h], candidates, seen).tolist(), candidates, strict=True),
+                        key=lambda pair: -pair[0])
+        picks[h] = min(first, len(ranked))
+        rest += [(-value, h) for value, _ in ranked[picks[h]:]]
+    for _, h in sorted(rest)[:max(0, min(heads * choice, sum(picks) + len(rest)) - sum(picks))]:
+        picks[h] += 1
+    spare = heads * choice - sum(picks)
+    return [sinks + picks[h] + spare // heads + (h < spare % heads) + budget.recent for h in range(heads)]
 
 
 def fold(policy: Policy, score: dict, tokens: list[int], mass: dict) -> None:
@@ -153,12 +190,13 @@ def call_scores(policy: Policy, q, k, kept: list[int], c0: int, c1: int, scale: 
 
 
 def reference(q, k, v, policy: str | Policy, heavy: int, recent: int, calls=None, chunk: int = 1, scale: float = 1.0,
-              late: bool = False):
+              late: bool = False, adaptive: float | None = None):
     """Every KV head of one sequence: ``q`` ``[Hq, n, D]``, ``k``/``v`` ``[Hkv, n, D]``; ``calls``
     defaults to one call of all ``n`` tokens; ``late``: each call ranked once, at its end (late
     prefill). Returns ``(out [Hq, n, Dv], kept per KV head)``."""
     hkv, n = k.shape[0], k.shape[1]
     g = q.shape[0] // hkv
     calls = calls if calls is not None else [(0, n)]
-    out, kept = reference_heads(q.reshape(hkv, g, *q.shape[1:]), k, v, policy, heavy, recent, calls, chunk, scale, late)
+    out, kept = reference_heads(q.reshape(hkv, g, *q.shape[1:]), k, v, policy, heavy, recent, calls, chunk, scale, late,
+                                adaptive)
     return out.reshape(hkv * g, *out.shape[2:]), kept

@@ -82,7 +82,7 @@ def can_scan(layer, nonpad, sliding_window) -> bool:
     policy = layer.owner.policy
     if nonpad is not None or sliding_window is not None or not policy.scan_safe:
         return False
-    if not policy.evicts:
+    if not policy.evicts or layer.head_heavy is not None:
         return False
     live = layer.valid.sum(-1)
     budget = layer.heavy + layer.recent

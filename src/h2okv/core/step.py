@@ -54,7 +54,7 @@ def eviction_rank(policy, layer_idx: int, score, ordinal, n_real, shielded) -> t
 
 def evict(layer, m: int) -> None:
     """After a step that wrote ``m`` tokens: free slots until ``layer`` is within budget again."""
-    budget = (layer.heavy + layer.recent)[:, None]  # [B, 1]
+    budget = layer.slot_budget()  # [B, 1], or [B, H] with head-adaptive budgets
     excess = (layer.valid.sum(-1) - budget).clamp(min=0)  # [B, H]
     rows = (-1, 1, 1)
     shielded = ~layer.valid | protected(layer.ordinal, (layer.n_real - layer.recent).view(rows), layer.sinks.view(rows))
@@ -177,15 +177,16 @@ def check_at_budget(layer) -> FastDecode | None:
     """One device sync: is every (sequence, head) at exactly its row's budget? Then the fast state."""
     if not layer.owner.policy.evicts or not layer.has_budget:
         return None
-    budget = layer.heavy + layer.recent
-    if not bool((layer.valid.sum(-1) == budget[:, None]).all()):
+    budget = layer.slot_budget()
+    if not bool((layer.valid.sum(-1) == budget).all()):
         return None
     b, h = layer.valid.shape[:2]
     has_sinks = bool((layer.sinks > 0).any())
+    uniform = bool((budget == budget[0, 0]).all())  # heads of uneven budgets keep free slots: masked
     return FastDecode(
         valid=layer.valid,
         n_real=layer.n_real,
-        dense_capacity=int(budget[0]) + 1 if bool((budget == budget[0]).all()) else -1,
+        dense_capacity=int(budget[0, 0]) + 1 if uniform else -1,
         ordinal_src=layer.n_real.view(b, 1, 1).expand(b, h, 1),  # a view: follows n_real in place
         n_real_key=layer.n_real.view(b, 1, 1),
         recent_start=(layer.n_real - layer.recent).view(b, 1, 1),

@@ -3,7 +3,8 @@
 Per (sequence, KV head) a layer holds ``capacity`` slots: key and value vectors, the policy's
 score (float32), the token's ordinal among the real tokens of its sequence, and whether the slot
 is live. Per sequence (row) it holds the count of real tokens seen and the row's budget
-(``heavy``, ``recent``, protected ``sinks``). Attention does not depend on slot order, so slots
+(``heavy``, ``recent``, protected ``sinks``); with head-adaptive budgets (``head_budget.py``) also
+``head_heavy`` ``[B, H]``, each head's own heavy part (None: every head has the row's ``heavy``). Attention does not depend on slot order, so slots
 can be reordered, cut or padded freely without changing any result.
 """
 
@@ -13,7 +14,7 @@ import torch
 
 # per-slot tensors [B, H, capacity(, D)] and per-row vectors [B]
 SLOT_TENSORS = ("keys", "values", "score", "ordinal", "valid")
-ROW_VECTORS = ("n_real", "heavy", "recent", "sinks")
+ROW_VECTORS = ("n_real", "heavy", "recent", "sinks", "head_heavy")
 
 
 class SlotStorage:
@@ -33,6 +34,7 @@ class SlotStorage:
         self.n_real = torch.zeros((b,), dtype=torch.long, device=self.device)
         # heavy/recent/sinks are set by the first forward call (the prompt fixes the budget)
         self.heavy = self.recent = self.sinks = None
+        self.head_heavy = None
 
     @property
     def capacity(self) -> int:
@@ -41,6 +43,18 @@ class SlotStorage:
     @property
     def has_budget(self) -> bool:
         return self.is_initialized and self.heavy is not None
+
+    def heads_heavy(self) -> torch.Tensor:
+        """``[B, H]``: each head's heavy part (the row's own when budgets are uniform)."""
+        if self.head_heavy is not None:
+            return self.head_heavy
+        return self.heavy[:, None].expand(-1, self.keys.shape[1]).clone()
+
+    def slot_budget(self) -> torch.Tensor:
+        """Slots each (row, head) may hold: ``[B, 1]``, or ``[B, H]`` with head-adaptive budgets."""
+        if self.head_heavy is not None:
+            return self.head_heavy + self.recent[:, None]
+        return (self.heavy + self.recent)[:, None]
 
     def live_slots(self) -> torch.Tensor:
         """``[B, H]`` live tokens per (sequence, head)."""
@@ -98,6 +112,9 @@ class SlotStorage:
         capacity = max(self.capacity, other.capacity)
         self.resize(capacity)
         other.resize(capacity)
+        if (self.head_heavy is None) != (other.head_heavy is None):
+            for part in (self, other):  # a uniform row is a row whose heads all have its heavy part
+                part.head_heavy = part.heads_heavy()
         for name in SLOT_TENSORS + ROW_VECTORS:
             mine, theirs = getattr(self, name), getattr(other, name)
             if (mine is None) != (theirs is None):
@@ -117,6 +134,8 @@ class SlotStorage:
             self.heavy = torch.cat([self.heavy, heavy.to(self.device)])
             self.recent = torch.cat([self.recent, recent.to(self.device)])
             self.sinks = torch.cat([self.sinks, sinks.to(self.device)])
+        if self.head_heavy is not None:  # a new row starts uniform; its first ranked call shares it out
+            self.head_heavy = torch.cat([self.head_heavy, heavy.to(self.device)[:, None].expand(k, self.keys.shape[1])])
         self.rows_changed()
 
     def trim(self) -> None:

@@ -112,6 +112,7 @@ class Cell:
     answers: list[str] = field(default_factory=list)
     prefill: str = "chunked"  # H2OCache's prefill mode (a peer's rows: its own, see its README)
     recent_share: float = DEFAULT_RECENT_SHARE
+    head_budgets: str = "uniform"  # H2OCache's: uniform or adaptive (Ada-KV)
 
     @property
     def config(self) -> str:
@@ -121,6 +122,8 @@ class Cell:
             parts.append(self.prefill)
         if self.recent_share != DEFAULT_RECENT_SHARE and policy_class(self.policy).evicts:
             parts.append(f"r{self.recent_share:g}")
+        if self.head_budgets != "uniform":
+            parts.append(self.head_budgets)
         return " ".join(parts)
 
 
@@ -146,8 +149,8 @@ def grid_prompts(tokenizer, contexts, depths, trials, haystack="filler", seed=0)
 
 def retrieval_grid(model, tokenizer, policies, budgets, contexts, depths, trials, haystack="filler",
                    chunk_size=DEFAULT_CHUNK, max_new_tokens=8, seed=0, progress=True,
-                   recent_share=DEFAULT_RECENT_SHARE, prefill="chunked") -> list[Cell]:
-    shape = {"recent_share": recent_share, "prefill": prefill}
+                   recent_share=DEFAULT_RECENT_SHARE, prefill="chunked", head_budgets="uniform") -> list[Cell]:
+    shape = {"recent_share": recent_share, "prefill": prefill, "head_budgets": head_budgets}
     prompts_by_context = grid_prompts(tokenizer, contexts, depths, trials, haystack, seed)
     runs = [(p, None) for p in policies if not policy_class(p).evicts]
     runs += [(p, b) for p in policies if policy_class(p).evicts for b in budgets]

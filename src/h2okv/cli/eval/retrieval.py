@@ -77,12 +77,16 @@ def run(args) -> int:
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     if args.export_prompts:
         return export(args, model, tokenizer, budgets, contexts, depths)
+    from h2okv.generation import new_cache
+
+    for policy in policies:  # a shape a policy cannot take (--head-budgets adaptive) fails now, not mid-grid
+        new_cache(model, policy, budgets[0], chunk_size=chunk, **shape_from_args(args))
     start = time.perf_counter()
     cells = retrieval_grid(model, tokenizer, policies, budgets, contexts, depths, args.trials, args.haystack,
                            chunk, args.max_new_tokens, args.seed, **shape_from_args(args))
     seconds = time.perf_counter() - start
     print(f"Passkey retrieval, {args.haystack} haystack, prefill {args.prefill} (chunk {chunk}), recent share "
-          f"{args.recent_share:g}, {args.trials} trials per cell")
+          f"{args.recent_share:g}, {args.head_budgets} head budgets, {args.trials} trials per cell")
     print(summary_table(cells))
     print(f"{len(cells)} cells in {seconds:.1f} s")
     if args.json:

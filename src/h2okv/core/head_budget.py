@@ -1,0 +1,64 @@
+"""Head-adaptive budgets (Ada-KV, Feng et al. 2024): a layer's heavy slots shared out among its KV heads.
+
+A uniform budget gives every KV head of a layer the same ``heavy`` slots. Attention is not spread
+alike over heads: some heads look at a few tokens, others at many, so a head that needs little
+wastes slots another head would use. Ada-KV ranks the candidates of all heads of a layer
+together and gives each head as many slots as it has among the layer's best, keeping the layer's
+total. A floor (Ada-KV's safeguard) first gives each head its own best ``floor`` share of a
+uniform head's choice, so that no head starves.
+
+The core calls ``allocate`` when a forward call has been ranked whole: at the end of a late
+prefill, or before the first chunk when the policy ranks the whole call up front (``snapkv``'s
+look-ahead, ``knorm``'s key norms). Each head then holds its own ``heavy_h + recent`` slots until
+the next such call; decode steps evict one token per head as usual. What is allocated is one
+``[B, H, cap]`` buffer per layer, so a layer's capacity is its largest head budget: the KV bytes
+the cache reports are those slots (``H2OCache.stats``), more than the uniform budget's when the
+heads are uneven.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+HEAD_BUDGETS = ("uniform", "adaptive")
+DEFAULT_FLOOR = 0.2  # Ada-KV's safeguard share
+
+
+def allocate(key: torch.Tensor, candidate: torch.Tensor, heavy: torch.Tensor, sinks: torch.Tensor,
+             floor: float) -> torch.Tensor:
+    """Heavy slots per (row, head) ``[B, H]``; every row's sum is ``H * heavy``.
+
+    ``key`` ``[B, H, N]``: the policy's rank of each token (higher is kept first); ``candidate``
+    ``[B, H, N]``: the tokens the policy may choose from (live, outside the recent window and the
+    sinks); ``heavy``, ``sinks`` ``[B]``: the row's uniform heavy part and its protected first
+    tokens, which every head keeps. A head's choice is then ``heavy_h - sinks`` of its candidates:
+    first its own best ``floor * (heavy - sinks)``, then the layer's best of what is left, up to
+    ``H * (heavy - sinks)`` in all. Slots left when the candidates are fewer are shared evenly.
+    Ties go to the lower head, then the lower slot.
+    """
+    b, h, n = key.shape
+    device = key.device
+    choice = (heavy - sinks).clamp(min=0)  # [B] a uniform head's choice
+    total = h * choice
+    floor_n = (choice.float() * floor).floor().long()
+    value = key.float().masked_fill(~candidate, -math.inf)
+
+    # each head's own best floor_n candidates
+    order = value.argsort(dim=-1, descending=True, stable=True)
+    place = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=device).expand(b, h, n))
+    floored = candidate & (place < floor_n[:, None, None])
+    picks = floored.sum(-1)  # [B, H]
+
+    # the rest: the layer's best candidates not yet chosen, until the total is reached
+    rest = value.masked_fill(floored, -math.inf).reshape(b, h * n)
+    ranked = rest.argsort(dim=-1, descending=True, stable=True)
+    wanted = (torch.minimum(total, candidate.sum((1, 2))) - picks.sum(-1)).clamp(min=0)  # [B]
+    take = (torch.arange(h * n, device=device) < wanted[:, None]) & rest.gather(1, ranked).isfinite()
+    picks = picks + torch.zeros_like(picks).scatter_add_(1, ranked // n, take.long())
+
+    # fewer candidates than the total: every head keeps all of its own, the spare slots are spread
+    spare = total - picks.sum(-1)
+    even = spare[:, None] // h + (torch.arange(h, device=device) < (spare % h)[:, None]).long()
+    return sinks[:, None] + picks + even
