@@ -84,3 +84,26 @@ def test_bench_times_the_new_policies(tmp_path):
     result = json.loads(out.read_text())
     assert set(result["decode"]) == {"knorm", "tova:heads=shared", "reference"}
     assert all(r["kept_tokens"] == 12 for r in result["decode"].values())
+
+
+def test_bench_times_adaptive_heads_and_reports_their_bytes(tmp_path, capsys):
+    """bench --policies --head-budgets adaptive: the studied caches share their slots among heads
+    (late prefill for h2o); the KV bytes after the prompt are those of the slots allocated."""
+    out = tmp_path / "p.json"
+    argv = ["bench", "--model", "tiny:qwen2", "--policies", "h2o,snapkv", "--context", "64", "--steps", "3",
+            "--scoring-tokens", "48", "--no-progress", "--prefill", "late", "--head-budgets", "adaptive",
+            "--json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["shape"] == {"recent_share": 0.5, "prefill": "late", "head_budgets": "adaptive"}
+    decode = result["decode"]
+    assert all(r["kept_tokens"] == 12 for r in decode.values())
+    # one slot of a layer: K and V x 2 KV heads x 16 dims x 4 bytes; uniform: 2 layers x 13 slots
+    # (budget 12 + the decode slot); adaptive: each layer's largest head budget + 1, never less
+    slot = 2 * 2 * 16 * 4
+    for policy in ("h2o", "snapkv"):
+        kv = decode[policy]["kv_bytes_after_prompt"]
+        assert kv % slot == 0 and 2 * 13 * slot <= kv <= 2 * 65 * slot
+    assert "head_budgets adaptive" in out.with_suffix(".md").read_text()
+    assert main(["bench", "--model", "tiny:llama", "--head-budgets", "adaptive", "--json", str(out)]) == 2
+    assert "shape the caches of the --policies study only" in capsys.readouterr().err

@@ -2,7 +2,9 @@
 
 - decode: one prompt of ``context`` tokens per policy at the budget, then interleaved one-token
   steps (``Bench.decode``); each policy's median step over the ``reference`` step (a plain
-  ``DynamicCache`` holding the same number of tokens, no bookkeeping).
+  ``DynamicCache`` holding the same number of tokens, no bookkeeping), and the KV bytes each
+  cache holds after its prompt. The budget's shape (``--recent-share``, ``--prefill``,
+  ``--head-budgets``) applies to the studied policies' caches here.
 - scoring: a teacher-forced pass over ``scoring_tokens`` tokens with per-token eviction
   (``chunk_size=1``, what ``eval ppl`` and log-likelihoods use) over a plain forward pass
   (``DynamicCache``, SDPA) of the same tokens, alternating so machine drift hits both alike.
@@ -15,6 +17,7 @@ import time
 
 import torch
 
+from h2okv.bench.memory import cache_kv_bytes
 from h2okv.bench.runner import Bench, BenchConfig
 from h2okv.core import H2OCache
 from h2okv.eval.scoring import make_cache
@@ -23,29 +26,41 @@ from h2okv.policies import policy_class
 
 
 class PolicyBench(Bench):
-    """``Bench`` whose evicting caches use any policy name (``reference`` and ``full`` stay plain)."""
+    """``Bench`` whose evicting caches use any policy name (``reference`` and ``full`` stay plain);
+    the studied policies' caches take ``shape`` (``new_cache``'s ``recent_share``, ``prefill``,
+    ``head_budgets``), the warm-up's plain ``h2o`` does not."""
+
+    def __init__(self, *args, shape: dict | None = None, shaped=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shape, self.shaped = dict(shape or {}), set(shaped)
 
     def _new_cache(self, policy: str):
-        return new_cache(self.model, None if policy in ("full", "reference") else policy, self.cfg.budget, self.cfg.chunk_size)
+        if policy in ("full", "reference"):
+            return new_cache(self.model, None)
+        shape = self.shape if policy in self.shaped else {}
+        return new_cache(self.model, policy, self.cfg.budget, self.cfg.chunk_size, **shape)
 
 
-def decode_costs(model, tokenizer, policies: list[str], context: int, budget: float, steps: int, progress=None) -> dict:
+def decode_costs(model, tokenizer, policies: list[str], context: int, budget: float, steps: int, progress=None,
+                 shape: dict | None = None) -> dict:
     cfg = BenchConfig(batches=[1], contexts=[context], memory_contexts=[], budget=budget, steps=steps)
-    bench = PolicyBench(model, tokenizer, cfg, progress=progress)
+    bench = PolicyBench(model, tokenizer, cfg, progress=progress, shape=shape, shaped=policies)
     names = [*policies, "reference"]
     bench.warm_up()
     prefilled = {}
+    kv_bytes = {}
     for policy in names:
         pre = bench.prefill(policy, context)
         if isinstance(pre.cache, H2OCache):
             pre.kept_tokens = max(pre.cache.budget())
+        kv_bytes[policy] = cache_kv_bytes(pre.cache)  # adaptive heads: the slots of each layer's largest head
         prefilled[policy] = pre
     stats = bench.decode(prefilled, dict.fromkeys(names, 1), steps)
     ref = stats["reference"]
     return {
         p: {**stats[p], "vs_reference_step": stats[p]["decode_step_ms"] / ref["decode_step_ms"],
             "vs_reference_step_cpu": stats[p]["decode_step_cpu_ms"] / ref["decode_step_cpu_ms"],
-            "kept_tokens": prefilled[p].kept_tokens}
+            "kept_tokens": prefilled[p].kept_tokens, "kv_bytes_after_prompt": kv_bytes[p]}
         for p in names
     }
 
@@ -84,15 +99,18 @@ def scoring_costs(model, ids: torch.Tensor, policies: list[str], budget: float, 
 
 def markdown(result: dict) -> str:
     d, s = result["decode"], result["scoring"]
+    shape = ", ".join(f"{k} {v}" for k, v in (result.get("shape") or {}).items())
     lines = [
-        f"Decode step, context {result['context']}, budget {result['budget']:g}, batch 1, "
-        f"{result['steps']} interleaved steps (median):",
+        f"Decode step, context {result['context']}, budget {result['budget']:g}{', ' + shape if shape else ''}, "
+        f"batch 1, {result['steps']} interleaved steps (median):",
         "",
-        "| policy | kept tokens | step ms | step CPU ms | / reference step | / reference (CPU) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| policy | kept tokens | KV MiB after the prompt | step ms | step CPU ms | / reference step | / reference (CPU) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for p, r in d.items():
-        lines.append(f"| {p} | {r['kept_tokens']} | {r['decode_step_ms']:.2f} | {r['decode_step_cpu_ms']:.2f} | "
+        kv = r.get("kv_bytes_after_prompt")
+        lines.append(f"| {p} | {r['kept_tokens']} | {'' if kv is None else f'{kv / 2**20:.2f}'} | "
+                     f"{r['decode_step_ms']:.2f} | {r['decode_step_cpu_ms']:.2f} | "
                      f"{r['vs_reference_step']:.3f} | {r['vs_reference_step_cpu']:.3f} |")
     lines += [
         "",

@@ -7,7 +7,16 @@ import importlib
 import importlib.util
 import os
 
-from h2okv.cli.args import add_model_args, add_tp_args, int_list, parse_bytes, parse_policies, positive_int
+from h2okv.cli.args import (
+    add_budget_shape_args,
+    add_model_args,
+    add_tp_args,
+    int_list,
+    parse_bytes,
+    parse_policies,
+    positive_int,
+    shape_from_args,
+)
 from h2okv.errors import H2OError
 
 # the default grid and the --quick one (about a minute on a 2-core CPU, model load included)
@@ -56,6 +65,7 @@ def register(sub) -> None:
                    "reported as unavailable (e.g. eager,native,triton)")
     p.add_argument("--scoring-tokens", type=positive_int, default=2048, help="tokens of the --policies scoring pass (default 2048)")
     p.add_argument("--scoring-repeats", type=positive_int, default=1, help="passes per policy in the --policies scoring study (default 1)")
+    add_budget_shape_args(p)  # how the --policies decode study spends --budget (its caches only)
     add_tp_args(p)
     p.add_argument("--serve", nargs=argparse.REMAINDER, default=None, metavar="SERVE_BENCH_ARGS",
                    help="instead: the serving load generator (h2okv.tools.loadgen) with the `serve-bench` "
@@ -158,9 +168,10 @@ def run_policies(args) -> int:
     units = (len(policies) + 1) * args.scoring_repeats
     with tqdm(total=units, desc="scoring", unit="pass", disable=args.no_progress) as bar:
         scoring = scoring_costs(model, ids[:, :args.scoring_tokens], policies, args.budget, args.scoring_repeats, bar)
-    decode = decode_costs(model, tokenizer, policies, context, args.budget, steps)
+    shape = shape_from_args(args)
+    decode = decode_costs(model, tokenizer, policies, context, args.budget, steps, shape=shape)
     result = {"context": context, "budget": args.budget, "steps": steps, "scoring_tokens": args.scoring_tokens,
-              "threads": why, "decode": decode, "scoring": scoring,
+              "threads": why, "decode": decode, "scoring": scoring, "shape": shape,
               "arguments": {k: v for k, v in vars(args).items() if k != "func"}}
     report = markdown(result)
     print(report)
@@ -206,6 +217,8 @@ def run(args) -> int:
         return run_serve(args)
     if not args.json:
         raise H2OError("give --json PATH for the result")
+    if (args.kernels or not args.policies) and shape_from_args(args) != {"recent_share": 0.5, "prefill": "chunked"}:
+        raise H2OError("--recent-share, --prefill and --head-budgets shape the caches of the --policies study only")
     if args.kernels:
         return run_kernels(args)
     if args.policies:
