@@ -30,7 +30,7 @@ def test_exact_when_budget_covers_everything(arch_model, chunk):
     assert cache.get_seq_length() == 30 + 12 - 1
 
 
-NEW_POLICIES = ["tova", "h2o-sink", "h2o-mean", "snapkv"]
+NEW_POLICIES = ["tova", "h2o-sink", "h2o-mean", "snapkv", "expected"]
 
 
 @pytest.mark.parametrize("policy", ["full", "local", "sink", "random", *NEW_POLICIES])

@@ -5,4 +5,5 @@ in ``--help`` without loading torch; ``h2okv.policies`` builds its registry in t
 fails on import when a policy class is missing from this list or the list names one it lacks.
 """
 
-POLICY_NAMES = ("full", "h2o", "local", "sink", "random", "tova", "h2o-sink", "h2o-mean", "snapkv", "knorm")
+POLICY_NAMES = ("full", "h2o", "local", "sink", "random", "tova", "h2o-sink", "h2o-mean", "snapkv", "knorm",
+                "expected")

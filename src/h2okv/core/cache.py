@@ -69,6 +69,7 @@ class H2OCache(Cache):
         head_floor: float = DEFAULT_FLOOR,
     ):
         self.policy = make_policy(policy, seed=seed)
+        self.policy.bind(model)
         if prefill not in PREFILL_MODES:
             raise H2OError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
         self.prefill = prefill

@@ -190,7 +190,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
             out = token_scan(self, query, key_new, value_new, scaling)
             self.fast = check_at_budget(self)
             return out.transpose(1, 2).contiguous()
-        init = self._prefill_scores(query, key_new, nonpad, scaling) if q_len > 1 and chunk > 1 else None
+        init = self._prefill_scores(query, key_new, value_new, nonpad, scaling) if q_len > 1 and chunk > 1 else None
         if q_len > 1 and chunk > 1 and owner.head_budgets == "adaptive":
             self._share_out_upfront(key_new, nonpad, init)
         outputs = []
@@ -232,7 +232,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         """
         n = query.shape[2]
         block = self.owner.chunk_size if self.owner.chunk_size > 1 else LATE_BLOCK
-        init = self._prefill_scores(query, key_new, nonpad, scaling)
+        init = self._prefill_scores(query, key_new, value_new, nonpad, scaling)
         self.ensure_free(n)
         outputs = []
         for start in range(0, n, block):
@@ -271,7 +271,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         self._share_out(torch.cat([self.score, fresh.float()], -1), torch.cat([self.ordinal, ordinals], -1),
                         torch.cat([self.valid, real[:, None].expand(b, h, n)], -1), n_end)
 
-    def _prefill_scores(self, query, key_new, nonpad, scaling):
+    def _prefill_scores(self, query, key_new, value_new, nonpad, scaling):
         """Let the policy rank a multi-token call before it is chunked (SnapKV); None for most.
 
         Replaces the scores of the live old slots; returns the new tokens' ``[B, Hkv, n]``."""
@@ -280,7 +280,8 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
             return None
         n = query.shape[2]
         real = nonpad.sum(-1) if nonpad is not None else torch.full((query.shape[0],), n, device=self.device)
-        ranked = policy.prefill_scores(query, key_new, self.keys, self.valid, real, scaling)
+        ranked = policy.prefill_scores(query, key_new, self.keys, self.valid, real, scaling, value_new=value_new,
+                                       old_values=self.values)
         if ranked is None:
             return None
         old, new = ranked

@@ -73,7 +73,8 @@ def reference_heads(q, k, v, policy: str | Policy, heavy: int, recent: int, call
     score: list[dict[int, float]] = [{} for _ in range(hkv)]
     for c0, c1 in calls:
         ranked_upfront = c1 - c0 > 1 and (chunk > 1 or late)
-        upfront = [call_scores(policy, q[h], k[h], kept[h], c0, c1, scale) if ranked_upfront else None for h in range(hkv)]
+        upfront = [call_scores(policy, q[h], k[h], v[h], kept[h], c0, c1, scale) if ranked_upfront else None
+                   for h in range(hkv)]
         for h in range(hkv):
             if upfront[h] is not None:
                 score[h].update((j, upfront[h][j]) for j in kept[h])
@@ -176,12 +177,13 @@ def rank_keys(policy: Policy, score: dict, candidates: list[int], seen: int) -> 
     )
 
 
-def call_scores(policy: Policy, q, k, kept: list[int], c0: int, c1: int, scale: float) -> dict | None:
+def call_scores(policy: Policy, q, k, v, kept: list[int], c0: int, c1: int, scale: float) -> dict | None:
     """Scores the policy gives the kept tokens and a whole call ``c0..c1`` before it is chunked
-    (SnapKV), as ``{token: score}``; None for a policy that scores chunk by chunk."""
+    (SnapKV, Expected Attention), as ``{token: score}``; None for a policy that scores chunk by chunk."""
     ranked = policy.prefill_scores(
         q[None, :, c0:c1], k[None, None, c0:c1], k[None, None, kept],
         torch.ones(1, 1, len(kept), dtype=torch.bool), torch.tensor([c1 - c0]), scale,
+        value_new=v[None, None, c0:c1], old_values=v[None, None, kept],
     )
     if ranked is None:
         return None

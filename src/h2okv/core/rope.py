@@ -5,8 +5,9 @@ multiplies by ``attention_scaling`` (YaRN; 1 otherwise): ``x -> s * R(p) x``. Ro
 ``R(a) R(b) = R(a + b)``, and commute with the scalar ``s``, so a key the model rotated to ``p``
 is moved to ``p + delta`` by ``R(delta)`` alone, whatever the scaling variant (linear, Llama 3,
 YaRN only change ``inv_freq`` and ``s``, both fixed by the config). Variants whose frequencies
-depend on the sequence length (dynamic NTK, LongRoPE) are refused, as is partial rotary: there
-the rotation of an old key is not a function of its position alone, or covers part of the head.
+depend on the sequence length (dynamic NTK, LongRoPE) are refused, as is partial rotary for
+rolling (``partial_ok`` lets a caller turn only the rotated share, as ``expected`` does): there the
+rotation of an old key is not a function of its position alone, or covers part of the head.
 
 ``RopeRotation.from_model`` takes ``inv_freq`` from transformers' own ``ROPE_INIT_FUNCTIONS``
 (or the model's default computation) and checks it against the model: it rotates a probe with the
@@ -46,11 +47,16 @@ def _rope_type(config) -> str:
 class RopeRotation:
     """The model's RoPE frequencies; ``rotate_`` moves keys along their positions in place."""
 
-    inv_freq: torch.Tensor  # [D/2] float64
+    inv_freq: torch.Tensor  # [R/2] float64
     head_dim: int
+    # the first R dimensions are rotated (R = D unless ``partial_ok``: GPT-NeoX turns a share)
+    rotary_dim: int = 0
+
+    def __post_init__(self):
+        self.rotary_dim = self.rotary_dim or self.head_dim
 
     @classmethod
-    def from_model(cls, model) -> RopeRotation:
+    def from_model(cls, model, partial_ok: bool = False) -> RopeRotation:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         name = type(model).__name__
@@ -67,12 +73,12 @@ class RopeRotation:
         else:
             inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        if 2 * inv_freq.numel() != head_dim:
+        if 2 * inv_freq.numel() != head_dim and not partial_ok:
             raise H2OError(f"{name} rotates only {2 * inv_freq.numel()} of {head_dim} head dimensions "
                            f"(partial rotary), which rolling does not support")
         if not torch.allclose(inv_freq.float(), rotary.original_inv_freq.float().cpu(), rtol=1e-5):
             raise H2OError(f"{name}'s rotary frequencies differ from its config's {rope_type!r} RoPE")
-        rope = cls(inv_freq.double(), head_dim)
+        rope = cls(inv_freq.double(), head_dim, 2 * inv_freq.numel())
         rope.check_against(model, rotary)
         return rope
 
@@ -97,11 +103,11 @@ class RopeRotation:
 
         The angle is formed in float64 (a delta of 60k times the top frequency must not lose the
         fractional turn), the rotation in float32, the result written back in the keys' dtype."""
-        half = self.head_dim // 2
+        half, rot = self.rotary_dim // 2, self.rotary_dim
         wide = torch.float64 if keys.device.type in ("cpu", "cuda") else torch.float32
         angle = delta.to(wide)[..., None] * self.inv_freq.to(device=keys.device, dtype=wide)
         cos, sin = angle.cos().float(), angle.sin().float()
-        first, second = keys[..., :half].float(), keys[..., half:].float()  # views when keys are float32
+        first, second = keys[..., :half].float(), keys[..., half:rot].float()  # views when keys are float32
         new_first = first * cos - second * sin
-        keys[..., half:] = second * cos + first * sin
+        keys[..., half:rot] = second * cos + first * sin
         keys[..., :half] = new_first

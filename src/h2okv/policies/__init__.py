@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from h2okv.errors import H2OError
 from h2okv.policies.base import Budget, Policy
+from h2okv.policies.expected import ExpectedAttentionPolicy
 from h2okv.policies.full import FullPolicy
 from h2okv.policies.h2o import H2OPolicy
 from h2okv.policies.h2o_mean import H2OMeanPolicy
@@ -24,7 +25,7 @@ _CLASSES = {
     cls.name: cls
     for cls in (
         FullPolicy, H2OPolicy, LocalPolicy, SinkPolicy, RandomPolicy,
-        TOVAPolicy, H2OSinkPolicy, H2OMeanPolicy, SnapKVPolicy, KnormPolicy,
+        TOVAPolicy, H2OSinkPolicy, H2OMeanPolicy, SnapKVPolicy, KnormPolicy, ExpectedAttentionPolicy,
     )
 }
 if set(_CLASSES) != set(POLICY_NAMES):  # the torch-free name list the CLI's help shows must match

@@ -12,7 +12,7 @@ layer:
   updates the per-slot score (summed, replaced by the last query's, ...);
 - ``eviction_key``: the rank of each slot (lower = evicted first);
 - ``prefill_scores``: optionally, scores for a whole prompt computed before it is chunked
-  (SnapKV's look-back window);
+  (SnapKV's look-back window, Expected Attention's query statistics);
 - ``key_scores``: optionally, the score a token starts with, from its key alone, when it is
   written (Knorm); else it starts at zero;
 - ``shared_heads``: whether the rank is averaged over the KV heads of a layer, so every head keeps
@@ -96,10 +96,14 @@ class Policy:
         """
         raise NotImplementedError
 
-    def prefill_scores(self, query, key_new, old_keys, old_valid, new_real, scaling):
+    def prefill_scores(self, query, key_new, old_keys, old_valid, new_real, scaling, value_new=None, old_values=None):
         """Scores for a multi-token forward call, computed before it is chunked, or None (the
-        default: scores come from each chunk's attention). See ``snapkv.py``."""
+        default: scores come from each chunk's attention). See ``snapkv.py``, ``expected.py``."""
         return None
+
+    def bind(self, model) -> None:
+        """Called by the cache with its model, for a policy that needs the model's facts (RoPE's
+        frequencies for ``expected``); most need none."""
 
     def key_scores(self, keys: torch.Tensor) -> torch.Tensor | None:
         """The scores ``[B, H, m]`` tokens start with, from their keys ``[B, H, m, D]`` alone, or

@@ -43,7 +43,7 @@ class SnapKVPolicy(H2OPolicy):
     def spec_options(self) -> list[str]:
         return [f"window={self.window}", f"kernel={self.kernel}"]
 
-    def prefill_scores(self, query, key_new, old_keys, old_valid, new_real, scaling):
+    def prefill_scores(self, query, key_new, old_keys, old_valid, new_real, scaling, value_new=None, old_values=None):
         """``(old [B, Hkv, cap], new [B, Hkv, n])``: the window's attention mass per slot / new token.
 
         ``query`` ``[B, Hq, n, D]`` and ``key_new`` ``[B, Hkv, n, D]`` hold each row's real tokens
