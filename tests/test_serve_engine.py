@@ -63,6 +63,7 @@ CASES = [  # (prompt length, policy, heavy, recent, new tokens)
     (38, "tova", 5, 7, 14),
     (50, "h2o-sink", 6, 6, 12),
     (14, "snapkv:window=4", 4, 4, 12),
+    (13, "expected:future=32", 4, 4, 12),  # issue 16's question-agnostic scorer, ranked like snapkv
 ]
 
 
