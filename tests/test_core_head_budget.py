@@ -21,6 +21,7 @@ from h2okv.generation import pad_rows
 from h2okv.tools.tiny import random_ids, tiny_model
 from test_core_algorithm import MODEL
 from test_core_retrieve import leaning_qkv
+from test_core_retrieve import run_calls as run_retrieve_calls
 
 FLOOR = 0.2
 CALLS = {
@@ -32,17 +33,8 @@ CALLS = {
 
 def run_calls(spec, q, k, v, heavy, recent, calls, chunk, prefill):
     """One layer fed ``calls`` with adaptive heads; (outputs, kept per head, the layer)."""
-    cache = H2OCache(MODEL, policy=spec, heavy=heavy, recent=recent, chunk_size=chunk, prefill=prefill,
-                     head_budgets="adaptive", head_floor=FLOOR)
-    layer = cache.layers[0]
-    outs = []
-    for c0, c1 in calls:
-        sl = slice(c0, c1)
-        layer.update(k[:, :, sl], v[:, :, sl])
-        outs.append(layer.attend(q[:, :, sl], k[:, :, sl], v[:, :, sl], None, k.shape[-1] ** -0.5).transpose(1, 2))
-        assert bool((layer.valid.sum(-1) <= layer.slot_budget()).all())
-    kept = [sorted(layer.ordinal[0, h][layer.valid[0, h]].tolist()) for h in range(k.shape[1])]
-    return torch.cat(outs, dim=2)[0], kept, layer
+    return run_retrieve_calls(spec, q, k, v, heavy, recent, calls, chunk, prefill, head_budgets="adaptive",
+                              head_floor=FLOOR)
 
 
 @pytest.mark.parametrize("calls", CALLS)

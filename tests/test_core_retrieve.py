@@ -22,16 +22,18 @@ NEW_SPECS = ["knorm", "knorm:heads=shared", "h2o:heads=shared", "tova:heads=shar
 LATE_SPECS = ["h2o", "tova", "h2o-sink", "h2o-mean", "snapkv:window=5,kernel=3", "local", "sink", *NEW_SPECS]
 
 
-def run_calls(spec, q, k, v, heavy, recent, calls, chunk, prefill="chunked"):
-    """One layer fed ``calls``; returns (outputs ``[Hq, n, D]``, kept per KV head, the layer)."""
-    cache = H2OCache(MODEL, policy=spec, heavy=heavy, recent=recent, chunk_size=chunk, prefill=prefill)
+def run_calls(spec, q, k, v, heavy, recent, calls, chunk, prefill="chunked", **options):
+    """One layer fed ``calls`` (``options``: further ``H2OCache`` keywords); returns (outputs
+    ``[Hq, n, D]``, kept per KV head, the layer). Every head's budget holds after every call."""
+    cache = H2OCache(MODEL, policy=spec, heavy=heavy, recent=recent, chunk_size=chunk, prefill=prefill, **options)
     layer = cache.layers[0]
     outs = []
     for c0, c1 in calls:
         sl = slice(c0, c1)
         layer.update(k[:, :, sl], v[:, :, sl])
         outs.append(layer.attend(q[:, :, sl], k[:, :, sl], v[:, :, sl], None, k.shape[-1] ** -0.5).transpose(1, 2))
-        assert int(layer.valid.sum(-1).max()) <= make_policy(spec).split(heavy, recent).total
+        budget = layer.slot_budget() if options else make_policy(spec).split(heavy, recent).total
+        assert bool((layer.valid.sum(-1) <= budget).all())
     kept = [sorted(layer.ordinal[0, h][layer.valid[0, h]].tolist()) for h in range(k.shape[1])]
     return torch.cat(outs, dim=2)[0], kept, layer
 
