@@ -93,14 +93,14 @@ class H2OCache(Cache):
         if mode == "uniform":
             return mode, float(floor)
         policy = self.policy
-        ranks = policy.needs_scores or type(policy).key_scores is not Policy.key_scores
-        if not policy.evicts or not ranks or policy.name == "random":
+        by_key = type(policy).key_scores is not Policy.key_scores  # knorm: ranked by each key alone
+        upfront = by_key or type(policy).prefill_scores is not Policy.prefill_scores  # a whole call, before chunks
+        if not policy.evicts or not (policy.needs_scores or by_key) or policy.name == "random":
             raise H2OError(f"head_budgets=adaptive needs a ranking policy (h2o, tova, snapkv, knorm, ...), "
                            f"not {policy.name!r}")
         if policy.shared_heads:
             raise H2OError(f"head_budgets=adaptive shares slots among heads that keep their own tokens; "
                            f"{policy.spec!r} keeps one set per layer")
-        upfront = type(policy).prefill_scores is not Policy.prefill_scores or not policy.needs_scores
         if self.prefill == "chunked" and (not upfront or self.chunk_size == 1):
             raise H2OError(f"head_budgets=adaptive with chunked prefill needs a policy that ranks the whole "
                            f"prompt before it is chunked (snapkv, knorm) and chunk_size > 1; "
