@@ -103,8 +103,8 @@ class H2OCache(Cache):
                            f"{policy.spec!r} keeps one set per layer")
         if self.prefill == "chunked" and (not upfront or self.chunk_size == 1):
             raise H2OError(f"head_budgets=adaptive with chunked prefill needs a policy that ranks the whole "
-                           f"prompt before it is chunked (snapkv, knorm) and chunk_size > 1; "
-                           f"{policy.spec!r} with chunk_size {self.chunk_size}: use prefill=late")
+                           f"prompt before it is chunked (snapkv, knorm, expected) and chunk_size > 1; "
+                           f"{policy.spec!r} with chunk_size {self.chunk_size}: use prefill=late (--prefill late)")
         return mode, float(floor)
 
     # -- rows: generate's beam search and batch expansion, the server's continuous batching -----
