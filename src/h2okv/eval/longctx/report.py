@@ -6,6 +6,8 @@ the tasks of the group.
 
 from __future__ import annotations
 
+import re
+
 from h2okv.eval.longctx.rows import config_label
 from h2okv.eval.plots import format_table, new_figure, policy_color, save_figure
 
@@ -14,7 +16,9 @@ MARKERS = "osD^vP*X"
 
 def models_of(rows: list[dict]) -> str:
     """The models' folder names, for titles (``.../SmolLM2-135M-Instruct.Q4_1-...`` -> that name)."""
-    return ", ".join(sorted({str(r.get("model") or "?").rstrip("/").rsplit("/", 1)[-1] for r in rows}))
+    names = {str(r.get("model") or "?").rstrip("/").rsplit("/", 1)[-1] for r in rows}
+    # a converted GGUF's folder ends in "-<bytes>-transformers-<version>-v<N>": not part of the name
+    return ", ".join(sorted(re.sub(r"-\d+-transformers-[\w.]+-v\d+$", "", name) for name in names))
 
 
 def group_key(row: dict) -> tuple:
@@ -49,18 +53,22 @@ def plot_scores(rows: list[dict], path, title: str):
     a configuration that keeps everything is a dashed horizontal line."""
     summary = summarize(rows)
     panels = sorted({(s["question"], s["context"]) for s in summary})
+    # a configuration that keeps everything evicts nothing, so the question mode cannot change it:
+    # its line is drawn in every panel of its context (measured in one mode is enough)
+    keep_all = {(s["context"], s["config"]): s["average"] for s in summary if s["budget"] == 1.0}
     fig, axes = new_figure(ncols=len(panels), width=5.2, height=4.0)
     for ax, (question, context) in zip(axes[0], panels, strict=True):
-        here = [s for s in summary if (s["question"], s["context"]) == (question, context)]
-        budgets = sorted({s["budget"] for s in here})
+        here = [s for s in summary if (s["question"], s["context"]) == (question, context) and s["budget"] < 1.0]
+        for (ctx, config), average in keep_all.items():
+            if ctx == context:
+                ax.axhline(average, color=policy_color(config.split()[0]) or "black", linestyle="--", label=config)
         for index, config in enumerate(dict.fromkeys(s["config"] for s in here)):
             points = sorted((s["budget"], s["average"]) for s in here if s["config"] == config)
-            color = policy_color(config.split()[0])
-            if len(points) == 1 and points[0][0] == 1.0:
-                ax.axhline(points[0][1], color=color or "black", linestyle="--", label=config)
-            else:  # markers of shrinking size and different shapes: equal scores stay visible
-                ax.plot(*zip(*points), marker=MARKERS[index % len(MARKERS)], markersize=max(11 - 1.5 * index, 4),
-                        color=color, label=config, alpha=0.85)
+            # markers of shrinking size and different shapes: equal scores stay visible
+            ax.plot(*zip(*points), marker=MARKERS[index % len(MARKERS)], markersize=max(11 - 1.5 * index, 4),
+                    color=policy_color(config.split()[0]), label=config, alpha=0.85)
+        budgets = sorted({s["budget"] for s in here}) or [1.0]
+        ax.set_xlim(budgets[0] - 0.1, budgets[-1] + 0.1)
         ax.set_xticks(budgets, labels=[f"{b:.0%}" for b in budgets])
         ax.set_ylim(-3, 103)
         ax.set_xlabel("cache budget (share of the prompt)")
