@@ -47,7 +47,7 @@ class H2OCache(Cache):
     policy's rank (Ada-KV, ``core/head_budget.py``; ``head_floor`` is the share of a uniform head's
     choice every head keeps first). It needs a ranking policy with its own heads and a call ranked
     whole: ``prefill="late"``, or a policy that ranks the call before it is chunked (``snapkv``,
-    ``knorm``). The layer's capacity is then its largest head budget, and ``stats()`` reports it.
+    ``knorm``, ``expected``). The layer's capacity is then its largest head budget, and ``stats()`` reports it.
 
     ``positions="rolling"`` keeps every position the model sees inside its context window so the
     cache reads and generates past it (``core/positions.py``); the default ``"true"`` does not.
@@ -95,7 +95,7 @@ class H2OCache(Cache):
         policy = self.policy
         by_key = type(policy).key_scores is not Policy.key_scores  # knorm: ranked by each key alone
         upfront = by_key or type(policy).prefill_scores is not Policy.prefill_scores  # a whole call, before chunks
-        if not policy.evicts or not (policy.needs_scores or by_key) or policy.name == "random":
+        if not policy.evicts or not (policy.needs_scores or by_key):  # local, sink, random rank no tokens
             raise H2OError(f"head_budgets=adaptive needs a ranking policy (h2o, tova, snapkv, knorm, ...), "
                            f"not {policy.name!r}")
         if policy.shared_heads:

@@ -46,6 +46,7 @@ class ExpectedAttentionPolicy(H2OPolicy):
             raise H2OError(f"expected: sinks must be >= 0, got {sinks}")
         self.future, self.sink_tokens = int(future), int(sinks)
         self.rope = None  # the model's RoPE, set by ``bind``
+        self._mean_turn = None  # (rope, cos, sin): RoPE's rotation averaged over the future
 
     def spec_options(self) -> list[str]:
         return [f"future={self.future}", f"sinks={self.sink_tokens}"]
@@ -101,9 +102,11 @@ class ExpectedAttentionPolicy(H2OPolicy):
         ``future`` positions of RoPE's rotation (a shrinking rotation: the turns partly cancel)."""
         if self.rope is None:
             return x
-        steps = torch.arange(1, self.future + 1, dtype=torch.float64)
-        angle = steps[:, None] * self.rope.inv_freq.cpu()[None]  # [future, D/2]
-        cos, sin = angle.cos().mean(0).float().to(x.device), angle.sin().mean(0).float().to(x.device)
+        if self._mean_turn is None or self._mean_turn[0] is not self.rope:  # once per RoPE, not per call
+            steps = torch.arange(1, self.future + 1, dtype=torch.float64)
+            angle = steps[:, None] * self.rope.inv_freq.cpu()[None]  # [future, D/2]
+            self._mean_turn = (self.rope, angle.cos().mean(0).float(), angle.sin().mean(0).float())
+        cos, sin = (t.to(x.device) for t in self._mean_turn[1:])
         half, rot = self.rope.rotary_dim // 2, self.rope.rotary_dim
         first, second = x[..., :half], x[..., half:rot]
         return torch.cat([first * cos - second * sin, second * cos + first * sin, x[..., rot:]], dim=-1)
