@@ -212,12 +212,19 @@ def run_kernels(args) -> int:
     return 0
 
 
+def default_shape() -> dict:
+    """``shape_from_args`` when none of ``add_budget_shape_args``'s flags is given (its own defaults)."""
+    parser = argparse.ArgumentParser()
+    add_budget_shape_args(parser)
+    return shape_from_args(parser.parse_args([]))
+
+
 def run(args) -> int:
     if args.serve is not None:
         return run_serve(args)
     if not args.json:
         raise H2OError("give --json PATH for the result")
-    if (args.kernels or not args.policies) and shape_from_args(args) != {"recent_share": 0.5, "prefill": "chunked"}:
+    if (args.kernels or not args.policies) and shape_from_args(args) != default_shape():
         raise H2OError("--recent-share, --prefill and --head-budgets shape the caches of the --policies study only")
     if args.kernels:
         return run_kernels(args)
