@@ -101,3 +101,39 @@ def test_longctx_export_is_read_token_identical_and_scored_as_h2okv_scores(adapt
     assert adapter.run_longctx(exported, ["full"], [mode], [0.2], "m", models={"sdpa": (model, tok)},
                                out=str(out)) == rows == json.loads(out.read_text())
     assert fed == []
+
+
+def test_longctx_run_stopped_mid_press_resumes_from_the_prompts_it_wrote(adapter, tmp_path, monkeypatch):
+    """Each prompt's row is written as soon as it is answered: a press killed after two prompts
+    leaves two rows, and the rerun answers only the other prompts (KVzip on the 1.5B model takes
+    minutes a prompt, so losing a whole press to a session's end costs an hour)."""
+    from h2okv.eval.longctx.runner import GridSpec, export_prompts
+    from test_eval_longctx import Chars
+
+    tok, model = Chars(), tiny_model("llama", seed=6, max_position_embeddings=2048)
+    spec = GridSpec(tasks=["niah_single_1", "fwe"], contexts=[700], samples=2, policies=["full"], budgets=[0.2],
+                    haystack="filler", max_new_tokens=4, question="aware")
+    exported = export_prompts("m", tok, spec)
+    out = tmp_path / "kvpress.json"
+    answered, inner = [], adapter.answer_one
+
+    def dies_on_the_third(model, tokenizer, press, prompt, mode, max_new_tokens):
+        if len(answered) == 2:
+            raise KeyboardInterrupt
+        answered.append((prompt["task"], prompt["sample"]))
+        return inner(model, tokenizer, press, prompt, mode, max_new_tokens)
+
+    monkeypatch.setattr(adapter, "answer_one", dies_on_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        adapter.run_longctx(exported, ["full"], ["question-compressed"], [0.2], "m",
+                            models={"sdpa": (model, tok)}, out=str(out))
+    kept = json.loads(out.read_text())
+    assert [(r["task"], r["sample"]) for r in kept] == answered
+    monkeypatch.setattr(adapter, "answer_one", inner)
+    rerun = []
+    monkeypatch.setattr(adapter, "longctx_rows", lambda exported, prompts, *a, _f=adapter.longctx_rows:
+                        rerun.extend((p["task"], p["sample"]) for p in prompts) or _f(exported, prompts, *a))
+    rows = adapter.run_longctx(exported, ["full"], ["question-compressed"], [0.2], "m",
+                               models={"sdpa": (model, tok)}, out=str(out))
+    assert len(rows) == 4 and not set(rerun) & set(answered) and len(rerun) == 2
+    assert rows == json.loads(out.read_text())
