@@ -152,6 +152,43 @@ def test_pieces_merge_into_one_report(tiny_chat, tmp_path, capsys):
     assert "agree w/ full" in capsys.readouterr().out
 
 
+def _row(policy, budget, id, correct, task="gsm8k"):
+    return {"model": "m", "task": task, "style": "chat", "policy": policy, "budget": budget, "id": id,
+            "predicted": "1" if correct else "2", "gold": "1", "correct": correct, "new_tokens": 10,
+            "prompt_tokens": 5, "finish": "eos", "kv_bytes": 0}
+
+
+def test_common_keeps_the_problems_every_policy_ran():
+    """A full piece of 4 problems beside a screening piece of the first 2: --common compares both on
+    problems 0-1 only, per (model, task, style) (math500 has its own set)."""
+    from h2okv.eval.reasoning_report import common_problems, summarize
+
+    rows = [*(_row("full", None, i, i < 2) for i in range(4)), *(_row("h2o", 64, i, i == 0) for i in range(2)),
+            *(_row("h2o", 64, i, True, task="math500") for i in range(3)), _row("full", None, 7, False, task="math500")]
+    kept = common_problems(rows)
+    assert sorted((r["task"], r["policy"], r["id"]) for r in kept) == [
+        ("gsm8k", "full", 0), ("gsm8k", "full", 1), ("gsm8k", "h2o", 0), ("gsm8k", "h2o", 1)]
+    summaries = {(s["task"], s["policy"]): s for s in summarize(kept, [])}
+    assert (summaries["gsm8k", "full"]["n"], summaries["gsm8k", "full"]["accuracy"]) == (2, 1.0)  # not 2 of 4
+    assert summaries["gsm8k", "h2o"]["accuracy"] == 0.5 and summaries["gsm8k", "h2o"]["agreement"] == 0.5
+
+
+def test_common_with_nothing_in_common_is_a_one_line_error(tmp_path, capsys):
+    import json
+
+    from h2okv.cli import main
+    from h2okv.eval.reasoning import PIECE_FORMAT
+
+    piece = tmp_path / "p.json"
+    setup = {"model": "m", "task": "gsm8k", "style": "chat"}
+    piece.write_text(json.dumps({"format": PIECE_FORMAT, "setup": setup, "batches": [],
+                                 "rows": [_row("full", None, 0, True), _row("h2o", 64, 1, True)]}))
+    assert main(["eval", "reasoning-report", str(piece), "--common"]) == 2
+    err = capsys.readouterr().err
+    assert "--common" in err and err.count("\n") == 1
+    assert main(["eval", "reasoning-report", str(piece)]) == 0  # without it both rows are reported
+
+
 @pytest.mark.parametrize("budgets, message", [("64,abc", "budget 'abc'"), ("1", "budget '1'"), ("1.5", "budget '1.5'"),
                                               ("0", "budget '0'"), (",", "--budgets is empty")])
 def test_bad_budgets_are_one_line_errors(budgets, message, capsys, monkeypatch):

@@ -60,6 +60,17 @@ def merge(paths) -> tuple[list[dict], list[dict]]:
     return list(rows.values()), batches
 
 
+def common_problems(rows: list[dict]) -> list[dict]:
+    """The rows of the problems that every (policy, budget) of their (model, task, style) ran: pieces
+    stopped at different problems (a screening of the first N, a piece still running) are then
+    compared problem for problem, and accuracy differences are not differences of problem sets."""
+    ran = defaultdict(lambda: defaultdict(set))
+    for row in rows:
+        ran[tuple(row[k] for k in GROUP)][row["policy"], row["budget"]].add(row["id"])
+    common = {group: set.intersection(*cells.values()) for group, cells in ran.items()}
+    return [r for r in rows if r["id"] in common[tuple(r[k] for k in GROUP)]]
+
+
 def _same_answer(task: str, a: str, b: str) -> bool:
     return (a == INVALID and b == INVALID) or is_correct(task, a, b)
 

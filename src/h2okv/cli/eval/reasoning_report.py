@@ -12,17 +12,31 @@ def register(kinds) -> None:
     p.add_argument("--json", default=None, help="write the merged summaries here")
     p.add_argument("--plot", default=None, help="accuracy vs budget PNG (full as a horizontal band)")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.add_argument("--common", action="store_true",
+                   help="keep only the problems every (policy, budget) ran, so pieces of different lengths are "
+                        "compared on the same problems (speeds still count every batch)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from h2okv.eval.plots import check_output_paths, write_json
-    from h2okv.eval.reasoning_report import markdown_table, merge, plot_accuracy, summarize, summary_table
+    from h2okv.eval.reasoning_report import (
+        common_problems,
+        markdown_table,
+        merge,
+        plot_accuracy,
+        summarize,
+        summary_table,
+    )
 
     check_output_paths(args.json, args.plot)
     rows, batches = merge(args.pieces)
     if not rows:
         raise H2OError("the pieces hold no graded problems")
+    if args.common:
+        rows = common_problems(rows)
+        if not rows:
+            raise H2OError("--common: no problem was run by every policy and budget of the pieces")
     summaries = summarize(rows, batches)
     print(markdown_table(summaries) if args.markdown else summary_table(summaries))
     if args.json:
