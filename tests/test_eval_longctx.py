@@ -305,3 +305,31 @@ def test_plot_draws_full_in_both_question_modes_and_names_the_model(tmp_path, mo
     assert report.plot_scores(rows, tmp_path / "p.png", "t").exists()
     assert len({id(ax) for ax, _ in lines}) == 2 and {y for _, y in lines} == {100.0}
     assert [ax.get_xlim() for ax, _ in lines] == [pytest.approx((0.1, 0.3))] * 2
+
+
+@pytest.mark.parametrize("question", ["aware", "agnostic"])
+def test_kvzip_reads_ranks_by_reconstruction_then_answers(tmp_path, tiny_run, question, monkeypatch):
+    """``kvzip`` runs without --cache-option prefill=late (its runs read the prompt whole); the
+    context (agnostic) or all but the last token (aware) is read, reconstruct ranks it from the
+    end of the chat head on, and generate reads the rest: the rows are those of a budget kept."""
+    import h2okv.eval.longctx.runner as runner
+
+    model, fed, grid = tiny_run
+    ranked = []
+    real = runner.reconstruct
+
+    def recording(model, cache, context, tokenizer, start=0, **kw):
+        real(model, cache, context, tokenizer, start=start, **kw)
+        ranked.append((context.shape[1], start, cache.stats()["slots"], cache.budget()))
+
+    monkeypatch.setattr(runner, "reconstruct", recording)
+    out = tmp_path / "kvzip.json"
+    assert main(["eval", "longctx", *grid, "--policies", "kvzip", "--budgets", "0.3", "--question", question,
+                 "--json", str(out), "--plot", ""]) == 0
+    rows = json.loads(out.read_text())
+    assert len(rows) == 4 and {r["policy"] for r in rows} == {"kvzip"}
+    assert len(ranked) >= 2  # one ranking per batch: both tasks ran
+    for length, start, slots, budget in ranked:
+        assert start == 0  # Chars has no chat template: nothing to leave out
+        assert length < 800 if question == "agnostic" else length == 799
+        assert slots == [max(budget)] * len(slots)

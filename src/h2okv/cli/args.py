@@ -97,7 +97,7 @@ def memory_limit(text: str) -> int | None:
 
 
 # -- lists checked before any model work -----------------------------------------------------------
-def parse_policies(text: str) -> list[str]:
+def parse_policies(text: str, reconstruction: bool = False) -> list[str]:
     """``full,h2o,snapkv:16`` -> names, duplicates dropped; one-line error for a bad name or option.
 
     A part with ``=`` and no ``:`` continues the policy before it, so a policy with several options
@@ -108,17 +108,20 @@ def parse_policies(text: str) -> list[str]:
             specs[-1] += "," + part
         elif part:
             specs.append(part)
-    names = [check_policy(spec) for spec in specs]
+    names = [check_policy(spec, reconstruction) for spec in specs]
     if not names:
         raise H2OError("--policies is empty; give e.g. full,h2o,local")
     return list(dict.fromkeys(names))
 
 
-def check_policy(name: str) -> str:
-    """``name`` if it is a known policy with valid options (``snapkv:window=16``), else a one-line error."""
-    from h2okv.policies import make_policy
+def check_policy(name: str, reconstruction: bool = False) -> str:
+    """``name`` if it is a known policy with valid options (``snapkv:window=16``), else a one-line
+    error; a policy that ranks by reconstruction (``kvzip``) only where the command runs that pass."""
+    from h2okv.policies import make_policy, refuse_reconstruction
 
     make_policy(name)  # builds it: the policy checks its own options
+    if not reconstruction:
+        refuse_reconstruction(name, "this command")
     return name
 
 

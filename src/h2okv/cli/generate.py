@@ -66,13 +66,14 @@ def run(args) -> int:
     from h2okv.core import BudgetSpec
     from h2okv.core.positions import parse_positions
     from h2okv.parallel import launch
-    from h2okv.policies import make_policy
+    from h2okv.policies import make_policy, refuse_reconstruction
 
     args.prompt_text = read_prompt(args)
     parse_positions(args.positions)
     budget = budget_from_args(args)
     # validate settings before the (slow) model load and before any rank starts
     BudgetSpec.build(make_policy(args.policy), **{k: budget[k] for k in ("heavy", "recent", "heavy_ratio", "recent_ratio")})
+    refuse_reconstruction(args.policy, "`h2okv generate`")
     launch.prepare(args)
     return launch.run(args, generate_on_rank)
 

@@ -78,6 +78,11 @@ class H2OCache(Cache):
             raise H2OError(f"chunk_size must be >= 1, got {chunk_size}")
         self.chunk_size = int(chunk_size)
         self.head_budgets, self.head_floor = self._check_head_budgets(head_budgets, head_floor)
+        if self.policy.ranks_by_reconstruction and prefill != "late":
+            raise H2OError(f"policy {self.policy.spec!r} ranks the whole prompt after reading it: use prefill=late "
+                           f"(--prefill late)")
+        # while h2okv.reconstruct runs: layer index -> the best probe score of each slot so far
+        self.probing: dict[int, torch.Tensor] | None = None
         num_layers = prepare_model(model)
         super().__init__(layers=[SlotLayer(self, i) for i in range(num_layers)])
         scheme = parse_positions(positions)
@@ -93,6 +98,9 @@ class H2OCache(Cache):
         if mode == "uniform":
             return mode, float(floor)
         policy = self.policy
+        if mode == "layers" and not policy.ranks_by_reconstruction:
+            raise H2OError(f"head_budgets=layers shares slots among all layers, which needs every layer ranked at "
+                           f"once (kvzip's reconstruction); {policy.spec!r} ranks layer by layer: use adaptive")
         by_key = type(policy).key_scores is not Policy.key_scores  # knorm: ranked by each key alone
         upfront = by_key or type(policy).prefill_scores is not Policy.prefill_scores  # a whole call, before chunks
         if not policy.evicts or not (policy.needs_scores or by_key):  # local, sink, random rank no tokens

@@ -14,6 +14,11 @@ the next such call; decode steps evict one token per head as usual. What is allo
 ``[B, H, cap]`` buffer per layer, so a layer's capacity is its largest head budget: the KV bytes
 the cache reports are those slots (``H2OCache.stats``), more than the uniform budget's when the
 heads are uneven.
+
+``layers`` goes one step further, as KVzip does: the whole cache's heavy slots are shared among
+every (layer, KV head) at once, so a layer that needs little gives slots to one that needs many.
+Only a ranking of every layer at the same moment can do that: the reconstruction pass
+(``h2okv.reconstruct``, policy ``kvzip``) is the one that has it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import math
 
 import torch
 
-HEAD_BUDGETS = ("uniform", "adaptive")
+HEAD_BUDGETS = ("uniform", "adaptive", "layers")
 DEFAULT_FLOOR = 0.2  # Ada-KV's safeguard share
 
 
@@ -62,3 +67,16 @@ def allocate(key: torch.Tensor, candidate: torch.Tensor, heavy: torch.Tensor, si
     spare = total - picks.sum(-1)
     even = spare[:, None] // h + (torch.arange(h, device=device) < (spare % h)[:, None]).long()
     return sinks[:, None] + picks + even
+
+
+def allocate_layers(keys: list[torch.Tensor], candidates: list[torch.Tensor], heavy: torch.Tensor,
+                    sinks: torch.Tensor, floor: float) -> list[torch.Tensor]:
+    """``allocate`` over every (layer, head) at once: per layer ``[B, H]`` heavy slots, the rows'
+    sum over all layers and heads being ``layers * H * heavy``. Layers of different capacities are
+    padded with slots that are no candidate."""
+    n = max(k.shape[-1] for k in keys)
+    pad = [(k, c) if k.shape[-1] == n else (torch.nn.functional.pad(k.float(), (0, n - k.shape[-1])),
+                                             torch.nn.functional.pad(c, (0, n - c.shape[-1])))
+           for k, c in zip(keys, candidates, strict=True)]
+    shares = allocate(torch.cat([k for k, _ in pad], 1), torch.cat([c for _, c in pad], 1), heavy, sinks, floor)
+    return list(shares.split([k.shape[1] for k in keys], dim=1))

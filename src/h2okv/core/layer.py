@@ -16,6 +16,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from h2okv.core.attention import PENDING
 from h2okv.core.head_budget import allocate
+from h2okv.core.reconstruction import check_probe_call, probe_attention
 from h2okv.core.scan import can_scan, token_scan
 from h2okv.core.step import check_at_budget, chunk_step, decode_step, evict, protected
 from h2okv.core.storage import SlotStorage
@@ -40,6 +41,9 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         self.tokens_seen = 0  # positions consumed, pads included: what generate needs for positions
         self.peak_capacity = 0
         self.fast = None
+        # kvzip: the prompt is held whole until ``h2okv.reconstruct`` ranks it (``rank_by_probe``)
+        self.awaiting_probe = False
+        self.probed = False
 
     # The cache holds its layers; a layer's way back to its cache is a weak reference. With a strong
     # one, cache and layers form a reference cycle: a cache nobody holds any more (a finished
@@ -71,6 +75,9 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.awaiting_probe and self.owner.probing is None:  # refused before anything changes
+            raise H2OError(f"policy {self.owner.policy.spec!r} ranks the prompt by reconstruction: call "
+                           f"h2okv.reconstruct(model, cache, prompt_ids, tokenizer) after the prompt's forward call")
         # the attention function picks these up (see attention.py); K/V are written into slots
         # there, chunk by chunk, interleaved with eviction
         PENDING.set((self, key_states, value_states))
@@ -94,6 +101,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         self.tokens_seen = 0
         self.peak_capacity = 0
         self.fast = None
+        self.awaiting_probe = self.probed = False
 
     def reorder_cache(self, beam_idx):
         self.select_rows(torch.as_tensor(beam_idx))
@@ -159,6 +167,8 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         """
         owner = self.owner
         b, _, q_len, _ = query.shape
+        if owner.probing is not None:
+            return self._attend_probe(query, key_new, value_new, new_mask, scaling, sliding_window)
         if q_len == 1 and new_mask is None and sliding_window is None and self.has_budget:
             return decode_step(self, query, key_new, value_new, scaling)
         nonpad = None
@@ -242,12 +252,52 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
                 None if nonpad is None else nonpad[:, start:stop], scaling, sliding_window,
                 None if init is None else init[:, :, start:stop], evicts=False,
             ))
+        if self.owner.policy.ranks_by_reconstruction and not self.probed:
+            self.awaiting_probe = True  # held whole: the reconstruction pass ranks it (rank_by_probe)
+            return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
         if self.owner.policy.evicts:
             if self.owner.head_budgets == "adaptive":
                 self._share_out(self.score, self.ordinal, self.valid, self.n_real)
             evict(self, n)
         self.shrink_to_budget()
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+    # -- reconstruction (policy kvzip; core/reconstruction.py, h2okv/reconstruction.py) ------------
+    def _attend_probe(self, query, key_new, value_new, new_mask, scaling, sliding_window):
+        """A probe call: attend over the live slots and the probe, keep nothing, record the scores."""
+        check_probe_call(new_mask, sliding_window)
+        if not self.awaiting_probe:
+            raise H2OError("reconstruct needs a cache that has read the prompt and not been ranked yet")
+        self.tokens_seen -= key_new.shape[2]  # read, never kept: positions go on from the prompt
+        block = self.owner.chunk_size if self.owner.chunk_size > 1 else LATE_BLOCK
+        out, best = probe_attention(self, query, key_new, value_new, scaling, block)
+        seen = self.owner.probing.get(self.layer_idx)
+        self.owner.probing[self.layer_idx] = best if seen is None else torch.maximum(seen, best)
+        return out.transpose(1, 2).contiguous()
+
+    def take_probe_scores(self, best) -> None:
+        """Every live slot's score becomes its reconstruction score (``rank_by_probe`` evicts)."""
+        self.score.copy_(torch.where(self.valid, best, torch.zeros_like(best)))
+
+    def ranking(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(key, candidate)`` ``[B, H, cap]``: the policy's rank of the slots and which it may evict."""
+        rows = (-1, 1, 1)
+        key = self.owner.policy.eviction_key(self.score, self.ordinal, self.n_real.view(rows), self.layer_idx)
+        candidate = self.valid & ~protected(self.ordinal, (self.n_real - self.recent).view(rows), self.sinks.view(rows))
+        return key, candidate
+
+    def rank_by_probe(self, head_heavy=None) -> None:
+        """Evict to the budget once, by the probe's scores (``take_probe_scores``); ``head_heavy``
+        ``[B, H]``: this layer's share of a cache-wide allocation (``head_budgets="layers"``)."""
+        self.awaiting_probe, self.probed = False, True
+        if head_heavy is not None:
+            self.head_heavy = head_heavy
+            self.__dict__.pop("_max_budget", None)
+        elif self.owner.head_budgets == "adaptive":
+            self._share_out(self.score, self.ordinal, self.valid, self.n_real)
+        evict(self, self.capacity)  # any m > 1: every row down to its budget at once
+        self.shrink_to_budget()
+        self.fast = check_at_budget(self)
 
     # -- head-adaptive budgets (head_budget.py) --------------------------------------------------
     def _share_out(self, score, ordinal, live, n_real) -> None:

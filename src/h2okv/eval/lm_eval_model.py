@@ -44,7 +44,7 @@ from h2okv.eval import offline
 from h2okv.eval.branch import branch_loglikelihoods
 from h2okv.generation import budget_kwargs, pad_rows
 from h2okv.models import load_model
-from h2okv.policies import make_policy
+from h2okv.policies import make_policy, refuse_reconstruction
 
 DEFAULT_MAX_GEN_TOKS = 256
 _BUDGET_KEYS = ("heavy", "recent", "heavy_ratio", "recent_ratio")
@@ -152,6 +152,7 @@ class H2OLM(TemplateLM):
         # validate everything before the (slow) model load
         self.policy_name = str(policy)
         policy_obj = make_policy(self.policy_name)
+        refuse_reconstruction(self.policy_name, "the lm-eval model")
         budget = {
             "heavy": _as_number("heavy", heavy, int),
             "recent": _as_number("recent", recent, int),

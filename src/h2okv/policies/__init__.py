@@ -14,23 +14,34 @@ from h2okv.policies.h2o import H2OPolicy
 from h2okv.policies.h2o_mean import H2OMeanPolicy
 from h2okv.policies.h2o_sink import H2OSinkPolicy
 from h2okv.policies.knorm import KnormPolicy
+from h2okv.policies.kvzip import KVzipPolicy
 from h2okv.policies.local import LocalPolicy
 from h2okv.policies.random import RandomPolicy
 from h2okv.policies.sink import SinkPolicy
 from h2okv.policies.snapkv import SnapKVPolicy
 from h2okv.policies.tova import TOVAPolicy
-from h2okv.policy_names import POLICY_NAMES
+from h2okv.policy_names import POLICY_NAMES, RECONSTRUCTION_POLICIES
 
 _CLASSES = {
     cls.name: cls
     for cls in (
         FullPolicy, H2OPolicy, LocalPolicy, SinkPolicy, RandomPolicy,
-        TOVAPolicy, H2OSinkPolicy, H2OMeanPolicy, SnapKVPolicy, KnormPolicy, ExpectedAttentionPolicy,
+        TOVAPolicy, H2OSinkPolicy, H2OMeanPolicy, SnapKVPolicy, KnormPolicy, ExpectedAttentionPolicy, KVzipPolicy,
     )
 }
 if set(_CLASSES) != set(POLICY_NAMES):  # the torch-free name list the CLI's help shows must match
     raise ImportError(f"h2okv.policy_names lists {POLICY_NAMES}, the policy classes are {tuple(_CLASSES)}")
 POLICIES: dict[str, type[Policy]] = {name: _CLASSES[name] for name in POLICY_NAMES}
+if {n for n, c in _CLASSES.items() if c.ranks_by_reconstruction} != set(RECONSTRUCTION_POLICIES):
+    raise ImportError(f"h2okv.policy_names.RECONSTRUCTION_POLICIES is {RECONSTRUCTION_POLICIES}, out of step with the classes")
+
+
+def refuse_reconstruction(spec: str, where: str) -> None:
+    """A one-line error for a policy that needs ``h2okv.reconstruct``'s pass in a ``where`` that does
+    not run it (a cache it never ranks would hold the whole prompt and pass for the policy)."""
+    if policy_class(spec).ranks_by_reconstruction:
+        raise H2OError(f"policy {spec!r} ranks a prompt by reconstructing it, which {where} does not run; "
+                       f"use `h2okv eval longctx` or h2okv.reconstruct() in Python")
 
 
 def parse_policy_spec(spec: str) -> tuple[type[Policy], dict]:
@@ -68,4 +79,4 @@ def make_policy(spec: str | Policy, seed: int = 0, **options) -> Policy:
     return cls(seed=seed, **{**parsed, **options})
 
 
-__all__ = ["Budget", "POLICIES", "Policy", "make_policy", "parse_policy_spec", "policy_class"]
+__all__ = ["Budget", "POLICIES", "Policy", "make_policy", "parse_policy_spec", "policy_class", "refuse_reconstruction"]

@@ -59,6 +59,9 @@ class Policy:
     options: dict[str, type] = {}
     #: rank by the mean over the layer's KV heads (one kept set per layer); see ``heads_option``
     shared_heads: bool = False
+    #: the prompt is ranked by a reconstruction pass (``h2okv.reconstruct``, ``kvzip.py``), not by
+    #: its own attention: the cache holds it whole until that pass has run
+    ranks_by_reconstruction: bool = False
 
     def __init__(self, seed: int = 0, **options):
         self.seed = seed

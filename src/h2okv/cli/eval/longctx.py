@@ -91,7 +91,7 @@ def run(args) -> int:
 
     spec = GridSpec(
         tasks=parse_tasks(args.tasks), contexts=sorted(set(args.contexts)), samples=args.samples,
-        policies=parse_policies(args.policies), budgets=parse_budgets(args.budgets), question=args.question,
+        policies=parse_policies(args.policies, reconstruction=True), budgets=parse_budgets(args.budgets), question=args.question,
         seed=args.seed, haystack=check_haystack(args.haystack), chunk_size=args.chunk_size or DEFAULT_CHUNK,
         cache_options=parse_cache_options(args.cache_option), max_new_tokens=args.max_new_tokens,
         chat=not args.no_chat,
@@ -114,7 +114,7 @@ def run_grid(args, model, tokenizer, spec) -> int:
     from h2okv.generation import new_cache
 
     for policy, budget in spec.configs():  # a bad --cache-option fails now, not after the first cell
-        new_cache(model, policy, budget, chunk_size=spec.chunk_size, **spec.cache_options)
+        new_cache(model, policy, budget, chunk_size=spec.chunk_size, **spec.options_for(policy))
     kept = read_row_files([args.json]) if args.json else []
     if kept:
         print(f"{args.json}: {len(kept)} rows already there; their cells are skipped")

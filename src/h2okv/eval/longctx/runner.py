@@ -34,6 +34,7 @@ from h2okv.eval.longctx.rows import make_row, row_key
 from h2okv.eval.longctx.tasks import build_prompts
 from h2okv.generation import new_cache
 from h2okv.policies import policy_class
+from h2okv.reconstruction import reconstruct
 
 QUESTION_MODES = ("aware", "agnostic")
 
@@ -53,6 +54,12 @@ class GridSpec:
     max_new_tokens: int | None = None  # None: each task's own
     chat: bool = True
 
+    def options_for(self, policy: str) -> dict:
+        """The cache keywords of ``policy``'s runs: a policy ranked by reconstruction reads the
+        prompt whole (late prefill) unless the options say otherwise (which is then an error)."""
+        late = {"prefill": "late"} if policy_class(policy).ranks_by_reconstruction else {}
+        return {**late, **self.cache_options}
+
     def configs(self) -> list[tuple[str, float]]:
         """(policy, budget) pairs; a policy that keeps everything runs once, at budget 1."""
         runs = [(p, 1.0) for p in self.policies if not policy_class(p).evicts]
@@ -69,15 +76,23 @@ def grid_prompts(tokenizer, spec: GridSpec) -> dict[tuple[str, int], list[LongPr
     return {(t, c): build_prompts(frame, haystacks, t, c, spec.samples, spec.seed) for t in spec.tasks for c in spec.contexts}
 
 
-def generate_answers(model, tokenizer, prompts: list[LongPrompt], cache, question: str, max_new_tokens: int) -> list[str]:
-    """Greedy answers of prompts of one length (and, for ``agnostic``, one question position)."""
+def generate_answers(model, tokenizer, prompts: list[LongPrompt], cache, question: str, max_new_tokens: int,
+                     chat_head: int = 0) -> list[str]:
+    """Greedy answers of prompts of one length (and, for ``agnostic``, one question position).
+
+    A policy that ranks by reconstruction (``kvzip``) reads the context (``agnostic``) or all but
+    the prompt's last token (``aware``), is ranked by ``h2okv.reconstruct`` (which repeats it from
+    ``chat_head`` on: the chat template's own head is not text to reproduce), then generates."""
     ids = torch.tensor([p.ids for p in prompts], dtype=torch.long, device=model.device)
+    rebuild = cache.policy.ranks_by_reconstruction
     with torch.inference_mode():
-        if question == "agnostic":
-            context = ids[:, : prompts[0].question]
+        if question == "agnostic" or rebuild:
+            context = ids[:, : prompts[0].question if question == "agnostic" else ids.shape[1] - 1]
             # the context alone: the cache evicts to its budget before the question exists
             model(input_ids=context, attention_mask=torch.ones_like(context), past_key_values=cache, use_cache=True,
                   logits_to_keep=1)
+            if rebuild:
+                reconstruct(model, cache, context, tokenizer, start=chat_head)
         # generate reads only the ids the cache has not seen: all of them, or the question part
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
                              max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
@@ -96,11 +111,12 @@ def batches(prompts: list[LongPrompt], question: str) -> list[list[LongPrompt]]:
 def run_config(model, tokenizer, prompts, spec: GridSpec, policy: str, budget: float, meta: dict) -> list[dict]:
     """The rows of one configuration on one (task, context)'s prompts."""
     rows = []
+    chat_head = len(Frame(tokenizer, spec.chat).head)
     for group in batches(prompts, spec.question):
         max_new = spec.max_new_tokens or group[0].max_new_tokens
-        cache = new_cache(model, policy, budget, chunk_size=spec.chunk_size, seed=spec.seed, **spec.cache_options)
+        cache = new_cache(model, policy, budget, chunk_size=spec.chunk_size, seed=spec.seed, **spec.options_for(policy))
         start = time.perf_counter()
-        answers = generate_answers(model, tokenizer, group, cache, spec.question, max_new)
+        answers = generate_answers(model, tokenizer, group, cache, spec.question, max_new, chat_head)
         seconds = (time.perf_counter() - start) / len(group)
         for p, answer in zip(group, answers, strict=True):
             rows.append(make_row(

@@ -1,0 +1,97 @@
+"""``h2okv.reconstruct`` (this module: ``h2okv.reconstruction``): rank a prompt by how the model repeats it (policy ``kvzip``).
+
+KVzip (Kim et al. 2025) asks which cached tokens the model needs to reproduce its context, with
+no question in sight: the same ranking then serves any question asked later (a cached document
+many questions reuse). Usage::
+
+    cache = H2OCache(model, policy="kvzip", heavy_ratio=0.15, recent_ratio=0.05, prefill="late")
+    model(input_ids=context, past_key_values=cache)          # read whole, nothing evicted yet
+    reconstruct(model, cache, context, tokenizer)            # probe, rank, evict to the budget
+    model.generate(input_ids=torch.cat([context, question], 1), past_key_values=cache, ...)
+
+The probe is "repeat the previous context exactly", the chat template's end of the user turn
+(so the model answers as the assistant) and the context again, in chunks of ``chunk_size`` tokens
+(a later chunk's instruction quotes the last tokens before it, so the model knows where to go on).
+``start`` leaves the prompt's first tokens (a chat template's system turn) out of the repeated
+text; they are still ranked. Cost: one more prefill of the context, through the whole model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from h2okv.core.head_budget import allocate_layers
+from h2okv.errors import H2OError
+
+FIRST = "\n\nRepeat the previous context exactly."
+NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
+QUOTED = 8  # tokens of the previous chunk a later chunk's instruction quotes
+DEFAULT_CHUNK = 2048
+_MARK = "\x00h2okv-reconstruct\x00"
+
+
+def turn_end(tokenizer) -> list[int]:
+    """The ids a chat template puts after a user message up to the assistant's turn ("\\n" without
+    a template)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return _encode(tokenizer, "\n")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], add_generation_prompt=True,
+                                         tokenize=False)
+    tail = text.partition(_MARK)[2]
+    return _encode(tokenizer, tail)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+
+def probes(tokenizer, context: torch.Tensor, start: int = 0, chunk_size: int = DEFAULT_CHUNK) -> list[torch.Tensor]:
+    """The probe calls ``[B, p]`` for ``context`` ``[B, n]``: instruction, turn end, a chunk of the context."""
+    if chunk_size < 1:
+        raise H2OError(f"chunk_size must be >= 1, got {chunk_size}")
+    n = context.shape[1]
+    if not 0 <= start < n:
+        raise H2OError(f"start must be in [0, {n}) for a context of {n} tokens, got {start}")
+    tail = torch.tensor(turn_end(tokenizer), dtype=context.dtype, device=context.device)
+    calls = []
+    for first in range(start, n, chunk_size):
+        part = context[:, first:first + chunk_size]
+        head = torch.tensor(_encode(tokenizer, FIRST if first == start else NEXT), dtype=context.dtype,
+                            device=context.device).expand(context.shape[0], -1)
+        if first > start:
+            head = torch.cat([head, context[:, max(start, first - QUOTED):first]], dim=1)
+        calls.append(torch.cat([head, tail.expand(context.shape[0], -1), part], dim=1))
+    return calls
+
+
+def reconstruct(model, cache, context: torch.Tensor, tokenizer, start: int = 0,
+                chunk_size: int = DEFAULT_CHUNK) -> None:
+    """Rank the prompt ``cache`` holds (``context`` ``[B, n]``: the ids it read, one length, no
+    padding) by the attention the model pays it while repeating it, then evict every layer to its
+    budget. The cache's policy must rank by reconstruction (``kvzip``)."""
+    if not cache.policy.ranks_by_reconstruction:
+        raise H2OError(f"reconstruct ranks a cache whose policy ranks by reconstruction (kvzip), "
+                       f"not {cache.policy.spec!r}")
+    context = torch.as_tensor(context)
+    if context.dim() != 2 or cache.get_seq_length() != context.shape[1] or cache.rows != context.shape[0]:
+        raise H2OError(f"reconstruct needs the [rows, tokens] ids the cache has read: it holds {cache.rows} rows "
+                       f"of {cache.get_seq_length()} tokens, got shape {tuple(context.shape)}")
+    if not all(layer.awaiting_probe for layer in cache.layers):
+        raise H2OError("reconstruct needs a cache that has read the prompt in one call and not been ranked yet")
+    calls = probes(tokenizer, context.to(model.device), start, chunk_size)
+    cache.probing = {}
+    try:
+        with torch.inference_mode():
+            for ids in calls:
+                model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            for layer in cache.layers:
+                layer.take_probe_scores(cache.probing[layer.layer_idx])
+            shares = [None] * len(cache.layers)
+            if cache.head_budgets == "layers":  # KVzip's own split: the whole cache's slots by rank
+                keys, candidates = zip(*(layer.ranking() for layer in cache.layers), strict=True)
+                first = cache.layers[0]
+                shares = allocate_layers(list(keys), list(candidates), first.heavy, first.sinks, cache.head_floor)
+            for layer, share in zip(cache.layers, shares, strict=True):
+                layer.rank_by_probe(share)
+    finally:
+        cache.probing = None
