@@ -18,7 +18,7 @@ import re
 from h2okv.corpus import DEFAULT_PLAY
 from h2okv.errors import H2OError
 from h2okv.parallel.launch import DEFAULT_TIMEOUT_S
-from h2okv.policy_names import POLICY_NAMES
+from h2okv.policy_names import POLICY_NAMES, RECONSTRUCTION_POLICIES
 
 # H2OCache's prefill modes (core/cache.py PREFILL_MODES; kept here so --help loads no torch)
 PREFILL_CHOICES = ("chunked", "late")
@@ -175,7 +175,7 @@ def add_model_args(parser: argparse.ArgumentParser, device: bool = True) -> None
 
 
 def add_budget_args(parser: argparse.ArgumentParser, policy_default: str = "h2o") -> None:
-    parser.add_argument("--policy", default=policy_default, help=f"one of {', '.join(POLICY_NAMES)}, options after a colon, e.g. snapkv:window=16 (default: {policy_default})")
+    parser.add_argument("--policy", default=policy_default, help=f"one of {', '.join(p for p in POLICY_NAMES if p not in RECONSTRUCTION_POLICIES)}, options after a colon, e.g. snapkv:window=16 (default: {policy_default})")
     parser.add_argument("--heavy", type=int, default=None, help="heavy-hitter slots per layer/head")
     parser.add_argument("--recent", type=int, default=None, help="recent-token slots per layer/head")
     parser.add_argument("--heavy-ratio", type=float, default=None, help="heavy slots as a fraction of the prompt (default 0.1)")

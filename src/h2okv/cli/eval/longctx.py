@@ -28,7 +28,8 @@ def register(kinds) -> None:
     p.add_argument("--tasks", default=DEFAULT_TASKS, help=f"comma-separated, of: {', '.join(TASKS)} (default: {DEFAULT_TASKS})")
     p.add_argument("--contexts", type=int_list, default=DEFAULT_CONTEXTS, help=f"exact prompt lengths in tokens (default: {DEFAULT_CONTEXTS})")
     p.add_argument("--samples", type=positive_int, default=5, help="prompts per task and context (default: 5)")
-    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated policy specs (default: {DEFAULT_POLICIES})")
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated policy specs (default: {DEFAULT_POLICIES}); kvzip ranks by reconstruction "
+                   "(late prefill implied; add --cache-option head_budgets=layers for KVzip's own split)")
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"cache budgets as fractions of the prompt (default: {DEFAULT_BUDGETS})")
     p.add_argument("--question", choices=("aware", "agnostic"), default="aware",
                    help="aware: the question is read and compressed with the context; agnostic: the context is "
