@@ -243,6 +243,9 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         n = query.shape[2]
         block = self.owner.chunk_size if self.owner.chunk_size > 1 else LATE_BLOCK
         init = self._prefill_scores(query, key_new, value_new, nonpad, scaling)
+        if init is None and self.owner.policy.ranks_by_reconstruction and not self.probed:
+            # the probe will rank this call: its attention mass is not needed (fused attention)
+            init = torch.zeros(key_new.shape[:3], dtype=torch.float32, device=self.device)
         self.ensure_free(n)
         outputs = []
         for start in range(0, n, block):
