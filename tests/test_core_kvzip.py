@@ -152,6 +152,8 @@ def test_errors_are_one_line():
     model, ids = gqa_model(), torch.randint(2, 90, (1, 30))
     with pytest.raises(H2OError, match="prefill=late"):
         H2OCache(model, policy="kvzip", heavy=8, recent=4)
+    with pytest.raises(H2OError, match="positions=true"):
+        H2OCache(model, policy="kvzip", heavy=8, recent=4, prefill="late", positions="rolling")
     cache = H2OCache(model, policy="kvzip", heavy=8, recent=4, prefill="late")
     with torch.inference_mode():
         model(input_ids=ids, past_key_values=cache)

@@ -86,6 +86,9 @@ class H2OCache(Cache):
         num_layers = prepare_model(model)
         super().__init__(layers=[SlotLayer(self, i) for i in range(num_layers)])
         scheme = parse_positions(positions)
+        if scheme is not None and self.policy.ranks_by_reconstruction:
+            raise H2OError(f"policy {self.policy.spec!r} reads a probe that is never kept, which rolling positions "
+                           f"would count: use positions=true")
         self.rolling = None if scheme is None else RollingPositions(model, scheme)
         self._row_budgets: tuple[torch.Tensor, torch.Tensor] | None = None
 
