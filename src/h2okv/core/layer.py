@@ -283,11 +283,8 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         self.score.copy_(torch.where(self.valid, best, torch.zeros_like(best)))
 
     def ranking(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(key, candidate)`` ``[B, H, cap]``: the policy's rank of the slots and which it may evict."""
-        rows = (-1, 1, 1)
-        key = self.owner.policy.eviction_key(self.score, self.ordinal, self.n_real.view(rows), self.layer_idx)
-        candidate = self.valid & ~protected(self.ordinal, (self.n_real - self.recent).view(rows), self.sinks.view(rows))
-        return key, candidate
+        """``(key, candidate)`` ``[B, H, cap]`` of this layer's slots (``_rank``)."""
+        return self._rank(self.score, self.ordinal, self.valid, self.n_real)
 
     def rank_by_probe(self, head_heavy=None) -> None:
         """Evict to the budget once, by the probe's scores (``take_probe_scores``); ``head_heavy``
@@ -303,12 +300,18 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         self.fast = check_at_budget(self)
 
     # -- head-adaptive budgets (head_budget.py) --------------------------------------------------
-    def _share_out(self, score, ordinal, live, n_real) -> None:
-        """Share the layer's heavy slots out among its heads by the policy's rank of ``score``
-        (``[B, H, N]`` with ``ordinal`` and ``live``) once ``n_real`` tokens have been read."""
+    def _rank(self, score, ordinal, live, n_real) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(key, candidate)`` ``[B, H, N]``: the policy's rank of ``score`` (with ``ordinal`` and
+        ``live``, once ``n_real`` tokens have been read) and which tokens it may choose from (live,
+        outside the recent window and the sinks)."""
         rows = (-1, 1, 1)
         key = self.owner.policy.eviction_key(score, ordinal, n_real.view(rows), self.layer_idx)
         candidate = live & ~protected(ordinal, (n_real - self.recent).view(rows), self.sinks.view(rows))
+        return key, candidate
+
+    def _share_out(self, score, ordinal, live, n_real) -> None:
+        """Share the layer's heavy slots out among its heads by the policy's rank (``_rank``)."""
+        key, candidate = self._rank(score, ordinal, live, n_real)
         self.head_heavy = allocate(key, candidate, self.heavy, self.sinks, self.owner.head_floor)
         self.__dict__.pop("_max_budget", None)
 
