@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from h2okv.chat import chat_frame, encode_text
 from h2okv.core.head_budget import allocate_layers
 from h2okv.errors import H2OError
 
@@ -27,22 +28,14 @@ FIRST = "\n\nRepeat the previous context exactly."
 NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
 QUOTED = 8  # tokens of the previous chunk a later chunk's instruction quotes
 DEFAULT_CHUNK = 2048
-_MARK = "\x00h2okv-reconstruct\x00"
 
 
 def turn_end(tokenizer) -> list[int]:
     """The ids a chat template puts after a user message up to the assistant's turn ("\\n" without
     a template)."""
     if not getattr(tokenizer, "chat_template", None):
-        return _encode(tokenizer, "\n")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], add_generation_prompt=True,
-                                         tokenize=False)
-    tail = text.partition(_MARK)[2]
-    return _encode(tokenizer, tail)
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+        return encode_text(tokenizer, "\n")
+    return encode_text(tokenizer, chat_frame(tokenizer)[1])
 
 
 def probes(tokenizer, context: torch.Tensor, start: int = 0, chunk_size: int = DEFAULT_CHUNK) -> list[torch.Tensor]:
@@ -56,7 +49,7 @@ def probes(tokenizer, context: torch.Tensor, start: int = 0, chunk_size: int = D
     calls = []
     for first in range(start, n, chunk_size):
         part = context[:, first:first + chunk_size]
-        head = torch.tensor(_encode(tokenizer, FIRST if first == start else NEXT), dtype=context.dtype,
+        head = torch.tensor(encode_text(tokenizer, FIRST if first == start else NEXT), dtype=context.dtype,
                             device=context.device).expand(context.shape[0], -1)
         if first > start:
             head = torch.cat([head, context[:, max(start, first - QUOTED):first]], dim=1)

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from h2okv.chat import chat_frame, encode_text
 from h2okv.errors import H2OError
-
-_MARK = "\u2063H2OKV-BODY\u2063"  # a string no chat template contains
 
 
 @dataclass
@@ -29,16 +28,6 @@ class LongPrompt:
     evidence: list[tuple[int, int]] = field(default_factory=list)  # [start, stop) of inserted needles
 
 
-def chat_frame(tokenizer) -> tuple[str, str]:
-    """The chat template's text before and after one user message (with the assistant's turn)."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], add_generation_prompt=True,
-                                         tokenize=False)
-    head, found, tail = text.partition(_MARK)
-    if not found:
-        raise H2OError("the chat template changed the message text; run with --no-chat")
-    return head, tail
-
-
 class Frame:
     """Encodes text and knows the chat template's head and tail ids (empty without a template)."""
 
@@ -49,7 +38,7 @@ class Frame:
         self.head, self.tail = self.encode(head), self.encode(tail)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+        return encode_text(self.tokenizer, text)
 
     def body_length(self, context: int, instruction: list[int], question: list[int], prefix: list[int]) -> int:
         """Tokens left for the body; a one-line error when the frame alone does not fit."""
