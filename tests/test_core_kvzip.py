@@ -191,3 +191,35 @@ def test_server_refuses_kvzip_per_request():
 
     with pytest.raises(H2OError, match="the server"):
         EvictionDefaults(policy="h2o", prefill="chunked", heavy=8, recent=8).resolve(100, policy="kvzip")
+
+
+def test_bench_ranks_kvzip_by_reconstruction_before_its_decode_steps(default_model):
+    """bench --policies takes kvzip: its cache reads the prompt whole and is ranked by the probe
+    before the timed steps (a cache that was not would refuse to decode), keeping h2o's budget;
+    with the cache-wide split its layers allocate at least the uniform bytes. Its scoring pass is
+    the late read plus the probe."""
+    from h2okv.bench.policy_speed import decode_costs, markdown, scoring_costs
+
+    model, tokenizer = default_model
+    torch.manual_seed(0)
+    uniform = decode_costs(model, tokenizer, ["kvzip", "h2o"], context=96, budget=0.25, steps=2)
+    assert uniform["kvzip"]["kept_tokens"] == uniform["h2o"]["kept_tokens"] == 24
+    assert uniform["kvzip"]["kv_bytes_after_prompt"] == uniform["h2o"]["kv_bytes_after_prompt"]
+    layers = decode_costs(model, tokenizer, ["kvzip"], context=96, budget=0.25, steps=2,
+                          shape={"head_budgets": "layers", "head_floor": 0.0})
+    assert layers["kvzip"]["kept_tokens"] >= 24
+    assert layers["kvzip"]["kv_bytes_after_prompt"] >= uniform["kvzip"]["kv_bytes_after_prompt"]
+    ids = torch.arange(100, 148).unsqueeze(0)
+    scoring = scoring_costs(model, ids, ["kvzip"], 0.25, tokenizer=tokenizer)
+    assert scoring["kvzip"]["seconds"] > 0
+    report = markdown({"context": 96, "budget": 0.25, "steps": 2, "scoring_tokens": 48, "decode": uniform,
+                       "scoring": scoring})
+    assert "kvzip (late read + reconstruct)" in report
+
+
+def test_bench_refuses_kvzip_on_a_model_without_a_tokenizer(capsys):
+    from h2okv.cli import main
+
+    assert main(["bench", "--model", "tiny:llama", "--policies", "kvzip", "--context", "64", "--json", "x.json"]) == 2
+    err = capsys.readouterr().err
+    assert "has no tokenizer" in err and err.count("\n") == 1

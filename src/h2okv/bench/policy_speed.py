@@ -8,6 +8,10 @@
 - scoring: a teacher-forced pass over ``scoring_tokens`` tokens with per-token eviction
   (``chunk_size=1``, what ``eval ppl`` and log-likelihoods use) over a plain forward pass
   (``DynamicCache``, SDPA) of the same tokens, alternating so machine drift hits both alike.
+
+A policy that ranks by reconstruction (``kvzip``) cannot evict per token: its cache reads the
+prompt whole (late prefill) and ``h2okv.reconstruct`` ranks it before the decode steps, and its
+scoring pass is that read plus the probe (what ranking a prompt costs it).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from h2okv.core import H2OCache
 from h2okv.eval.scoring import make_cache
 from h2okv.generation import new_cache
 from h2okv.policies import policy_class
+from h2okv.reconstruction import reconstruct
 
 
 class PolicyBench(Bench):
@@ -37,8 +42,20 @@ class PolicyBench(Bench):
     def _new_cache(self, policy: str):
         if policy in ("full", "reference"):
             return new_cache(self.model, None)
-        shape = self.shape if policy in self.shaped else {}
+        shape = dict(self.shape) if policy in self.shaped else {}
+        if _probes(policy):
+            shape["prefill"] = "late"  # the probe ranks a prompt the cache holds whole
         return new_cache(self.model, policy, self.cfg.budget, self.cfg.chunk_size, **shape)
+
+    def prefill(self, policy: str, context: int, memory: bool = False):
+        pre = super().prefill(policy, context, memory)
+        if _probes(policy):
+            reconstruct(self.model, pre.cache, self._prompt(policy, context), self.tokenizer)
+        return pre
+
+
+def _probes(policy: str) -> bool:
+    return policy not in ("full", "reference") and policy_class(policy).ranks_by_reconstruction
 
 
 def decode_costs(model, tokenizer, policies: list[str], context: int, budget: float, steps: int, progress=None,
@@ -65,12 +82,21 @@ def decode_costs(model, tokenizer, policies: list[str], context: int, budget: fl
     }
 
 
-def scoring_costs(model, ids: torch.Tensor, policies: list[str], budget: float, repeats: int = 1, progress=None) -> dict:
-    """Seconds of a per-token-eviction pass per policy and of a plain forward, and their ratio."""
+def scoring_costs(model, ids: torch.Tensor, policies: list[str], budget: float, repeats: int = 1, progress=None,
+                  tokenizer=None) -> dict:
+    """Seconds of a per-token-eviction pass per policy and of a plain forward, and their ratio
+    (for ``kvzip``: the prompt read whole and ranked by ``reconstruct``, with ``tokenizer``)."""
     def plain():
         model(ids, past_key_values=new_cache(model, None), use_cache=True)
 
     def scored(policy):
+        if _probes(policy):
+            def probed():
+                cache = new_cache(model, policy, budget, prefill="late")
+                model(ids, past_key_values=cache, use_cache=True)
+                reconstruct(model, cache, ids, tokenizer)
+            return probed
+
         def run():
             model(ids, past_key_values=make_cache(model, policy, budget if policy_class(policy).evicts else None),
                   use_cache=True)
@@ -120,6 +146,7 @@ def markdown(result: dict) -> str:
         "| --- | --- | --- | --- | --- |",
     ]
     for p, r in s.items():
-        lines.append(f"| {p} | {r['seconds']:.2f} | {r['cpu_seconds']:.2f} | {r['vs_plain_forward']:.3f} | "
+        name = f"{p} (late read + reconstruct)" if p != "plain" and _probes(p) else p
+        lines.append(f"| {name} | {r['seconds']:.2f} | {r['cpu_seconds']:.2f} | {r['vs_plain_forward']:.3f} | "
                      f"{r['vs_plain_forward_cpu']:.3f} |")
     return "\n".join(lines) + "\n"

@@ -203,9 +203,10 @@ def recent_share(text: str) -> float:
     return value
 
 
-def add_budget_shape_args(parser: argparse.ArgumentParser, prefill: bool = True) -> None:
+def add_budget_shape_args(parser: argparse.ArgumentParser, prefill: bool = True, layers: bool = False) -> None:
     """How a ``--budgets`` fraction is spent (``--recent-share``) and, where prompts are read in
-    forward calls of several tokens, when they are ranked (``--prefill``)."""
+    forward calls of several tokens, when they are ranked (``--prefill``); ``layers``: the command
+    runs ``kvzip``, whose cache-wide split ``--head-budgets layers`` then offers."""
     parser.add_argument("--recent-share", type=recent_share, default=0.5,
                         help="share of each budget kept for the most recent tokens, the rest ranked by the policy "
                         "(default: 0.5, the paper's half and half; e.g. 0.05)")
@@ -214,10 +215,12 @@ def add_budget_shape_args(parser: argparse.ArgumentParser, prefill: bool = True)
                             help="chunked: evict after every prefill chunk (bounded: budget + chunk slots); late: read "
                             "the whole prompt with exact attention, then rank once (a layer holds budget + prompt "
                             "while it runs) (default: chunked)")
-        parser.add_argument("--head-budgets", choices=("uniform", "adaptive"), default="uniform",
+        splits = ("uniform", "adaptive", "layers") if layers else ("uniform", "adaptive")
+        parser.add_argument("--head-budgets", choices=splits, default="uniform",
                             help="uniform: every KV head keeps the same slots; adaptive: each layer's ranked slots "
                             "are shared out among its heads by the policy's rank (Ada-KV; needs --prefill late, "
-                            "or snapkv/knorm) (default: uniform)")
+                            "or snapkv/knorm)" + ("; layers: the whole cache's slots among every layer and head "
+                                                 "(kvzip only)" if layers else "") + " (default: uniform)")
 
 
 def shape_from_args(args) -> dict:

@@ -65,7 +65,7 @@ def register(sub) -> None:
                    "reported as unavailable (e.g. eager,native,triton)")
     p.add_argument("--scoring-tokens", type=positive_int, default=2048, help="tokens of the --policies scoring pass (default 2048)")
     p.add_argument("--scoring-repeats", type=positive_int, default=1, help="passes per policy in the --policies scoring study (default 1)")
-    add_budget_shape_args(p)  # how the --policies decode study spends --budget (its caches only)
+    add_budget_shape_args(p, layers=True)  # how the --policies decode study spends --budget (its caches only)
     add_tp_args(p)
     p.add_argument("--serve", nargs=argparse.REMAINDER, default=None, metavar="SERVE_BENCH_ARGS",
                    help="instead: the serving load generator (h2okv.tools.loadgen) with the `serve-bench` "
@@ -158,16 +158,22 @@ def run_policies(args) -> int:
     from h2okv.bench.policy_speed import decode_costs, markdown, scoring_costs
     from h2okv.bench.report import write_report
     from h2okv.bench.runner import prompt_ids
+    from h2okv.policies import policy_class
 
-    policies = [p for p in parse_policies(args.policies) if p != "full"]
+    policies = [p for p in parse_policies(args.policies, reconstruction=True) if p != "full"]
     context = (args.context or [2048])[0]
     steps = args.steps or 32
     model, tokenizer, why = load_study(args)
+    probing = [p for p in policies if policy_class(p).ranks_by_reconstruction]
+    if probing and tokenizer is None:
+        raise H2OError(f"{probing[0]!r} builds its probe from text, and {args.model!r} has no tokenizer: "
+                       f"bench it on a real model")
     vocab = model.config.get_text_config().vocab_size
     ids = prompt_ids(tokenizer, args.play, max(context, args.scoring_tokens), vocab).to(model.device)
     units = (len(policies) + 1) * args.scoring_repeats
     with tqdm(total=units, desc="scoring", unit="pass", disable=args.no_progress) as bar:
-        scoring = scoring_costs(model, ids[:, :args.scoring_tokens], policies, args.budget, args.scoring_repeats, bar)
+        scoring = scoring_costs(model, ids[:, :args.scoring_tokens], policies, args.budget, args.scoring_repeats, bar,
+                                tokenizer=tokenizer)
     shape = shape_from_args(args)
     decode = decode_costs(model, tokenizer, policies, context, args.budget, steps, shape=shape)
     result = {"context": context, "budget": args.budget, "steps": steps, "scoring_tokens": args.scoring_tokens,
