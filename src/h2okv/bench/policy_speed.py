@@ -43,19 +43,23 @@ class PolicyBench(Bench):
         if policy in ("full", "reference"):
             return new_cache(self.model, None)
         shape = dict(self.shape) if policy in self.shaped else {}
-        if _probes(policy):
+        if ranks_by_probe(policy):
             shape["prefill"] = "late"  # the probe ranks a prompt the cache holds whole
         return new_cache(self.model, policy, self.cfg.budget, self.cfg.chunk_size, **shape)
 
     def prefill(self, policy: str, context: int, memory: bool = False):
         pre = super().prefill(policy, context, memory)
-        if _probes(policy):
+        if ranks_by_probe(policy):
             reconstruct(self.model, pre.cache, self._prompt(policy, context), self.tokenizer)
         return pre
 
 
-def _probes(policy: str) -> bool:
-    return policy not in ("full", "reference") and policy_class(policy).ranks_by_reconstruction
+BASELINES = ("full", "reference", "plain")  # the rows that are no policy's cache
+
+
+def ranks_by_probe(name: str) -> bool:
+    """Whether row ``name`` is a policy that ``h2okv.reconstruct`` ranks (``kvzip``)."""
+    return name not in BASELINES and policy_class(name).ranks_by_reconstruction
 
 
 def decode_costs(model, tokenizer, policies: list[str], context: int, budget: float, steps: int, progress=None,
@@ -90,7 +94,7 @@ def scoring_costs(model, ids: torch.Tensor, policies: list[str], budget: float, 
         model(ids, past_key_values=new_cache(model, None), use_cache=True)
 
     def scored(policy):
-        if _probes(policy):
+        if ranks_by_probe(policy):
             def probed():
                 cache = new_cache(model, policy, budget, prefill="late")
                 model(ids, past_key_values=cache, use_cache=True)
@@ -135,7 +139,7 @@ def markdown(result: dict) -> str:
     ]
     for p, r in d.items():
         kv = r.get("kv_bytes_after_prompt")
-        name = f"{p} (read late, ranked by reconstruct)" if p != "reference" and _probes(p) else p
+        name = f"{p} (read late, ranked by reconstruct)" if ranks_by_probe(p) else p
         lines.append(f"| {name} | {r['kept_tokens']} | {'' if kv is None else f'{kv / 2**20:.2f}'} | "
                      f"{r['decode_step_ms']:.2f} | {r['decode_step_cpu_ms']:.2f} | "
                      f"{r['vs_reference_step']:.3f} | {r['vs_reference_step_cpu']:.3f} |")
@@ -147,7 +151,7 @@ def markdown(result: dict) -> str:
         "| --- | --- | --- | --- | --- |",
     ]
     for p, r in s.items():
-        name = f"{p} (late read + reconstruct)" if p != "plain" and _probes(p) else p
+        name = f"{p} (late read + reconstruct)" if ranks_by_probe(p) else p
         lines.append(f"| {name} | {r['seconds']:.2f} | {r['cpu_seconds']:.2f} | {r['vs_plain_forward']:.3f} | "
                      f"{r['vs_plain_forward_cpu']:.3f} |")
     return "\n".join(lines) + "\n"

@@ -155,16 +155,14 @@ def run_policies(args) -> int:
     """The --policies study (``bench/policy_speed.py``)."""
     from tqdm.auto import tqdm
 
-    from h2okv.bench.policy_speed import decode_costs, markdown, scoring_costs
+    from h2okv.bench.policy_speed import decode_costs, markdown, ranks_by_probe, scoring_costs
     from h2okv.bench.report import write_report
     from h2okv.bench.runner import prompt_ids
-    from h2okv.policies import policy_class
-
     policies = [p for p in parse_policies(args.policies, reconstruction=True) if p != "full"]
     context = (args.context or [2048])[0]
     steps = args.steps or 32
     model, tokenizer, why = load_study(args)
-    probing = [p for p in policies if policy_class(p).ranks_by_reconstruction]
+    probing = [p for p in policies if ranks_by_probe(p)]
     if probing and tokenizer is None:
         raise H2OError(f"{probing[0]!r} builds its probe from text, and {args.model!r} has no tokenizer: "
                        f"bench it on a real model")
