@@ -173,7 +173,6 @@ def test_errors_are_one_line():
 @pytest.mark.parametrize("argv", [
     ["eval", "reasoning", "--policies", "h2o,kvzip"],
     ["eval", "ppl", "--policies", "kvzip"],
-    ["serve", "--policy", "kvzip"],
     ["generate", "--policy", "kvzip", "--prompt", "hello"],
 ])
 def test_commands_without_the_pass_refuse_kvzip(argv, capsys, monkeypatch):
@@ -184,13 +183,6 @@ def test_commands_without_the_pass_refuse_kvzip(argv, capsys, monkeypatch):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "reconstruct" in err and err.count("\n") == 1
-
-
-def test_server_refuses_kvzip_per_request():
-    from h2okv.serve.eviction import EvictionDefaults
-
-    with pytest.raises(H2OError, match="the server"):
-        EvictionDefaults(policy="h2o", prefill="chunked", heavy=8, recent=8).resolve(100, policy="kvzip")
 
 
 def test_bench_ranks_kvzip_by_reconstruction_before_its_decode_steps(default_model):

@@ -50,7 +50,7 @@ def test_replaying_the_calls_reproduces_every_logit(model_tok):
     engine.start()
     try:
         cases = [(40, "h2o", 5, 5, 12), (23, "full", None, None, 9), (70, "tova", 6, 6, 15), (9, "h2o", 3, 4, 20),
-                 (33, "h2o", 4, 4, 1)]
+                 (33, "h2o", 4, 4, 1), (45, "kvzip", 5, 3, 10), (30, "kvzip", 4, 4, 8)]
         handles = [engine.submit(GenerationRequest(prompt(n, i), steps, policy, heavy, recent, temperature=0.0,
                                                    ignore_eos=True)) for i, (n, policy, heavy, recent, steps)
                    in enumerate(cases)]

@@ -119,6 +119,17 @@ def test_eight_concurrent_streams_match_tp1(tp2, tp1):
 
 
 @pytest.mark.slow
+def test_kvzip_completion_matches_tp1(tp2, tp1):
+    """A prompt ranked by reconstruction: every rank reads the same probe on its own KV heads."""
+    def run(url):
+        out = client(url).completions.create(model=NAME, prompt=PROMPTS[2] * 2, max_tokens=12, temperature=0,
+                                             extra_body={"ignore_eos": True, "h2o": {"policy": "kvzip"}})
+        return out.choices[0].text
+
+    assert run(tp2.url) == run(tp1)
+
+
+@pytest.mark.slow
 def test_every_rank_holds_kv_while_streaming_and_none_after_cancellations(tp2):
     """Streams closed early are cancelled on rank 0, and the followers drop the same rows: every
     rank ends with no sequence and no KV bytes. While they run, both ranks hold the same bytes."""

@@ -57,6 +57,25 @@ def probes(tokenizer, context: torch.Tensor, start: int = 0, chunk_size: int = D
     return calls
 
 
+def prompt_probes(tokenizer, prompt: list[int], chunk_size: int = DEFAULT_CHUNK) -> list[list[int]]:
+    """The probe calls (id lists) for a ``prompt`` of which all but the last token is read and
+    ranked, the last one then read on the ranked cache (as ``eval longctx`` does, so the first
+    generated token already sees the ranked cache). A chat template's head that opens the prompt
+    is ranked but not repeated (``reconstruct``'s ``start``). Used by the server."""
+    context = list(prompt[:-1])
+    if not context:
+        raise H2OError("a prompt ranked by reconstruction needs at least 2 tokens")
+    start = 0
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            head = encode_text(tokenizer, chat_frame(tokenizer)[0])
+        except H2OError:  # a template that rewrites the message: no head to skip
+            head = []
+        if head and len(head) < len(context) and context[:len(head)] == head:
+            start = len(head)
+    return [call[0].tolist() for call in probes(tokenizer, torch.tensor([context]), start, chunk_size)]
+
+
 def reconstruct(model, cache, context: torch.Tensor, tokenizer, start: int = 0,
                 chunk_size: int = DEFAULT_CHUNK) -> None:
     """Rank the prompt ``cache`` holds (``context`` ``[B, n]``: the ids it read, one length, no
@@ -71,7 +90,13 @@ def reconstruct(model, cache, context: torch.Tensor, tokenizer, start: int = 0,
                        f"of {cache.get_seq_length()} tokens, got shape {tuple(context.shape)}")
     if not all(layer.awaiting_probe for layer in cache.layers):
         raise H2OError("reconstruct needs a cache that has read the prompt in one call and not been ranked yet")
-    calls = probes(tokenizer, context.to(model.device), start, chunk_size)
+    rank_by_probes(model, cache, probes(tokenizer, context.to(model.device), start, chunk_size))
+
+
+def rank_by_probes(model, cache, calls: list[torch.Tensor]) -> None:
+    """Read the probe ``calls`` (``probes``' output, already built: the server builds them where
+    its tokenizer lives) on top of ``cache``, which has read its prompt whole and not been ranked,
+    then evict every layer to its budget by the scores they give."""
     cache.probing = {}
     try:
         with torch.inference_mode():

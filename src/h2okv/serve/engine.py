@@ -40,7 +40,8 @@ import torch
 
 from h2okv.core import BudgetSpec
 from h2okv.errors import H2OError
-from h2okv.policies import make_policy
+from h2okv.policies import make_policy, policy_class
+from h2okv.reconstruction import prompt_probes
 from h2okv.serve.errors import ErrorKind, ServeError
 from h2okv.serve.executor import Executor
 from h2okv.serve.memory import Reservation, prefill_chunks, reservation
@@ -71,6 +72,7 @@ class Sequence:
         self.deadline = None if request.timeout is None else self.submitted + request.timeout
         self.last_token_at: float | None = None
         self.evicted_counted = 0  # tokens evicted so far, as already added to the engine's counter
+        self.probe: list[list[int]] | None = None  # a policy ranked by reconstruction: its probe calls
 
     @property
     def generated(self) -> list[int]:
@@ -108,6 +110,7 @@ class Engine:
         self.executor = executor if executor is not None else Executor(model, prefill_chunk, prefill, positions)
         # late prefill ranks a prompt once, at the end of the call that feeds it: so it is fed whole
         self.whole_prompts = prefill == "late"
+        self.positions = positions
         self.tokenizer = tokenizer
         self.device = model.device
         self.kv_memory = kv_memory
@@ -142,9 +145,11 @@ class Engine:
         return reservation(len(request.prompt_ids), request.max_tokens, request.budget, self.chunk_for(request))
 
     def chunk_for(self, request: GenerationRequest) -> int:
-        """The prefill chunk of ``request``: the whole prompt under late prefill (its peak is then
-        the prompt, as ``reservation`` counts it), else ``prefill_chunk``."""
-        return max(1, len(request.prompt_ids)) if self.whole_prompts else self.prefill_chunk
+        """The prefill chunk of ``request``: the whole prompt under late prefill or for a policy
+        ranked by reconstruction (its peak is then the prompt, as ``reservation`` counts it), else
+        ``prefill_chunk``."""
+        whole = self.whole_prompts or policy_class(request.policy).ranks_by_reconstruction
+        return max(1, len(request.prompt_ids)) if whole else self.prefill_chunk
 
     def check_fits(self, request: GenerationRequest) -> None:
         """Raise an ``INVALID_REQUEST`` ``ServeError`` for a request that could never fit under
@@ -179,6 +184,12 @@ class Engine:
                 if not (0 <= request.heavy < 1 << 31 and 0 <= request.recent < 1 << 31):
                     raise H2OError(f"budget out of range: heavy={request.heavy}, recent={request.recent}")
                 BudgetSpec.build(policy, request.heavy, request.recent, None, None)
+            if policy.ranks_by_reconstruction and len(request.prompt_ids) < 2:
+                raise H2OError(f"policy {policy.spec!r} ranks all but the prompt's last token by reconstruction: "
+                               f"it needs at least 2 prompt tokens")
+            if policy.ranks_by_reconstruction and self.positions != "true":
+                raise H2OError(f"policy {policy.spec!r} reads a probe that is never kept, which this server's "
+                               f"--positions {self.positions} would count")
         except (H2OError, ValueError, TypeError) as exc:
             raise invalid(f"h2o: {exc}", "h2o") from None
 
@@ -210,7 +221,11 @@ class Engine:
 
     def _sequence(self, request: GenerationRequest, handle: Handle) -> Sequence:
         output = Output(request, self.decode, self.device)
-        return Sequence(request, handle, self.reservation(request), next(self.uids), self.chunk_for(request), output)
+        seq = Sequence(request, handle, self.reservation(request), next(self.uids), self.chunk_for(request), output)
+        if policy_class(request.policy).ranks_by_reconstruction:  # built here, where the tokenizer is
+            with self.tokenizer_lock:
+                seq.probe = prompt_probes(self.tokenizer, request.prompt_ids)
+        return seq
 
     def wake(self) -> None:
         with self._cond:
@@ -359,7 +374,7 @@ class Engine:
             for seq in seqs:
                 req = seq.request
                 if seq.next_chunk == 0:
-                    self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0)
+                    self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0, seq.probe)
                 start, stop = seq.chunks[seq.next_chunk]
                 parts.append((seq.uid, req.prompt_ids[start:stop], start))
             logits = self.executor.prefill(parts)
@@ -403,7 +418,7 @@ class Engine:
     def _replays_alone(self, seq: Sequence) -> bool:
         req = seq.request
         try:
-            self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0)
+            self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0, seq.probe)
             for start, stop in seq.chunks[:seq.next_chunk + 1]:
                 self.executor.prefill([(seq.uid, req.prompt_ids[start:stop], start)])
             return True

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from h2okv.core import BudgetSpec
 from h2okv.core.cache import PREFILL_MODES
 from h2okv.errors import H2OError
-from h2okv.policies import make_policy, refuse_reconstruction
+from h2okv.policies import make_policy
 
 BUDGET_FIELDS = ("heavy", "recent", "heavy_ratio", "recent_ratio")
 
@@ -35,7 +35,6 @@ class EvictionDefaults:
 
     def validate(self) -> None:
         BudgetSpec.build(make_policy(self.policy), **self.budget())
-        refuse_reconstruction(self.policy, "the server")
         if self.prefill not in PREFILL_MODES:
             raise H2OError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {self.prefill!r}")
 
@@ -46,7 +45,6 @@ class EvictionDefaults:
         ``policy``: the request's policy (None: the server's); ``budget``: the request's budget
         fields (``BUDGET_FIELDS``), which replace the server's whole budget (None: none given)."""
         chosen = make_policy(policy if policy is not None else self.policy)
-        refuse_reconstruction(chosen.spec, "the server")
         if budget is not None:
             fields = {name: budget.get(name) for name in BUDGET_FIELDS}
         elif chosen.evicts and make_policy(self.policy).evicts:

@@ -24,6 +24,14 @@ every policy), which the engine's scheduler guarantees. ``join`` copies a finish
 into its policy's decode batch; ``join`` and ``close`` then cut the group's free tail slots, so
 the group holds at most ``rows * max(min(prompt, budget) + chunk)`` slots (see ``memory.py``).
 
+**Ranked by reconstruction** (policy ``kvzip``). Such a prompt is fed whole, in one ``prefill``
+call, and never shares a forward: its own batch-1 cache reads every token but the last with
+exact attention, reads the probe calls it was ``open``ed with (``h2okv.reconstruction``; built by
+the engine, which holds the tokenizer) and evicts to its budget by the scores they give, then
+reads the last token on the ranked cache, whose logits the call returns. That is ``eval
+longctx``'s order, so the first generated token already sees the ranked cache. The probe's keys
+and values live for one layer's call only: what stays is the prompt, then the budget.
+
 A call that raises leaves the caches as they were before it, except ``prefill`` and ``decode``
 whose failure leaves the sequences involved unusable (a failed prefill drops its policy's whole
 group): the engine then ``close``s them (``keep`` for a decode batch), which always succeeds.
@@ -38,6 +46,8 @@ import torch
 
 from h2okv.core import H2OCache
 from h2okv.core.cache import PREFILL_MODES
+from h2okv.policies import policy_class
+from h2okv.reconstruction import rank_by_probes
 from h2okv.serve.batch import DecodeBatch
 from h2okv.serve.memory import bytes_per_slot
 
@@ -74,6 +84,7 @@ class SequenceSpec:
     heavy: int | None
     recent: int | None
     seed: int
+    probe: tuple[tuple[int, ...], ...] | None = None  # the probe calls of a policy ranked by reconstruction
 
 
 class Executor:
@@ -96,6 +107,7 @@ class Executor:
         self._specs: dict[int, SequenceSpec] = {}
         self._groups: dict[str, PrefillGroup] = {}  # policy -> the prompts being prefilled
         self._batches: dict[str, DecodeBatch] = {}  # policy -> the rows (uids) that decode together
+        self._ranked: dict[int, H2OCache] = {}  # prompts ranked by reconstruction, waiting to join
 
     # -- facts about the model (no cache involved) -------------------------------------------------
     def slot_bytes(self) -> int:
@@ -103,11 +115,19 @@ class Executor:
         return bytes_per_slot(self.model)
 
     # -- sequences -----------------------------------------------------------------------------
-    def open(self, uid: int, policy: str, heavy: int | None, recent: int | None, seed: int) -> None:
-        """Register a sequence; its cache is built by its first ``prefill``."""
+    def open(self, uid: int, policy: str, heavy: int | None, recent: int | None, seed: int,
+             probe: list[list[int]] | None = None) -> None:
+        """Register a sequence; its cache is built by its first ``prefill``. ``probe``: the probe
+        calls (id lists) of a policy that ranks by reconstruction, which needs them."""
         if uid in self._specs:
             raise ValueError(f"sequence {uid} is already open")
-        self._specs[uid] = SequenceSpec(policy, heavy, recent, int(seed))
+        if policy_class(policy).ranks_by_reconstruction != (probe is not None):
+            raise ValueError(f"sequence {uid}: probe calls go with a policy that ranks by reconstruction, "
+                             f"and only with one ({policy!r})")
+        calls = None if probe is None else tuple(tuple(int(t) for t in call) for call in probe)
+        if calls is not None and not all(calls):
+            raise ValueError(f"sequence {uid}: an empty probe call")
+        self._specs[uid] = SequenceSpec(policy, heavy, recent, int(seed), calls)
 
     def prefill(self, parts: list[tuple[int, list[int], int]]) -> dict[int, torch.Tensor]:
         """Feed prompt chunks: ``parts`` is ``[(uid, token_ids, first_position), ...]``, each uid at
@@ -130,13 +150,20 @@ class Executor:
                 raise ValueError(f"sequences {sorted(missing)} are part-way through their prompts and must take part")
         out = {}
         for policy, mine in by_policy.items():
-            out.update(self._prefill_group(policy, mine))
+            if policy_class(policy).ranks_by_reconstruction:
+                for uid, ids, start in mine:  # one at a time, never padded: see the module docstring
+                    out[uid] = self._prefill_ranked(uid, ids, start)
+            else:
+                out.update(self._prefill_group(policy, mine))
         return out
 
     def join(self, uid: int, capacity: int) -> None:
         """The prefilled ``uid`` becomes the last row of its policy's decode batch, which then has
         ``max(capacity, current)`` slots per row."""
         policy = self._specs[uid].policy
+        if uid in self._ranked:
+            self._batches.setdefault(policy, DecodeBatch(policy)).add(uid, self._ranked.pop(uid), capacity)
+            return
         group = self._groups.get(policy)
         if group is None or uid not in group.uids or group.cache is None:
             raise ValueError(f"sequence {uid} has not been prefilled")
@@ -176,6 +203,7 @@ class Executor:
         if self._joined(uid):
             raise ValueError(f"sequence {uid} decodes: drop it with keep()")
         spec = self._specs.pop(uid, None)
+        self._ranked.pop(uid, None)
         group = None if spec is None else self._groups.get(spec.policy)
         if group is not None and uid in group.uids:
             group.drop(uid)
@@ -187,17 +215,19 @@ class Executor:
         self._specs.clear()
         self._groups.clear()
         self._batches.clear()
+        self._ranked.clear()
 
     # -- observation (does not change anything) ------------------------------------------------
     def kv_bytes(self) -> int:
         """Bytes of K/V buffers allocated now, prefill caches and decode batches together."""
         total = sum(batch.kv_bytes() for batch in self._batches.values())
-        groups = [g.cache for g in self._groups.values() if g.cache is not None]
+        groups = [g.cache for g in self._groups.values() if g.cache is not None] + list(self._ranked.values())
         return total + sum(layer.kv_bytes() for cache in groups for layer in cache.layers)
 
     def prefilling(self, policy: str) -> list[int]:
         group = self._groups.get(policy)
-        return [] if group is None else list(group.uids)
+        ranked = [uid for uid in self._ranked if self._specs[uid].policy == policy]
+        return ([] if group is None else list(group.uids)) + ranked
 
     def rows(self, policy: str) -> list[int]:
         batch = self._batches.get(policy)
@@ -210,8 +240,32 @@ class Executor:
     def _new_cache(self, spec: SequenceSpec) -> H2OCache:
         budget = {} if spec.heavy is None else {"heavy": spec.heavy, "recent": spec.recent}
         positions = self.positions if spec.heavy is not None else "true"  # keeping everything, nothing rolls
+        # a prompt ranked by reconstruction is read whole whatever the server's mode
+        prefill = "late" if spec.probe is not None else self.prefill_mode
         return H2OCache(self.model, policy=spec.policy, chunk_size=self.prefill_chunk, seed=spec.seed,
-                        prefill=self.prefill_mode, positions=positions, **budget)
+                        prefill=prefill, positions=positions, **budget)
+
+    def _prefill_ranked(self, uid: int, ids: list[int], start: int) -> torch.Tensor:
+        """A prompt ranked by reconstruction: all but its last token read, the probe, the last token."""
+        spec = self._specs[uid]
+        if start != 0 or uid in self._ranked or len(ids) < 2:
+            raise ValueError(f"sequence {uid}: a prompt ranked by reconstruction is fed whole (>= 2 tokens), once")
+        device = self.device
+        try:
+            cache = self._new_cache(spec)
+            head, last = ids[:-1], ids[-1:]
+            self.model(input_ids=torch.tensor([head], dtype=torch.long, device=device), past_key_values=cache,
+                       use_cache=True, **self._keep_last)
+            rank_by_probes(self.model, cache, [torch.tensor([call], dtype=torch.long, device=device)
+                                               for call in spec.probe])
+            out = self.model(input_ids=torch.tensor([last], dtype=torch.long, device=device),
+                             position_ids=torch.tensor([[len(head)]], dtype=torch.long, device=device),
+                             past_key_values=cache, use_cache=True, **self._keep_last)
+        except Exception:
+            self._ranked.pop(uid, None)
+            raise
+        self._ranked[uid] = cache
+        return out.logits[0, -1]
 
     def _prefill_group(self, policy: str, parts: list[tuple[int, list[int], int]]) -> dict[int, torch.Tensor]:
         group = self._groups.setdefault(policy, PrefillGroup())
