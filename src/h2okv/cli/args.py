@@ -174,8 +174,10 @@ def add_model_args(parser: argparse.ArgumentParser, device: bool = True) -> None
         parser.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU, bfloat16 on CUDA)")
 
 
-def add_budget_args(parser: argparse.ArgumentParser, policy_default: str = "h2o") -> None:
-    parser.add_argument("--policy", default=policy_default, help=f"one of {', '.join(p for p in POLICY_NAMES if p not in RECONSTRUCTION_POLICIES)}, options after a colon, e.g. snapkv:window=16 (default: {policy_default})")
+def add_budget_args(parser: argparse.ArgumentParser, policy_default: str = "h2o", reconstruction: bool = False) -> None:
+    """``reconstruction``: the command runs ``kvzip``'s pass (``serve``), so its help lists it."""
+    names = [p for p in POLICY_NAMES if reconstruction or p not in RECONSTRUCTION_POLICIES]
+    parser.add_argument("--policy", default=policy_default, help=f"one of {', '.join(names)}, options after a colon, e.g. snapkv:window=16 (default: {policy_default})")
     parser.add_argument("--heavy", type=int, default=None, help="heavy-hitter slots per layer/head")
     parser.add_argument("--recent", type=int, default=None, help="recent-token slots per layer/head")
     parser.add_argument("--heavy-ratio", type=float, default=None, help="heavy slots as a fraction of the prompt (default 0.1)")

@@ -42,7 +42,7 @@ def _add_schedule(p) -> None:
 def register(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching and H2O eviction")
     add_model_args(p)
-    add_budget_args(p)
+    add_budget_args(p, reconstruction=True)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model or smollm2)")
