@@ -152,6 +152,51 @@ def test_native_decode_rows_of_different_lengths(monkeypatch):
     assert fast[1:] == slow[1:]
 
 
+@pytest.mark.parametrize("shape", ["adaptive", "layers", "rows"])
+def test_native_decode_of_uneven_budgets_equals_eager(shape, monkeypatch):
+    """Heads (Ada-KV's split, kvzip's cache-wide split) or rows (two prompts, two budgets) of
+    uneven budgets: the live slots are packed to the front once, and the C step then reads each
+    (row, head)'s own budget + 1 slots. Same logits and kept sets as eager, which masks."""
+    needs_native()
+    from h2okv.reconstruction import reconstruct
+    from test_core_kvzip import Tok
+
+    decodes = counting(monkeypatch, native_calls, "decode_dense")
+    # a large init scale: peaked attention, so the heads' shares differ
+    model = tiny_model("llama", num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3)
+    ids = random_ids(50, batch=2 if shape == "rows" else 1, seed=11)
+
+    def run(name):
+        with kernels.use_kernels(name), torch.inference_mode():
+            if shape == "rows":
+                cache = H2OCache(model, policy="h2o", heavy=6, recent=3, chunk_size=8)
+                model(ids[:1, :30], past_key_values=cache)
+                other = H2OCache(model, policy="h2o", heavy=9, recent=5, chunk_size=8)
+                model(ids[1:, :30], past_key_values=other)
+                cache.append_rows(other)
+            elif shape == "adaptive":
+                cache = H2OCache(model, policy="h2o", heavy=8, recent=3, prefill="late", head_budgets="adaptive",
+                                 head_floor=0.0)
+                model(ids[:, :30], past_key_values=cache)
+            else:
+                cache = H2OCache(model, policy="kvzip", heavy=8, recent=3, prefill="late", head_budgets="layers",
+                                 head_floor=0.0)
+                model(ids[:, :30], past_key_values=cache)
+                reconstruct(model, cache, ids[:, :30], Tok())
+            logits = [model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(30, 50)]
+        budgets = [layer.slot_budget().expand(layer.valid.shape[:2]) for layer in cache.layers]
+        kept = [sorted(layer.ordinal[r, h][layer.valid[r, h]].tolist()) for layer in cache.layers
+                for r in range(layer.valid.shape[0]) for h in range(layer.valid.shape[1])]
+        return torch.cat(logits, dim=1), kept, budgets
+
+    fast = run("native")
+    assert len(decodes) >= 2 * 15  # the C step ran on (almost) every step of both layers
+    assert any(bool((b != b.flatten()[0]).any()) for b in fast[2])  # the budgets are uneven
+    slow = run("eager")
+    torch.testing.assert_close(fast[0], slow[0], atol=1e-5, rtol=1e-5)
+    assert fast[1] == slow[1]
+
+
 def test_a_rule_the_kernels_do_not_know_runs_eager():
     class Halved(H2OPolicy):
         def accumulate(self, score, mass):

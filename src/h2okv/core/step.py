@@ -26,6 +26,7 @@ import torch
 from h2okv.core.attention import slot_attention
 from h2okv.core.kernels import native_on
 from h2okv.core.native import calls as native
+from h2okv.core.storage import SLOT_TENSORS
 
 
 # -- the eviction rule -------------------------------------------------------------------------------
@@ -170,7 +171,21 @@ class FastDecode:
     n_real_key: torch.Tensor  # [B, 1, 1] view of n_real, for the policy's key
     recent_start: torch.Tensor  # [B, 1, 1] = n_real - recent, advanced in place
     sinks: torch.Tensor | None  # [B, 1, 1] protected first tokens, None when the policy has none
+    # uneven budgets (per row or head), live slots packed at the front (``pack_heads``): each
+    # (row, head)'s budget + 1 as [B * H] int64 and their largest; None for a uniform budget
+    widths: torch.Tensor | None = None
+    max_width: int = 0
     next_free: torch.Tensor | None = None
+
+
+def pack_heads(layer) -> None:
+    """Move each (row, head)'s live slots to the front of its buffer, in slot order (slot order
+    changes no result: ``storage.py``), in place."""
+    order = torch.argsort((~layer.valid).view(torch.uint8), dim=-1, stable=True)
+    for name in SLOT_TENSORS:
+        t = getattr(layer, name)
+        index = order if t.dim() == 3 else order.unsqueeze(-1).expand_as(t)
+        t.copy_(t.gather(2, index))
 
 
 def check_at_budget(layer) -> FastDecode | None:
@@ -182,7 +197,18 @@ def check_at_budget(layer) -> FastDecode | None:
         return None
     b, h = layer.valid.shape[:2]
     has_sinks = bool((layer.sinks > 0).any())
-    uniform = bool((budget == budget[0, 0]).all())  # heads of uneven budgets keep free slots: masked
+    uniform = bool((budget == budget[0, 0]).all())
+    widths, max_width = None, 0
+    if not uniform:
+        # heads (or rows) of uneven budgets keep free slots. Packed, each head's live slots are its
+        # first ``budget`` and its next one is free: the native step reads those and no more
+        # (the eager step masks the free ones, packed or not)
+        budget = budget.expand(b, h)
+        packed = torch.arange(layer.capacity, device=layer.valid.device) < budget[..., None]
+        if not bool((layer.valid == packed).all()):
+            pack_heads(layer)
+        widths = (budget + 1).reshape(-1).to(torch.int64).contiguous()
+        max_width = int(budget.max()) + 1
     return FastDecode(
         valid=layer.valid,
         n_real=layer.n_real,
@@ -191,6 +217,8 @@ def check_at_budget(layer) -> FastDecode | None:
         n_real_key=layer.n_real.view(b, 1, 1),
         recent_start=(layer.n_real - layer.recent).view(b, 1, 1),
         sinks=layer.sinks.view(b, 1, 1) if has_sinks else None,
+        widths=widths,
+        max_width=max_width,
     )
 
 
@@ -203,7 +231,8 @@ def decode_step(layer, query, k_new, v_new, scaling):
     if fast is not None and (fast.valid is not layer.valid or fast.n_real is not layer.n_real):
         layer.fast = fast = check_at_budget(layer)  # the buffers were replaced (resize, rows)
     dense = fast is not None and layer.capacity == fast.dense_capacity
-    if dense and native_on(layer.device):
+    packed = fast is not None and fast.widths is not None and fast.max_width <= layer.capacity
+    if (dense or packed) and native_on(layer.device):
         rule = native.decode_rule(layer, query)
         if rule is not None:  # the whole step below as one C call (core/native)
             return native.decode_dense(layer, fast, query, k_new, v_new, scaling, rule)

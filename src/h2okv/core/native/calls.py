@@ -43,7 +43,8 @@ def decode_rule(layer, query) -> tuple[int, int] | None:
 
 
 def decode_dense(layer, fast, query, k_new, v_new, scaling: float, rule: tuple[int, int]) -> torch.Tensor:
-    """``step.decode_step`` for a dense buffer in C; returns ``[B, 1, Hq, Dv]``."""
+    """``step.decode_step`` for a dense buffer, or packed heads of uneven budgets (``fast.widths``),
+    in C; returns ``[B, 1, Hq, Dv]``."""
     b, hkv, cap, d = layer.keys.shape
     hq, dv = query.shape[1], layer.values.shape[-1]
     slot = fast.next_free
@@ -57,7 +58,8 @@ def decode_dense(layer, fast, query, k_new, v_new, scaling: float, rule: tuple[i
         query.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), layer.keys.data_ptr(), layer.values.data_ptr(),
         layer.score.data_ptr(), layer.ordinal.data_ptr(), layer.valid.data_ptr(), slot.data_ptr(),
         layer.n_real.data_ptr(), fast.recent_start.data_ptr(),
-        None if fast.sinks is None else fast.sinks.data_ptr(), out.data_ptr(),
+        None if fast.sinks is None else fast.sinks.data_ptr(),
+        None if fast.widths is None else fast.widths.data_ptr(), out.data_ptr(),
         b * hkv, hkv, hq // hkv, cap, d, dv, scaling, acc, key, probs.data_ptr(),
     )
     fast.next_free = slot  # the kernel wrote each row's victim there
