@@ -2,12 +2,15 @@ import json
 import string
 
 import pytest
+import torch
 
 import h2okv.models
 from h2okv.cli import main
 from h2okv.cli.args import int_list
 from h2okv.cli.eval.retrieval import parse_depths
 from h2okv.errors import H2OError
+from h2okv.generation import new_cache
+from h2okv.reconstruction import reconstruct
 from h2okv.eval.retrieval import (
     INSTRUCTION,
     NEEDLE,
@@ -112,6 +115,27 @@ def test_grid_cells(tok):
     for c in cells:
         assert c.trials == 2 and len(c.answers) == 2 and c.accuracy == c.correct / 2
         assert 0.0 <= c.needle_kept <= 1.0
+
+
+def test_kvzip_reads_late_and_is_ranked_by_reconstruction_before_it_answers(tok, filler):
+    """kvzip: all but the last token read whole, ranked by the probe, then generate: the cache
+    that answers holds its budget (the needle share is of kept tokens), and a cell says late."""
+    model = tiny_model("llama", seed=4, num_attention_heads=4, num_key_value_heads=2)
+    prompts = make_prompts(tok, filler, 300, [0.0, 1.0], trials=1)
+    answers, kept = run_batch(model, tok, prompts, "kvzip", 0.3, chunk_size=64, max_new_tokens=4)
+    cache = new_cache(model, "kvzip", 0.3, chunk_size=64, prefill="late")
+    ids = torch.tensor([p.ids for p in prompts])
+    with torch.inference_mode():
+        model(input_ids=ids[:, :-1], past_key_values=cache)
+        reconstruct(model, cache, ids[:, :-1], tok)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=1)
+    assert answers == tok.batch_decode(out[:, ids.shape[1]:])
+    for layer in cache.layers:
+        assert (layer.valid.sum(-1) <= int(layer.slot_budget().max()) + 1).all()
+    assert all(0.0 <= k <= 1.0 for k in kept)
+    cells = retrieval_grid(model, tok, ["kvzip"], [0.3], [300], [0.0], trials=1, chunk_size=64, max_new_tokens=2,
+                           progress=False)
+    assert cells[0].prefill == "late" and cells[0].policy == "kvzip"
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,11 @@ padding (and the same per-row budget).
 Besides accuracy, each cell reports ``needle_kept``: the share of the needle's tokens still in the
 cache after generation (mean over layers, KV heads and trials), which shows *where* a policy lost it.
 
+A policy that ranks by reconstruction (``kvzip``) reads every token but the last whole (late
+prefill), is ranked by ``h2okv.reconstruct`` (the model repeats the prompt: the instruction, the
+haystack with its needle and the question, as in ``eval longctx``'s question-aware mode), then
+generates from the last token on.
+
 ``export_prompts`` writes the very token ids the grid feeds the model, split into context and
 question, for a peer to run on (``tools/peer/run_kvpress.py``, format ``EXPORT_FORMAT``).
 """
@@ -29,6 +34,7 @@ from h2okv.eval.haystack import FILLER, Haystack  # noqa: F401 (FILLER: public h
 from h2okv.eval.plots import annotated_heatmap, format_table, new_figure, save_figure
 from h2okv.generation import new_cache
 from h2okv.policies import policy_class
+from h2okv.reconstruction import reconstruct
 
 INSTRUCTION = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -127,12 +133,25 @@ class Cell:
         return " ".join(parts)
 
 
+def policy_shape(policy: str, shape: dict | None) -> dict:
+    """``shape`` as ``policy`` runs it: a policy ranked by reconstruction reads its prompt late."""
+    shape = dict(shape or {})
+    if policy_class(policy).ranks_by_reconstruction:
+        shape["prefill"] = "late"
+    return shape
+
+
 def run_batch(model, tokenizer, prompts, policy, budget, chunk_size, max_new_tokens, seed=0, shape=None):
     """Greedy answers for prompts of equal length under one policy/budget; ``(answers, kept)``.
     ``shape``: ``new_cache``'s ``recent_share`` and ``prefill`` (default: the defaults)."""
-    cache = new_cache(model, policy, budget, chunk_size=chunk_size, seed=seed, **(shape or {}))
+    cache = new_cache(model, policy, budget, chunk_size=chunk_size, seed=seed, **policy_shape(policy, shape))
     ids = torch.tensor([p.ids for p in prompts], dtype=torch.long, device=model.device)
     with torch.inference_mode():
+        if cache.policy.ranks_by_reconstruction:  # all but the last token, ranked; generate reads the last
+            context = ids[:, :-1]
+            model(input_ids=context, attention_mask=torch.ones_like(context), past_key_values=cache, use_cache=True,
+                  logits_to_keep=1)
+            reconstruct(model, cache, context, tokenizer)
         out = model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=max_new_tokens,
             do_sample=False, pad_token_id=tokenizer.pad_token_id,
@@ -169,7 +188,7 @@ def retrieval_grid(model, tokenizer, policies, budgets, contexts, depths, trials
                         policy=policy, budget=1.0 if budget is None else budget, context=context, depth=depth,
                         trials=trials, correct=correct, accuracy=correct / trials,
                         needle_kept=round(sum(kept[i] for i in rows) / trials, 4), haystack=haystack,
-                        chunk_size=chunk_size, answers=[answers[i] for i in rows], **shape,
+                        chunk_size=chunk_size, answers=[answers[i] for i in rows], **policy_shape(policy, shape),
                     ))
                 bar.update(1)
     return cells

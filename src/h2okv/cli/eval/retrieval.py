@@ -34,7 +34,7 @@ def register(kinds) -> None:
     p.add_argument("--haystack", default="filler", help="filler (repeated sentences) or shakespeare:NAME (default: filler)")
     p.add_argument("--chunk-size", type=positive_int, default=None,
                    help="prefill chunk; 1 = evict after every prompt token (default: the cache's default chunk)")
-    add_budget_shape_args(p)
+    add_budget_shape_args(p, layers=True)
     p.add_argument("--max-new-tokens", type=positive_int, default=8)
     p.add_argument("--seed", type=int, default=0, help="seed of the passkeys, haystack offsets and random policy")
     add_threads_arg(p)
@@ -64,7 +64,7 @@ def run(args) -> int:
     from h2okv.eval.retrieval import plot_heatmap, retrieval_grid, summary_table
     from h2okv.models import load_model
 
-    policies = parse_policies(args.policies)
+    policies = parse_policies(args.policies, reconstruction=True)
     budgets = parse_budgets(args.budgets)
     contexts = sorted(set(args.contexts))
     depths = parse_depths(args.depths)
@@ -77,10 +77,11 @@ def run(args) -> int:
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     if args.export_prompts:
         return export(args, model, tokenizer, budgets, contexts, depths)
+    from h2okv.eval.retrieval import policy_shape
     from h2okv.generation import new_cache
 
     for policy in policies:  # a shape a policy cannot take (--head-budgets adaptive) fails now, not mid-grid
-        new_cache(model, policy, budgets[0], chunk_size=chunk, **shape_from_args(args))
+        new_cache(model, policy, budgets[0], chunk_size=chunk, **policy_shape(policy, shape_from_args(args)))
     start = time.perf_counter()
     cells = retrieval_grid(model, tokenizer, policies, budgets, contexts, depths, args.trials, args.haystack,
                            chunk, args.max_new_tokens, args.seed, **shape_from_args(args))
