@@ -305,6 +305,11 @@ def test_plot_draws_full_in_both_question_modes_and_names_the_model(tmp_path, mo
     assert report.plot_scores(rows, tmp_path / "p.png", "t").exists()
     assert len({id(ax) for ax, _ in lines}) == 2 and {y for _, y in lines} == {100.0}
     assert [ax.get_xlim() for ax, _ in lines] == [pytest.approx((0.1, 0.3))] * 2
+    # a peer's press is drawn in its counterpart's colour (its line dotted): one colour per method
+    assert report.method_color("kvpress-tova") == report.method_color("tova [prefill=late]") is not None
+    assert report.method_color("kvpress-streaming") == report.method_color("sink")
+    assert report.method_color("kvpress-observed") == report.method_color("h2o")
+    assert report.method_color("kvpress-adakv-snapkv") == report.method_color("snapkv:window=1")
 
 
 @pytest.mark.parametrize("question", ["aware", "agnostic"])

@@ -9,8 +9,6 @@ from h2okv.cli import main
 from h2okv.cli.args import int_list
 from h2okv.cli.eval.retrieval import parse_depths
 from h2okv.errors import H2OError
-from h2okv.generation import new_cache
-from h2okv.reconstruction import reconstruct
 from h2okv.eval.retrieval import (
     INSTRUCTION,
     NEEDLE,
@@ -22,6 +20,8 @@ from h2okv.eval.retrieval import (
     retrieval_grid,
     run_batch,
 )
+from h2okv.generation import new_cache
+from h2okv.reconstruction import reconstruct
 from h2okv.tools.tiny import tiny_model
 
 

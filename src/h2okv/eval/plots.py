@@ -21,6 +21,9 @@ POLICY_COLORS = {
     "h2o-sink": "tab:orange",
     "h2o-mean": "tab:olive",
     "snapkv": "tab:brown",
+    "knorm": "tab:cyan",
+    "expected": "tab:pink",
+    "kvzip": "darkblue",
 }
 
 

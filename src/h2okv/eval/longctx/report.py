@@ -48,25 +48,43 @@ def summary_table(rows: list[dict]) -> str:
     return format_table(headers, table)
 
 
+# a peer's press -> the h2okv policy that ranks the same way (one colour per method, two line styles)
+PEER_METHODS = {"streaming": "sink", "observed": "h2o", "adakv-snapkv": "snapkv"}
+PEER = "kvpress-"
+
+
+def method_color(config: str) -> str | None:
+    """The colour of a configuration's method: ours by policy, a peer's press by its counterpart."""
+    name = config.split()[0].removeprefix(PEER)
+    return policy_color(PEER_METHODS.get(name, name))
+
+
 def plot_scores(rows: list[dict], path, title: str):
     """Average score vs budget, one line per configuration, one panel per (question mode, context);
-    a configuration that keeps everything is a dashed horizontal line."""
+    a configuration that keeps everything is a dashed horizontal line. A method has one colour:
+    h2okv's lines are solid with filled markers, the peer's (kvpress) dotted with hollow ones; the
+    legend sits beside each panel, so a grid of twenty configurations hides no line."""
     summary = summarize(rows)
     panels = sorted({(s["question"], s["context"]) for s in summary})
     # a configuration that keeps everything evicts nothing, so the question mode cannot change it:
     # its line is drawn in every panel of its context (measured in one mode is enough)
     keep_all = {(s["context"], s["config"]): s["average"] for s in summary if s["budget"] == 1.0}
-    fig, axes = new_figure(ncols=len(panels), width=5.2, height=4.0)
+    entries = max((len({s["config"] for s in summary if (s["question"], s["context"]) == panel}) for panel in panels),
+                  default=1)
+    fig, axes = new_figure(ncols=len(panels), width=7.6, height=max(4.0, 0.22 * entries + 1.0))
     for ax, (question, context) in zip(axes[0], panels, strict=True):
         here = [s for s in summary if (s["question"], s["context"]) == (question, context) and s["budget"] < 1.0]
         for (ctx, config), average in keep_all.items():
             if ctx == context:
-                ax.axhline(average, color=policy_color(config.split()[0]) or "black", linestyle="--", label=config)
+                ax.axhline(average, color=method_color(config) or "black", linestyle="--", label=config)
         for index, config in enumerate(dict.fromkeys(s["config"] for s in here)):
             points = sorted((s["budget"], s["average"]) for s in here if s["config"] == config)
+            peer = config.startswith(PEER)
+            color = method_color(config)
             # markers of shrinking size and different shapes: equal scores stay visible
-            ax.plot(*zip(*points), marker=MARKERS[index % len(MARKERS)], markersize=max(11 - 1.5 * index, 4),
-                    color=policy_color(config.split()[0]), label=config, alpha=0.85)
+            ax.plot(*zip(*points), marker=MARKERS[index % len(MARKERS)], markersize=max(11 - 0.5 * index, 4),
+                    color=color, label=config, alpha=0.85, linestyle=":" if peer else "-",
+                    markerfacecolor="none" if peer else color)
         budgets = sorted({s["budget"] for s in here}) or [1.0]
         ax.set_xlim(budgets[0] - 0.1, budgets[-1] + 0.1)
         ax.set_xticks(budgets, labels=[f"{b:.0%}" for b in budgets])
@@ -74,6 +92,6 @@ def plot_scores(rows: list[dict], path, title: str):
         ax.set_xlabel("cache budget (share of the prompt)")
         ax.set_ylabel("RULER score (average over tasks)")
         ax.set_title(f"{context} tokens, question {question}", fontsize=10)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.suptitle(title, fontsize=10)
     return save_figure(fig, path)
