@@ -152,6 +152,11 @@ def test_native_decode_rows_of_different_lengths(monkeypatch):
     assert fast[1:] == slow[1:]
 
 
+def cache_dense_bytes(budgets, head_dim):
+    """What the dense layout allocates: per layer, every (row, head) its widest head's budget + 1."""
+    return sum(b.numel() * (int(b.max()) + 1) for b in budgets) * 2 * head_dim * 4
+
+
 @pytest.mark.parametrize("shape", ["adaptive", "layers", "rows"])
 def test_native_decode_of_uneven_budgets_equals_eager(shape, monkeypatch):
     """Heads (Ada-KV's split, kvzip's cache-wide split) or rows (two prompts, two budgets) of
@@ -184,12 +189,24 @@ def test_native_decode_of_uneven_budgets_equals_eager(shape, monkeypatch):
                 model(ids[:, :30], past_key_values=cache)
                 reconstruct(model, cache, ids[:, :30], Tok())
             logits = [model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(30, 50)]
+        flat = [layer.ragged is not None for layer in cache.layers]
+        # flat: each head holds its own budget + 1 slots of K and V, nothing more
+        own = sum(int((layer.slot_budget() + 1).expand(layer.n_real.shape[0], 2).sum()) for layer in cache.layers)
+        stats = cache.stats()  # read without bringing the dense layout back
+        assert [layer.ragged is not None for layer in cache.layers] == flat
+        assert stats["slots"] == [int(layer.slot_budget().max()) for layer in cache.layers]
+        flat_bytes = stats["kv_bytes"]
         budgets = [layer.slot_budget().expand(layer.valid.shape[:2]) for layer in cache.layers]
         kept = [sorted(layer.ordinal[r, h][layer.valid[r, h]].tolist()) for layer in cache.layers
                 for r in range(layer.valid.shape[0]) for h in range(layer.valid.shape[1])]
-        return torch.cat(logits, dim=1), kept, budgets
+        return torch.cat(logits, dim=1), kept, budgets, flat, flat_bytes, own
 
     fast = run("native")
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    uneven = [bool((b != b.flatten()[0]).any()) for b in fast[2]]
+    assert fast[3] == uneven and any(uneven)  # a layer of uneven budgets decodes flat, a uniform one dense
+    assert fast[4] == fast[5] * 2 * head_dim * 4  # float32 K and V: each head its own budget + 1 slots
+    assert cache_dense_bytes(fast[2], head_dim) > fast[4]  # the dense layout: the widest head's for every head
     assert len(decodes) >= 2 * 15  # the C step ran on (almost) every step of both layers
     assert any(bool((b != b.flatten()[0]).any()) for b in fast[2])  # the budgets are uneven
     slow = run("eager")

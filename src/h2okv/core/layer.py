@@ -101,6 +101,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         self.tokens_seen = 0
         self.peak_capacity = 0
         self.fast = None
+        self.ragged = None
         self.awaiting_probe = self.probed = False
 
     def reorder_cache(self, beam_idx):
@@ -348,11 +349,13 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
     def kv_bytes(self) -> int:
         if not self.is_initialized:
             return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        held = self.ragged if self.ragged is not None else self  # flat: each head's own slots only
+        return held.keys.numel() * held.keys.element_size() + held.values.numel() * held.values.element_size()
 
     def full_kv_bytes(self) -> int:
         """What a plain cache would hold: every position seen, for every row and head."""
         if not self.is_initialized:
             return 0
-        b, h, _, d = self.keys.shape
-        return 2 * b * h * self.tokens_seen * d * self.keys.element_size()
+        keys = self.ragged.keys if self.ragged is not None else self.keys
+        b, h = (self.ragged.shape[:2] if self.ragged is not None else keys.shape[:2])
+        return 2 * b * h * self.tokens_seen * keys.shape[-1] * keys.element_size()

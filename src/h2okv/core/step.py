@@ -226,6 +226,11 @@ def decode_step(layer, query, k_new, v_new, scaling):
     """The general step for one real token per row and no sliding window, in the fewest ops."""
     policy = layer.owner.policy
     b, hkv, _, d = k_new.shape
+    if layer.ragged is not None:  # flattened by an earlier step: stays flat while the C step runs
+        rule = native.decode_rule(layer, query) if native_on(layer.device) else None
+        if rule is not None:
+            return native.decode_dense(layer, layer.fast, query, k_new, v_new, scaling, rule)
+        layer.unflatten()
     layer.ensure_free(1)
     fast = layer.fast
     if fast is not None and (fast.valid is not layer.valid or fast.n_real is not layer.n_real):
@@ -235,6 +240,11 @@ def decode_step(layer, query, k_new, v_new, scaling):
     if (dense or packed) and native_on(layer.device):
         rule = native.decode_rule(layer, query)
         if rule is not None:  # the whole step below as one C call (core/native)
+            if packed:  # keep each head's own slots only (storage.py: ragged slots)
+                if fast.next_free is None:
+                    fast.next_free = layer.valid.view(torch.uint8).argmin(dim=-1, keepdim=True)
+                layer.flatten(fast.widths)
+                fast.valid = layer.ragged.valid  # no reference left to the dense buffers
             return native.decode_dense(layer, fast, query, k_new, v_new, scaling, rule)
     if dense and fast.next_free is not None:
         slot = fast.next_free  # the only free slot: last step's victim

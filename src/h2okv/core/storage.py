@@ -6,9 +6,18 @@ is live. Per sequence (row) it holds the count of real tokens seen and the row's
 (``heavy``, ``recent``, protected ``sinks``); with head-adaptive budgets (``head_budget.py``) also
 ``head_heavy`` ``[B, H]``, each head's own heavy part (None: every head has the row's ``heavy``). Attention does not depend on slot order, so slots
 can be reordered, cut or padded freely without changing any result.
+
+**Ragged slots.** When the budgets of a layer's (row, head)s differ, the dense layout holds the
+widest one for every head. Once every head is at its budget with its live slots packed in front
+(``step.check_at_budget``), the native decode step ``flatten``s the layer: each (row, head) keeps
+only its own ``budget + 1`` slots, in flat ``[T(, D)]`` tensors (``RaggedSlots``), and the dense
+ones are freed. Reading any slot tensor (``layer.keys``...) brings the dense layout back first
+(``__getattr__``), so every other path is unchanged; the native step keeps the layer flat.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -17,11 +26,61 @@ SLOT_TENSORS = ("keys", "values", "score", "ordinal", "valid")
 ROW_VECTORS = ("n_real", "heavy", "recent", "sinks", "head_heavy")
 
 
+@dataclass
+class RaggedSlots:
+    """A layer's slots, each (row, head) ``r`` holding its first ``widths[r]`` only: flat tensors
+    ``[T(, D)]`` in (row, head, slot) order; ``base[r]`` is where ``r``'s slots start. ``shape``:
+    the dense layout's ``(B, H, capacity)``."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    score: torch.Tensor
+    ordinal: torch.Tensor
+    valid: torch.Tensor
+    base: torch.Tensor
+    widths: torch.Tensor
+    shape: tuple[int, int, int]
+
+    def kept(self) -> torch.Tensor:
+        """``[B, H, capacity]``: which dense slots the flat tensors hold."""
+        b, h, cap = self.shape
+        return torch.arange(cap, device=self.widths.device) < self.widths.view(b, h, 1)
+
+
 class SlotStorage:
     """The buffers of one layer; ``SlotLayer`` adds the step on top."""
 
     is_initialized: bool
     peak_capacity: int
+    ragged: RaggedSlots | None = None  # see the module docstring
+
+    def __getattr__(self, name: str):
+        # only called when normal lookup fails: a slot tensor of a flattened layer
+        if name in SLOT_TENSORS and self.__dict__.get("ragged") is not None:
+            self.unflatten()
+            return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def flatten(self, widths: torch.Tensor) -> None:
+        """Keep each (row, head)'s first ``widths`` slots only (``[B * H]``; its live slots must be
+        among them): the dense slot tensors are dropped."""
+        b, h, cap = self.valid.shape
+        base = torch.cumsum(widths, 0) - widths
+        ragged = RaggedSlots(**dict.fromkeys(SLOT_TENSORS), base=base.contiguous(), widths=widths, shape=(b, h, cap))
+        kept = ragged.kept()
+        for name in SLOT_TENSORS:
+            setattr(ragged, name, self.__dict__.pop(name)[kept].contiguous())
+        self.ragged = ragged
+
+    def unflatten(self) -> None:
+        """The dense slot tensors back from the flat ones (free slots past each width)."""
+        ragged, self.ragged = self.ragged, None
+        kept = ragged.kept()
+        for name in SLOT_TENSORS:
+            flat = getattr(ragged, name)
+            dense = flat.new_zeros((*ragged.shape, *flat.shape[1:]))  # zeros: valid=False, free
+            dense[kept] = flat
+            self.__dict__[name] = dense
 
     def init_buffers(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -38,7 +97,7 @@ class SlotStorage:
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[2]
+        return self.ragged.shape[2] if self.ragged is not None else self.keys.shape[2]
 
     @property
     def has_budget(self) -> bool:
@@ -57,8 +116,15 @@ class SlotStorage:
         return (self.heavy + self.recent)[:, None]
 
     def live_slots(self) -> torch.Tensor:
-        """``[B, H]`` live tokens per (sequence, head)."""
-        return self.valid.sum(-1) if self.is_initialized else torch.zeros(0, dtype=torch.long)
+        """``[B, H]`` live tokens per (sequence, head) (a flattened layer stays flat)."""
+        if not self.is_initialized:
+            return torch.zeros(0, dtype=torch.long)
+        ragged = self.ragged
+        if ragged is None:
+            return self.valid.sum(-1)
+        owner = torch.repeat_interleave(torch.arange(len(ragged.widths), device=ragged.widths.device), ragged.widths)
+        counts = torch.zeros(len(ragged.widths), dtype=torch.long, device=owner.device)
+        return counts.index_add_(0, owner, ragged.valid.long()).view(ragged.shape[:2])
 
     # -- capacity ------------------------------------------------------------------------------
     def resize(self, capacity: int) -> None:

@@ -86,7 +86,9 @@ def run(args) -> int:
     cells = retrieval_grid(model, tokenizer, policies, budgets, contexts, depths, args.trials, args.haystack,
                            chunk, args.max_new_tokens, args.seed, **shape_from_args(args))
     seconds = time.perf_counter() - start
-    print(f"Passkey retrieval, {args.haystack} haystack, prefill {args.prefill} (chunk {chunk}), recent share "
+    late = [p for p in policies if policy_shape(p, {}).get("prefill") == "late"]  # read whole whatever --prefill says
+    prefill = args.prefill + (f" ({', '.join(late)}: late)" if late and args.prefill != "late" else "")
+    print(f"Passkey retrieval, {args.haystack} haystack, prefill {prefill} (chunk {chunk}), recent share "
           f"{args.recent_share:g}, {args.head_budgets} head budgets, {args.trials} trials per cell")
     print(summary_table(cells))
     print(f"{len(cells)} cells in {seconds:.1f} s")

@@ -33,8 +33,10 @@ def scan_block(probs: torch.Tensor, state, plan, start: int, policy, rule: tuple
 
 
 def decode_rule(layer, query) -> tuple[int, int] | None:
-    """The native rule for a dense decode step of ``layer``, or None when it must run eager."""
-    keys, values = layer.keys, layer.values
+    """The native rule for a dense (or flat: ``layer.ragged``) decode step of ``layer``, or None
+    when it must run eager."""
+    held = layer.ragged if layer.ragged is not None else layer  # never unflattens the layer
+    keys, values = held.keys, held.values
     if keys.dtype != torch.float32 or query.dtype != torch.float32:
         return None
     if not (keys.is_contiguous() and values.is_contiguous() and layer.n_real.is_contiguous()):
@@ -43,10 +45,13 @@ def decode_rule(layer, query) -> tuple[int, int] | None:
 
 
 def decode_dense(layer, fast, query, k_new, v_new, scaling: float, rule: tuple[int, int]) -> torch.Tensor:
-    """``step.decode_step`` for a dense buffer, or packed heads of uneven budgets (``fast.widths``),
-    in C; returns ``[B, 1, Hq, Dv]``."""
-    b, hkv, cap, d = layer.keys.shape
-    hq, dv = query.shape[1], layer.values.shape[-1]
+    """``step.decode_step`` for a dense buffer, packed heads of uneven budgets (``fast.widths``) or
+    a flattened layer (``layer.ragged``: each head's own slots only), in C; returns ``[B, 1, Hq, Dv]``."""
+    ragged = layer.ragged
+    held = ragged if ragged is not None else layer
+    b, hkv, cap = ragged.shape if ragged is not None else layer.keys.shape[:3]
+    hq, dv = query.shape[1], held.values.shape[-1]
+    d = held.keys.shape[-1]
     slot = fast.next_free
     if slot is None:  # the first step after the budget was reached: the first free slot
         slot = layer.valid.view(torch.uint8).argmin(dim=-1, keepdim=True)
@@ -55,11 +60,12 @@ def decode_dense(layer, fast, query, k_new, v_new, scaling: float, rule: tuple[i
     acc, key = rule
     probs = torch.empty((hq // hkv) * cap, dtype=torch.float32)  # scratch; held for the call
     library().decode_dense(
-        query.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), layer.keys.data_ptr(), layer.values.data_ptr(),
-        layer.score.data_ptr(), layer.ordinal.data_ptr(), layer.valid.data_ptr(), slot.data_ptr(),
+        query.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), held.keys.data_ptr(), held.values.data_ptr(),
+        held.score.data_ptr(), held.ordinal.data_ptr(), held.valid.data_ptr(), slot.data_ptr(),
         layer.n_real.data_ptr(), fast.recent_start.data_ptr(),
         None if fast.sinks is None else fast.sinks.data_ptr(),
-        None if fast.widths is None else fast.widths.data_ptr(), out.data_ptr(),
+        None if fast.widths is None else fast.widths.data_ptr(),
+        None if ragged is None else ragged.base.data_ptr(), out.data_ptr(),
         b * hkv, hkv, hq // hkv, cap, d, dv, scaling, acc, key, probs.data_ptr(),
     )
     fast.next_free = slot  # the kernel wrote each row's victim there

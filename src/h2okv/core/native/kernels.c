@@ -7,7 +7,8 @@
  * for a block of queries. decode_dense: the at-budget decode step of core/step.py for a dense
  * buffer (budget + 1 slots, no free slot once the new token is written), or for heads of uneven
  * budgets whose live slots are packed at the front of their buffer (core/step.py: pack_heads):
- * each (sequence, KV head) then uses its first budget + 1 slots only.
+ * each (sequence, KV head) then uses its first budget + 1 slots only, from its own offset of
+ * flat buffers when the layer holds only those (core/storage.py: RaggedSlots).
  *
  * The rule is the one of core/step.py: candidates are keys that are not blocked (free, evicted,
  * sinks) and not in the recent window (ordinal >= window start); the lowest rank goes, the first
@@ -191,24 +192,25 @@ static void attend_group(const float *q, const float *keys, const float *values,
 /* The dense at-budget decode step for rows = B * Hkv (sequence, KV head) pairs with g query
  * heads each. Per pair: write the new key/value/ordinal/score into `slot` (the only free slot),
  * attend over its n slots (n = width[pair], or cap when width is NULL; the slots past n are free
- * and never read) (q [rows, g, d]; out [rows, g, dv]), fold the mass into the score,
+ * and never read; the pair's slots start at slot base[pair], or pair * cap when base is NULL)
+ * (q [rows, g, d]; out [rows, g, dv]), fold the mass into the score,
  * advance the row's window (recent_start) and n_real by one, evict one, and store the victim
  * as the next step's slot. Per-sequence values (n_real, recent_start, sinks) are indexed by
  * pair / heads. p: scratch of g * cap floats. */
 void decode_dense(const float *q, const float *k_new, const float *v_new,
                   float *keys, float *values, float *score, int64_t *ordinal, uint8_t *valid,
                   int64_t *slot, int64_t *n_real, int64_t *recent_start, const int64_t *sinks,
-                  const int64_t *width, float *out, int64_t rows, int64_t heads, int64_t g, int64_t cap,
+                  const int64_t *width, const int64_t *base, float *out, int64_t rows, int64_t heads, int64_t g, int64_t cap,
                   int64_t d, int64_t dv, float scaling, int acc, int key, float *p) {
     for (int64_t r = 0; r < rows; r++) {
-        int64_t seq = r / heads, s = slot[r], n = width ? width[r] : cap;
-        float *kr = keys + r * cap * d, *vr = values + r * cap * dv, *sc = score + r * cap;
-        int64_t *od = ordinal + r * cap;
+        int64_t seq = r / heads, s = slot[r], n = width ? width[r] : cap, off = base ? base[r] : r * cap;
+        float *kr = keys + off * d, *vr = values + off * dv, *sc = score + off;
+        int64_t *od = ordinal + off;
         memcpy(kr + s * d, k_new + r * d, (size_t)d * sizeof(float));
         memcpy(vr + s * dv, v_new + r * dv, (size_t)dv * sizeof(float));
         od[s] = n_real[seq];
         sc[s] = 0.0f;
-        valid[r * cap + s] = 1;
+        valid[off + s] = 1;
         attend_group(q + r * g * d, kr, vr, p, out + r * g * dv, g, n, d, dv, scaling);
         if (acc != ACC_NONE) {
             /* the group's mass first, then folded in: the order of eager's sum and add */
@@ -221,7 +223,7 @@ void decode_dense(const float *q, const float *k_new, const float *v_new,
         /* n_real and the window advance once per sequence: after its last KV head */
         int64_t nr = n_real[seq] + 1, ws = recent_start[seq] + 1;
         int64_t v = victim(sc, od, NULL, n, ws, sinks ? sinks[seq] : INT64_MIN, nr, key);
-        valid[r * cap + v] = 0;
+        valid[off + v] = 0;
         slot[r] = v;
         if (r % heads == heads - 1) {
             n_real[seq] = nr;
