@@ -209,7 +209,7 @@ def check_at_budget(layer) -> FastDecode | None:
             pack_heads(layer)
         widths = (budget + 1).reshape(-1).to(torch.int64).contiguous()
         max_width = int(budget.max()) + 1
-    return FastDecode(
+    fast = FastDecode(
         valid=layer.valid,
         n_real=layer.n_real,
         dense_capacity=int(budget[0, 0]) + 1 if uniform else -1,
@@ -220,6 +220,17 @@ def check_at_budget(layer) -> FastDecode | None:
         widths=widths,
         max_width=max_width,
     )
+    if widths is not None and native_on(layer.device) and native.decode_rule(layer) is not None:
+        go_flat(layer, fast)  # the C step will decode it: hold each head's own slots from now on
+    return fast
+
+
+def go_flat(layer, fast: FastDecode) -> None:
+    """Flatten a packed layer at budget (``storage.py``: ragged slots) for the C step."""
+    if fast.next_free is None:
+        fast.next_free = layer.valid.view(torch.uint8).argmin(dim=-1, keepdim=True)  # each head's free slot
+    layer.flatten(fast.widths)
+    fast.valid = layer.ragged.valid  # no reference left to the dense buffers
 
 
 def decode_step(layer, query, k_new, v_new, scaling):
@@ -241,10 +252,7 @@ def decode_step(layer, query, k_new, v_new, scaling):
         rule = native.decode_rule(layer, query)
         if rule is not None:  # the whole step below as one C call (core/native)
             if packed:  # keep each head's own slots only (storage.py: ragged slots)
-                if fast.next_free is None:
-                    fast.next_free = layer.valid.view(torch.uint8).argmin(dim=-1, keepdim=True)
-                layer.flatten(fast.widths)
-                fast.valid = layer.ragged.valid  # no reference left to the dense buffers
+                go_flat(layer, fast)
             return native.decode_dense(layer, fast, query, k_new, v_new, scaling, rule)
     if dense and fast.next_free is not None:
         slot = fast.next_free  # the only free slot: last step's victim

@@ -32,12 +32,12 @@ def scan_block(probs: torch.Tensor, state, plan, start: int, policy, rule: tuple
     )
 
 
-def decode_rule(layer, query) -> tuple[int, int] | None:
+def decode_rule(layer, query=None) -> tuple[int, int] | None:
     """The native rule for a dense (or flat: ``layer.ragged``) decode step of ``layer``, or None
-    when it must run eager."""
+    when it must run eager (``query`` None: asked before the step, of the layer alone)."""
     held = layer.ragged if layer.ragged is not None else layer  # never unflattens the layer
     keys, values = held.keys, held.values
-    if keys.dtype != torch.float32 or query.dtype != torch.float32:
+    if keys.dtype != torch.float32 or (query is not None and query.dtype != torch.float32):
         return None
     if not (keys.is_contiguous() and values.is_contiguous() and layer.n_real.is_contiguous()):
         return None
