@@ -214,6 +214,38 @@ def test_native_decode_of_uneven_budgets_equals_eager(shape, monkeypatch):
     assert fast[1] == slow[1]
 
 
+def test_a_head_that_keeps_every_token_goes_flat_once_the_layer_has_grown(monkeypatch):
+    """kvzip's cache-wide split can give one head every token of a short prompt: its layer is then
+    full (no free slot), so it stays dense until the first step grows it, then goes flat; stats()
+    reads either, and the steps equal eager's."""
+    needs_native()
+    from h2okv.reconstruction import reconstruct
+    from test_core_kvzip import Tok
+
+    model = tiny_model("llama", num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3)
+    ids = torch.randint(2, 90, (1, 16), generator=torch.Generator().manual_seed(0))
+
+    def run(name):
+        with kernels.use_kernels(name), torch.inference_mode():
+            cache = H2OCache(model, policy="kvzip", heavy=8, recent=1, prefill="late", head_budgets="layers",
+                             head_floor=0.0)
+            model(ids[:, :10], past_key_values=cache)
+            reconstruct(model, cache, ids[:, :10], Tok())
+            full = [int(layer.slot_budget().max()) == layer.capacity for layer in cache.layers]
+            before = cache.stats()
+            logits = [model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(10, 16)]
+            flat = [layer.ragged is not None for layer in cache.layers]
+            kept = [sorted(layer.ordinal[0, h][layer.valid[0, h]].tolist()) for layer in cache.layers for h in range(2)]
+        return torch.cat(logits, dim=1), kept, full, flat, before
+
+    fast = run("native")
+    assert fast[2][0] and fast[3][0]  # layer 0: one head keeps all 10 tokens; flat once it has grown
+    assert fast[4]["slots"][0] == 10
+    slow = run("eager")
+    torch.testing.assert_close(fast[0], slow[0], atol=1e-5, rtol=1e-5)
+    assert fast[1] == slow[1]
+
+
 def test_a_rule_the_kernels_do_not_know_runs_eager():
     class Halved(H2OPolicy):
         def accumulate(self, score, mass):

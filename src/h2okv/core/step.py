@@ -220,8 +220,11 @@ def check_at_budget(layer) -> FastDecode | None:
         widths=widths,
         max_width=max_width,
     )
-    if widths is not None and native_on(layer.device) and native.decode_rule(layer) is not None:
-        go_flat(layer, fast)  # the C step will decode it: hold each head's own slots from now on
+    # the C step will decode it: hold each head's own slots from now on (a head holding its whole
+    # width has no free slot yet: the next step's ensure_free grows the layer, then it goes flat)
+    if (widths is not None and max_width <= layer.capacity and native_on(layer.device)
+            and native.decode_rule(layer) is not None):
+        go_flat(layer, fast)
     return fast
 
 

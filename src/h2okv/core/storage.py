@@ -65,6 +65,8 @@ class SlotStorage:
         """Keep each (row, head)'s first ``widths`` slots only (``[B * H]``; its live slots must be
         among them): the dense slot tensors are dropped."""
         b, h, cap = self.valid.shape
+        if int(widths.max()) > cap:  # a width past the buffer would shift every later head's offset
+            raise RuntimeError(f"cannot flatten: a head's width {int(widths.max())} exceeds the capacity {cap}")
         base = torch.cumsum(widths, 0) - widths
         ragged = RaggedSlots(**dict.fromkeys(SLOT_TENSORS), base=base.contiguous(), widths=widths, shape=(b, h, cap))
         kept = ragged.kept()
