@@ -189,7 +189,9 @@ def pack_heads(layer) -> None:
 
 
 def check_at_budget(layer) -> FastDecode | None:
-    """One device sync: is every (sequence, head) at exactly its row's budget? Then the fast state."""
+    """Is every (sequence, head) at exactly its row's budget (one device sync)? Then the fast state.
+    Budgets that differ across rows or heads also pack each head's live slots to the front and,
+    where the C step will run, hold the layer flat (``go_flat``)."""
     if not layer.owner.policy.evicts or not layer.has_budget:
         return None
     budget = layer.slot_budget()
