@@ -26,7 +26,6 @@ import torch
 from h2okv.core.attention import slot_attention
 from h2okv.core.kernels import native_on
 from h2okv.core.native import calls as native
-from h2okv.core.storage import SLOT_TENSORS
 
 
 # -- the eviction rule -------------------------------------------------------------------------------
@@ -171,21 +170,11 @@ class FastDecode:
     n_real_key: torch.Tensor  # [B, 1, 1] view of n_real, for the policy's key
     recent_start: torch.Tensor  # [B, 1, 1] = n_real - recent, advanced in place
     sinks: torch.Tensor | None  # [B, 1, 1] protected first tokens, None when the policy has none
-    # uneven budgets (per row or head), live slots packed at the front (``pack_heads``): each
+    # uneven budgets (per row or head), live slots packed at the front (``SlotStorage.pack_live``): each
     # (row, head)'s budget + 1 as [B * H] int64 and their largest; None for a uniform budget
     widths: torch.Tensor | None = None
     max_width: int = 0
     next_free: torch.Tensor | None = None
-
-
-def pack_heads(layer) -> None:
-    """Move each (row, head)'s live slots to the front of its buffer, in slot order (slot order
-    changes no result: ``storage.py``), in place."""
-    order = torch.argsort((~layer.valid).view(torch.uint8), dim=-1, stable=True)
-    for name in SLOT_TENSORS:
-        t = getattr(layer, name)
-        index = order if t.dim() == 3 else order.unsqueeze(-1).expand_as(t)
-        t.copy_(t.gather(2, index))
 
 
 def check_at_budget(layer) -> FastDecode | None:
@@ -208,7 +197,7 @@ def check_at_budget(layer) -> FastDecode | None:
         budget = budget.expand(b, h)
         packed = torch.arange(layer.capacity, device=layer.valid.device) < budget[..., None]
         if not bool((layer.valid == packed).all()):
-            pack_heads(layer)
+            layer.pack_live()
         widths = (budget + 1).reshape(-1).to(torch.int64).contiguous()
         max_width = int(budget.max()) + 1
     fast = FastDecode(

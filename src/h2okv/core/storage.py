@@ -157,11 +157,23 @@ class SlotStorage:
         live = int(self.valid.sum(-1).max())
         if live > capacity:
             raise RuntimeError(f"cannot fit {live} live slots into {capacity}")
-        order = torch.argsort((~self.valid).to(torch.int8), dim=-1, stable=True)[..., :capacity]
+        self.pack_live(capacity)
+
+    def pack_live(self, capacity: int | None = None) -> None:
+        """Move each (sequence, head)'s live slots to the front, in slot order (slot order changes
+        no result). Without ``capacity`` in place, so views of the slot tensors stay valid (the
+        decode step's fast state holds some); with it, keep the first ``capacity`` slots only."""
+        order = torch.argsort((~self.valid).view(torch.uint8), dim=-1, stable=True)
+        if capacity is not None:
+            order = order[..., :capacity]
         for name in SLOT_TENSORS:
             tensor = getattr(self, name)
-            index = order if tensor.dim() == 3 else order[..., None].expand(-1, -1, -1, tensor.shape[-1])
-            setattr(self, name, tensor.gather(2, index))
+            index = order if tensor.dim() == 3 else order[..., None].expand(*order.shape, tensor.shape[-1])
+            moved = tensor.gather(2, index)
+            if capacity is None:
+                tensor.copy_(moved)
+            else:
+                setattr(self, name, moved)
 
     # -- rows ------------------------------------------------------------------------------------
     def select_rows(self, index: torch.Tensor) -> None:
