@@ -12,6 +12,7 @@ from transformers import DynamicCache, LogitsProcessorList, TextStreamer
 from h2okv.core import DEFAULT_CHUNK, H2OCache, fraction_budget, slot_budget
 from h2okv.core.budget import DEFAULT_RECENT_SHARE
 from h2okv.errors import H2OError
+from h2okv.reconstruction import reconstruct
 
 
 @dataclass
@@ -49,6 +50,24 @@ def new_cache(model, policy: str | None, fraction: float | None = None, chunk_si
         if "unexpected keyword" not in str(exc):
             raise
         raise H2OError(f"unknown cache option: {exc}") from None
+
+
+def read_ahead(model, tokenizer, cache, ids: torch.Tensor, end: int | None = None, chat_head: int = 0) -> None:
+    """Before ``generate``: read ``ids[:, :end]`` into ``cache``, which evicts to its budget before
+    the rest exists (a question-agnostic context); ``generate`` then reads only what is left.
+
+    A policy ranked by reconstruction (``kvzip``) always reads ahead, all but the prompt's last
+    token when ``end`` is None, and is ranked by ``reconstruct`` (which repeats the context from
+    ``chat_head`` on: the chat template's own head is not text to reproduce). Call it under
+    ``torch.inference_mode``."""
+    rebuild = cache.policy.ranks_by_reconstruction
+    if end is None and not rebuild:
+        return
+    context = ids[:, : ids.shape[1] - 1 if end is None else end]
+    model(input_ids=context, attention_mask=torch.ones_like(context), past_key_values=cache, use_cache=True,
+          logits_to_keep=1)
+    if rebuild:
+        reconstruct(model, cache, context, tokenizer, start=chat_head)
 
 
 def pad_rows(rows: list[list[int]], pad_id: int, device="cpu", side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,9 +32,8 @@ from h2okv.core.budget import DEFAULT_RECENT_SHARE
 from h2okv.errors import H2OError
 from h2okv.eval.haystack import FILLER, Haystack  # noqa: F401 (FILLER: public here before)
 from h2okv.eval.plots import annotated_heatmap, format_table, new_figure, save_figure
-from h2okv.generation import new_cache
+from h2okv.generation import new_cache, read_ahead
 from h2okv.policies import policy_class
-from h2okv.reconstruction import reconstruct
 
 INSTRUCTION = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -147,11 +146,7 @@ def run_batch(model, tokenizer, prompts, policy, budget, chunk_size, max_new_tok
     cache = new_cache(model, policy, budget, chunk_size=chunk_size, seed=seed, **policy_shape(policy, shape))
     ids = torch.tensor([p.ids for p in prompts], dtype=torch.long, device=model.device)
     with torch.inference_mode():
-        if cache.policy.ranks_by_reconstruction:  # all but the last token, ranked; generate reads the last
-            context = ids[:, :-1]
-            model(input_ids=context, attention_mask=torch.ones_like(context), past_key_values=cache, use_cache=True,
-                  logits_to_keep=1)
-            reconstruct(model, cache, context, tokenizer)
+        read_ahead(model, tokenizer, cache, ids)  # kvzip: all but the last token, ranked
         out = model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=max_new_tokens,
             do_sample=False, pad_token_id=tokenizer.pad_token_id,

@@ -32,9 +32,8 @@ from h2okv.eval.longctx.metric import score
 from h2okv.eval.longctx.prompt import Frame, LongPrompt
 from h2okv.eval.longctx.rows import make_row, row_key
 from h2okv.eval.longctx.tasks import build_prompts
-from h2okv.generation import new_cache
+from h2okv.generation import new_cache, read_ahead
 from h2okv.policies import policy_class
-from h2okv.reconstruction import reconstruct
 
 QUESTION_MODES = ("aware", "agnostic")
 
@@ -84,15 +83,9 @@ def generate_answers(model, tokenizer, prompts: list[LongPrompt], cache, questio
     the prompt's last token (``aware``), is ranked by ``h2okv.reconstruct`` (which repeats it from
     ``chat_head`` on: the chat template's own head is not text to reproduce), then generates."""
     ids = torch.tensor([p.ids for p in prompts], dtype=torch.long, device=model.device)
-    rebuild = cache.policy.ranks_by_reconstruction
     with torch.inference_mode():
-        if question == "agnostic" or rebuild:
-            context = ids[:, : prompts[0].question if question == "agnostic" else ids.shape[1] - 1]
-            # the context alone: the cache evicts to its budget before the question exists
-            model(input_ids=context, attention_mask=torch.ones_like(context), past_key_values=cache, use_cache=True,
-                  logits_to_keep=1)
-            if rebuild:
-                reconstruct(model, cache, context, tokenizer, start=chat_head)
+        # the context alone (agnostic): the cache evicts to its budget before the question exists
+        read_ahead(model, tokenizer, cache, ids, prompts[0].question if question == "agnostic" else None, chat_head)
         # generate reads only the ids the cache has not seen: all of them, or the question part
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
                              max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
