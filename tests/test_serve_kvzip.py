@@ -105,7 +105,7 @@ def test_kvzip_refusals_are_one_line(model_tok):
         engine.check_request(GenerationRequest([5], 4, "kvzip", 8, 8))
     assert err.value.kind == ErrorKind.INVALID_REQUEST
     rolling = Engine(model, tok, prefill_chunk=CHUNK, positions="rolling")
-    with pytest.raises(ServeError, match="--positions rolling"):
+    with pytest.raises(ServeError, match="positions=rolling would count"):
         rolling.check_request(GenerationRequest(prompt(20, 0), 4, "kvzip", 8, 8))
     executor = Executor(model, CHUNK)
     with pytest.raises(ValueError, match="probe calls go with"):

@@ -118,7 +118,7 @@ def register(sub) -> None:
 
 
 def run_serve(args) -> int:
-    from h2okv.core.positions import parse_positions
+    from h2okv.core.positions import check_positions
     from h2okv.parallel import launch
     from h2okv.policies import policy_class
     from h2okv.serve.eviction import EvictionDefaults
@@ -126,10 +126,7 @@ def run_serve(args) -> int:
     eviction = EvictionDefaults(policy=check_policy(args.policy, reconstruction=True), prefill=args.prefill,
                                 **budget_from_args(args))
     eviction.validate()  # before the (slow) model load
-    parse_positions(args.positions)
-    if args.positions != "true" and policy_class(args.policy).ranks_by_reconstruction:
-        raise H2OError(f"--policy {args.policy} reads a probe that is never kept, which --positions "
-                       f"{args.positions} would count: use --positions true")
+    check_positions(policy_class(args.policy), args.positions)
     if args.max_queue < 0:
         raise H2OError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 < args.port < 65536:

@@ -12,7 +12,7 @@ from h2okv.core.attention import prepare_model
 from h2okv.core.budget import BudgetSpec
 from h2okv.core.head_budget import DEFAULT_FLOOR, HEAD_BUDGETS
 from h2okv.core.layer import SlotLayer
-from h2okv.core.positions import RollingPositions, parse_positions
+from h2okv.core.positions import RollingPositions, check_positions
 from h2okv.errors import H2OError
 from h2okv.policies import Budget, Policy, make_policy
 
@@ -85,10 +85,7 @@ class H2OCache(Cache):
         self.probing: dict[int, torch.Tensor] | None = None
         num_layers = prepare_model(model)
         super().__init__(layers=[SlotLayer(self, i) for i in range(num_layers)])
-        scheme = parse_positions(positions)
-        if scheme is not None and self.policy.ranks_by_reconstruction:
-            raise H2OError(f"policy {self.policy.spec!r} reads a probe that is never kept, which rolling positions "
-                           f"would count: use positions=true")
+        scheme = check_positions(self.policy, positions)
         self.rolling = None if scheme is None else RollingPositions(model, scheme)
         self._row_budgets: tuple[torch.Tensor, torch.Tensor] | None = None
 

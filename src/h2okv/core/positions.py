@@ -55,6 +55,17 @@ def parse_positions(spec: str | None) -> str | None:
     return scheme or DEFAULT_ROLLING
 
 
+def check_positions(policy, spec: str | None) -> str | None:
+    """``parse_positions`` for ``policy`` (a policy or its class). A policy ranked by
+    reconstruction reads a probe that is never kept and that rolling positions would count, so
+    it takes true positions only. One check for the cache, the server and its command line."""
+    scheme = parse_positions(spec)
+    if scheme is not None and policy.ranks_by_reconstruction:
+        raise H2OError(f"policy {policy.name!r} reads a probe that is never kept, which positions={spec} would "
+                       f"count: use positions=true (--positions true)")
+    return scheme
+
+
 class RollingPositions:
     """One cache's rolling state: per row the shift offset or the last compaction's snapshot."""
 

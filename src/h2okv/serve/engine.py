@@ -39,6 +39,7 @@ from collections import deque
 import torch
 
 from h2okv.core import BudgetSpec
+from h2okv.core.positions import check_positions
 from h2okv.errors import H2OError
 from h2okv.policies import make_policy, policy_class
 from h2okv.reconstruction import prompt_probes
@@ -187,9 +188,7 @@ class Engine:
             if policy.ranks_by_reconstruction and len(request.prompt_ids) < 2:
                 raise H2OError(f"policy {policy.spec!r} ranks all but the prompt's last token by reconstruction: "
                                f"it needs at least 2 prompt tokens")
-            if policy.ranks_by_reconstruction and self.positions != "true":
-                raise H2OError(f"policy {policy.spec!r} reads a probe that is never kept, which this server's "
-                               f"--positions {self.positions} would count")
+            check_positions(policy, self.positions)
         except (H2OError, ValueError, TypeError) as exc:
             raise invalid(f"h2o: {exc}", "h2o") from None
 
