@@ -6,7 +6,7 @@
  * scan_block: the per-token recurrence of core/scan.py (per-token eviction over a whole call)
  * for a block of queries. decode_dense: the at-budget decode step of core/step.py for a dense
  * buffer (budget + 1 slots, no free slot once the new token is written), or for heads of uneven
- * budgets whose live slots are packed at the front of their buffer (core/step.py: pack_heads):
+ * budgets whose live slots are packed at the front of their buffer (core/storage.py: SlotStorage.pack_live):
  * each (sequence, KV head) then uses its first budget + 1 slots only, from its own offset of
  * flat buffers when the layer holds only those (core/storage.py: RaggedSlots).
  *
