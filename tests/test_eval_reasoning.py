@@ -111,6 +111,15 @@ def test_slot_budget_splits_half_and_half(llama):
     assert isinstance(new_cache(llama, "full", slots=9), H2OCache) and new_cache(llama, "full", slots=9).spec.heavy is None
 
 
+def test_slot_budget_takes_a_recent_share(llama):
+    cache = new_cache(llama, "h2o", slots=128, recent_share=0.25)
+    assert (cache.spec.heavy, cache.spec.recent) == (96, 32)
+    with pytest.raises(H2OError, match="needs heavy > 0 and recent > 0"):
+        new_cache(llama, "tova", slots=10, recent_share=0.0)  # a score policy keeps its newest token
+    with pytest.raises(H2OError, match="recent share"):
+        new_cache(llama, "h2o", slots=10, recent_share=1.5)
+
+
 # -- the command, its pieces and the report -------------------------------------------------------
 @pytest.fixture
 def tiny_chat(monkeypatch):
@@ -210,6 +219,54 @@ def test_resume_refuses_another_setup(tiny_chat, tmp_path, capsys):
     assert main(args) == 0
     assert main([*args[:-2], "--max-new-tokens", "4", "--json", str(piece), "--resume"]) == 2
     assert "--resume" in capsys.readouterr().err
+
+
+def test_recent_share_rows_are_their_own_line(tiny_chat, tmp_path, monkeypatch):
+    """A piece of another recent share names it in each row's policy (the report draws it apart);
+    its caches split the slots so; the keep-all policy's rows keep their plain name."""
+    import json
+
+    import h2okv.eval.reasoning as reasoning
+    from h2okv.cli import main
+
+    made = []
+    real = reasoning.new_cache
+
+    def recording(*args, **kwargs):
+        cache = real(*args, **kwargs)
+        made.append((cache.policy.name, cache.spec.heavy, cache.spec.recent))
+        return cache
+
+    monkeypatch.setattr(reasoning, "new_cache", recording)
+    piece = tmp_path / "r.json"
+    args = ["eval", "reasoning", "--limit", "2", "--max-new-tokens", "4", "--policies", "full,h2o", "--budgets", "20",
+            "--recent-share", "0.25", "--json", str(piece)]
+    assert main(args) == 0
+    rows = json.loads(piece.read_text())["rows"]
+    assert {r["policy"] for r in rows} == {"full", "h2o recent=0.25"}
+    assert ("h2o", 15, 5) in made
+    assert main([*args, "--resume"]) == 0  # resumes by the labelled rows: nothing left to run
+    assert json.loads(piece.read_text())["rows"] == rows
+
+
+def test_a_piece_from_before_the_recent_share_resumes(tiny_chat, tmp_path):
+    import json
+
+    from h2okv.cli import main
+
+    piece = tmp_path / "old.json"
+    args = ["eval", "reasoning", "--limit", "2", "--max-new-tokens", "3", "--policies", "h2o", "--budgets", "16",
+            "--batch-size", "1", "--json", str(piece)]
+    assert main([*args[:3], "1", *args[4:]]) == 0  # one problem
+    old = json.loads(piece.read_text())
+    del old["setup"]["recent_share"]
+    for row in old["rows"]:
+        del row["recent_share"]
+    piece.write_text(json.dumps(old))
+    assert main([*args, "--resume"]) == 0
+    rows = json.loads(piece.read_text())["rows"]
+    assert [r["id"] for r in rows] == [old["rows"][0]["id"], rows[1]["id"]] and len(rows) == 2
+    assert {r["policy"] for r in rows} == {"h2o"}
 
 
 def test_fewshot_prompts_are_the_files_own(tiny_chat, tmp_path):

@@ -34,14 +34,14 @@ def new_cache(model, policy: str | None, fraction: float | None = None, chunk_si
               slots: int | None = None, **options):
     """The cache for one run: an ``H2OCache`` under ``policy`` keeping ``fraction`` of each prompt
     (``fraction_budget``, ``recent_share`` of it recent) or, given ``slots``, that many tokens per
-    layer and KV head (``slot_budget``, half recent) - both ignored for a policy that keeps
+    layer and KV head (``slot_budget``, ``recent_share`` of them recent) - both ignored for a policy that keeps
     everything - with the ``prefill`` mode (``H2OCache``), or, for ``policy=None``, the plain
     ``DynamicCache`` transformers runs by default (the benchmarks' baseline). ``options`` are
     further ``H2OCache`` keywords, passed through unread (evaluations' ``--cache-option``); an
     unknown one is a one-line error."""
     if policy is None:
         return DynamicCache(config=model.config)
-    budget = fraction_budget(policy, fraction, recent_share) if slots is None else slot_budget(policy, slots)
+    budget = fraction_budget(policy, fraction, recent_share) if slots is None else slot_budget(policy, slots, recent_share)
     if clash := sorted(set(options) & {"policy", "chunk_size", "seed", *budget}):
         raise H2OError(f"cache option(s) {', '.join(clash)} are set by the evaluation itself")
     try:

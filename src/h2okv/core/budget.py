@@ -64,10 +64,11 @@ class BudgetSpec:
         return cls(heavy_ratio=fraction * (1 - share), recent_ratio=fraction * share)
 
     @classmethod
-    def from_slots(cls, slots: int) -> BudgetSpec:
+    def from_slots(cls, slots: int, recent_share: float = DEFAULT_RECENT_SHARE) -> BudgetSpec:
         """Keep ``slots`` tokens per (layer, KV head) whatever the prompt's length, split like
-        ``from_fraction``: half heavy hitters, half recent tokens (the odd slot is recent)."""
-        heavy = int(slots) // 2
+        ``from_fraction``: ``recent_share`` of them recent (by default half; the odd slot is
+        recent), the rest heavy hitters."""
+        heavy = int(int(slots) * (1 - check_recent_share(recent_share)))
         return cls(heavy=heavy, recent=int(slots) - heavy)
 
     @property
@@ -104,10 +105,10 @@ def fraction_budget(policy: str, fraction: float | None, recent_share: float = D
     return {"heavy_ratio": spec.heavy_ratio, "recent_ratio": spec.recent_ratio}
 
 
-def slot_budget(policy: str, slots: int | None) -> dict:
+def slot_budget(policy: str, slots: int | None, recent_share: float = DEFAULT_RECENT_SHARE) -> dict:
     """The ``H2OCache`` budget keywords for keeping ``slots`` tokens per (layer, KV head)
-    (``from_slots``); none for a policy that keeps every token."""
+    (``from_slots``, ``recent_share`` of them recent); none for a policy that keeps every token."""
     if not policy_class(policy).evicts:
         return {}
-    spec = BudgetSpec.from_slots(slots)
+    spec = BudgetSpec.from_slots(slots, recent_share)
     return {"heavy": spec.heavy, "recent": spec.recent}

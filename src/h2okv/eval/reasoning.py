@@ -5,7 +5,8 @@ hundreds of tokens, and the cache of a policy that evicts stays at its budget wh
 Each (policy, budget) runs the problems in batches of left-padded prompts through
 ``greedy.greedy_rows`` (every row evicts on its own; finished rows leave the batch); each answer is
 graded by ``answers.py``. Budgets are slots per (layer, KV head) (an ``int``: with a short prompt a
-fraction of it means little) or fractions of each prompt (a ``float``).
+fraction of it means little) or fractions of each prompt (a ``float``), ``Setup.recent_share`` of
+each for the most recent tokens.
 
 Prompt styles: ``chat`` (0-shot, the model's chat template, "reason step by step, final answer in
 \\boxed{}"; ends at EOS) and ``fewshot`` (the request file's own few-shot prompt as plain text,
@@ -24,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 from tqdm.auto import tqdm
 
+from h2okv.core.budget import DEFAULT_RECENT_SHARE
 from h2okv.eval.answers import extract_answer, is_correct
 from h2okv.eval.greedy import greedy_rows
 from h2okv.eval.reasoning_data import Problem
@@ -46,6 +48,15 @@ class Setup:
     max_new_tokens: int
     batch_size: int
     seed: int = 0
+    recent_share: float = DEFAULT_RECENT_SHARE  # of each budget; the rest is the policy's ranking
+
+
+def config_label(policy: str, recent_share: float) -> str:
+    """A row's ``policy``: the policy, with its recent share where that is not the default half
+    (a piece of another share is then another line of the report, not the same one)."""
+    if recent_share == DEFAULT_RECENT_SHARE or not policy_class(policy).evicts:
+        return policy
+    return f"{policy} recent={recent_share:g}"
 
 
 def budget_label(budget: int | float | None) -> str:
@@ -91,7 +102,8 @@ def run_batch(model, tokenizer, setup: Setup, problems: list[Problem], policy: s
     stop = () if setup.style == "chat" else problems[0].stop
     prompts = [prompt_ids(tokenizer, p, setup.style) for p in problems]
     fraction, slots = (budget, None) if isinstance(budget, float) else (None, budget)
-    cache = new_cache(model, policy, fraction, seed=setup.seed, slots=slots)
+    cache = new_cache(model, policy, fraction, seed=setup.seed, slots=slots, recent_share=setup.recent_share)
+    label = config_label(policy, setup.recent_share)
     start, cpu_start = time.perf_counter(), time.process_time()
     results = greedy_rows(model, prompts, cache, setup.max_new_tokens, eos_ids, stop=stop, decode=tokenizer.decode,
                           pad_id=tokenizer.pad_token_id or 0)
@@ -101,12 +113,12 @@ def run_batch(model, tokenizer, setup: Setup, problems: list[Problem], policy: s
         text = answer_text(tokenizer, result.token_ids, stop)
         predicted = extract_answer(setup.task, text)
         rows.append({
-            **asdict(setup), "policy": policy, "budget": budget, "id": problem.id, "prompt_tokens": len(prompt),
+            **asdict(setup), "policy": label, "budget": budget, "id": problem.id, "prompt_tokens": len(prompt),
             "new_tokens": len(result.token_ids), "finish": result.finish, "predicted": predicted, "gold": problem.gold,
             "correct": is_correct(setup.task, predicted, problem.gold), "kv_bytes": result.kv_bytes,
             "kv_slots": result.kv_slots, **({"text": text} if keep_text else {}),
         })
-    timing = {"policy": policy, "budget": budget, "rows": len(problems),
+    timing = {"policy": label, "budget": budget, "rows": len(problems),
               "new_tokens": sum(r["new_tokens"] for r in rows), "seconds": round(seconds, 3),
               # the machine may be shared: this process's CPU time (all its threads) does not count the
               # time others took, and the 1-minute load average when the batch ended gives the context
@@ -127,7 +139,8 @@ def reasoning_grid(model, tokenizer, setup: Setup, problems: list[Problem], poli
     eos = model_eos_ids(model, tokenizer)
     work = []
     for policy, budget in runs_of(policies, budgets):
-        todo = [p for p in problems if (policy, budget, p.id) not in done]
+        label = config_label(policy, setup.recent_share)
+        todo = [p for p in problems if (label, budget, p.id) not in done]
         work += [(policy, budget, todo[i: i + setup.batch_size]) for i in range(0, len(todo), setup.batch_size)]
     with tqdm(total=sum(len(w[2]) for w in work), desc=f"{setup.task} {setup.style}", unit="problem",
               disable=not progress) as bar:

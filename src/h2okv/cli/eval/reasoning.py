@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from h2okv.cli.args import (
+    add_budget_shape_args,
     add_model_args,
     add_threads_arg,
     apply_threads,
@@ -28,8 +29,10 @@ def register(kinds) -> None:
     p.add_argument("--offset", type=int, default=0, help="first problem (0-based; pieces take consecutive ranges)")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default: {DEFAULT_POLICIES})")
     p.add_argument("--budgets", default=DEFAULT_BUDGETS,
-                   help="KV budgets: integers are slots per layer and KV head (half heavy hitters, half recent), "
+                   help="KV budgets: integers are slots per layer and KV head (--recent-share of them recent, "
+                        "the rest heavy hitters), "
                         f"numbers with a point are fractions of the prompt (default: {DEFAULT_BUDGETS})")
+    add_budget_shape_args(p, prefill=False)  # --recent-share: a piece's rows name a share other than 0.5
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="(default: 512)")
     p.add_argument("--batch-size", type=positive_int, default=8,
                    help="problems per batch, left-padded; each row evicts and stops on its own (default: 8)")
@@ -49,12 +52,13 @@ def _resumed(args, setup) -> dict | None:
     from dataclasses import asdict
     from pathlib import Path
 
+    from h2okv.eval.reasoning import Setup
     from h2okv.eval.reasoning_report import read_piece
 
     if not (args.resume and args.json and Path(args.json).is_file()):
         return None
     piece = read_piece(args.json)
-    if piece["setup"] != asdict(setup):
+    if Setup(**piece["setup"]) != setup:  # a piece from before a field existed has its default
         raise H2OError(f"--resume: {args.json} was run with {piece['setup']}, not {asdict(setup)}")
     return piece
 
@@ -80,7 +84,8 @@ def run(args) -> int:
     apply_threads(args.threads)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     setup = Setup(model=args.model or model.name_or_path, task=args.task, style=args.prompt,
-                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed)
+                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
+                  recent_share=args.recent_share)
     if args.export_prompts:
         return export(args, model, tokenizer, setup, problems, budgets)
     save = (lambda piece: write_json(piece, args.json)) if args.json else None
