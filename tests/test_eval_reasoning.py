@@ -247,6 +247,10 @@ def test_recent_share_rows_are_their_own_line(tiny_chat, tmp_path, monkeypatch):
     assert ("h2o", 15, 5) in made
     assert main([*args, "--resume"]) == 0  # resumes by the labelled rows: nothing left to run
     assert json.loads(piece.read_text())["rows"] == rows
+    out, plot = tmp_path / "report.json", tmp_path / "acc.png"
+    assert main(["eval", "reasoning-report", str(piece), "--json", str(out), "--plot", str(plot)]) == 0
+    assert [s["policy"] for s in json.loads(out.read_text())["summaries"]] == ["full", "h2o recent=0.25"]
+    assert plot.stat().st_size > 0
 
 
 def test_a_piece_from_before_the_recent_share_resumes(tiny_chat, tmp_path):

@@ -142,6 +142,9 @@ def markdown_table(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
+VARIANT_MARKERS = ("s", "^", "D", "v")
+
+
 def plot_accuracy(summaries: list[dict], path) -> Path:
     """Accuracy vs budget, one line per policy (error bars: one standard error), full as a
     horizontal band (its accuracy ± one standard error); one panel per (model, task, style, kind
@@ -158,10 +161,17 @@ def plot_accuracy(summaries: list[dict], path) -> Path:
             low, high = f["accuracy"] - (f["stderr"] or 0), f["accuracy"] + (f["stderr"] or 0)
             ax.axhspan(low, high, color="black", alpha=0.12, lw=0)
             ax.axhline(f["accuracy"], color="black", lw=1.2, label=f"full ({f['accuracy']:.1%}, n={f['n']})")
+        variants = 0
         for policy in dict.fromkeys(s["policy"] for s in group):
             line = sorted((s for s in group if s["policy"] == policy), key=lambda s: s["budget"])
+            # a variant ("h2o recent=0.25") takes its policy's colour, hollow, in a marker of its own
+            base, _, variant = policy.partition(" ")
+            style = {"marker": "o"}
+            if variant:
+                style = {"marker": VARIANT_MARKERS[variants % len(VARIANT_MARKERS)], "mfc": "none", "ls": "--"}
+                variants += 1
             ax.errorbar([s["budget"] for s in line], [s["accuracy"] for s in line], yerr=[s["stderr"] or 0 for s in line],
-                        marker="o", ms=4, capsize=2, label=policy, color=policy_color(policy))
+                        ms=5, capsize=2, label=policy, color=policy_color(base), **style)
         if key[3]:
             ax.set_xscale("log", base=2)
             ticks = sorted({s["budget"] for s in group})
