@@ -59,6 +59,12 @@ def config_label(policy: str, recent_share: float) -> str:
     return f"{policy} recent={recent_share:g}"
 
 
+def split_label(label: str) -> tuple[str, str]:
+    """``config_label``'s parts: ``("h2o", "recent=0.25")``, or ``(policy, "")`` for a plain one."""
+    policy, _, variant = label.partition(" ")
+    return policy, variant
+
+
 def budget_label(budget: int | float | None) -> str:
     if budget is None:
         return "full"

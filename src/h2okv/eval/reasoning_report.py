@@ -22,7 +22,7 @@ from pathlib import Path
 from h2okv.errors import H2OError
 from h2okv.eval.answers import INVALID, extract_answer, is_correct
 from h2okv.eval.plots import format_table, new_figure, policy_color, save_figure
-from h2okv.eval.reasoning import PIECE_FORMAT, budget_label
+from h2okv.eval.reasoning import PIECE_FORMAT, budget_label, split_label
 
 GROUP = ("model", "task", "style")  # what a table and a panel are about
 
@@ -165,7 +165,7 @@ def plot_accuracy(summaries: list[dict], path) -> Path:
         for policy in dict.fromkeys(s["policy"] for s in group):
             line = sorted((s for s in group if s["policy"] == policy), key=lambda s: s["budget"])
             # a variant ("h2o recent=0.25") takes its policy's colour, hollow, in a marker of its own
-            base, _, variant = policy.partition(" ")
+            base, variant = split_label(policy)
             style = {"marker": "o"}
             if variant:
                 style = {"marker": VARIANT_MARKERS[variants % len(VARIANT_MARKERS)], "mfc": "none", "ls": "--"}
