@@ -7,6 +7,7 @@ import torch
 import h2okv.models
 from h2okv import H2OCache
 from h2okv.cli import main
+from h2okv.core.compat import cache_arg
 from h2okv.errors import H2OError
 from h2okv.eval.analysis import (
     accumulated_attention,
@@ -81,7 +82,7 @@ def test_record_attention_on_a_tiny_model_restores_attention():
         assert 0.0 <= r.min_head_sparsity <= r.sparsity <= r.max_head_sparsity <= 1.0
         assert r.top10_share <= r.top20_share <= 1.0 and math.isfinite(r.powerlaw_slope)
     # the model still runs with an eviction cache afterwards
-    out = model(ids, past_key_values=H2OCache(model, policy="h2o", heavy=5, recent=5), use_cache=True)
+    out = model(ids, **cache_arg(H2OCache(model, policy="h2o", heavy=5, recent=5)), use_cache=True)
     assert torch.isfinite(out.logits).all()
 
 

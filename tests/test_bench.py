@@ -10,6 +10,7 @@ from h2okv.bench import BenchConfig, run_bench
 from h2okv.bench.memory import cache_kv_bytes, kv_bytes_per_token, measure_peak
 from h2okv.bench.report import check_targets, growth_exponent, markdown
 from h2okv.cli import main
+from h2okv.core.compat import cache_arg
 from h2okv.tools.tiny import tiny_model
 
 ROW_KEYS = {
@@ -106,10 +107,10 @@ def test_kv_bytes_of_dynamic_and_h2o_caches():
     ids = torch.randint(2, 90, (2, 30))
     per_token = kv_bytes_per_token(model, torch.float32)
     dyn = DynamicCache(config=model.config)
-    model(ids, past_key_values=dyn)
+    model(ids, **cache_arg(dyn))
     assert cache_kv_bytes(dyn) == 2 * 30 * per_token
     h2o = H2OCache(model, policy="h2o", heavy=4, recent=4)
-    model(ids, past_key_values=h2o)
+    model(ids, **cache_arg(h2o))
     assert cache_kv_bytes(h2o) == 2 * 9 * per_token  # budget + 1 slots after the prefill
 
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import h2okv.core.layer as layer_mod
 from h2okv import H2OCache
+from h2okv.core.compat import cache_arg
 from h2okv.core.reference import reference
 from h2okv.policies import make_policy
 from h2okv.tools.tiny import random_ids, tiny_model
@@ -337,10 +338,10 @@ def test_token_scan_equals_slot_by_slot_steps(policy, monkeypatch):
     def run(scan):
         monkeypatch.setattr(layer_mod, "can_scan", layer_mod.can_scan if scan else (lambda *a: False))
         cache = H2OCache(model, policy=policy, heavy=6, recent=5, chunk_size=1)
-        logits = [model(ids[:, :25], past_key_values=cache).logits,
-                  model(ids[:, 25:36], past_key_values=cache).logits]
+        logits = [model(ids[:, :25], **cache_arg(cache)).logits,
+                  model(ids[:, 25:36], **cache_arg(cache)).logits]
         for t in range(36, 40):
-            logits.append(model(ids[:, t:t + 1], past_key_values=cache).logits)
+            logits.append(model(ids[:, t:t + 1], **cache_arg(cache)).logits)
         kept = [[sorted(layer.ordinal[r, h][layer.valid[r, h]].tolist()) for r in range(2) for h in range(2)]
                 for layer in cache.layers]
         return torch.cat(logits, dim=1), kept, cache

@@ -5,6 +5,7 @@ import torch
 import transformers
 
 from h2okv import H2OCache, H2OError
+from h2okv.core.compat import cache_arg
 
 
 @pytest.mark.parametrize(
@@ -36,7 +37,7 @@ def test_bad_settings(llama, kwargs, message):
 
 def test_default_budget_is_papers_twenty_percent(llama):
     cache = H2OCache(llama)
-    llama(torch.randint(2, 90, (1, 100)), past_key_values=cache)
+    llama(torch.randint(2, 90, (1, 100)), **cache_arg(cache))
     assert cache.budget() == [20]
 
 
@@ -56,6 +57,6 @@ def test_non_attention_model_rejected():
 
 def test_crop_refused(llama):
     cache = H2OCache(llama, heavy=2, recent=2)
-    llama(torch.randint(2, 90, (1, 10)), past_key_values=cache)
+    llama(torch.randint(2, 90, (1, 10)), **cache_arg(cache))
     with pytest.raises(H2OError, match="cannot be cropped"):
         cache.crop(-1)

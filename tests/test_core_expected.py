@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from h2okv import H2OCache, H2OError
+from h2okv.core.compat import cache_arg
 from h2okv.core.reference import reference
 from h2okv.core.rope import RopeRotation
 from h2okv.policies import make_policy
@@ -130,7 +131,7 @@ def test_expected_generates_within_budget_and_adapts_heads():
     for prefill in ("chunked", "late"):
         cache = H2OCache(model, policy="expected", heavy=8, recent=2, chunk_size=16, prefill=prefill,
                          head_budgets="adaptive")
-        model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        model.generate(ids, **cache_arg(cache), max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert all(bool((lay.valid.sum(-1) <= lay.slot_budget()).all()) for lay in cache.layers)
         assert all(bool((lay.head_heavy.sum(-1) == 16).all()) for lay in cache.layers)
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from transformers import DynamicCache, LogitsProcessorList
 
 from h2okv import H2OCache, H2OError
+from h2okv.core.compat import cache_arg
 from h2okv.core.head_budget import allocate
 from h2okv.core.reference import reference
 from h2okv.generation import pad_rows
@@ -127,7 +128,7 @@ def test_budgets_kept_every_step_and_exact_when_they_cover_all(spec, prefill):
     ids = random_ids(50, batch=2, seed=6)
     cache = H2OCache(model, policy=spec, heavy=10, recent=3, chunk_size=16, prefill=prefill, head_budgets="adaptive")
     watch = HeadWatch(cache, 10)
-    model.generate(ids, past_key_values=cache, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+    model.generate(ids, **cache_arg(cache), max_new_tokens=12, min_new_tokens=12, do_sample=False,
                    logits_processor=LogitsProcessorList([watch]), pad_token_id=0)
     assert watch.steps == 12
     assert cache.layers[0].keys.shape[1] == 2  # KV heads, never expanded to the query heads
@@ -142,7 +143,7 @@ def test_budgets_kept_every_step_and_exact_when_they_cover_all(spec, prefill):
     plain = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0, output_logits=True,
                            return_dict_in_generate=True)
     roomy = H2OCache(model, policy=spec, heavy=80, recent=80, chunk_size=16, prefill=prefill, head_budgets="adaptive")
-    ours = model.generate(ids, past_key_values=roomy, max_new_tokens=10, do_sample=False, pad_token_id=0,
+    ours = model.generate(ids, **cache_arg(roomy), max_new_tokens=10, do_sample=False, pad_token_id=0,
                           output_logits=True, return_dict_in_generate=True)
     assert torch.equal(ours.sequences, plain.sequences)
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(plain.logits), atol=1e-4, rtol=0)
@@ -156,11 +157,11 @@ def test_batch_equals_single(llama, spec, prefill):
     options = {"heavy_ratio": 0.3, "recent_ratio": 0.1, "chunk_size": 8, "prefill": prefill, "head_budgets": "adaptive"}
     cache = H2OCache(llama, policy=spec, **options)
     out = llama.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
-                         output_logits=True, return_dict_in_generate=True, past_key_values=cache)
+                         output_logits=True, return_dict_in_generate=True, **cache_arg(cache))
     for i, s in enumerate(seqs):
         alone_cache = H2OCache(llama, policy=spec, **options)
         alone = llama.generate(torch.tensor([s]), max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
-                               output_logits=True, return_dict_in_generate=True, past_key_values=alone_cache)
+                               output_logits=True, return_dict_in_generate=True, **cache_arg(alone_cache))
         assert out.sequences[i, ids.shape[1]:].tolist() == alone.sequences[0, len(s):].tolist()
         torch.testing.assert_close(torch.stack(out.logits)[:, i], torch.stack(alone.logits)[:, 0], atol=1e-4, rtol=0)
         for layer, lone in zip(cache.layers, alone_cache.layers, strict=True):
@@ -171,7 +172,7 @@ def test_rows_keep_their_shares():
     """take_rows / append_rows (the server's batching) carry each row's shares with it."""
     model = tiny_model("qwen2")
     a = H2OCache(model, policy="h2o", heavy=6, recent=2, prefill="late", head_budgets="adaptive")
-    model(random_ids(30, batch=2, seed=1), past_key_values=a)
+    model(random_ids(30, batch=2, seed=1), **cache_arg(a))
     shares = [layer.head_heavy.clone() for layer in a.layers]
     b = a.take_rows([1])
     assert all(torch.equal(lay.head_heavy, s[1:]) for lay, s in zip(b.layers, shares, strict=True))
@@ -182,9 +183,9 @@ def test_rows_keep_their_shares():
 def test_late_adaptive_prefill_is_a_full_prefill():
     model = tiny_model("qwen2")
     ids = random_ids(40, seed=2)
-    want = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+    want = model(ids, **cache_arg(DynamicCache(config=model.config))).logits
     cache = H2OCache(model, policy="h2o", heavy=6, recent=2, prefill="late", head_budgets="adaptive")
-    torch.testing.assert_close(model(ids, past_key_values=cache).logits, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(model(ids, **cache_arg(cache)).logits, want, atol=1e-5, rtol=0)
     assert max(cache.stats()["peak_capacity"]) == 40
 
 

@@ -19,6 +19,7 @@ import h2okv.core.scan as scan_mod
 from h2okv import H2OCache, H2OError
 from h2okv.core import kernels
 from h2okv.core.attention import slot_attention
+from h2okv.core.compat import cache_arg
 from h2okv.core.native import build
 from h2okv.core.native.rules import native_rule
 from h2okv.core.scan import ScanPlan, ScanState, scan_block
@@ -81,8 +82,8 @@ def run_tiny(policy, kernels_name, arch="qwen2", chunk=1, batch=2, device="cpu",
     ids = random_ids(n, batch=batch, seed=5).to(device)
     with kernels.use_kernels(kernels_name):
         cache = H2OCache(model, policy=policy, heavy=6, recent=5, chunk_size=chunk)
-        logits = [model(ids[:, :a], past_key_values=cache).logits, model(ids[:, a:b], past_key_values=cache).logits]
-        logits += [model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(b, n)]
+        logits = [model(ids[:, :a], **cache_arg(cache)).logits, model(ids[:, a:b], **cache_arg(cache)).logits]
+        logits += [model(ids[:, t:t + 1], **cache_arg(cache)).logits for t in range(b, n)]
     kept = [[sorted(layer.ordinal[r, h][layer.valid[r, h]].tolist()) for r in range(batch)
              for h in range(layer.keys.shape[1])] for layer in cache.layers]
     return torch.cat(logits, dim=1), kept
@@ -139,8 +140,8 @@ def test_native_decode_rows_of_different_lengths(monkeypatch):
     def run(name):
         with kernels.use_kernels(name):
             cache = H2OCache(model, policy="h2o-mean", heavy=4, recent=4, chunk_size=8)
-            logits = [model(ids[:, :20], attention_mask=mask, past_key_values=cache).logits[:, -1:]]
-            logits += [model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(20, 30)]
+            logits = [model(ids[:, :20], attention_mask=mask, **cache_arg(cache)).logits[:, -1:]]
+            logits += [model(ids[:, t:t + 1], **cache_arg(cache)).logits for t in range(20, 30)]
         layer = cache.layers[0]
         kept = [sorted(layer.ordinal[r, h][layer.valid[r, h]].tolist()) for r in range(2) for h in range(2)]
         return torch.cat(logits, dim=1), kept, layer.n_real.tolist()
@@ -175,20 +176,20 @@ def test_native_decode_of_uneven_budgets_equals_eager(shape, monkeypatch):
         with kernels.use_kernels(name), torch.inference_mode():
             if shape == "rows":
                 cache = H2OCache(model, policy="h2o", heavy=6, recent=3, chunk_size=8)
-                model(ids[:1, :30], past_key_values=cache)
+                model(ids[:1, :30], **cache_arg(cache))
                 other = H2OCache(model, policy="h2o", heavy=9, recent=5, chunk_size=8)
-                model(ids[1:, :30], past_key_values=other)
+                model(ids[1:, :30], **cache_arg(other))
                 cache.append_rows(other)
             elif shape == "adaptive":
                 cache = H2OCache(model, policy="h2o", heavy=8, recent=3, prefill="late", head_budgets="adaptive",
                                  head_floor=0.0)
-                model(ids[:, :30], past_key_values=cache)
+                model(ids[:, :30], **cache_arg(cache))
             else:
                 cache = H2OCache(model, policy="kvzip", heavy=8, recent=3, prefill="late", head_budgets="layers",
                                  head_floor=0.0)
-                model(ids[:, :30], past_key_values=cache)
+                model(ids[:, :30], **cache_arg(cache))
                 reconstruct(model, cache, ids[:, :30], Tok())
-            logits = [model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(30, 50)]
+            logits = [model(ids[:, t:t + 1], **cache_arg(cache)).logits for t in range(30, 50)]
         flat = [layer.ragged is not None for layer in cache.layers]
         # flat: each head holds its own budget + 1 slots of K and V, nothing more
         own = sum(int((layer.slot_budget() + 1).expand(layer.n_real.shape[0], 2).sum()) for layer in cache.layers)
@@ -229,11 +230,11 @@ def test_a_head_that_keeps_every_token_goes_flat_once_the_layer_has_grown(monkey
         with kernels.use_kernels(name), torch.inference_mode():
             cache = H2OCache(model, policy="kvzip", heavy=8, recent=1, prefill="late", head_budgets="layers",
                              head_floor=0.0)
-            model(ids[:, :10], past_key_values=cache)
+            model(ids[:, :10], **cache_arg(cache))
             reconstruct(model, cache, ids[:, :10], Tok())
             full = [int(layer.slot_budget().max()) == layer.capacity for layer in cache.layers]
             before = cache.stats()
-            logits = [model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(10, 16)]
+            logits = [model(ids[:, t:t + 1], **cache_arg(cache)).logits for t in range(10, 16)]
             flat = [layer.ragged is not None for layer in cache.layers]
             kept = [sorted(layer.ordinal[0, h][layer.valid[0, h]].tolist()) for layer in cache.layers for h in range(2)]
         return torch.cat(logits, dim=1), kept, full, flat, before

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from h2okv import H2OCache, reconstruct
+from h2okv.core.compat import cache_arg
 from h2okv.errors import H2OError
 from h2okv.policies.kvzip import SINKS
 from h2okv.reconstruction import FIRST, NEXT, QUOTED, probes
@@ -33,7 +34,7 @@ def gqa_model(seed=1, eager=False):
 def read_and_rank(model, ids, heavy, recent, start=0, chunk_size=2048, **options):
     cache = H2OCache(model, policy="kvzip", heavy=heavy, recent=recent, prefill="late", **options)
     with torch.inference_mode():
-        model(input_ids=ids, past_key_values=cache)
+        model(input_ids=ids, **cache_arg(cache))
     reconstruct(model, cache, ids, Tok(), start=start, chunk_size=chunk_size)
     return cache
 
@@ -97,12 +98,12 @@ def test_budget_kept_while_decoding_and_exact_when_nothing_is_evicted():
     with torch.inference_mode():
         plain = model.generate(input_ids=full_ids, max_new_tokens=8, do_sample=False)
         roomy = read_and_rank(model, ids, heavy=100, recent=10)
-        assert model.generate(input_ids=full_ids, past_key_values=roomy, max_new_tokens=8,
+        assert model.generate(input_ids=full_ids, **cache_arg(roomy), max_new_tokens=8,
                               do_sample=False).tolist() == plain.tolist()
         tight = read_and_rank(model, ids, heavy=8, recent=4)
         assert tight.stats()["slots"] == [12, 12] and tight.stats()["peak_capacity"] == [50, 50]
         for _ in range(5):  # the question, then decode steps: h2o's rule on top of the probe's scores
-            model(input_ids=question[:, :1], past_key_values=tight)
+            model(input_ids=question[:, :1], **cache_arg(tight))
             assert tight.stats()["slots"] == [12, 12]
 
 
@@ -156,9 +157,9 @@ def test_errors_are_one_line():
         H2OCache(model, policy="kvzip", heavy=8, recent=4, prefill="late", positions="rolling")
     cache = H2OCache(model, policy="kvzip", heavy=8, recent=4, prefill="late")
     with torch.inference_mode():
-        model(input_ids=ids, past_key_values=cache)
+        model(input_ids=ids, **cache_arg(cache))
         with pytest.raises(H2OError, match="h2okv.reconstruct"):  # decoding before the ranking
-            model(input_ids=ids[:, :1], past_key_values=cache)
+            model(input_ids=ids[:, :1], **cache_arg(cache))
     assert cache.get_seq_length() == 30  # refused before anything changed
     with pytest.raises(H2OError, match="ids the cache has read"):
         reconstruct(model, cache, ids[:, :20], Tok())

@@ -5,13 +5,14 @@ import torch
 from transformers import DynamicCache, LogitsProcessorList
 
 from h2okv import H2OCache
+from h2okv.core.compat import cache_arg
 from h2okv.generation import pad_rows
 from h2okv.tools.tiny import BudgetWatch, random_ids, tiny_model
 
 
 def greedy_with_scores(model, ids, cache=None, attention_mask=None, steps=12):
     out = model.generate(
-        ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=steps, min_new_tokens=steps,
+        ids, attention_mask=attention_mask, **cache_arg(cache), max_new_tokens=steps, min_new_tokens=steps,
         do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
     )
     return out.sequences, torch.stack(out.logits, dim=1)
@@ -47,7 +48,7 @@ def test_model_still_works_without_h2o_cache(llama):
     ids = random_ids(20)
     before = llama(ids).logits
     H2OCache(llama, heavy=2, recent=2)
-    llama.generate(ids, past_key_values=H2OCache(llama, heavy=2, recent=2), max_new_tokens=3, pad_token_id=0)
+    llama.generate(ids, **cache_arg(H2OCache(llama, heavy=2, recent=2)), max_new_tokens=3, pad_token_id=0)
     torch.testing.assert_close(llama(ids).logits, before, atol=1e-5, rtol=0)
     llama.generate(ids, max_new_tokens=3, pad_token_id=0)  # plain generation still fine
 
@@ -59,7 +60,7 @@ def test_budget_respected_every_step(arch, policy):
     ids = random_ids(40, batch=2)
     cache = H2OCache(model, policy=policy, heavy=5, recent=3, chunk_size=16)
     watch = BudgetWatch(cache)
-    model.generate(ids, past_key_values=cache, max_new_tokens=20, min_new_tokens=20, do_sample=False,
+    model.generate(ids, **cache_arg(cache), max_new_tokens=20, min_new_tokens=20, do_sample=False,
                    logits_processor=LogitsProcessorList([watch]), pad_token_id=0)
     assert len(watch.history) == 20
     for stats in watch.history:
@@ -74,13 +75,13 @@ def test_chunked_prefill_memory_bounded(llama):
     """KV memory during prefill stays <= budget + chunk, and the buffer shrinks to budget + 1 after."""
     ids = random_ids(300)
     cache = H2OCache(llama, policy="h2o", heavy=20, recent=20, chunk_size=64)
-    llama(ids, past_key_values=cache)
+    llama(ids, **cache_arg(cache))
     for layer in cache.layers:
         assert layer.peak_capacity <= 40 + 64
         assert layer.capacity == 41
         assert int(layer.valid.sum(-1).max()) == 40
     one_chunk = H2OCache(llama, policy="h2o", heavy=20, recent=20, chunk_size=300)
-    llama(ids, past_key_values=one_chunk)
+    llama(ids, **cache_arg(one_chunk))
     assert one_chunk.layers[0].peak_capacity == 300
 
 
@@ -136,7 +137,7 @@ def test_padding_never_kept(llama):
     seqs = [random_ids(12, seed=1)[0].tolist(), random_ids(4, seed=2)[0].tolist()]
     ids, mask = pad_rows(seqs, pad_id=0)
     cache = H2OCache(llama, policy="h2o", heavy=50, recent=50)
-    llama.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=3, min_new_tokens=3,
+    llama.generate(ids, attention_mask=mask, **cache_arg(cache), max_new_tokens=3, min_new_tokens=3,
                    do_sample=False, pad_token_id=0)
     for layer in cache.layers:
         live = layer.valid.sum(-1)  # [B, H]
@@ -146,10 +147,10 @@ def test_padding_never_kept(llama):
 
 def test_ratio_budget_from_prompt_length(llama):
     cache = H2OCache(llama, policy="h2o", heavy_ratio=0.1, recent_ratio=0.1)
-    llama(random_ids(205), past_key_values=cache)
+    llama(random_ids(205), **cache_arg(cache))
     assert cache.budget() == [40]  # 20 + 20 of 205 tokens
     tiny = H2OCache(llama, policy="h2o", heavy_ratio=0.01, recent_ratio=0.01)
-    llama(random_ids(30), past_key_values=tiny)
+    llama(random_ids(30), **cache_arg(tiny))
     assert tiny.budget() == [2]  # at least one slot each
 
 
@@ -157,7 +158,7 @@ def test_bfloat16_runs_within_budget():
     model = tiny_model("qwen2").to(torch.bfloat16)
     ids = random_ids(30)
     cache = H2OCache(model, policy="h2o", heavy=4, recent=4)
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    out = model.generate(ids, **cache_arg(cache), max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert out.shape[1] == 35
     assert cache.layers[0].keys.dtype == torch.bfloat16
     assert cache.layers[0].score.dtype == torch.float32
@@ -168,7 +169,7 @@ def test_bfloat16_runs_within_budget():
 def test_kv_heads_never_expanded(policy):
     model = tiny_model("llama")  # 4 query heads, 2 KV heads
     cache = H2OCache(model, policy=policy, heavy=3, recent=3)
-    model.generate(random_ids(20), past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    model.generate(random_ids(20), **cache_arg(cache), max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert cache.layers[0].keys.shape[1] == 2
     assert max(cache.stats()["slots"]) == 6
 
@@ -176,7 +177,7 @@ def test_kv_heads_never_expanded(policy):
 def test_beam_and_batch_reordering(llama):
     ids = random_ids(20)
     cache = H2OCache(llama, policy="h2o", heavy=4, recent=4)
-    out = llama.generate(ids, past_key_values=cache, max_new_tokens=6, num_beams=2, do_sample=False, pad_token_id=0)
+    out = llama.generate(ids, **cache_arg(cache), max_new_tokens=6, num_beams=2, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 26)
     assert cache.layers[0].keys.shape[0] == 2
 
@@ -187,16 +188,16 @@ def test_row_selection_keeps_budgets_in_step(llama):
     ids, mask = pad_rows(seqs, pad_id=0)
     cache = H2OCache(llama, policy="h2o", heavy_ratio=0.2, recent_ratio=0.2)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # what generate derives from a left-padded mask
-    llama(ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+    llama(ids, attention_mask=mask, position_ids=positions, **cache_arg(cache))
     assert cache.budget() == [12, 4]
     cache.batch_select_indices(torch.tensor([1]))
     assert cache.budget() == [4]
     assert cache.max_budget == 4
     # the remaining row decodes exactly like the same sequence alone
     alone = H2OCache(llama, policy="h2o", heavy_ratio=0.2, recent_ratio=0.2)
-    llama(torch.tensor([seqs[1]]), past_key_values=alone)
+    llama(torch.tensor([seqs[1]]), **cache_arg(alone))
     token = torch.tensor([[5]])
-    a = llama(token, past_key_values=cache, position_ids=torch.tensor([[12]])).logits
-    b = llama(token, past_key_values=alone, position_ids=torch.tensor([[12]])).logits
+    a = llama(token, **cache_arg(cache), position_ids=torch.tensor([[12]])).logits
+    b = llama(token, **cache_arg(alone), position_ids=torch.tensor([[12]])).logits
     torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     assert int(cache.layers[0].valid.sum(-1).max()) == 4

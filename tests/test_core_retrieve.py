@@ -11,6 +11,7 @@ from transformers import DynamicCache, LogitsProcessorList
 
 from h2okv import H2OCache, H2OError
 from h2okv.core import BudgetSpec, fraction_budget
+from h2okv.core.compat import cache_arg
 from h2okv.generation import new_cache, pad_rows
 from h2okv.policies import make_policy
 from h2okv.tools.tiny import BudgetWatch, random_ids, tiny_model
@@ -92,11 +93,11 @@ def test_late_prefill_is_a_full_prefill_then_one_ranking():
     model = tiny_model("qwen2")  # GQA: 4 query heads on 2 KV heads
     ids = random_ids(48, batch=1, seed=4)
     plain = DynamicCache(config=model.config)
-    want = model(ids, past_key_values=plain).logits
+    want = model(ids, **cache_arg(plain)).logits
     heavy, recent = 7, 3
     for spec in ("knorm", "h2o", "tova:heads=shared", "snapkv"):
         cache = H2OCache(model, policy=spec, heavy=heavy, recent=recent, chunk_size=8, prefill="late")
-        got = model(ids, past_key_values=cache).logits
+        got = model(ids, **cache_arg(cache)).logits
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
         if spec == "knorm":
             assert torch.equal(got, want)  # no attention mass needed: the very kernel a full cache runs
@@ -121,14 +122,14 @@ def test_budget_kept_every_step_and_exact_when_it_covers_all(spec, prefill):
     ids = random_ids(40, batch=2)
     cache = H2OCache(model, policy=spec, heavy=5, recent=3, chunk_size=16, prefill=prefill)
     watch = BudgetWatch(cache)
-    model.generate(ids, past_key_values=cache, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+    model.generate(ids, **cache_arg(cache), max_new_tokens=12, min_new_tokens=12, do_sample=False,
                    logits_processor=LogitsProcessorList([watch]), pad_token_id=0)
     assert all(max(s["slots"]) <= 8 and max(s["capacity"]) <= 9 for s in watch.history)
     assert cache.layers[0].keys.shape[1] == 2  # KV heads, never expanded to the 4 query heads
     plain = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0, output_logits=True,
                            return_dict_in_generate=True)
     roomy = H2OCache(model, policy=spec, heavy=60, recent=60, chunk_size=16, prefill=prefill)
-    ours = model.generate(ids, past_key_values=roomy, max_new_tokens=10, do_sample=False, pad_token_id=0,
+    ours = model.generate(ids, **cache_arg(roomy), max_new_tokens=10, do_sample=False, pad_token_id=0,
                           output_logits=True, return_dict_in_generate=True)
     assert torch.equal(ours.sequences, plain.sequences)
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(plain.logits), atol=1e-4, rtol=0)
@@ -144,11 +145,11 @@ def test_batch_equals_single(llama, spec, prefill):
     budget = {"heavy_ratio": 0.2, "recent_ratio": 0.1}
     out = llama.generate(ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0,
                          output_logits=True, return_dict_in_generate=True,
-                         past_key_values=H2OCache(llama, policy=spec, chunk_size=8, prefill=prefill, **budget))
+                         **cache_arg(H2OCache(llama, policy=spec, chunk_size=8, prefill=prefill, **budget)))
     for i, s in enumerate(seqs):
         alone = llama.generate(torch.tensor([s]), max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0,
                                output_logits=True, return_dict_in_generate=True,
-                               past_key_values=H2OCache(llama, policy=spec, chunk_size=8, prefill=prefill, **budget))
+                               **cache_arg(H2OCache(llama, policy=spec, chunk_size=8, prefill=prefill, **budget)))
         assert out.sequences[i, ids.shape[1]:].tolist() == alone.sequences[0, len(s):].tolist()
         torch.testing.assert_close(torch.stack(out.logits)[:, i], torch.stack(alone.logits)[:, 0], atol=1e-4, rtol=0)
 
@@ -163,14 +164,14 @@ def test_shared_heads_keep_one_aligned_set_per_layer(prefill):
     differ = []  # the control: with its own heads, some policy's heads keep different tokens
     for spec in ("tova:heads=shared", "h2o:heads=shared", "knorm:heads=shared"):
         cache = H2OCache(model, policy=spec, heavy=6, recent=2, chunk_size=8, prefill=prefill)
-        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False,
+        model.generate(ids, attention_mask=mask, **cache_arg(cache), max_new_tokens=6, do_sample=False,
                        pad_token_id=0)
         for layer in cache.layers:
             assert torch.equal(layer.valid, layer.valid[:, :1].expand_as(layer.valid))
             live = layer.ordinal.masked_fill(~layer.valid, -1)
             assert torch.equal(live, live[:, :1].expand_as(live))
         unshared = H2OCache(model, policy=spec.split(":")[0], heavy=6, recent=2, chunk_size=8, prefill=prefill)
-        model.generate(ids, attention_mask=mask, past_key_values=unshared, max_new_tokens=6, do_sample=False,
+        model.generate(ids, attention_mask=mask, **cache_arg(unshared), max_new_tokens=6, do_sample=False,
                        pad_token_id=0)
         differ += [not torch.equal(lay.ordinal.masked_fill(~lay.valid, -1)[:, 0],
                                    lay.ordinal.masked_fill(~lay.valid, -1)[:, 1]) for lay in unshared.layers]
@@ -184,7 +185,7 @@ def test_recent_share_splits_a_fraction():
     assert fraction_budget("knorm", 0.2, 0.0) == {"heavy_ratio": 0.2, "recent_ratio": 0.0}
     assert fraction_budget("full", 0.2, 0.05) == {}
     cache = new_cache(MODEL, "knorm", 0.2, recent_share=0.0)
-    MODEL(random_ids(50), past_key_values=cache)
+    MODEL(random_ids(50), **cache_arg(cache))
     assert cache.budget() == [10]
 
 

@@ -7,6 +7,7 @@ import torch
 
 from h2okv import H2OCache
 from h2okv.core import BudgetSpec
+from h2okv.core.compat import cache_arg
 from h2okv.eval.branch import branch_loglikelihoods
 from h2okv.policies import make_policy
 from h2okv.tools.tiny import VOCAB, tiny_model
@@ -46,7 +47,7 @@ def alone(model, context, continuation, policy, ratio):
         heavy, recent = spec.resolve(len(context))
         cache = H2OCache(model, policy=policy, heavy=heavy, recent=recent, chunk_size=1)
     ids = torch.tensor([context + continuation[:-1]])
-    logits = model(ids, past_key_values=cache, use_cache=cache is not None).logits[0, len(context) - 1 :]
+    logits = model(ids, **cache_arg(cache), use_cache=cache is not None).logits[0, len(context) - 1 :]
     lp = torch.log_softmax(logits.float(), -1)
     target = torch.tensor(continuation)
     return float(lp.gather(-1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all())
@@ -89,5 +90,5 @@ def test_single_token_continuations_need_no_second_pass(model):
     assert cache.layers[0].keys.shape[0] == 1  # one context, never repeated
     for (lp, _), (context, continuation) in zip(out, rows, strict=True):
         ref = H2OCache(model, policy="h2o", heavy=2, recent=2, chunk_size=1)
-        logits = model(torch.tensor([context]), past_key_values=ref, use_cache=True).logits[0, -1]
+        logits = model(torch.tensor([context]), **cache_arg(ref), use_cache=True).logits[0, -1]
         assert lp == pytest.approx(float(torch.log_softmax(logits, -1)[continuation[0]]), abs=1e-5)

@@ -7,6 +7,8 @@ import re
 import pytest
 import torch
 
+from h2okv.core.compat import cache_arg
+
 pytest.importorskip("lm_eval")
 
 import lm_eval  # noqa: E402
@@ -88,7 +90,7 @@ def requests_for(rng, n):
 
 def reference_loglik(model, context, continuation, cache=None):
     ids = torch.tensor([context + continuation[:-1]])
-    logits = model(ids, past_key_values=cache, use_cache=cache is not None).logits[0, -len(continuation):]
+    logits = model(ids, **cache_arg(cache), use_cache=cache is not None).logits[0, -len(continuation):]
     lp = torch.log_softmax(logits.float(), -1)
     return float(lp.gather(-1, torch.tensor(continuation)[:, None]).sum())
 

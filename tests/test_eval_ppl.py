@@ -8,6 +8,7 @@ import h2okv.models
 from h2okv import H2OCache
 from h2okv.cli import main
 from h2okv.cli.args import parse_budgets, parse_policies
+from h2okv.core.compat import cache_arg
 from h2okv.errors import H2OError
 from h2okv.eval.ppl import after_fill, ppl_grid
 from h2okv.eval.scoring import make_cache, perplexity, streaming_nll, token_nll
@@ -33,11 +34,11 @@ def test_one_forward_with_chunk_1_equals_token_by_token_decode(llama, policy):
     n, budget = 40, 0.3
     ids = random_ids(n, batch=2, seed=3)
     with torch.inference_mode():
-        one = llama(ids, past_key_values=make_cache(llama, policy, budget), use_cache=True).logits
+        one = llama(ids, **cache_arg(make_cache(llama, policy, budget)), use_cache=True).logits
         # the same budget as absolute slots: ratios resolve against the first call, here 1 token
         half = int(budget / 2 * n)
         loop_cache = H2OCache(llama, policy=policy, heavy=half, recent=half)
-        steps = [llama(ids[:, t : t + 1], past_key_values=loop_cache, use_cache=True).logits for t in range(n)]
+        steps = [llama(ids[:, t : t + 1], **cache_arg(loop_cache), use_cache=True).logits for t in range(n)]
     loop = torch.cat(steps, dim=1)
     assert torch.allclose(one, loop, atol=1e-4), (one - loop).abs().max()
     assert max(loop_cache.stats()["slots"]) == 2 * half  # the loop really evicted
@@ -62,8 +63,8 @@ def test_eviction_shapes_the_scores(llama):
 def test_full_chunked_equals_full_per_token(llama):
     ids = random_ids(50, seed=2)
     with torch.inference_mode():
-        chunked = llama(ids, past_key_values=make_cache(llama, "full", None), use_cache=True).logits
-        per_token = llama(ids, past_key_values=H2OCache(llama, policy="full", chunk_size=1), use_cache=True).logits
+        chunked = llama(ids, **cache_arg(make_cache(llama, "full", None)), use_cache=True).logits
+        per_token = llama(ids, **cache_arg(H2OCache(llama, policy="full", chunk_size=1)), use_cache=True).logits
     assert torch.allclose(chunked, per_token, atol=1e-4)
 
 

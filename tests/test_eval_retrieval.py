@@ -8,6 +8,7 @@ import h2okv.models
 from h2okv.cli import main
 from h2okv.cli.args import int_list
 from h2okv.cli.eval.retrieval import parse_depths
+from h2okv.core.compat import cache_arg
 from h2okv.errors import H2OError
 from h2okv.eval.retrieval import (
     INSTRUCTION,
@@ -126,9 +127,9 @@ def test_kvzip_reads_late_and_is_ranked_by_reconstruction_before_it_answers(tok,
     cache = new_cache(model, "kvzip", 0.3, chunk_size=64, prefill="late")
     ids = torch.tensor([p.ids for p in prompts])
     with torch.inference_mode():
-        model(input_ids=ids[:, :-1], past_key_values=cache)
+        model(input_ids=ids[:, :-1], **cache_arg(cache))
         reconstruct(model, cache, ids[:, :-1], tok)
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=1)
+        out = model.generate(ids, **cache_arg(cache), max_new_tokens=4, do_sample=False, pad_token_id=1)
     assert answers == tok.batch_decode(out[:, ids.shape[1]:])
     for layer in cache.layers:
         assert (layer.valid.sum(-1) <= int(layer.slot_budget().max()) + 1).all()

@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache, LogitsProcessorList
 
 from h2okv import H2OCache
+from h2okv.core.compat import cache_arg
 from h2okv.corpus import read_play
 from h2okv.tools.tiny import BudgetWatch
 
@@ -23,7 +24,7 @@ def test_hamlet_1024_plus_256_within_budget(default_model):
     ids = hamlet_ids(tokenizer, 1024)
     cache = H2OCache(model, policy="h2o", heavy_ratio=0.1, recent_ratio=0.1)
     watch = BudgetWatch(cache)
-    model.generate(ids, past_key_values=cache, max_new_tokens=256, min_new_tokens=256, do_sample=False,
+    model.generate(ids, **cache_arg(cache), max_new_tokens=256, min_new_tokens=256, do_sample=False,
                    logits_processor=LogitsProcessorList([watch]), pad_token_id=tokenizer.pad_token_id)
     assert cache.budget() == [204]
     assert len(watch.history) == 256
@@ -41,7 +42,7 @@ def test_default_model_exact_with_large_budget(default_model):
     ids = hamlet_ids(tokenizer, 300)
     kwargs = dict(max_new_tokens=16, do_sample=False, output_logits=True, return_dict_in_generate=True,
                   pad_token_id=tokenizer.pad_token_id)
-    ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kwargs)
-    ours = model.generate(ids, past_key_values=H2OCache(model, heavy=200, recent=200, chunk_size=128), **kwargs)
+    ref = model.generate(ids, **cache_arg(DynamicCache(config=model.config)), **kwargs)
+    ours = model.generate(ids, **cache_arg(H2OCache(model, heavy=200, recent=200, chunk_size=128)), **kwargs)
     assert torch.equal(ours.sequences, ref.sequences)
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(ref.logits), atol=1e-4, rtol=0)

@@ -13,6 +13,9 @@ from h2okv.errors import H2OError
 from h2okv.eval.reasoning import EXPORT_FORMAT
 from source_imports import top_level_imports
 
+# the peer runs in its own venv on transformers < 5.3, which knows the cache only as past_key_values
+pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+
 PEER = Path(__file__).resolve().parents[1] / "tools" / "peer" / "decoding_kvpress.py"
 FIXTURE = Path(__file__).parent / "fixtures" / "oe_eval_tasks"
 

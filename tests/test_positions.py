@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from h2okv import H2OCache
+from h2okv.core.compat import cache_arg
 from h2okv.core.positions import parse_positions
 from h2okv.core.rope import RopeRotation, rotary_module
 from h2okv.errors import H2OError
@@ -92,7 +93,7 @@ def test_generation_keeps_every_position_inside_the_window(small, scheme, policy
     log = PositionLog(small)
     try:
         cache = H2OCache(small, policy, heavy=8, recent=8, positions=scheme)
-        out = small.generate(random_ids(30), past_key_values=cache, max_new_tokens=300, min_new_tokens=300,
+        out = small.generate(random_ids(30), **cache_arg(cache), max_new_tokens=300, min_new_tokens=300,
                              do_sample=False)
     finally:
         log.close()
@@ -130,7 +131,7 @@ def test_reading_in_pieces_keeps_positions_inside_the_window_at_constant_memory(
     sizes = []
     try:
         for start in range(0, 480, 40):
-            small(ids[:, start:start + 40], past_key_values=cache, use_cache=True)
+            small(ids[:, start:start + 40], **cache_arg(cache), use_cache=True)
             sizes.append(cache.stats()["kv_bytes"])
     finally:
         log.close()
@@ -143,7 +144,7 @@ def test_shift_keeps_true_distances_of_recent_keys_and_caps_old_ones(small):
     cache = H2OCache(small, "h2o", heavy=8, recent=8, positions="rolling:shift")
     ids = random_ids(200, batch=2, seed=4)
     for start in range(0, 200, 25):
-        small(ids[:, start:start + 25], past_key_values=cache, use_cache=True)
+        small(ids[:, start:start + 25], **cache_arg(cache), use_cache=True)
     layer, offset = cache.layers[0], cache.rolling.offset
     assert bool((offset > 0).all())
     hidden = small.model.embed_tokens(ids)
@@ -160,9 +161,9 @@ def test_shift_keeps_true_distances_of_recent_keys_and_caps_old_ones(small):
 def test_order_puts_every_kept_key_at_its_rank(small):
     cache = H2OCache(small, "h2o", heavy=8, recent=8, positions="rolling:order")
     ids = random_ids(150, seed=5)
-    small(ids[:, :40], past_key_values=cache, use_cache=True)
+    small(ids[:, :40], **cache_arg(cache), use_cache=True)
     for t in range(40, 150):
-        small(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+        small(ids[:, t:t + 1], **cache_arg(cache), use_cache=True)
     cache.rolling.before_call(cache, torch.ones(1, 1, dtype=torch.bool))  # compacts, as a next call would
     layer = cache.layers[0]
     hidden = small.model.embed_tokens(ids)
@@ -178,9 +179,9 @@ def test_order_puts_every_kept_key_at_its_rank(small):
 @pytest.mark.parametrize("chunk", [1, 512])
 def test_rolling_equals_true_positions_when_nothing_is_evicted_inside_the_window(small, scheme, chunk):
     ids = random_ids(60, batch=2, seed=6)
-    true = small(ids, past_key_values=H2OCache(small, "h2o", heavy=32, recent=32, chunk_size=chunk)).logits
-    rolled = small(ids, past_key_values=H2OCache(small, "h2o", heavy=32, recent=32, chunk_size=chunk,
-                                                 positions=scheme)).logits
+    true = small(ids, **cache_arg(H2OCache(small, "h2o", heavy=32, recent=32, chunk_size=chunk))).logits
+    rolled = small(ids, **cache_arg(H2OCache(small, "h2o", heavy=32, recent=32, chunk_size=chunk,
+                                                 positions=scheme))).logits
     assert torch.allclose(true, rolled, atol=1e-4)
 
 
@@ -188,9 +189,9 @@ def test_shift_equals_true_positions_with_eviction_until_the_first_shift(small):
     """The shift scheme changes nothing before a position would reach the window; cache order
     does (it closes the gaps eviction leaves), which is its point."""
     ids = random_ids(60, seed=7)
-    true = small(ids, past_key_values=H2OCache(small, "h2o", heavy=6, recent=6, chunk_size=1)).logits
-    shift = small(ids, past_key_values=H2OCache(small, "h2o", heavy=6, recent=6, chunk_size=1,
-                                                positions="rolling:shift")).logits
+    true = small(ids, **cache_arg(H2OCache(small, "h2o", heavy=6, recent=6, chunk_size=1))).logits
+    shift = small(ids, **cache_arg(H2OCache(small, "h2o", heavy=6, recent=6, chunk_size=1,
+                                                positions="rolling:shift"))).logits
     assert torch.allclose(true, shift, atol=1e-4)
 
 
@@ -204,7 +205,7 @@ def test_each_row_rolls_on_its_own_batch_equals_batch_of_one(small, scheme):
         ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
         cache = H2OCache(small, "h2o", heavy=8, recent=8, positions=scheme)
-        out = small.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=150,
+        out = small.generate(ids, attention_mask=mask, **cache_arg(cache), max_new_tokens=150,
                              min_new_tokens=150, do_sample=False, pad_token_id=0)
         return out[:, width:]
 
@@ -217,7 +218,7 @@ def test_row_operations_carry_the_rolling_state(small):
     cache = H2OCache(small, "h2o", heavy=8, recent=8, positions="rolling:shift")
     ids = random_ids(100, batch=2, seed=10)
     for start in range(0, 100, 20):
-        small(ids[:, start:start + 20], past_key_values=cache, use_cache=True)
+        small(ids[:, start:start + 20], **cache_arg(cache), use_cache=True)
     offsets = cache.rolling.offset.clone()
     twin = cache.take_rows([1])
     assert twin.rolling.offset.tolist() == offsets[1:].tolist()
@@ -245,7 +246,7 @@ def test_length_dependent_rope_and_bad_names_are_refused():
 def test_a_call_longer_than_the_window_is_refused_in_one_line(small):
     cache = H2OCache(small, "h2o", heavy=8, recent=8, positions="rolling")
     with pytest.raises(H2OError, match="feed the text in pieces"):
-        small(random_ids(WINDOW + 1), past_key_values=cache, use_cache=True)
+        small(random_ids(WINDOW + 1), **cache_arg(cache), use_cache=True)
 
 
 # -- the long stream (eval ppl --window-tokens) -----------------------------------------------------
@@ -255,7 +256,7 @@ def test_stream_in_pieces_equals_one_call_and_rolls_past_the_window_at_constant_
 
     ids = random_ids(60, seed=11)[0]
     pieces = stream_ppl(small, ids, "h2o", 16, "true", window_tokens=20)
-    one = small(ids[None], past_key_values=H2OCache(small, "h2o", heavy=8, recent=8, chunk_size=1)).logits
+    one = small(ids[None], **cache_arg(H2OCache(small, "h2o", heavy=8, recent=8, chunk_size=1))).logits
     nll = token_nll(one, ids[None])[0]
     for w, end in zip(pieces.windows, (20, 40, 60), strict=True):
         start = max(0, end - 20 - 1)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from h2okv import H2OCache
+from h2okv.core.compat import cache_arg
 from h2okv.serve import EvictionDefaults, create_app, running_server
 from h2okv.tools.loadgen import scrape
 from h2okv.tools.tiny_chat import tiny_chat_model
@@ -39,7 +40,7 @@ def client(server):
 
 def greedy_alone(model, ids, steps, policy="h2o", **budget):
     cache = H2OCache(model, policy=policy, chunk_size=32, **budget)
-    out = model.generate(torch.tensor([ids]), past_key_values=cache, max_new_tokens=steps, min_new_tokens=steps,
+    out = model.generate(torch.tensor([ids]), **cache_arg(cache), max_new_tokens=steps, min_new_tokens=steps,
                          do_sample=False, pad_token_id=257)
     return out[0, len(ids):].tolist()
 

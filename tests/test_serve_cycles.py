@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from h2okv import H2OCache
+from h2okv.core.compat import cache_arg
 from h2okv.serve.engine import Engine, GenerationRequest
 from h2okv.tools.tiny_chat import tiny_chat_model
 
@@ -46,7 +47,7 @@ def cyclic_garbage() -> list:
 def test_a_cache_goes_with_its_last_reference(model_tok, no_collector):
     model, _ = model_tok
     cache = H2OCache(model, policy="h2o", heavy=4, recent=4, chunk_size=8)
-    model(input_ids=torch.arange(20)[None], past_key_values=cache, use_cache=True)
+    model(input_ids=torch.arange(20)[None], **cache_arg(cache), use_cache=True)
     twin = cache.take_rows([0])
     gone = weakref.ref(cache), weakref.ref(twin)
     del cache, twin
@@ -57,7 +58,7 @@ def test_a_cache_goes_with_its_last_reference(model_tok, no_collector):
 def test_copies_belong_to_their_own_cache(model_tok):
     model, _ = model_tok
     cache = H2OCache(model, policy="h2o", heavy=4, recent=4, chunk_size=8)
-    model(input_ids=torch.arange(20)[None], past_key_values=cache, use_cache=True)
+    model(input_ids=torch.arange(20)[None], **cache_arg(cache), use_cache=True)
     clone = copy.deepcopy(cache)
     assert all(layer.owner is clone for layer in clone.layers)
     assert all(layer.owner is cache for layer in cache.layers)

@@ -7,6 +7,7 @@ import pickle
 import pytest
 import torch
 
+from h2okv.core.compat import cache_arg
 from h2okv.serve.engine import Engine, GenerationRequest
 from h2okv.serve.executor import Executor
 from h2okv.tools.tiny_chat import tiny_chat_model
@@ -179,7 +180,7 @@ def test_core_row_operations_for_groups(model_tok):
     cache = H2OCache(model, policy="h2o", heavy=3, recent=3, chunk_size=CHUNK)
     cache.add_rows([(3, 3), (2, 5)])  # a fresh cache: fixes the rows of its first call
     with torch.inference_mode():
-        model(torch.tensor([prompt(20, 1), prompt(20, 2)]), past_key_values=cache)
+        model(torch.tensor([prompt(20, 1), prompt(20, 2)]), **cache_arg(cache))
         assert cache.budget() == [6, 7]
         keys = [layer.keys.clone() for layer in cache.layers]
         twin = cache.take_rows([1])

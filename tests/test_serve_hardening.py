@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from h2okv import H2OCache
+from h2okv.core.compat import cache_arg
 from h2okv.tools.loadgen import scrape
 from h2okv.tools.process import ServerProcess, save_tiny_model
 from serve_requests import check, encode, mutated_bodies
@@ -285,11 +286,11 @@ def greedy_in_chunks(model, ids: list[int], policy: str, steps: int, chunk: int 
         for start in range(0, len(ids), chunk):
             part = ids[start:start + chunk]
             logits = model(input_ids=torch.tensor([part]), position_ids=torch.tensor([list(range(start, start + len(part)))]),
-                           past_key_values=cache, use_cache=True).logits[0, -1]
+                           **cache_arg(cache), use_cache=True).logits[0, -1]
         for position in range(len(ids), len(ids) + steps):
             out.append(int(logits.argmax()))
             logits = model(input_ids=torch.tensor([[out[-1]]]), position_ids=torch.tensor([[position]]),
-                           past_key_values=cache, use_cache=True).logits[0, -1]
+                           **cache_arg(cache), use_cache=True).logits[0, -1]
     return out
 
 

@@ -9,6 +9,7 @@ import torch
 
 from h2okv import H2OCache, reconstruct
 from h2okv.chat import chat_frame, encode_text
+from h2okv.core.compat import cache_arg
 from h2okv.serve.engine import Engine, GenerationRequest
 from h2okv.serve.errors import ErrorKind, ServeError
 from h2okv.serve.eviction import EvictionDefaults
@@ -33,9 +34,9 @@ def kvzip_alone(model, tok, ids, heavy, recent, steps, start=0):
     cache = H2OCache(model, policy="kvzip", heavy=heavy, recent=recent, prefill="late")
     context = torch.tensor([ids[:-1]])
     with torch.inference_mode():
-        model(input_ids=context, past_key_values=cache, use_cache=True)
+        model(input_ids=context, **cache_arg(cache), use_cache=True)
         reconstruct(model, cache, context, tok, start=start)
-        out = model.generate(torch.tensor([ids]), past_key_values=cache, max_new_tokens=steps, min_new_tokens=steps,
+        out = model.generate(torch.tensor([ids]), **cache_arg(cache), max_new_tokens=steps, min_new_tokens=steps,
                              do_sample=False, pad_token_id=257)
     return out[0, len(ids):].tolist()
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from h2okv import H2OCache, H2OError
+from h2okv.core.compat import cache_arg
 from h2okv.serve.engine import Engine, GenerationRequest
 from h2okv.serve.eviction import EvictionDefaults
 from h2okv.tools.tiny_chat import tiny_chat_model
@@ -30,7 +31,7 @@ def model_tok():
 def alone(model, ids, policy, heavy, recent, steps, prefill):
     budget = {} if heavy is None else {"heavy": heavy, "recent": recent}
     cache = H2OCache(model, policy=policy, chunk_size=CHUNK, prefill=prefill, **budget)
-    out = model.generate(torch.tensor([ids]), past_key_values=cache, max_new_tokens=steps, min_new_tokens=steps,
+    out = model.generate(torch.tensor([ids]), **cache_arg(cache), max_new_tokens=steps, min_new_tokens=steps,
                          do_sample=False, pad_token_id=257)
     return out[0, len(ids):].tolist()
 

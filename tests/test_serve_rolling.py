@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from h2okv import H2OCache
+from h2okv.core.compat import cache_arg
 from h2okv.errors import H2OError
 from h2okv.serve import EvictionDefaults, create_app, running_server
 from h2okv.tools.tiny import tiny_model
@@ -42,7 +43,7 @@ def test_rolling_server_generates_past_the_context_as_generate_alone_does(model_
     assert r.json()["usage"]["completion_tokens"] == 3 * LIMIT
     ids = tok(prompt)["input_ids"]
     cache = H2OCache(model, "h2o", heavy=8, recent=8, chunk_size=16, positions="rolling")
-    out = model.generate(torch.tensor([ids]), past_key_values=cache, max_new_tokens=3 * LIMIT,
+    out = model.generate(torch.tensor([ids]), **cache_arg(cache), max_new_tokens=3 * LIMIT,
                          min_new_tokens=3 * LIMIT, do_sample=False, pad_token_id=tok.pad_token_id)
     assert r.json()["choices"][0]["text"] == tok.decode(out[0, len(ids):], skip_special_tokens=True)
 

@@ -31,6 +31,7 @@ import torch
 
 from h2okv import cli
 from h2okv.core import H2OCache
+from h2okv.core.compat import cache_arg
 from h2okv.models import load_model
 from h2okv.parallel import launch
 from h2okv.parallel import ranks as tp_ranks
@@ -57,7 +58,7 @@ SERVE_SETTINGS = ["--policy", "h2o", "--heavy", str(SERVE_HEAVY), "--recent", st
 def greedy_new_tokens(model, cache, new_tokens: int) -> tuple[list[int], torch.Tensor]:
     """(new tokens, logits per step) of a greedy generation of exactly ``new_tokens`` on the fixed prompt."""
     with torch.inference_mode():
-        out = model.generate(random_ids(PROMPT, seed=3), past_key_values=cache, max_new_tokens=new_tokens,
+        out = model.generate(random_ids(PROMPT, seed=3), **cache_arg(cache), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, output_logits=True,
                              return_dict_in_generate=True, pad_token_id=0)
     return out.sequences[0, PROMPT:].tolist(), torch.stack(out.logits).float()

@@ -11,6 +11,7 @@ from transformers import DynamicCache, LogitsProcessorList, TextStreamer
 
 from h2okv.core import DEFAULT_CHUNK, H2OCache, fraction_budget, slot_budget
 from h2okv.core.budget import DEFAULT_RECENT_SHARE
+from h2okv.core.compat import cache_arg
 from h2okv.errors import H2OError
 from h2okv.reconstruction import reconstruct
 
@@ -64,7 +65,7 @@ def read_ahead(model, tokenizer, cache, ids: torch.Tensor, end: int | None = Non
     if end is None and not rebuild:
         return
     context = ids[:, : ids.shape[1] - 1 if end is None else end]
-    model(input_ids=context, attention_mask=torch.ones_like(context), past_key_values=cache, use_cache=True,
+    model(input_ids=context, attention_mask=torch.ones_like(context), **cache_arg(cache), use_cache=True,
           logits_to_keep=1)
     if rebuild:
         reconstruct(model, cache, context, tokenizer, start=chat_head)
@@ -160,7 +161,7 @@ def generate(
     with torch.inference_mode():
         out = model.generate(
             **inputs,
-            past_key_values=cache,
+            **cache_arg(cache),
             max_new_tokens=max_new_tokens,
             repetition_penalty=repetition_penalty,
             min_new_tokens=max_new_tokens if ignore_eos else None,

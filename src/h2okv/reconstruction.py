@@ -5,9 +5,11 @@ no question in sight: the same ranking then serves any question asked later (a c
 many questions reuse). Usage::
 
     cache = H2OCache(model, policy="kvzip", heavy_ratio=0.15, recent_ratio=0.05, prefill="late")
-    model(input_ids=context, past_key_values=cache)          # read whole, nothing evicted yet
-    reconstruct(model, cache, context, tokenizer)            # probe, rank, evict to the budget
-    model.generate(input_ids=torch.cat([context, question], 1), past_key_values=cache, ...)
+    model(input_ids=context, cache=cache)                 # read whole, nothing evicted yet
+    reconstruct(model, cache, context, tokenizer)          # probe, rank, evict to the budget
+    model.generate(input_ids=torch.cat([context, question], 1), cache=cache, ...)
+
+(``cache=`` is transformers >= 5.24's name; older releases call it ``past_key_values=``.)
 
 The probe is "repeat the previous context exactly", the chat template's end of the user turn
 (so the model answers as the assistant) and the context again, in chunks of ``chunk_size`` tokens
@@ -21,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from h2okv.chat import chat_frame, encode_text
+from h2okv.core.compat import cache_arg
 from h2okv.core.head_budget import allocate_layers
 from h2okv.errors import H2OError
 
@@ -101,7 +104,7 @@ def rank_by_probes(model, cache, calls: list[torch.Tensor]) -> None:
     try:
         with torch.inference_mode():
             for ids in calls:
-                model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                model(input_ids=ids, **cache_arg(cache), use_cache=True, logits_to_keep=1)
             for layer in cache.layers:
                 layer.take_probe_scores(cache.probing[layer.layer_idx])
             shares = [None] * len(cache.layers)

@@ -20,6 +20,7 @@ import time
 import torch
 
 from h2okv.bench.runner import Bench, BenchConfig
+from h2okv.core.compat import cache_arg
 from h2okv.core.kernels import unavailable_reason, use_kernels
 from h2okv.eval.scoring import make_cache
 from h2okv.generation import new_cache
@@ -91,12 +92,12 @@ def decode_costs(model, tokenizer, kernels: list[str], contexts: list[int], batc
 def scoring_costs(model, ids: torch.Tensor, kernels: list[str], budget: float, repeats: int) -> dict:
     """Seconds of a per-token-eviction pass under each path and of a plain forward, alternating."""
     def plain():
-        model(ids, past_key_values=new_cache(model, None), use_cache=True)
+        model(ids, **cache_arg(new_cache(model, None)), use_cache=True)
 
     def scored(k):
         def run():
             with use_kernels(k):
-                model(ids, past_key_values=make_cache(model, "h2o", budget), use_cache=True)
+                model(ids, **cache_arg(make_cache(model, "h2o", budget)), use_cache=True)
         return run
 
     runs = {"plain": plain, **{path_name(k): scored(k) for k in kernels}}
@@ -105,7 +106,7 @@ def scoring_costs(model, ids: torch.Tensor, kernels: list[str], budget: float, r
     with torch.inference_mode():
         for k in kernels:  # warm-up on a short prefix (native: the build happens here, untimed)
             with use_kernels(k):
-                model(ids[:, :64], past_key_values=make_cache(model, "h2o", budget), use_cache=True)
+                model(ids[:, :64], **cache_arg(make_cache(model, "h2o", budget)), use_cache=True)
         for r in range(repeats):
             order = list(runs)[r % len(runs):] + list(runs)[:r % len(runs)]
             for name in order:

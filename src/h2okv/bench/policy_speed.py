@@ -24,6 +24,7 @@ import torch
 from h2okv.bench.memory import cache_kv_bytes
 from h2okv.bench.runner import Bench, BenchConfig
 from h2okv.core import H2OCache
+from h2okv.core.compat import cache_arg
 from h2okv.eval.scoring import make_cache
 from h2okv.generation import new_cache
 from h2okv.policies import policy_class
@@ -91,18 +92,18 @@ def scoring_costs(model, ids: torch.Tensor, policies: list[str], budget: float, 
     """Seconds of a per-token-eviction pass per policy and of a plain forward, and their ratio
     (for ``kvzip``: the prompt read whole and ranked by ``reconstruct``, with ``tokenizer``)."""
     def plain():
-        model(ids, past_key_values=new_cache(model, None), use_cache=True)
+        model(ids, **cache_arg(new_cache(model, None)), use_cache=True)
 
     def scored(policy):
         if ranks_by_probe(policy):
             def probed():
                 cache = new_cache(model, policy, budget, prefill="late")
-                model(ids, past_key_values=cache, use_cache=True)
+                model(ids, **cache_arg(cache), use_cache=True)
                 reconstruct(model, cache, ids, tokenizer)
             return probed
 
         def run():
-            model(ids, past_key_values=make_cache(model, policy, budget if policy_class(policy).evicts else None),
+            model(ids, **cache_arg(make_cache(model, policy, budget if policy_class(policy).evicts else None)),
                   use_cache=True)
         return run
 

@@ -31,6 +31,7 @@ import torch
 from h2okv.bench.memory import cache_kv_bytes, kv_bytes_per_token, measure_peak
 from h2okv.bench.report import check_targets
 from h2okv.core import BudgetSpec
+from h2okv.core.compat import cache_arg
 from h2okv.errors import H2OError
 from h2okv.generation import new_cache
 
@@ -148,7 +149,7 @@ class Bench:
         return 2 * heavy
 
     def _forward(self, ids, cache, **kw):
-        return self.model(input_ids=ids, past_key_values=cache, use_cache=True, **kw)
+        return self.model(input_ids=ids, **cache_arg(cache), use_cache=True, **kw)
 
     def _prompt(self, policy: str, context: int) -> torch.Tensor:
         """``reference`` reads only the last budget tokens of the prompt."""

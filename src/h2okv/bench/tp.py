@@ -19,6 +19,7 @@ from h2okv.bench.memory import cache_kv_bytes
 from h2okv.bench.report import write_report
 from h2okv.bench.runner import Timer, environment, prompt_ids
 from h2okv.core import BudgetSpec
+from h2okv.core.compat import cache_arg
 from h2okv.generation import new_cache
 from h2okv.parallel.ranks import is_main_rank
 
@@ -34,7 +35,7 @@ class _Run:
 
     def __init__(self, model, ids, batch: int, policy: str, cfg):
         self.model, self.cache = model, _new_cache(model, policy, cfg.budget, cfg.chunk_size)
-        out = model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, **cache_arg(self.cache), use_cache=True, logits_to_keep=1)
         if batch > 1:
             self.cache.batch_repeat_interleave(batch)
         self.token = out.logits[:, -1:].argmax(-1).repeat(batch, 1)
@@ -42,7 +43,7 @@ class _Run:
 
     def step(self, timer: Timer, timed: bool) -> None:
         start = timer.now()
-        out = self.model(input_ids=self.token, past_key_values=self.cache, use_cache=True)
+        out = self.model(input_ids=self.token, **cache_arg(self.cache), use_cache=True)
         self.token = out.logits[:, -1:].argmax(-1)
         elapsed = timer.now() - start
         self.tokens.append(self.token[0, 0].item())

@@ -24,8 +24,9 @@ class H2OCache(Cache):
     """A ``transformers.Cache`` that keeps at most ``heavy + recent`` tokens per (sequence, layer, KV head).
 
     ``H2OCache(model, policy="h2o", heavy=102, recent=102)`` or
-    ``H2OCache(model, policy="h2o", heavy_ratio=0.1, recent_ratio=0.1)``; pass it as
-    ``past_key_values`` to ``model.generate`` or ``model(...)``. One cache serves one generation.
+    ``H2OCache(model, policy="h2o", heavy_ratio=0.1, recent_ratio=0.1)``; pass it as ``cache=``
+    (transformers >= 5.24; ``past_key_values=`` before) to ``model.generate`` or ``model(...)``.
+    One cache serves one generation.
     ``policy`` is a name from ``POLICIES``, optionally with options (``"snapkv:window=16"``).
 
     ``prefill`` says when a forward call of several tokens (a prompt) is ranked:

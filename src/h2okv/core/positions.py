@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from h2okv.core.compat import passed_cache
 from h2okv.core.rope import RopeRotation
 from h2okv.errors import H2OError
 
@@ -192,7 +193,7 @@ def _cat_padded(mine, theirs):
 
 # -- the hook: the model computes RoPE at the positions the cache gives ---------------------------
 def _position_hook(module, args, kwargs):
-    cache = kwargs.get("past_key_values")
+    cache = passed_cache(kwargs)
     rolling = getattr(cache, "rolling", None)
     if rolling is None:
         return None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from h2okv.core.compat import cache_arg
 from h2okv.generation import pad_rows
 
 
@@ -34,7 +35,7 @@ def branch_loglikelihoods(model, rows: list[tuple[list[int], list[int]]], cache,
     ids, mask = pad_rows([list(c) for c in contexts], pad_id, device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.inference_mode():
-        last = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        last = model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_arg(cache),
                      use_cache=True, logits_to_keep=1).logits[:, -1].float()
         first_lp = F.log_softmax(last, dim=-1)  # [contexts, V]: predicts each continuation's first token
 
@@ -52,7 +53,7 @@ def branch_loglikelihoods(model, rows: list[tuple[list[int], list[int]]], cache,
         start = past_mask.sum(-1, keepdim=True)  # real context tokens of each row
         new_pos = start + torch.arange(new_ids.shape[1], device=device)[None, :]
         logits = model(input_ids=new_ids, attention_mask=torch.cat([past_mask, new_mask], dim=-1),
-                       position_ids=new_pos, past_key_values=cache, use_cache=True).logits
+                       position_ids=new_pos, **cache_arg(cache), use_cache=True).logits
         for row, i in enumerate(longer):
             cont = rows[i][1]
             lp = F.log_softmax(logits[row, : len(cont) - 1].float(), dim=-1)  # predicts cont[1:]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from h2okv.core.compat import cache_arg
 from h2okv.generation import pad_rows
 
 # a stop string is looked for in the decoded text of a row's last tokens only (it is short)
@@ -63,7 +64,7 @@ def greedy_rows(model, rows: list[list[int]], cache, max_new_tokens: int, eos_id
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     keep_last = _keep_last(model)
     with torch.inference_mode():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_arg(cache),
                        use_cache=True, **keep_last).logits[:, -1]
         active = list(range(len(rows)))  # batch row j is rows[active[j]]
         where = torch.tensor([len(r) for r in rows], dtype=torch.long, device=device)
@@ -91,7 +92,7 @@ def greedy_rows(model, rows: list[list[int]], cache, max_new_tokens: int, eos_id
                 cache.select_rows(index)
                 tokens, where = tokens.index_select(0, index), where.index_select(0, index)
                 active = [active[j] for j in going]
-            logits = model(input_ids=tokens[:, None], position_ids=where[:, None], past_key_values=cache,
+            logits = model(input_ids=tokens[:, None], position_ids=where[:, None], **cache_arg(cache),
                            use_cache=True, **keep_last).logits[:, -1]
             where = where + 1
     return [results[row] for row in range(len(rows))]

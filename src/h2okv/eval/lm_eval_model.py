@@ -39,6 +39,7 @@ from tqdm import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from h2okv.core import DEFAULT_CHUNK, BudgetSpec, H2OCache
+from h2okv.core.compat import cache_arg
 from h2okv.errors import H2OError, print_error
 from h2okv.eval import offline
 from h2okv.eval.branch import branch_loglikelihoods
@@ -93,7 +94,7 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], cache: H2OCache, 
             gen_kwargs.pop(key, None)
     with torch.inference_mode():
         out = model.generate(
-            input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=max_new_tokens,
+            input_ids=ids, attention_mask=mask, **cache_arg(cache), max_new_tokens=max_new_tokens,
             stopping_criteria=criteria, pad_token_id=tokenizer.pad_token_id, **gen_kwargs,
         )
     texts = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
@@ -250,7 +251,7 @@ class H2OLM(TemplateLM):
         cache = self._new_cache(self.chunk_size if self._evicts else DEFAULT_CHUNK)
         with torch.inference_mode():
             logits = self.model(
-                input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                input_ids=ids, attention_mask=mask, position_ids=positions, **cache_arg(cache),
                 use_cache=True, logits_to_keep=keep,
             ).logits
         logprobs = F.log_softmax(logits.float(), dim=-1)

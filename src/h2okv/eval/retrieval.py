@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from h2okv.core import DEFAULT_CHUNK, H2OCache
 from h2okv.core.budget import DEFAULT_RECENT_SHARE
+from h2okv.core.compat import cache_arg
 from h2okv.errors import H2OError
 from h2okv.eval.haystack import FILLER, Haystack  # noqa: F401 (FILLER: public here before)
 from h2okv.eval.plots import annotated_heatmap, format_table, new_figure, save_figure
@@ -148,7 +149,7 @@ def run_batch(model, tokenizer, prompts, policy, budget, chunk_size, max_new_tok
     with torch.inference_mode():
         read_ahead(model, tokenizer, cache, ids)  # kvzip: all but the last token, ranked
         out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=max_new_tokens,
+            input_ids=ids, attention_mask=torch.ones_like(ids), **cache_arg(cache), max_new_tokens=max_new_tokens,
             do_sample=False, pad_token_id=tokenizer.pad_token_id,
         )
     answers = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from h2okv.core import DEFAULT_CHUNK, H2OCache
+from h2okv.core.compat import cache_arg
 from h2okv.errors import H2OError
 from h2okv.generation import new_cache
 from h2okv.policies import policy_class
@@ -40,6 +41,6 @@ def streaming_nll(model, ids: torch.Tensor, policy: str, budget: float | None, s
     """
     cache = make_cache(model, policy, budget, seed)
     with torch.inference_mode():
-        logits = model(ids.to(model.device), past_key_values=cache, use_cache=True).logits
+        logits = model(ids.to(model.device), **cache_arg(cache), use_cache=True).logits
     budgets = cache.budget()
     return token_nll(logits, ids.to(logits.device)).cpu(), (budgets[0] if budgets else None)

@@ -29,6 +29,7 @@ from transformers import DynamicCache
 
 from h2okv.bench.memory import cache_kv_bytes
 from h2okv.core import H2OCache
+from h2okv.core.compat import cache_arg
 from h2okv.errors import H2OError
 from h2okv.eval.plots import new_figure, policy_color, save_figure
 from h2okv.eval.scoring import token_nll
@@ -102,7 +103,7 @@ def stream_ppl(model, ids: torch.Tensor, policy: str, slots: int | None, positio
                 break
             piece = ids[:, start:stop]
             clock = Clock()
-            logits = model(piece, past_key_values=cache, use_cache=True).logits
+            logits = model(piece, **cache_arg(cache), use_cache=True).logits
             clock.stop()
             nll = token_nll(logits, piece)
             if last is not None:
@@ -145,7 +146,7 @@ def window_losses(model, ids: torch.Tensor, lo: int, start: int, stop: int, call
     cache, losses, previous = DynamicCache(config=model.config), [], None
     for at in range(lo, stop, call_tokens):
         end = min(at + call_tokens, stop)
-        logits = model(ids[:, at:end], past_key_values=cache, use_cache=True).logits[0].float()
+        logits = model(ids[:, at:end], **cache_arg(cache), use_cache=True).logits[0].float()
         if end > start:
             first = max(at, start, 1)  # the first token this call predicts inside the window
             if first == at:  # the call's first token: predicted by the previous call's last logits

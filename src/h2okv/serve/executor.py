@@ -46,6 +46,7 @@ import torch
 
 from h2okv.core import H2OCache
 from h2okv.core.cache import PREFILL_MODES
+from h2okv.core.compat import cache_arg
 from h2okv.policies import policy_class
 from h2okv.reconstruction import rank_by_probes
 from h2okv.serve.batch import DecodeBatch
@@ -180,7 +181,7 @@ class Executor:
             raise ValueError(f"decode rows {uids} are not the {policy!r} batch's rows")
         tokens = torch.tensor([[t] for t in ids], dtype=torch.long, device=self.device)
         where = torch.tensor([[p] for p in positions], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=tokens, position_ids=where, past_key_values=batch.cache, use_cache=True,
+        out = self.model(input_ids=tokens, position_ids=where, **cache_arg(batch.cache), use_cache=True,
                          **self._keep_last)
         return out.logits[:, -1]
 
@@ -254,13 +255,13 @@ class Executor:
         try:
             cache = self._new_cache(spec)
             head, last = ids[:-1], ids[-1:]
-            self.model(input_ids=torch.tensor([head], dtype=torch.long, device=device), past_key_values=cache,
+            self.model(input_ids=torch.tensor([head], dtype=torch.long, device=device), **cache_arg(cache),
                        use_cache=True, **self._keep_last)
             rank_by_probes(self.model, cache, [torch.tensor([call], dtype=torch.long, device=device)
                                                for call in spec.probe])
             out = self.model(input_ids=torch.tensor([last], dtype=torch.long, device=device),
                              position_ids=torch.tensor([[len(head)]], dtype=torch.long, device=device),
-                             past_key_values=cache, use_cache=True, **self._keep_last)
+                             **cache_arg(cache), use_cache=True, **self._keep_last)
         except Exception:
             self._ranked.pop(uid, None)
             raise
@@ -290,7 +291,7 @@ class Executor:
                     dtype=torch.long, device=self.device)
             out = self.model(input_ids=torch.tensor(tokens, dtype=torch.long, device=self.device),
                              position_ids=torch.tensor(positions, dtype=torch.long, device=self.device),
-                             past_key_values=group.cache, use_cache=True, **kwargs, **self._keep_last)
+                             **cache_arg(group.cache), use_cache=True, **kwargs, **self._keep_last)
         except Exception:
             del self._groups[policy]  # its cache is half-written: no row of it can go on
             raise

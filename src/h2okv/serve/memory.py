@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from h2okv.core import H2OCache
+from h2okv.core.compat import cache_arg
 from h2okv.core.layer import GROWTH_MIN  # how much an empty layer grows on a 1-token write
 
 
@@ -40,7 +41,7 @@ def bytes_per_slot(model) -> int:
     """Bytes of one token's K and V across all layers and KV heads, measured on a 2-token forward."""
     cache = H2OCache(model, policy="full")
     with torch.inference_mode():
-        model(torch.zeros((1, 2), dtype=torch.long, device=model.device), past_key_values=cache, use_cache=True)
+        model(torch.zeros((1, 2), dtype=torch.long, device=model.device), **cache_arg(cache), use_cache=True)
     return sum(layer.kv_bytes() // layer.capacity for layer in cache.layers if layer.is_initialized)
 
 

@@ -28,6 +28,7 @@ import torch
 import h2okv.core.layer as layer_mod
 import h2okv.core.scan as scan_mod
 import h2okv.core.step as step_mod
+from h2okv.core.compat import cache_arg
 from h2okv.core.layer import SlotLayer
 
 
@@ -143,13 +144,13 @@ def profile_scoring(model, ids, budget: float, repeats: int) -> dict:
     result = {name: {"wall_s": [], "cpu_s": []} for name in runs}
     clock = Clock()
     with torch.inference_mode():
-        model(ids[:, :64], past_key_values=new_cache(model, None), use_cache=True)
+        model(ids[:, :64], **cache_arg(new_cache(model, None)), use_cache=True)
         for r in range(repeats):
             for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
                 cache = runs[name]()
                 with instrumented(clock) if name == "h2o" else _nothing():
                     w, c = time.perf_counter(), time.process_time()
-                    model(ids, past_key_values=cache, use_cache=True)
+                    model(ids, **cache_arg(cache), use_cache=True)
                     result[name]["wall_s"].append(time.perf_counter() - w)
                     result[name]["cpu_s"].append(time.process_time() - c)
     for name in runs:

@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from h2okv.core import DEFAULT_CHUNK
+from h2okv.core.compat import cache_arg
 from h2okv.eval.haystack import Haystack
 from h2okv.eval.longctx.metric import score
 from h2okv.eval.longctx.prompt import Frame, LongPrompt
@@ -87,7 +88,7 @@ def generate_answers(model, tokenizer, prompts: list[LongPrompt], cache, questio
         # the context alone (agnostic): the cache evicts to its budget before the question exists
         read_ahead(model, tokenizer, cache, ids, prompts[0].question if question == "agnostic" else None, chat_head)
         # generate reads only the ids the cache has not seen: all of them, or the question part
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_arg(cache),
                              max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     return tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
 
