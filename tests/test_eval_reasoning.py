@@ -146,6 +146,9 @@ def test_pieces_merge_into_one_report(tiny_chat, tmp_path, capsys):
     piece = json.loads(h2o.read_text())
     assert len(piece["rows"]) == 2 * 2 * 3 and len(piece["batches"]) == 2 * 2 * 2  # 3 problems in batches of 2
     assert {r["budget"] for r in piece["rows"]} == {0.5, 24}  # a fraction and a slot count, told apart
+    import transformers
+
+    assert {b["software"]["transformers"] for b in piece["batches"]} == {transformers.__version__}
     assert all(r["kv_slots"] <= 24 for r in piece["rows"] if r["budget"] == 24)
     # resuming a finished piece runs nothing and keeps it whole
     assert main([*common, "--policies", "h2o,local", "--budgets", "0.5,24", "--json", str(h2o), "--resume"]) == 0

@@ -129,8 +129,19 @@ def run_batch(model, tokenizer, setup: Setup, problems: list[Problem], policy: s
               # the machine may be shared: this process's CPU time (all its threads) does not count the
               # time others took, and the 1-minute load average when the batch ended gives the context
               "cpu_seconds": round(cpu_seconds, 3),
-              "load_avg_1m": round(os.getloadavg()[0], 2)}
+              "load_avg_1m": round(os.getloadavg()[0], 2),
+              # a piece is resumed across sessions, and the libraries pip resolves move between them
+              "software": software_versions()}
     return rows, timing
+
+
+def software_versions() -> dict:
+    import torch
+    import transformers
+
+    from h2okv import __version__
+
+    return {"h2okv": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def reasoning_grid(model, tokenizer, setup: Setup, problems: list[Problem], policies, budgets, piece: dict | None = None,
