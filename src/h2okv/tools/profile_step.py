@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None, help="as h2okv's --model, or tiny:ARCH")
     p.add_argument("--batch", type=int, nargs="*", default=[1, 8])
     p.add_argument("--context", type=int, default=2048)
-    p.add_argument("--budget", type=float, default=0.2)
+    p.add_argument("--budget", type=float, default=0.2, help="fraction of --context kept, in (0, 1)")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--scoring-tokens", type=int, default=2048, help="0: no scoring profile")
     p.add_argument("--scoring-repeats", type=int, default=1)
@@ -206,4 +206,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from h2okv.errors import H2OError
+
+    try:
+        raise SystemExit(main())
+    except H2OError as exc:  # bad input: one line, as the h2okv command gives it
+        raise SystemExit(f"profile_step: {exc}") from None
