@@ -224,6 +224,23 @@ def test_resume_refuses_another_setup(tiny_chat, tmp_path, capsys):
     assert "--resume" in capsys.readouterr().err
 
 
+def test_resume_at_another_batch_size_goes_on_and_each_row_keeps_its_own(tiny_chat, tmp_path):
+    import json
+
+    from h2okv.cli import main
+
+    piece, alone = tmp_path / "p.json", tmp_path / "alone.json"
+    args = ["eval", "reasoning", "--policies", "h2o", "--budgets", "12", "--max-new-tokens", "8"]
+    assert main([*args, "--limit", "2", "--batch-size", "2", "--json", str(piece)]) == 0
+    assert main([*args, "--limit", "4", "--batch-size", "3", "--json", str(piece), "--resume"]) == 0
+    rows = json.loads(piece.read_text())["rows"]
+    assert [r["batch_size"] for r in rows] == [2, 2, 3, 3]  # the fixture holds 4 problems
+    assert main([*args, "--limit", "4", "--batch-size", "1", "--json", str(alone)]) == 0
+    answers = [(r["id"], r["new_tokens"], r["predicted"], r["kv_slots"]) for r in rows]
+    assert answers == [(r["id"], r["new_tokens"], r["predicted"], r["kv_slots"])
+                       for r in json.loads(alone.read_text())["rows"]]
+
+
 def test_recent_share_rows_are_their_own_line(tiny_chat, tmp_path, monkeypatch):
     """A piece of another recent share names it in each row's policy (the report draws it apart);
     its caches split the slots so; the keep-all policy's rows keep their plain name."""

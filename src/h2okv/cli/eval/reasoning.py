@@ -34,8 +34,9 @@ def register(kinds) -> None:
                         f"numbers with a point are fractions of the prompt (default: {DEFAULT_BUDGETS})")
     add_budget_shape_args(p, prefill=False)  # --recent-share: a piece's rows name a share other than 0.5
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="(default: 512)")
-    p.add_argument("--batch-size", type=positive_int, default=8,
-                   help="problems per batch, left-padded; each row evicts and stops on its own (default: 8)")
+    p.add_argument("--batch-size", type=positive_int, default=16,
+                   help="problems per batch, left-padded; each row evicts and stops on its own, so the answers "
+                        "do not depend on it and a piece may resume at another (default: 16)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random policy")
     add_threads_arg(p)
     p.add_argument("--json", default=None, help="the piece: every graded problem, rewritten after each batch")
@@ -49,7 +50,7 @@ def register(kinds) -> None:
 
 
 def _resumed(args, setup) -> dict | None:
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
     from pathlib import Path
 
     from h2okv.eval.reasoning import Setup
@@ -58,7 +59,9 @@ def _resumed(args, setup) -> dict | None:
     if not (args.resume and args.json and Path(args.json).is_file()):
         return None
     piece = read_piece(args.json)
-    if Setup(**piece["setup"]) != setup:  # a piece from before a field existed has its default
+    # a piece from before a field existed has its default; the batch size may differ (a row's answer
+    # does not depend on its batch: tested), and every row keeps the one it ran in
+    if replace(Setup(**piece["setup"]), batch_size=setup.batch_size) != setup:
         raise H2OError(f"--resume: {args.json} was run with {piece['setup']}, not {asdict(setup)}")
     return piece
 
