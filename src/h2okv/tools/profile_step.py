@@ -206,9 +206,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from h2okv.errors import H2OError
+    from h2okv.errors import H2OError, print_error
 
     try:
         raise SystemExit(main())
-    except H2OError as exc:  # bad input: one line, as the h2okv command gives it
-        raise SystemExit(f"profile_step: {exc}") from None
+    except H2OError as exc:  # bad input: the one-line error and exit status every h2okv command gives
+        print_error(exc)
+        raise SystemExit(2) from None
