@@ -74,7 +74,34 @@ def _source(name) -> tuple[str, dict]:
         return str(path.parent), {"gguf_file": path.name}
     if (name.startswith((".", "/", "~")) or os.sep in name and path.exists()) and not path.exists():
         raise H2OError(f"model directory not found: {name}")
+    if not path.exists():
+        _check_hub_id(name)
     return name, {}
+
+
+def _check_hub_id(name: str) -> None:
+    """A name that is neither built in nor a local path is a hub id. Unless the Hugging Face cache
+    already holds it, ask the hub once, so that a typo or a machine without the hub fails at once
+    in one line: ``from_pretrained`` would retry each file for ~25 s, printing every retry."""
+    from huggingface_hub import model_info, try_to_load_from_cache
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    known = ", ".join([DEFAULT_MODEL, *MODEL_ALIASES])
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return
+    except ValueError as exc:  # not of the form owner/name
+        raise H2OError(f"unknown model {name!r}: not a built-in name ({known}), a local path, "
+                       f"or a hub id ({str(exc).splitlines()[0]})") from None
+    try:
+        model_info(name, timeout=10)
+    except RepositoryNotFoundError:
+        raise H2OError(f"unknown model {name!r}: not a built-in name ({known}), a local path, or a model "
+                       "on the Hugging Face hub (a private or gated one needs `hf auth login`)") from None
+    except Exception as exc:  # noqa: BLE001 - any failure to reach the hub means the same to the user
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise H2OError(f"cannot load model {name!r}: not a built-in name ({known}) or a local path, not in "
+                       f"the Hugging Face cache, and the hub cannot be reached ({first})") from None
 
 
 def _config_source(name) -> tuple[str, dict]:
