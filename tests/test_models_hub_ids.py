@@ -67,6 +67,6 @@ def test_a_reachable_hub_id_is_handed_to_transformers(empty_hub_cache, monkeypat
 
 def test_cli_unknown_model_is_one_line_and_exit_2(empty_hub_cache, monkeypatch, capsys):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    assert main(["eval", "reasoning", "--model", "nope", "--limit", "1"]) == 2
+    assert main(["generate", "--model", "nope", "--prompt", "hello", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("h2okv: error: cannot load model 'nope'") and "\n" not in err
