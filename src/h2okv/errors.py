@@ -14,3 +14,11 @@ def print_error(message) -> None:
     import sys
 
     print(f"h2okv: error: {message}", file=sys.stderr)
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message cut to its first line, for our one-line errors: messages from
+    transformers, huggingface_hub and datasets run to several lines, and a KeyError's comes quoted.
+    The type's name when there is no message."""
+    text = str(exc).strip().strip('"')
+    return text.splitlines()[0] if text else type(exc).__name__

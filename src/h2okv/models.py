@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from h2okv import conversion, paths
-from h2okv.errors import H2OError
+from h2okv.errors import H2OError, first_line
 
 DEFAULT_MODEL = "smollm2"
 
@@ -92,16 +92,15 @@ def _check_hub_id(name: str) -> None:
             return
     except ValueError as exc:  # not of the form owner/name
         raise H2OError(f"unknown model {name!r}: not a built-in name ({known}), a local path, "
-                       f"or a hub id ({str(exc).splitlines()[0]})") from None
+                       f"or a hub id ({first_line(exc)})") from None
     try:
         model_info(name, timeout=10)
     except RepositoryNotFoundError:
         raise H2OError(f"unknown model {name!r}: not a built-in name ({known}), a local path, or a model "
                        "on the Hugging Face hub (a private or gated one needs `hf auth login`)") from None
     except Exception as exc:  # noqa: BLE001 - any failure to reach the hub means the same to the user
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise H2OError(f"cannot load model {name!r}: not a built-in name ({known}) or a local path, not in "
-                       f"the Hugging Face cache, and the hub cannot be reached ({first})") from None
+                       f"the Hugging Face cache, and the hub cannot be reached ({first_line(exc)})") from None
 
 
 def _config_source(name) -> tuple[str, dict]:
@@ -116,8 +115,7 @@ def _config_source(name) -> tuple[str, dict]:
 
 
 def _cannot_load(name, exc: Exception) -> H2OError:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return H2OError(f"cannot load model {name!r}: {first}")
+    return H2OError(f"cannot load model {name!r}: {first_line(exc)}")
 
 
 def load_config(name: str | None = None):

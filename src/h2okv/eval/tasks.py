@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from h2okv.corpus import read_play
-from h2okv.errors import H2OError
+from h2okv.errors import H2OError, first_line
 from h2okv.eval import offline
 
 SHAKESPEARE_TASK = "shakespeare_next_line"
@@ -139,11 +139,6 @@ LOCAL_TASKS = {SHAKESPEARE_TASK: write_shakespeare_next_line}
 # -- running -------------------------------------------------------------------------------------
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().strip('"')
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def task_manager_for(tasks: list[str], include_paths: list[str]):
     """A TaskManager that knows ``tasks``; the built-in index (slow to build) only when needed."""
     from lm_eval.tasks import TaskManager
@@ -169,7 +164,7 @@ def preflight(task_manager, tasks: list[str]) -> None:
         try:
             task_manager.load([name])
         except (ConnectionError, OSError, TimeoutError, datasets.exceptions.DatasetNotFoundError) as exc:
-            raise H2OError(f"could not download the dataset of task {name!r} (no network?): {_first_line(exc)}") from None
+            raise H2OError(f"could not download the dataset of task {name!r} (no network?): {first_line(exc)}") from None
 
 
 def metrics_of(task_results: dict) -> dict:
