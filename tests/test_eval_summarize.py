@@ -220,3 +220,13 @@ def test_chat_prompts_go_through_the_chat_template(tiny_dir, tmp_path, capsys):
     code = cli_main(["eval", "summarize", "--data", str(data), "--chat", "--limit", "1", "--model", str(tiny_dir),
                      "--json", str(tmp_path / "o.json")])
     assert code == 2 and "--chat needs a tokenizer with a chat template" in capsys.readouterr().err
+
+
+def test_readme_badges_inside_a_line_leave_no_link_syntax():
+    """A badge wrapped in a link mid-line ([![alt](img)](url)) once left "alt](" in the document (the
+    GPU image's statsmodels README): images go first, then the links they emptied."""
+    readme = ("Intro text [![PyPI Version](https://img.shields.io/v.svg)](https://pypi.org/p) and "
+              "[![Build Status](https://ci/badge.svg)](https://ci/p) then [the docs](https://d.org) end.\n"
+              "Plain ![logo](logo.svg) prose.")
+    cleaned = S._clean_readme(readme)
+    assert cleaned == "Intro text and then the docs end. Plain prose."

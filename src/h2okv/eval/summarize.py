@@ -117,6 +117,9 @@ def _clean_readme(text: str) -> str:
             continue  # rst/markdown underlines
         kept.append(s.lstrip("#* ").strip())
     text = " ".join(kept)
+    # images first: a badge inside a link, [![alt](img)](url), would otherwise leave "alt](" behind
+    text = re.sub(r"!\[[^\]]*\]\([^)]*\)", " ", text)
+    text = re.sub(r"\[\s*\]\([^)]*\)", " ", text)  # the link the badge sat in, now empty
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)  # [text](url) -> text
     text = re.sub(r"`([^`<]*?)\s*<[^>]*>`_+", r"\1", text)  # `text <url>`_ -> text
     text = re.sub(r"https?://\S+", " ", text)
