@@ -243,3 +243,23 @@ def test_under_torchrun_tp_must_match_the_world_size(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "1")  # the same error on another rank: printed by rank 0 only
     assert cli.main(["generate", "--prompt", "w3", "--tp", "4"]) == 2
     assert capsys.readouterr().err == ""
+
+
+# -- CPU ranks on a machine with GPUs ---------------------------------------------------------------
+def test_cpu_rank_under_torchrun_hides_the_gpus(monkeypatch):
+    """transformers binds a tensor-parallel rank to cuda:<LOCAL_RANK> whenever it sees a GPU; a CPU
+    rank hides them first (the lent H100's rank 1: "invalid device ordinal")."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: os.environ.get("CUDA_VISIBLE_DEVICES") != "")
+    launch.hide_gpus_from_cpu_rank()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_cpu_rank_that_still_sees_a_gpu_is_a_one_line_error(monkeypatch):
+    """Once CUDA has counted its devices the hiding cannot take effect: say what to do instead of
+    letting transformers fail on the second GPU that is not there."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(H2OError, match="CUDA_VISIBLE_DEVICES= ") as info:
+        launch.hide_gpus_from_cpu_rank()
+    assert len(str(info.value).splitlines()) == 1

@@ -66,7 +66,23 @@ def prepare(args) -> int:
                 raise H2OError("--device cuda requested but no CUDA device is available")
             if not launched_by_torchrun() and torch.cuda.device_count() < args.tp:
                 raise H2OError(f"--tp {args.tp} on CUDA needs {args.tp} GPUs; this machine has {torch.cuda.device_count()}")
+        elif launched_by_torchrun():
+            hide_gpus_from_cpu_rank()
     return args.tp
+
+
+def hide_gpus_from_cpu_rank() -> None:
+    """A CPU rank must not see GPUs: transformers' tensor-parallel loading binds each rank to the
+    accelerator it finds (``cuda:<LOCAL_RANK>``), whatever ``--device`` says; with one GPU, rank 1
+    failed with "invalid device ordinal" (seen on the first lent H100). ``_spawn`` hides them before
+    its ranks start; a rank that torchrun started hides them itself, which takes effect while
+    nothing in the process has asked CUDA for its devices yet (the count is cached after that)."""
+    import torch
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if torch.cuda.is_available():
+        raise H2OError("--device cpu under torchrun on a machine with GPUs: start the ranks with "
+                       "CUDA_VISIBLE_DEVICES= (transformers would put each rank's slice on a GPU) or use --device cuda")
 
 
 # -- running a command on every rank ---------------------------------------------------------------
@@ -214,7 +230,7 @@ def _spawn(args, body, tp: int, timeout: float, signals_to_rank0: bool = False) 
     # torch logs "Terminating process ..." when it stops the survivors: not for our users' eyes
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     cpu = not (getattr(args, "device", "cpu") or "cpu").startswith("cuda")
-    # CPU ranks must not see GPUs: transformers would place their slices on the accelerator it finds
+    # CPU ranks must not see GPUs (see ``hide_gpus_from_cpu_rank``)
     hidden = {"CUDA_VISIBLE_DEVICES": ""} if cpu else {}
     saved = {k: os.environ.get(k) for k in hidden}
     os.environ.update(hidden)
