@@ -10,10 +10,14 @@
 #   stage model   carry .dev3        third piece + corpus, assemble + sha256, integration tests, bench
 #   stage unit    (nothing)          the rest of the suite with CUDA visible (~6 min)
 #   stage rest    (nothing)          eval ppl, serve-bench (both profiles), bench --kernels
-#   stage qwen N  carry .q/qN        Qwen GGUF piece N (1..10); the 10th assembles and checks it
-# First lease (2026-11-24, H100): env+unit 6.4 min, model 2.3 min, rest 5.7 min, qwen pieces ~4 s each.
+#   stage piece M N  carry .qMM/N    piece N of the Qwen GGUF M (0.5b: 10 pieces, 1.5b: 23)
+#   stage join M  (nothing)          assemble model M into the cache, check its size and sha256
+#   stage cli ...  (nothing)         any h2okv command in this environment, e.g.
+#                 cli eval reasoning --model qwen2.5-0.5b --device cuda --json \$OUT/x.json ...
+# First lease (2026-11-24, H100): env+unit 6.4 min, model 2.3 min, rest 5.7 min, 50 MB pieces ~6 s each
+# (several `run` calls in one message run one after another, so the machine stays warm).
 set -u
-stage=${1:?stage: env, part2, model, unit, rest or qwen N}
+stage=${1:?stage: env, part2, model, unit, rest, piece M N, join M or cli ...}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src:/tmp/site" H2OKV_CACHE=/tmp/h2ocache H2OKV_OE_EVAL_TASKS=/tmp/oe \
@@ -63,13 +67,20 @@ rest)
     done
     timeout 100 python3 -m h2okv.cli bench --device cuda --kernels eager,triton --no-progress --json "$OUT/kernels-cuda.json" 2>&1 | tail -20
     ;;
-qwen)
-    n=${2:?piece number 1..10}
-    mkdir -p /tmp/q && cp .q/q$n/* /tmp/q/ && ls /tmp/q | wc -l || exit 1
-    if [ "$n" = 10 ]; then
-        mkdir -p /tmp/h2ocache/models && cat $(ls /tmp/q/part* | sort -V) > /tmp/h2ocache/models/Qwen2.5-Coder-0.5B-Instruct.gguf
-        echo "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32  /tmp/h2ocache/models/Qwen2.5-Coder-0.5B-Instruct.gguf" | sha256sum -c
-    fi
+piece)
+    m=${2:?model: 0.5b or 1.5b}; n=${3:?piece number}
+    mkdir -p "/tmp/q$m" && cp ".q${m/./}/$n/"* "/tmp/q$m/" && ls "/tmp/q$m" | wc -l
+    ;;
+join)
+    m=${2:?model: 0.5b or 1.5b}
+    read -r file size sha < <(python3 -c "from h2okv.paths import CHUNKED_MODELS as M
+m = M['qwen2.5-$m']; print(m.filename, m.size, m.sha256)") || exit 1
+    mkdir -p /tmp/h2ocache/models && cat $(ls "/tmp/q$m"/part* | sort -V) > "/tmp/h2ocache/models/$file" || exit 1
+    [ "$(stat -c %s "/tmp/h2ocache/models/$file")" = "$size" ] && echo "$sha  /tmp/h2ocache/models/$file" | sha256sum -c
+    ;;
+cli)
+    shift
+    python3 -m h2okv.cli "$@"
     ;;
 *)
     echo "unknown stage $stage" >&2; exit 2

