@@ -7,7 +7,8 @@ attention mass into the policy's scores, evict the lowest-ranked candidates.
   the per-token scan (``scan.py``) all evict through them. ``sinks <= heavy`` guarantees that a
   step which writes ``m`` tokens into a row at its budget always finds ``m`` candidates.
 - ``chunk_step``: the general step, for any forward call that is not a plain decode step.
-- ``decode_step``: one real token per row, in the fewest ops once every row is at its budget.
+- ``decode_step``: one real token per row, in the fewest ops once every row is at its budget (one C
+  call on CPU, ``native/``; one Triton launch on CUDA, ``triton_step.py``).
 
 A layer (``SlotLayer``, buffers in ``storage.py``) holds per (row, KV head) ``capacity`` slots:
 ``keys``/``values`` ``[B, H, cap, D]``, the policy's ``score`` ``[B, H, cap]`` (float32), each
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from h2okv.core.attention import slot_attention
-from h2okv.core.kernels import native_on
+from h2okv.core.kernels import native_on, triton_on
 from h2okv.core.native import calls as native
 
 
@@ -248,6 +249,12 @@ def decode_step(layer, query, k_new, v_new, scaling):
             if packed:  # keep each head's own slots only (storage.py: ragged slots)
                 go_flat(layer, fast)
             return native.decode_dense(layer, fast, query, k_new, v_new, scaling, rule)
+    if dense and triton_on(layer.device):
+        from h2okv.core import triton_step
+
+        rule = triton_step.decode_rule(layer)
+        if rule is not None:  # the whole step below as one Triton launch (launch-bound on a GPU)
+            return triton_step.decode_dense(layer, fast, query, k_new, v_new, scaling, rule)
     if dense and fast.next_free is not None:
         slot = fast.next_free  # the only free slot: last step's victim
     else:

@@ -173,3 +173,101 @@ def decode_mass_kernel(
         ok = key_ok[None, :] & g_ok[:, None] & (lse[:, None] != float("-inf"))
         p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
         tl.store(MASS + b * s_mb + h * s_mh + n, tl.sum(p, 0) * w, mask=n < cap)
+
+
+@triton.jit
+def _group_logits(q, k_base, s_kn, n, key_ok, od, d_ok, slot, k_new, scaling, IEEE: tl.constexpr):
+    """Logits of the group's queries against the key block ``n``; the slot written this step is
+    taken from ``k_new`` in registers (another thread of the program may not see its store yet)."""
+    k = tl.load(k_base + n[:, None] * s_kn + od[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    k = tl.where((n == slot)[:, None], k_new[None, :], k)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return s.to(tl.float32) * scaling
+
+
+@triton.jit
+def decode_step_kernel(
+    Q, K_NEW, V_NEW, KEYS, VALUES, SCORE, ORDINAL, VALID, SLOT, VICTIM, N_REAL, RECENT_START, SINKS, OUT,
+    s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_sb, s_sh,
+    hkv, g, cap, d, dv, scaling,
+    ACC: tl.constexpr, KEY: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """The at-budget decode step of ``core/step.py`` for one (sequence, KV head), every slot live:
+    write the new key/value/ordinal into ``SLOT`` (the one free slot), attend (the output), fold
+    the group's mass into the score (ACC: 0 none, 1 add, 2 replace), rank the candidates (KEY: 0
+    the score, 1 the score per query that saw the key, 2 the ordinal; the row's recent window and
+    sinks shielded) and evict the lowest: its index goes to ``VICTIM``, the next step's slot.
+    ``n_real`` and the window advance outside (once per sequence, not per head)."""
+    bh = tl.program_id(0)
+    b, h = bh // hkv, bh % hkv
+    gi, od, odv = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+    g_ok, d_ok, dv_ok = gi < g, od < d, odv < dv
+    q = tl.load(Q + (bh * g + gi)[:, None] * d + od[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    slot = tl.load(SLOT + bh)
+    k_new = tl.load(K_NEW + bh * d + od, mask=d_ok, other=0.0)
+    v_new = tl.load(V_NEW + bh * dv + odv, mask=dv_ok, other=0.0)
+    n_old = tl.load(N_REAL + b)
+    k_base, v_base, row = KEYS + b * s_kb + h * s_kh, VALUES + b * s_vb + h * s_vh, b * s_sb + h * s_sh
+    tl.store(k_base + slot * s_kn + od, k_new, mask=d_ok)
+    tl.store(v_base + slot * s_vn + odv, v_new, mask=dv_ok)
+    tl.store(ORDINAL + row + slot, n_old)
+    if ACC == 0:  # otherwise the mass pass below writes the slot's score
+        tl.store(SCORE + row + slot, 0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    for start in range(0, cap, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        key_ok = n < cap
+        s = _group_logits(q, k_base, s_kn, n, key_ok, od, d_ok, slot, k_new, scaling, IEEE)
+        s = tl.where(key_ok[None, :] & g_ok[:, None], s, float("-inf"))
+        v = tl.load(v_base + n[:, None] * s_vn + odv[None, :], mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
+        v = tl.where((n == slot)[:, None], v_new[None, :], v)
+        m_i, l_i, acc = _online_step(s, v, m_i, l_i, acc, IEEE)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    tl.store(OUT + (bh * g + gi)[:, None] * dv + odv[None, :], (acc / l_safe[:, None]).to(OUT.dtype.element_ty),
+             mask=g_ok[:, None] & dv_ok[None, :])
+    lse = m_i + tl.log(l_safe)
+    n_new = n_old + 1
+    window = tl.load(RECENT_START + b) + 1
+    # per lane, the lowest rank so far and its first slot (lane j sees slots j, j + BLOCK_N, ...)
+    best = tl.full([BLOCK_N], float("inf"), tl.float32)
+    best_at = tl.zeros([BLOCK_N], tl.int32)
+    for start in range(0, cap, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        key_ok = n < cap
+        o = tl.load(ORDINAL + row + n, mask=key_ok, other=0)
+        o = tl.where(n == slot, n_old, o)
+        sc = tl.load(SCORE + row + n, mask=key_ok, other=0.0)
+        sc = tl.where(n == slot, 0.0, sc)
+        if ACC != 0:
+            s = _group_logits(q, k_base, s_kn, n, key_ok, od, d_ok, slot, k_new, scaling, IEEE)
+            p = tl.where(key_ok[None, :] & g_ok[:, None], tl.exp(s - lse[:, None]), 0.0)
+            mass = tl.sum(p, 0)  # the group's mass first, then folded in: eager's order
+            if ACC == 1:
+                sc = sc + mass
+            else:
+                sc = mass
+            tl.store(SCORE + row + n, sc, mask=key_ok)
+        if KEY == 0:
+            rank = sc
+        elif KEY == 1:
+            rank = sc / tl.maximum(n_new - o, 1).to(tl.float32)
+        else:
+            rank = o.to(tl.float32)
+        shielded = (o >= window) | (n >= cap)
+        if HAS_SINKS:
+            shielded = shielded | (o < tl.load(SINKS + b))
+        rank = tl.where(shielded, float("inf"), rank)
+        better = rank < best  # strictly lower: a lane keeps its first slot of a tie
+        best_at = tl.where(better, n, best_at)
+        best = tl.where(better, rank, best)
+    # the first slot holding the lowest rank, as torch.argmin picks (slot 0 when none is a candidate)
+    best_i = tl.min(tl.where(best == tl.min(best, 0), best_at, cap), 0)
+    tl.store(VALID + row + slot, 1, mask=best_i != slot)
+    tl.store(VALID + row + best_i, 0)
+    tl.store(VICTIM + bh, best_i)
