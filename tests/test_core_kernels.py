@@ -75,14 +75,15 @@ def test_native_scan_block_equals_eager(policy):
         assert torch.equal(state.bias, eager.bias) and torch.equal(state.blocked, eager.blocked)
 
 
-def run_tiny(policy, kernels_name, arch="qwen2", chunk=1, batch=2, device="cpu", cuts=(25, 34, 44), scores=False):
+def run_tiny(policy, kernels_name, arch="qwen2", chunk=1, batch=2, device="cpu", cuts=(25, 34, 44), scores=False,
+             budget=(6, 5)):
     """Two scoring calls, then decode steps at the budget (up to ``cuts``); logits and kept sets
     (and, with ``scores``, each layer's live scores in slot order)."""
     model = tiny_model(arch).to(device)
     a, b, n = cuts
     ids = random_ids(n, batch=batch, seed=5).to(device)
     with kernels.use_kernels(kernels_name):
-        cache = H2OCache(model, policy=policy, heavy=6, recent=5, chunk_size=chunk)
+        cache = H2OCache(model, policy=policy, heavy=budget[0], recent=budget[1], chunk_size=chunk)
         logits = [model(ids[:, :a], **cache_arg(cache)).logits, model(ids[:, a:b], **cache_arg(cache)).logits]
         logits += [model(ids[:, t:t + 1], **cache_arg(cache)).logits for t in range(b, n)]
     kept = [[sorted(layer.ordinal[r, h][layer.valid[r, h]].tolist()) for r in range(batch)
@@ -389,8 +390,14 @@ def test_triton_path_decodes_a_tiny_model_like_eager(interpreted, policy, monkey
     assert got[1] == want[1]
 
 
-@pytest.mark.parametrize("policy", NATIVE_POLICIES)
-def test_triton_fused_decode_step_equals_eager(interpreted, policy, monkeypatch):
+@pytest.mark.parametrize(
+    "policy, budget, cuts",
+    [*[(p, (6, 5), (12, 16, 21)) for p in NATIVE_POLICIES],
+     # 82 slots: two key blocks of 64; a short recent window makes the second block's slots
+     # candidates too, so the online softmax and the lowest rank cross a block edge
+     ("h2o", (70, 11), (84, 88, 100)), ("h2o-mean", (70, 11), (84, 88, 100)), ("sink", (40, 40), (84, 88, 93))],
+)
+def test_triton_fused_decode_step_equals_eager(interpreted, policy, budget, cuts, monkeypatch):
     """The at-budget decode step as one launch (core/triton_step.py): every rule the kernels know
     (add / replace the mass; rank by score, score per query, ordinal; sinks) gives eager's logits
     and kept sets, for a batch of two."""
@@ -398,7 +405,7 @@ def test_triton_fused_decode_step_equals_eager(interpreted, policy, monkeypatch)
     import h2okv.core.triton_step as triton_step
 
     _, device = interpreted
-    short = dict(chunk=4, device=device, cuts=(12, 16, 21), batch=2)  # the interpreter is slow: few launches
+    short = dict(chunk=4, device=device, cuts=cuts, batch=2, budget=budget)  # the interpreter is slow: few launches
     want = run_tiny(policy, "eager", scores=True, **short)
     calls = counting(monkeypatch, triton_step, "decode_dense")
     if device == "cpu":  # selected on CUDA only: forced here for the step, the attention stays eager
