@@ -41,6 +41,9 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         self.tokens_seen = 0  # positions consumed, pads included: what generate needs for positions
         self.peak_capacity = 0
         self.fast = None
+        # the most live slots a (sequence, head) may hold, and (weakly) the ``valid`` it was counted
+        # on: see ``_live_bound``
+        self._live_max, self._live_of = 0, None
         # kvzip: the prompt is held whole until ``h2okv.reconstruct`` ranks it (``rank_by_probe``)
         self.awaiting_probe = False
         self.probed = False
@@ -60,6 +63,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
     def __getstate__(self) -> dict:  # copy, deepcopy and pickle carry the cache itself, not the weakref
         state = dict(self.__dict__)
         state["_owner"] = self.owner
+        state["_live_of"] = None  # a weakref does not pickle; the copy counts its own slots again
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -142,15 +146,34 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         """Make room for ``m`` new tokens in every (sequence, head)."""
         if self.capacity >= self.max_budget + m:
             return  # steady state: eviction keeps every (sequence, head) at <= budget
-        live = int(self.valid.sum(-1).max()) if self.capacity else 0
+        live = self._live_bound()
+        if live + m > self.capacity and self.owner.policy.evicts:
+            live = self._count_live()  # eviction may have freed slots the bound still counts
         needed = live + m
-        if needed <= self.capacity:
-            return
-        if m == 1 and self.owner.policy.evicts:
-            # decode before the budget is reached: grow in steps so growth is amortised (a
-            # policy that never evicts grows exactly, like a plain cache: never more memory)
-            needed = min(max(needed, self.capacity + max(GROWTH_MIN, self.capacity // 8)), self.max_budget + m)
-        self.resize(needed)
+        if needed > self.capacity:
+            if m == 1 and self.owner.policy.evicts:
+                # decode before the budget is reached: grow in steps so growth is amortised (a
+                # policy that never evicts grows exactly, like a plain cache: never more memory)
+                needed = min(max(needed, self.capacity + max(GROWTH_MIN, self.capacity // 8)), self.max_budget + m)
+            self.resize(needed)
+        # the caller writes at most m tokens into each (sequence, head) now
+        self._live_max, self._live_of = live + m, weakref.ref(self.valid)
+
+    def _live_bound(self) -> int:
+        """The most live slots any (sequence, head) holds, at most, without counting them (a device
+        sync, which on a GPU stalls the launch queue every layer of every step) unless the slot
+        buffers were replaced since the last count: the last count plus the writes ``ensure_free``
+        made room for since. Exact for a policy that never evicts (its longest row takes every
+        write); eviction can only lower the truth. Every change that could add live slots
+        without such a write (resize, rows selected or appended, scans, flattening) replaces
+        ``valid``; in-place changes only write after ``ensure_free``, or free slots."""
+        if self._live_of is None or self._live_of() is not self.valid:
+            return self._count_live()
+        return self._live_max
+
+    def _count_live(self) -> int:
+        self._live_max = int(self.valid.sum(-1).max()) if self.capacity else 0
+        return self._live_max
 
     def shrink_to_budget(self) -> None:
         """After a prefill, give back the chunk's extra slots: decode needs budget + 1."""
