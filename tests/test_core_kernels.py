@@ -416,3 +416,30 @@ def test_triton_fused_decode_step_equals_eager(interpreted, policy, budget, cuts
     assert got[1] == want[1]
     for got_score, want_score in zip(got[2], want[2]):
         torch.testing.assert_close(got_score, want_score, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_step_that_cannot_compile_warns_once_and_decodes_eager(monkeypatch):
+    """Written after the only GPU lease: if the kernel fails to compile on some GPU, the first step
+    says why in one warning and every step (that one too) runs eager, with eager's results."""
+    import h2okv.core.step as step
+    import h2okv.core.triton_kernels as triton_kernels
+    import h2okv.core.triton_step as triton_step
+
+    class Uncompilable:
+        launches = 0
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                Uncompilable.launches += 1
+                raise RuntimeError("PassManager::run failed\nmore lines")
+            return launch
+
+    want = run_tiny("h2o", "eager", scores=True)
+    monkeypatch.setattr(triton_step, "_failed", None)
+    monkeypatch.setattr(triton_kernels, "decode_step_kernel", Uncompilable())
+    monkeypatch.setattr(step, "triton_on", lambda device: True)
+    with pytest.warns(UserWarning, match=r"fused Triton decode step cannot run here \(RuntimeError: PassManager::run failed\)"):
+        got = run_tiny("h2o", "eager", scores=True)
+    assert Uncompilable.launches == 1  # tried once, then eager for good
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    assert got[1] == want[1]

@@ -254,7 +254,9 @@ def decode_step(layer, query, k_new, v_new, scaling):
 
         rule = triton_step.decode_rule(layer)
         if rule is not None:  # the whole step below as one Triton launch (launch-bound on a GPU)
-            return triton_step.decode_dense(layer, fast, query, k_new, v_new, scaling, rule)
+            out = triton_step.decode_dense(layer, fast, query, k_new, v_new, scaling, rule)
+            if out is not None:
+                return out
     if dense and fast.next_free is not None:
         slot = fast.next_free  # the only free slot: last step's victim
     else:

@@ -7,26 +7,36 @@ This runs what ``step.decode_step`` does for a dense layer at its budget in one 
 plus two in-place adds (``n_real`` and the window advance once per sequence, not per head). It
 knows the rules of the native C step (``native/rules.py``: add or replace the mass; rank by the
 score, the score per query, or the ordinal) and nothing else: any other policy stays eager.
+If the kernel cannot be compiled on this GPU (it was written after the only lease, tested under
+Triton's interpreter), the first step says so in one warning and every later one runs eager.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
 from h2okv.core.native.rules import native_rule
 from h2okv.core.triton_attention import BLOCK_N, _block, _kernels
+from h2okv.errors import first_line
+
+_failed: str | None = None  # why the kernel could not run here: then every step stays eager
 
 
 def decode_rule(layer) -> tuple[int, int] | None:
     """The rule to run ``layer``'s dense decode step with, or None when it must stay eager."""
+    if _failed is not None:
+        return None
     if not (layer.keys.stride(-1) == 1 and layer.values.stride(-1) == 1 and layer.score.is_contiguous()
             and layer.ordinal.is_contiguous() and layer.valid.is_contiguous() and layer.n_real.is_contiguous()):
         return None
     return native_rule(layer.owner.policy)
 
 
-def decode_dense(layer, fast, query, k_new, v_new, scaling: float, rule: tuple[int, int]) -> torch.Tensor:
-    """``step.decode_step`` for a dense layer at its budget; returns ``[B, 1, Hq, Dv]``."""
+def decode_dense(layer, fast, query, k_new, v_new, scaling: float, rule: tuple[int, int]) -> torch.Tensor | None:
+    """``step.decode_step`` for a dense layer at its budget; returns ``[B, 1, Hq, Dv]``, or None
+    (nothing written) when the kernel cannot run here: the caller then runs the eager step."""
     b, hkv, cap, d = layer.keys.shape
     hq, dv = query.shape[1], layer.values.shape[-1]
     slot = fast.next_free
@@ -40,16 +50,27 @@ def decode_dense(layer, fast, query, k_new, v_new, scaling: float, rule: tuple[i
     sinks = fast.sinks.reshape(b) if fast.sinks is not None else recent_start  # a dummy pointer
     acc, key = rule
     keys, values = layer.keys, layer.values
-    _kernels().decode_step_kernel[(b * hkv,)](
-        query, k_new, v_new, keys, values, layer.score, layer.ordinal, layer.valid.view(torch.uint8), slot, victim,
-        layer.n_real, recent_start, sinks, out,
-        keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-        layer.score.stride(0), layer.score.stride(1),
-        hkv, hq // hkv, cap, d, dv, scaling,
-        ACC=acc, KEY=key, HAS_SINKS=fast.sinks is not None, IEEE=query.dtype == torch.float32,
-        BLOCK_G=_block(hq // hkv), BLOCK_N=BLOCK_N, BLOCK_D=_block(d), BLOCK_DV=_block(dv),
-    )
+    try:  # a kernel that cannot compile (or get its resources) fails here, before it writes anything
+        _kernels().decode_step_kernel[(b * hkv,)](
+            query, k_new, v_new, keys, values, layer.score, layer.ordinal, layer.valid.view(torch.uint8), slot,
+            victim, layer.n_real, recent_start, sinks, out,
+            keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+            layer.score.stride(0), layer.score.stride(1),
+            hkv, hq // hkv, cap, d, dv, scaling,
+            ACC=acc, KEY=key, HAS_SINKS=fast.sinks is not None, IEEE=query.dtype == torch.float32,
+            BLOCK_G=_block(hq // hkv), BLOCK_N=BLOCK_N, BLOCK_D=_block(d), BLOCK_DV=_block(dv),
+        )
+    except Exception as exc:  # noqa: BLE001 - whatever Triton raises, the eager step is the answer
+        return _give_up(exc)
     layer.n_real += 1
     fast.recent_start += 1
     fast.next_free = victim
     return out
+
+
+def _give_up(exc: Exception) -> None:
+    global _failed
+    _failed = f"{type(exc).__name__}: {first_line(exc)}"
+    warnings.warn(f"h2okv: the fused Triton decode step cannot run here ({_failed}); using the eager step",
+                  stacklevel=3)
+    return None
