@@ -395,7 +395,10 @@ def test_triton_path_decodes_a_tiny_model_like_eager(interpreted, policy, monkey
     [*[(p, (6, 5), (12, 16, 21)) for p in NATIVE_POLICIES],
      # 82 slots: two key blocks of 64; a short recent window makes the second block's slots
      # candidates too, so the online softmax and the lowest rank cross a block edge
-     ("h2o", (70, 11), (84, 88, 100)), ("h2o-mean", (70, 11), (84, 88, 100)), ("sink", (40, 40), (84, 88, 93))],
+     ("h2o", (70, 11), (84, 88, 100)), ("h2o-mean", (70, 11), (84, 88, 100)), ("sink", (40, 40), (84, 88, 93)),
+     # a budget of 20 over a 12-token prompt: rows fill up during decode (the general step: first
+     # free slot, no eviction), then evict at their budget
+     *[(p, (10, 10), (8, 12, 30)) for p in ("h2o", "tova", "h2o-mean", "sink")]],
 )
 def test_triton_fused_decode_step_equals_eager(interpreted, policy, budget, cuts, monkeypatch):
     """The at-budget decode step as one launch (core/triton_step.py): every rule the kernels know
@@ -408,10 +411,13 @@ def test_triton_fused_decode_step_equals_eager(interpreted, policy, budget, cuts
     short = dict(chunk=4, device=device, cuts=cuts, batch=2, budget=budget)  # the interpreter is slow: few launches
     want = run_tiny(policy, "eager", scores=True, **short)
     calls = counting(monkeypatch, triton_step, "decode_dense")
+    general = counting(monkeypatch, triton_step, "decode_general")
     if device == "cpu":  # selected on CUDA only: forced here for the step, the attention stays eager
         monkeypatch.setattr(step, "triton_on", lambda device: True)
     got = run_tiny(policy, "triton" if device == "cuda" else "eager", scores=True, **short)
-    assert len(calls) >= 2 * 4  # 2 layers x the decode steps after the first (which finds the free slot)
+    steps = cuts[2] - cuts[1]
+    assert len(calls) + len(general) == 2 * steps  # 2 layers x every decode step, one launch each
+    assert len(general) >= (2 * (budget[0] + budget[1] - cuts[1]) if budget[0] + budget[1] > cuts[1] else 0)
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
     assert got[1] == want[1]
     for got_score, want_score in zip(got[2], want[2]):

@@ -257,6 +257,15 @@ def decode_step(layer, query, k_new, v_new, scaling):
             out = triton_step.decode_dense(layer, fast, query, k_new, v_new, scaling, rule)
             if out is not None:
                 return out
+    if not dense and triton_on(layer.device):
+        from h2okv.core import triton_step
+
+        rule = triton_step.decode_rule(layer, general=True)
+        if rule is not None:  # free slots (filling up, or room above the budget): one launch, no sync
+            out = triton_step.decode_general(layer, query, k_new, v_new, scaling, rule)
+            if out is not None:
+                layer.fast = None  # its window bound no longer follows n_real; check_at_budget rebuilds it
+                return out
     if dense and fast.next_free is not None:
         slot = fast.next_free  # the only free slot: last step's victim
     else:

@@ -190,28 +190,46 @@ def _group_logits(q, k_base, s_kn, n, key_ok, od, d_ok, slot, k_new, scaling, IE
 
 @triton.jit
 def decode_step_kernel(
-    Q, K_NEW, V_NEW, KEYS, VALUES, SCORE, ORDINAL, VALID, SLOT, VICTIM, N_REAL, RECENT_START, SINKS, OUT,
+    Q, K_NEW, V_NEW, KEYS, VALUES, SCORE, ORDINAL, VALID, SLOT, VICTIM, N_REAL, RECENT_START, SINKS, HEAVY, RECENT,
+    OUT,
     s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_sb, s_sh,
     hkv, g, cap, d, dv, scaling,
-    ACC: tl.constexpr, KEY: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr,
+    GENERAL: tl.constexpr, ACC: tl.constexpr, KEY: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """The at-budget decode step of ``core/step.py`` for one (sequence, KV head), every slot live:
-    write the new key/value/ordinal into ``SLOT`` (the one free slot), attend (the output), fold
-    the group's mass into the score (ACC: 0 none, 1 add, 2 replace), rank the candidates (KEY: 0
-    the score, 1 the score per query that saw the key, 2 the ordinal; the row's recent window and
-    sinks shielded) and evict the lowest: its index goes to ``VICTIM``, the next step's slot.
-    ``n_real`` and the window advance outside (once per sequence, not per head)."""
+    """The decode step of ``core/step.py`` for one (sequence, KV head): write the new key, value
+    and ordinal into a free slot, attend (the output), fold the group's mass into the score (ACC:
+    0 none, 1 add, 2 replace), rank the candidates (KEY: 0 the score, 1 the score per query that
+    saw the key, 2 the ordinal; the row's recent window and sinks shielded) and evict the lowest.
+
+    Dense (``GENERAL`` False): every slot is live but ``SLOT``, the one free slot; the victim goes
+    to ``VICTIM``, the next step's slot, and the window is ``RECENT_START`` + 1. General: the
+    first free slot (``VALID``) takes the token, free slots are neither attended nor ranked, and
+    a victim goes only when the row's live slots then exceed ``HEAVY + RECENT`` (still filling up:
+    none). ``n_real`` and the dense window advance outside (once per sequence, not per head)."""
     bh = tl.program_id(0)
     b, h = bh // hkv, bh % hkv
     gi, od, odv = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     g_ok, d_ok, dv_ok = gi < g, od < d, odv < dv
+    row = b * s_sb + h * s_sh
+    if GENERAL:
+        # the first free slot (eager's argmin over valid) and the live slots before the write
+        first = tl.full([BLOCK_N], cap, tl.int32)
+        live = tl.zeros([BLOCK_N], tl.int32)
+        for start in range(0, cap, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            alive = tl.load(VALID + row + n, mask=n < cap, other=1) != 0
+            first = tl.minimum(first, tl.where(alive, cap, n))
+            live += (alive & (n < cap)).to(tl.int32)
+        slot = tl.min(first, 0)
+        n_live = tl.sum(live, 0) + 1
+    else:
+        slot = tl.load(SLOT + bh)
     q = tl.load(Q + (bh * g + gi)[:, None] * d + od[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    slot = tl.load(SLOT + bh)
     k_new = tl.load(K_NEW + bh * d + od, mask=d_ok, other=0.0)
     v_new = tl.load(V_NEW + bh * dv + odv, mask=dv_ok, other=0.0)
     n_old = tl.load(N_REAL + b)
-    k_base, v_base, row = KEYS + b * s_kb + h * s_kh, VALUES + b * s_vb + h * s_vh, b * s_sb + h * s_sh
+    k_base, v_base = KEYS + b * s_kb + h * s_kh, VALUES + b * s_vb + h * s_vh
     tl.store(k_base + slot * s_kn + od, k_new, mask=d_ok)
     tl.store(v_base + slot * s_vn + odv, v_new, mask=dv_ok)
     tl.store(ORDINAL + row + slot, n_old)
@@ -223,6 +241,8 @@ def decode_step_kernel(
     for start in range(0, cap, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         key_ok = n < cap
+        if GENERAL:
+            key_ok = key_ok & ((tl.load(VALID + row + n, mask=n < cap, other=0) != 0) | (n == slot))
         s = _group_logits(q, k_base, s_kn, n, key_ok, od, d_ok, slot, k_new, scaling, IEEE)
         s = tl.where(key_ok[None, :] & g_ok[:, None], s, float("-inf"))
         v = tl.load(v_base + n[:, None] * s_vn + odv[None, :], mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
@@ -233,16 +253,21 @@ def decode_step_kernel(
              mask=g_ok[:, None] & dv_ok[None, :])
     lse = m_i + tl.log(l_safe)
     n_new = n_old + 1
-    window = tl.load(RECENT_START + b) + 1
+    if GENERAL:
+        window = n_new - tl.load(RECENT + b)
+    else:
+        window = tl.load(RECENT_START + b) + 1
     # per lane, the lowest rank so far and its first slot (lane j sees slots j, j + BLOCK_N, ...)
     best = tl.full([BLOCK_N], float("inf"), tl.float32)
     best_at = tl.zeros([BLOCK_N], tl.int32)
     for start in range(0, cap, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         key_ok = n < cap
-        o = tl.load(ORDINAL + row + n, mask=key_ok, other=0)
+        if GENERAL:
+            key_ok = key_ok & ((tl.load(VALID + row + n, mask=n < cap, other=0) != 0) | (n == slot))
+        o = tl.load(ORDINAL + row + n, mask=n < cap, other=0)
         o = tl.where(n == slot, n_old, o)
-        sc = tl.load(SCORE + row + n, mask=key_ok, other=0.0)
+        sc = tl.load(SCORE + row + n, mask=n < cap, other=0.0)
         sc = tl.where(n == slot, 0.0, sc)
         if ACC != 0:
             s = _group_logits(q, k_base, s_kn, n, key_ok, od, d_ok, slot, k_new, scaling, IEEE)
@@ -252,7 +277,7 @@ def decode_step_kernel(
                 sc = sc + mass
             else:
                 sc = mass
-            tl.store(SCORE + row + n, sc, mask=key_ok)
+            tl.store(SCORE + row + n, sc, mask=n < cap)
         if KEY == 0:
             rank = sc
         elif KEY == 1:
@@ -260,6 +285,8 @@ def decode_step_kernel(
         else:
             rank = o.to(tl.float32)
         shielded = (o >= window) | (n >= cap)
+        if GENERAL:
+            shielded = shielded | ~key_ok
         if HAS_SINKS:
             shielded = shielded | (o < tl.load(SINKS + b))
         rank = tl.where(shielded, float("inf"), rank)
@@ -267,7 +294,14 @@ def decode_step_kernel(
         best_at = tl.where(better, n, best_at)
         best = tl.where(better, rank, best)
     # the first slot holding the lowest rank, as torch.argmin picks (slot 0 when none is a candidate)
-    best_i = tl.min(tl.where(best == tl.min(best, 0), best_at, cap), 0)
-    tl.store(VALID + row + slot, 1, mask=best_i != slot)
-    tl.store(VALID + row + best_i, 0)
-    tl.store(VICTIM + bh, best_i)
+    low = tl.min(best, 0)
+    best_i = tl.min(tl.where(best == low, best_at, cap), 0)
+    if GENERAL:
+        # eager's ``evict``: only a row over its budget loses a slot, and only a candidate
+        evicts = (n_live > tl.load(HEAVY + b) + tl.load(RECENT + b)) & (low < float("inf"))
+        tl.store(VALID + row + slot, 1, mask=~(evicts & (best_i == slot)))
+        tl.store(VALID + row + best_i, 0, mask=evicts)
+    else:
+        tl.store(VALID + row + slot, 1, mask=best_i != slot)
+        tl.store(VALID + row + best_i, 0)
+        tl.store(VICTIM + bh, best_i)

@@ -24,47 +24,66 @@ from h2okv.errors import first_line
 _failed: str | None = None  # why the kernel could not run here: then every step stays eager
 
 
-def decode_rule(layer) -> tuple[int, int] | None:
-    """The rule to run ``layer``'s dense decode step with, or None when it must stay eager."""
-    if _failed is not None:
+def decode_rule(layer, general: bool = False) -> tuple[int, int] | None:
+    """The rule to run ``layer``'s decode step with, or None when it must stay eager (an unknown
+    rule; for the ``general`` step also a budget per head, which it does not know)."""
+    rule = native_rule(layer.owner.policy) if _failed is None and layer.has_budget else None
+    if rule is None or (general and layer.head_heavy is not None):
         return None
-    if not (layer.keys.stride(-1) == 1 and layer.values.stride(-1) == 1 and layer.score.is_contiguous()
-            and layer.ordinal.is_contiguous() and layer.valid.is_contiguous() and layer.n_real.is_contiguous()):
+    tensors = (layer.score, layer.ordinal, layer.valid, layer.n_real, layer.heavy, layer.recent, layer.sinks)
+    if layer.keys.stride(-1) != 1 or layer.values.stride(-1) != 1 or not all(t.is_contiguous() for t in tensors):
         return None
-    return native_rule(layer.owner.policy)
+    return rule
 
 
 def decode_dense(layer, fast, query, k_new, v_new, scaling: float, rule: tuple[int, int]) -> torch.Tensor | None:
     """``step.decode_step`` for a dense layer at its budget; returns ``[B, 1, Hq, Dv]``, or None
     (nothing written) when the kernel cannot run here: the caller then runs the eager step."""
-    b, hkv, cap, d = layer.keys.shape
-    hq, dv = query.shape[1], layer.values.shape[-1]
     slot = fast.next_free
     if slot is None:  # the first step after the budget was reached: the first free slot
         slot = layer.valid.view(torch.uint8).argmin(dim=-1, keepdim=True)
-    query, k_new, v_new = query.contiguous(), k_new.contiguous(), v_new.contiguous()
     slot = slot.contiguous()
     victim = torch.empty_like(slot)
-    out = torch.empty((b, 1, hq, dv), dtype=layer.values.dtype, device=query.device)
+    b = slot.shape[0]
     recent_start = fast.recent_start.reshape(b)
     sinks = fast.sinks.reshape(b) if fast.sinks is not None else recent_start  # a dummy pointer
+    out = _launch(layer, query, k_new, v_new, scaling, rule, False, slot, victim, recent_start, sinks,
+                  fast.sinks is not None)
+    if out is not None:
+        fast.recent_start += 1
+        fast.next_free = victim
+    return out
+
+
+def decode_general(layer, query, k_new, v_new, scaling: float, rule: tuple[int, int]) -> torch.Tensor | None:
+    """``step.decode_step`` for a layer with free slots (rows still filling up to their budget, or
+    a capacity above it), one budget per row: the first free slot takes the token, and a row
+    loses a slot only when it is then over its budget. No device sync: the layer's fast state
+    (``step.check_at_budget``, which counts) is not needed. None as ``decode_dense``."""
+    dummy = layer.n_real
+    return _launch(layer, query, k_new, v_new, scaling, rule, True, dummy, dummy, dummy, layer.sinks, True)
+
+
+def _launch(layer, query, k_new, v_new, scaling, rule, general, slot, victim, recent_start, sinks, has_sinks):
+    b, hkv, cap, d = layer.keys.shape
+    hq, dv = query.shape[1], layer.values.shape[-1]
+    query, k_new, v_new = query.contiguous(), k_new.contiguous(), v_new.contiguous()
+    out = torch.empty((b, 1, hq, dv), dtype=layer.values.dtype, device=query.device)
     acc, key = rule
     keys, values = layer.keys, layer.values
     try:  # a kernel that cannot compile (or get its resources) fails here, before it writes anything
         _kernels().decode_step_kernel[(b * hkv,)](
             query, k_new, v_new, keys, values, layer.score, layer.ordinal, layer.valid.view(torch.uint8), slot,
-            victim, layer.n_real, recent_start, sinks, out,
+            victim, layer.n_real, recent_start, sinks, layer.heavy, layer.recent, out,
             keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
             layer.score.stride(0), layer.score.stride(1),
             hkv, hq // hkv, cap, d, dv, scaling,
-            ACC=acc, KEY=key, HAS_SINKS=fast.sinks is not None, IEEE=query.dtype == torch.float32,
+            GENERAL=general, ACC=acc, KEY=key, HAS_SINKS=has_sinks, IEEE=query.dtype == torch.float32,
             BLOCK_G=_block(hq // hkv), BLOCK_N=BLOCK_N, BLOCK_D=_block(d), BLOCK_DV=_block(dv),
         )
     except Exception as exc:  # noqa: BLE001 - whatever Triton raises, the eager step is the answer
         return _give_up(exc)
     layer.n_real += 1
-    fast.recent_start += 1
-    fast.next_free = victim
     return out
 
 
