@@ -8,7 +8,8 @@ attention mass into the policy's scores, evict the lowest-ranked candidates.
   step which writes ``m`` tokens into a row at its budget always finds ``m`` candidates.
 - ``chunk_step``: the general step, for any forward call that is not a plain decode step.
 - ``decode_step``: one real token per row, in the fewest ops once every row is at its budget (one C
-  call on CPU, ``native/``; one Triton launch on CUDA, ``triton_step.py``).
+  call on CPU, ``native/``); on CUDA one Triton launch whether or not the rows are at their budget
+  (``triton_step.py``).
 
 A layer (``SlotLayer``, buffers in ``storage.py``) holds per (row, KV head) ``capacity`` slots:
 ``keys``/``values`` ``[B, H, cap, D]``, the policy's ``score`` ``[B, H, cap]`` (float32), each
@@ -249,19 +250,17 @@ def decode_step(layer, query, k_new, v_new, scaling):
             if packed:  # keep each head's own slots only (storage.py: ragged slots)
                 go_flat(layer, fast)
             return native.decode_dense(layer, fast, query, k_new, v_new, scaling, rule)
-    if dense and triton_on(layer.device):
+    if triton_on(layer.device):
         from h2okv.core import triton_step
 
-        rule = triton_step.decode_rule(layer)
-        if rule is not None:  # the whole step below as one Triton launch (launch-bound on a GPU)
+        # the whole step below as one Triton launch: at the budget (dense), or with free slots
+        # (rows filling up, or room above the budget), where it also needs no live-slot count
+        rule = triton_step.decode_rule(layer, general=not dense)
+        if rule is not None and dense:
             out = triton_step.decode_dense(layer, fast, query, k_new, v_new, scaling, rule)
             if out is not None:
                 return out
-    if not dense and triton_on(layer.device):
-        from h2okv.core import triton_step
-
-        rule = triton_step.decode_rule(layer, general=True)
-        if rule is not None:  # free slots (filling up, or room above the budget): one launch, no sync
+        elif rule is not None:
             out = triton_step.decode_general(layer, query, k_new, v_new, scaling, rule)
             if out is not None:
                 layer.fast = None  # its window bound no longer follows n_real; check_at_budget rebuilds it

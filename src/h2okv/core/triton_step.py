@@ -1,12 +1,15 @@
-"""The whole at-budget decode step as one Triton launch on CUDA (``decode_step_kernel``).
+"""The decode step as one Triton launch a layer on CUDA (``decode_step_kernel``).
 
-On a GPU the decode step of a small model is bound by launching kernels, not by arithmetic: the
-first lent H100 ran h2o's eager step (five scatters, attention, the mass, the rank, the argmin: ~18
-launches a layer more than a plain cache) at 1.32-1.39x the step of a plain cache of its size.
-This runs what ``step.decode_step`` does for a dense layer at its budget in one launch per layer,
-plus two in-place adds (``n_real`` and the window advance once per sequence, not per head). It
-knows the rules of the native C step (``native/rules.py``: add or replace the mass; rank by the
-score, the score per query, or the ordinal) and nothing else: any other policy stays eager.
+On a GPU the decode step of a small model is bound by launching kernels and by host syncs, not by
+arithmetic: on the first lent H100, h2o's eager step (five scatters, attention, the mass, the rank,
+the argmin: ~18 launches a layer more than a plain cache) cost 1.32-1.39x the step of a plain
+cache of its size, and while rows still filled up to their budget the eager step also counted
+the live slots, a sync, in every layer. Here the step is one launch plus one or two in-place adds
+(``n_real``, and at the budget the window, once per sequence rather than per head):
+``decode_dense`` for a layer at its budget (the one free slot is known), ``decode_general`` for a
+layer with free slots and one budget per row. It knows the rules of the native C step
+(``native/rules.py``: add or replace the mass; rank by the score, the score per query, or the
+ordinal) and nothing else: any other policy stays eager.
 If the kernel cannot be compiled on this GPU (it was written after the only lease, tested under
 Triton's interpreter), the first step says so in one warning and every later one runs eager.
 """
