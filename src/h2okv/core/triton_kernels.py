@@ -27,14 +27,20 @@ import triton.language as tl
 
 
 @triton.jit
-def _logits(q, k_ptrs, key_ok, d_ok, scaling, IEEE: tl.constexpr):
-    """``q [M, D] @ k.T`` scaled, -inf where ``key_ok`` is False; ``k_ptrs`` ``[N, D]``."""
-    k = tl.load(k_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+def _scaled_dot(q, k, scaling, IEEE: tl.constexpr):
+    """``q [M, D] @ k.T`` in float32, scaled (IEEE: full float32 products, not TF32)."""
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
     return s.to(tl.float32) * scaling
+
+
+@triton.jit
+def _logits(q, k_ptrs, key_ok, d_ok, scaling, IEEE: tl.constexpr):
+    """``q [M, D] @ k.T`` scaled, -inf where ``key_ok`` is False; ``k_ptrs`` ``[N, D]``."""
+    k = tl.load(k_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    return _scaled_dot(q, k, scaling, IEEE)
 
 
 @triton.jit
@@ -181,11 +187,7 @@ def _group_logits(q, k_base, s_kn, n, key_ok, od, d_ok, slot, k_new, scaling, IE
     taken from ``k_new`` in registers (another thread of the program may not see its store yet)."""
     k = tl.load(k_base + n[:, None] * s_kn + od[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
     k = tl.where((n == slot)[:, None], k_new[None, :], k)
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    return s.to(tl.float32) * scaling
+    return _scaled_dot(q, k, scaling, IEEE)
 
 
 @triton.jit
