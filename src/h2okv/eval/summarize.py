@@ -31,7 +31,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from h2okv.errors import H2OError
+from h2okv.errors import H2OError, first_line
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 # hub id, config, document field, summary field
@@ -98,8 +98,7 @@ def load_hub_dataset(name: str, split: str = "test", limit: int | None = None, s
     try:
         data = datasets.load_dataset(repo, config, split=split if take is None else f"{split}[:{take}]")
     except (ConnectionError, OSError, TimeoutError, datasets.exceptions.DatasetNotFoundError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise H2OError(f"could not download dataset {name!r} ({repo}; no network?): {first}") from None
+        raise H2OError(f"could not download dataset {name!r} ({repo}; no network?): {first_line(exc)}") from None
     return [{"id": str(row.get("id", i)), "document": row[doc_field], "summary": row[sum_field]}
             for i, row in enumerate(data)]
 

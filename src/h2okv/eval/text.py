@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from h2okv.corpus import DEFAULT_PLAY, read_play, read_text_source
-from h2okv.errors import H2OError
+from h2okv.errors import H2OError, first_line
 
 
 def load_dataset_text(spec: str, split: str | None = None, column: str = "text") -> str:
@@ -19,8 +19,7 @@ def load_dataset_text(spec: str, split: str | None = None, column: str = "text")
     try:
         loaded = datasets.load_dataset(name, config or None)
     except Exception as exc:  # the hub and the file loaders raise many types; the user needs one line
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise H2OError(f"cannot load dataset {spec!r}: {first}") from None
+        raise H2OError(f"cannot load dataset {spec!r}: {first_line(exc)}") from None
     if split is None:
         split = "test" if "test" in loaded else next(iter(loaded))
     if split not in loaded:
