@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from h2okv.core import triton_step
 from h2okv.core.attention import slot_attention
 from h2okv.core.kernels import native_on, triton_on
 from h2okv.core.native import calls as native
@@ -251,8 +252,6 @@ def decode_step(layer, query, k_new, v_new, scaling):
                 go_flat(layer, fast)
             return native.decode_dense(layer, fast, query, k_new, v_new, scaling, rule)
     if triton_on(layer.device):
-        from h2okv.core import triton_step
-
         # the whole step below as one Triton launch: at the budget (dense), or with free slots
         # (rows filling up, or room above the budget), where it also needs no live-slot count
         rule = triton_step.decode_rule(layer, general=not dense)
