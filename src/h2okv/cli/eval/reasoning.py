@@ -34,9 +34,10 @@ def register(kinds) -> None:
                         f"numbers with a point are fractions of the prompt (default: {DEFAULT_BUDGETS})")
     add_budget_shape_args(p, prefill=False)  # --recent-share: a piece's rows name a share other than 0.5
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="(default: 512)")
-    p.add_argument("--batch-size", type=positive_int, default=16,
+    p.add_argument("--batch-size", type=positive_int, default=50,
                    help="problems per batch, left-padded; each row evicts and stops on its own, so the answers "
-                        "do not depend on it and a piece may resume at another (default: 16)")
+                        "do not depend on it and a piece may resume at another; a CPU step is bound by reading "
+                        "the weights, so a larger batch is cheaper a token (default: 50)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random policy")
     add_threads_arg(p)
     p.add_argument("--json", default=None, help="the piece: every graded problem, rewritten after each batch")
