@@ -160,11 +160,36 @@ def test_cli_writes_json_markdown_and_plots(tmp_path, capsys):
     assert "h2o/full tokens/s" in capsys.readouterr().out
 
 
+def test_cli_without_json_prints_the_report_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    """`h2okv bench` with no --json (as `bench --quick` is first tried): the report on stdout, no files."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--model", "tiny:llama", "--batch", "1", "--context", "24", "--memory-contexts", "24",
+                 "--steps", "2", "--rounds", "1", "--warmup", "1", "--chunk-size", "8", "--no-progress",
+                 "--memory-isolation", "inprocess", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "h2o/full tokens/s" in out and "| target | what it checks |" in out and "wrote" not in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_targets_table_explains_each_target_and_a_miss():
+    met = {"name": "h2o_vs_full_kv_bytes", "what": "H2O / full KV bytes, every row", "value": 0.2,
+           "threshold": 0.21, "op": "<=", "met": True, "where": "worst row"}
+    missed = {**met, "name": "h2o_vs_full_throughput", "what": "H2O / full decode tokens/s", "value": 1.1,
+              "threshold": 2.0, "op": ">=", "met": False}
+    from h2okv.bench.report import _targets_table
+
+    text = "\n".join(_targets_table([met, missed], longest_context=512))
+    assert "| h2o_vs_full_throughput | H2O / full decode tokens/s | 1.100 | >= 2.0 | NO |" in text
+    assert "NO = missed on this run" in text and "longest prompt is 512 tokens" in text
+    # every target met: no note on misses; a run at the default grid's lengths: no smoke-test note
+    assert "NO = missed" not in "\n".join(_targets_table([met], longest_context=512))
+    assert "smoke test" not in "\n".join(_targets_table([met, missed], longest_context=4096))
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--budget", "1.5", "--json", "x.json"], "--budget must be in (0, 1)"),
-        ([], "give --json PATH"),
         (["--model", "tiny:nope", "--json", "x.json"], "unknown tiny architecture"),
     ],
 )

@@ -9,15 +9,18 @@ from pathlib import Path
 MIB = 1024 * 1024
 
 
-def write_report(result: dict, report: str, json_file, markdown_file=None) -> list[Path]:
-    """Write a benchmark's JSON and its Markdown report (beside the JSON unless named); return both paths."""
-    json_path = Path(json_file)
-    md_path = Path(markdown_file) if markdown_file else json_path.with_suffix(".md")
-    for path in (json_path, md_path):
+def write_report(result: dict, report: str, json_file=None, markdown_file=None) -> list[Path]:
+    """Write a benchmark's JSON and its Markdown report (beside the JSON unless named); return the
+    paths written. Neither named: nothing is written (the report was printed)."""
+    outputs = []
+    if json_file:
+        outputs.append((Path(json_file), json.dumps(result, indent=2) + "\n"))
+    if markdown_file or json_file:
+        outputs.append((Path(markdown_file) if markdown_file else Path(json_file).with_suffix(".md"), report))
+    for path, text in outputs:
         path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    md_path.write_text(report)
-    return [json_path, md_path]
+        path.write_text(text)
+    return [path for path, _ in outputs]
 
 # (name, what it checks, threshold, "<=" or ">=") — the project's goals for this benchmark
 TARGETS = (
@@ -96,7 +99,8 @@ def markdown(result: dict) -> str:
     lines = _settings(result) + _decode_tables(result) + _prefill_table(result)
     if result.get("memory_cap"):
         lines += _memory_cap_table(result["memory_cap"])
-    lines += _targets_table(result.get("targets") or check_targets(result))
+    contexts = [r["context"] for r in result["rows"]]
+    lines += _targets_table(result.get("targets") or check_targets(result), max(contexts, default=None))
     return "\n".join(lines) + "\n"
 
 
@@ -191,14 +195,35 @@ def _memory_cap_table(cap: dict) -> list[str]:
     return lines
 
 
-def _targets_table(targets: list[dict]) -> list[str]:
+# the shortest prompt of the default grid, which the targets were set for
+GOAL_CONTEXT = 2048
+
+
+def _targets_table(targets: list[dict], longest_context: int | None = None) -> list[str]:
+    """The targets, each with what it checks, and a note on what a miss (``NO``) means."""
     if not targets:
         return []
-    lines = ["", "| target | value | goal | met | where |", "|---|---:|---:|---|---|"]
+    lines = ["", "Targets: the project's goals for H2O, set for the default grid (reference = a plain cache holding "
+             "as many tokens as H2O keeps).", "",
+             "| target | what it checks | value | goal | met | where |", "|---|---|---:|---:|---|---|"]
     for t in targets:
-        lines.append(
-            f"| {t['name']} | {t['value']:.3f} | {t['op']} {t['threshold']} | {'yes' if t['met'] else 'NO'} | {t['where']} |"
-        )
+        lines.append(f"| {t['name']} | {t.get('what', '')} | {t['value']:.3f} | {t['op']} {t['threshold']} | "
+                     f"{'yes' if t['met'] else 'NO'} | {t['where']} |")
+    if all(t["met"] for t in targets):
+        return lines
+    lines += [
+        "",
+        "NO = missed on this run: the measured value is on the wrong side of the goal. It is not an error. "
+        f"The goals are set for the default grid (prompts of {GOAL_CONTEXT:,} and {2 * GOAL_CONTEXT:,} tokens, "
+        "batch 1 and 8) on an idle machine. On shorter prompts H2O's fixed bookkeeping per step is a larger share "
+        "of the step and the full cache is still small, so the speed goals miss there; wall-clock ratios also move "
+        "with other jobs on the machine (the CPU-time row is the steadier one). h2o_vs_full_kv_bytes misses only "
+        "when H2O keeps more slots than the budget's share of the prompt (a minimum slot count on a short prompt, "
+        "or a bug).",
+    ]
+    if longest_context is not None and longest_context < GOAL_CONTEXT:
+        lines += ["", f"This run's longest prompt is {longest_context} tokens (the default grid's shortest is "
+                      f"{GOAL_CONTEXT:,}): read its speed targets as a smoke test, not a verdict."]
     return lines
 
 

@@ -120,8 +120,8 @@ def markdown(result: dict) -> str:
 
 def run_tp(cfg, *, model: str | None, device: str, dtype, tp: int, threads: int | None, json_path,
            markdown_path=None) -> int:
-    """``h2okv bench --tp N`` on one rank (of a group already up): measure, and on rank 0 write the
-    JSON and Markdown."""
+    """``h2okv bench --tp N`` on one rank (of a group already up): measure, and on rank 0 print the
+    report and write the JSON and Markdown where named."""
     from h2okv.models import load_model
 
     if threads:
@@ -154,7 +154,8 @@ def run_tp(cfg, *, model: str | None, device: str, dtype, tp: int, threads: int 
         ],
     }
     report = markdown(result)
-    json_path, md_path = write_report(result, report, json_path, markdown_path)
+    written = write_report(result, report, json_path, markdown_path)
     print(report)
-    print(f"wrote {json_path}, {md_path}")
+    if written:
+        print("wrote " + ", ".join(str(p) for p in written))
     return 0

