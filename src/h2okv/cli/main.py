@@ -1,6 +1,7 @@
 """``h2okv`` command line. Each subcommand lives in its own module and registers itself here.
 
-User errors (``H2OError``, bad arguments) print one line and exit with code 2; no tracebacks.
+User errors (``H2OError``, bad arguments, a missing extra) print one line and exit with code 2; no
+tracebacks.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pkgutil
 import sys
 from pathlib import Path
 
+from h2okv import extras
 from h2okv.errors import H2OError, print_error
 
 
@@ -44,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2, already printed)
         return int(exc.code or 0)
     try:
-        return int(args.func(args) or 0)
+        with extras.needed_by(f"h2okv {args.command}", *extras.COMMANDS.get(args.command, ())):
+            return int(args.func(args) or 0)
     except H2OError as exc:
         from h2okv.parallel.ranks import quiet_rank
 
