@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from h2okv import cli, conversion, models, paths
+from h2okv.errors import H2OError
 
 
 @pytest.fixture
@@ -191,3 +192,77 @@ def test_default_model_converted_into_an_empty_cache_tokenizes_like_the_gguf(cac
     assert ids == original(text, add_special_tokens=False)["input_ids"] and 0 not in ids
     assert converted.decode(ids) == text
     assert models.load_config(None).num_key_value_heads == 3
+
+
+def rewrite(path, data, later_s=10):
+    """Rewrite ``path`` in place, its modification time ``later_s`` past the old one (a user's edit)."""
+    before = path.stat().st_mtime
+    path.write_bytes(data)
+    os.utime(path, (before + later_s, before + later_s))
+
+
+def test_a_users_gguf_is_converted_once_and_again_when_the_file_changes(cache, gguf, conversions, capsys):
+    """``--model my.gguf``: cached like the built-in models, and never served stale after an edit."""
+    source, extra = models._source(str(gguf))
+    folder = Path(source)
+    assert extra == {} and made_by(folder) == 1 and folder.is_relative_to(cache / "user-gguf")
+    assert "converting Tiny-Model.Q4_0.gguf once" in capsys.readouterr().err
+    assert models._source(str(gguf)) == (source, {}) and len(conversions) == 1
+    assert models._config_source(str(gguf)) == (source, {})
+    manifest = json.loads((folder / conversion.MANIFEST).read_text())["key"]
+    assert manifest["gguf_path"] == str(gguf.resolve()) and manifest["gguf_mtime_ns"] == gguf.stat().st_mtime_ns
+
+    rewrite(gguf, b"GGUF" + bytes([1]) * 96)  # same name and size, new contents
+    assert conversion.trusted_folder(gguf, user=True) is None
+    assert models._source(str(gguf)) == (source, {}) and len(conversions) == 2 and made_by(folder) == 2
+    assert "replacing" in capsys.readouterr().err
+
+    rewrite(gguf, b"GGUF" + bytes(200))  # another size: another folder, the stale one removed
+    bigger = Path(models._source(str(gguf))[0])
+    assert bigger != folder and made_by(bigger) == 3
+    assert [p.name for p in bigger.parent.iterdir()] == [bigger.name]
+
+
+def test_same_named_user_ggufs_in_two_places_get_their_own_folders(cache, tmp_path, conversions):
+    first, second = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
+    for path in (first, second):
+        path.parent.mkdir()
+        path.write_bytes(b"GGUF" + bytes(96))
+    one, two = models._source(str(first))[0], models._source(str(second))[0]
+    assert one != two and len(conversions) == 2
+    assert models._source(str(first))[0] == one and len(conversions) == 2
+
+
+def test_a_users_gguf_config_is_read_from_the_file_until_converted(cache, gguf, conversions):
+    assert models._config_source(str(gguf)) == (str(gguf.parent), {"gguf_file": gguf.name})
+    assert not cache.exists() and conversions == []
+
+
+def test_a_users_gguf_that_cannot_be_converted_is_a_one_line_error(cache, gguf, monkeypatch):
+    def unsupported(gguf, folder):
+        raise ValueError("GGUF model with architecture mystery is not supported yet.\nmore detail")
+
+    monkeypatch.setattr(conversion, "write_plain_checkpoint", unsupported)
+    with pytest.raises(H2OError, match="architecture mystery is not supported yet[.]$"):
+        models._source(str(gguf))
+    assert list(cache.rglob("*.json")) == []  # nothing half-made is left to be trusted
+
+
+@pytest.mark.integration
+def test_a_users_real_gguf_is_converted_on_the_first_load_only(cache, tmp_path, capsys):
+    """The real conversion of a user's file (a copy of the default model's GGUF): the second load
+    reads the saved checkpoint and gives the same tokens."""
+    import shutil
+    import time
+
+    copy = tmp_path / "mine.gguf"
+    shutil.copyfile(paths.default_gguf(), copy)
+    model, tokenizer = models.load_model(str(copy), cache=False)
+    assert "converting mine.gguf once" in capsys.readouterr().err
+    started = time.perf_counter()
+    again, tokenizer_again = models.load_model(str(copy), cache=False)
+    assert capsys.readouterr().err.count("converting") == 0
+    assert time.perf_counter() - started < 10
+    text = "To be, or not to be"
+    assert tokenizer(text)["input_ids"] == tokenizer_again(text)["input_ids"]
+    assert again.config.num_key_value_heads == model.config.num_key_value_heads == 3

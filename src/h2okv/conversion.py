@@ -8,6 +8,11 @@ written last, inside the temporary folder, records the same key. A folder whose 
 or differs (left by an older h2okv, copied, renamed or half-written by hand) is converted again.
 The finished folder appears in one rename, so an interrupted conversion never leaves a folder that
 is later trusted.
+
+A user's own GGUF (``--model my.gguf``, ``user=True`` here) is cached the same way, in a folder of
+its own per resolved path, and its key adds that path and the file's modification time: a file
+rewritten in place, even at the same size, is converted again, never served from a stale folder.
+Its conversion for an older size of the file is removed then.
 """
 
 from __future__ import annotations
@@ -38,14 +43,19 @@ def transformers_version() -> str:
     return __version__
 
 
-def conversion_key(gguf: Path) -> dict:
-    """What a converted folder depends on; a folder is reused only when its manifest holds this."""
-    return {"format": FORMAT_VERSION, "gguf": gguf.name, "gguf_bytes": gguf.stat().st_size,
-            "transformers": transformers_version()}
+def conversion_key(gguf: Path, user: bool = False) -> dict:
+    """What a converted folder depends on; a folder is reused only when its manifest holds this.
+    ``user``: a user's file, which may change in place, so its path and mtime count too."""
+    stat = gguf.stat()
+    key = {"format": FORMAT_VERSION, "gguf": gguf.name, "gguf_bytes": stat.st_size,
+           "transformers": transformers_version()}
+    if user:
+        key |= {"gguf_path": str(gguf.resolve()), "gguf_mtime_ns": stat.st_mtime_ns}
+    return key
 
 
-def converted_folder(gguf: Path) -> Path:
-    return paths.converted_dir(gguf, transformers_version(), FORMAT_VERSION)
+def converted_folder(gguf: Path, user: bool = False) -> Path:
+    return paths.converted_dir(gguf, transformers_version(), FORMAT_VERSION, user=user)
 
 
 def untrusted_reason(folder: Path, key: dict) -> str | None:
@@ -62,15 +72,16 @@ def untrusted_reason(folder: Path, key: dict) -> str | None:
     return None
 
 
-def trusted_folder(gguf: Path) -> Path | None:
+def trusted_folder(gguf: Path, user: bool = False) -> Path | None:
     """The converted folder for ``gguf`` if a trusted one exists (nothing is converted)."""
-    folder = converted_folder(gguf)
-    return folder if untrusted_reason(folder, conversion_key(gguf)) is None else None
+    folder = converted_folder(gguf, user)
+    return folder if untrusted_reason(folder, conversion_key(gguf, user)) is None else None
 
 
-def ensure_converted(gguf: Path) -> Path:
-    """The trusted converted folder for ``gguf``, converting it first (one line on stderr) if needed."""
-    folder, key = converted_folder(gguf), conversion_key(gguf)
+def ensure_converted(gguf: Path, user: bool = False) -> Path:
+    """The trusted converted folder for ``gguf``, converting it first (one line on stderr) if needed.
+    ``user``: a user's own file (see the module's note)."""
+    folder, key = converted_folder(gguf, user), conversion_key(gguf, user)
     reason = untrusted_reason(folder, key)
     if reason is None:
         return folder
@@ -86,7 +97,18 @@ def ensure_converted(gguf: Path) -> Path:
         _publish(tmp, folder, key)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
+    if user:
+        _remove_older_sizes(folder)
     return folder
+
+
+def _remove_older_sizes(folder: Path) -> None:
+    """Delete conversions of a user's file at another size, by this transformers and format: the
+    folder of each file path holds one file's conversions, and the file has changed since."""
+    suffix = folder.name[folder.name.rindex("-transformers-"):]
+    for other in folder.parent.iterdir():
+        if other != folder and not other.name.startswith(".") and other.name.endswith(suffix):
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def _remove_abandoned(folder: Path) -> None:

@@ -33,10 +33,27 @@ def gguf_behind(name: str | None) -> Path | None:
     return None
 
 
-def converted_source(gguf_path: Path | None = None) -> str:
+def converted_source(gguf_path: Path | None = None, user: bool = False) -> str:
     """A directory loadable with ``from_pretrained``: the GGUF (default: the embedded model)
-    converted to a plain checkpoint, made on first use (h2okv.conversion)."""
-    return str(conversion.ensure_converted(gguf_path or paths.default_gguf()))
+    converted to a plain checkpoint, made on first use (h2okv.conversion). ``user``: a user's own
+    file, whose conversion is also reused until the file changes."""
+    gguf = gguf_path or paths.default_gguf()
+    try:
+        return str(conversion.ensure_converted(gguf, user=user))
+    except H2OError:
+        raise
+    except (OSError, ValueError, KeyError) as exc:
+        raise H2OError(f"cannot convert the model file {gguf}: {first_line(exc)}") from None
+
+
+def user_gguf(name: str) -> Path | None:
+    """The file behind ``--model my.gguf`` (checked to exist); None for any other name."""
+    path = Path(name).expanduser()
+    if path.suffix != ".gguf":
+        return None
+    if not path.is_file():
+        raise H2OError(f"model file not found: {name}")
+    return path
 
 
 def default_model_source() -> str:
@@ -67,11 +84,10 @@ def _source(name) -> tuple[str, dict]:
     gguf = gguf_behind(name)
     if gguf is not None:
         return converted_source(gguf), {}
+    gguf = user_gguf(name)
+    if gguf is not None:
+        return converted_source(gguf, user=True), {}
     path = Path(name)
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise H2OError(f"model file not found: {name}")
-        return str(path.parent), {"gguf_file": path.name}
     if (name.startswith((".", "/", "~")) or os.sep in name and path.exists()) and not path.exists():
         raise H2OError(f"model directory not found: {name}")
     if not path.exists():
@@ -107,10 +123,12 @@ def _config_source(name) -> tuple[str, dict]:
     """Like ``_source`` but never converts: a built-in GGUF model not yet converted (a fresh
     machine, a new transformers) has its config read from the GGUF's metadata, which is quick;
     converting first would dequantize every weight just to read a few numbers."""
-    gguf = gguf_behind(name)
+    gguf, user = gguf_behind(name), False
+    if gguf is None:
+        gguf, user = user_gguf(name), True
     if gguf is None:
         return _source(name)
-    folder = conversion.trusted_folder(gguf)
+    folder = conversion.trusted_folder(gguf, user)
     return (str(folder), {}) if folder else (str(gguf.parent), {"gguf_file": gguf.name})
 
 

