@@ -4,10 +4,11 @@ KVzip (Kim et al. 2025) asks which cached tokens the model needs to reproduce it
 no question in sight: the same ranking then serves any question asked later (a cached document
 many questions reuse). Usage::
 
-    cache = H2OCache(model, policy="kvzip", heavy_ratio=0.15, recent_ratio=0.05, prefill="late")
-    model(input_ids=context, cache=cache)                 # read whole, nothing evicted yet
-    reconstruct(model, cache, context, tokenizer)          # probe, rank, evict to the budget
+    cache = H2OCache(model, recipe="document", budget=0.2)   # kvzip, read whole, cache-wide split
+    read_context(model, cache, context, tokenizer)           # read, probe, rank, evict to the budget
     model.generate(input_ids=torch.cat([context, question], 1), cache=cache, ...)
+
+(``read_context`` is ``model(input_ids=context, cache=cache)`` then ``reconstruct``.)
 
 (``cache=`` is transformers >= 5.24's name; older releases call it ``past_key_values=``.)
 
@@ -68,14 +69,7 @@ def prompt_probes(tokenizer, prompt: list[int], chunk_size: int = DEFAULT_CHUNK)
     context = list(prompt[:-1])
     if not context:
         raise H2OError("a prompt ranked by reconstruction needs at least 2 tokens")
-    start = 0
-    if getattr(tokenizer, "chat_template", None):
-        try:
-            head = encode_text(tokenizer, chat_frame(tokenizer)[0])
-        except H2OError:  # a template that rewrites the message: no head to skip
-            head = []
-        if head and len(head) < len(context) and context[:len(head)] == head:
-            start = len(head)
+    start = chat_head_length(tokenizer, context)
     return [call[0].tolist() for call in probes(tokenizer, torch.tensor([context]), start, chunk_size)]
 
 
@@ -116,3 +110,41 @@ def rank_by_probes(model, cache, calls: list[torch.Tensor]) -> None:
                 layer.rank_by_probe(share)
     finally:
         cache.probing = None
+
+
+def read_context(model, cache, context, tokenizer=None, start: int | None = None) -> None:
+    """Read ``context`` (``[rows, tokens]`` ids, or one list of ids) into ``cache`` before any
+    question exists, and leave it compressed to its budget: ready for questions read afterwards
+    (``model.generate(input_ids=context + question, cache=cache)`` feeds only what is new).
+
+    Any policy works; one that ranks by reconstruction (``kvzip``, the ``document`` recipe) is
+    ranked here by ``reconstruct``, which needs the ``tokenizer``. ``start`` leaves a chat
+    template's head out of the repeated text (default: found from the tokenizer's template)."""
+    ids = torch.as_tensor(context, dtype=torch.long)
+    ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
+    if ids.dim() != 2 or ids.shape[1] < 1:
+        raise H2OError(f"read_context needs token ids of shape [rows, tokens], got {tuple(ids.shape)}")
+    ids = ids.to(model.device)
+    with torch.inference_mode():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_arg(cache), use_cache=True,
+              logits_to_keep=1)
+        if not cache.policy.ranks_by_reconstruction:
+            return
+        if tokenizer is None:
+            raise H2OError(f"policy {cache.policy.spec!r} ranks the context by reconstructing it: "
+                           f"read_context needs the tokenizer")
+        if start is None:
+            start = chat_head_length(tokenizer, ids[0].tolist())
+        reconstruct(model, cache, ids, tokenizer, start=start)
+
+
+def chat_head_length(tokenizer, ids: list[int]) -> int:
+    """How many of ``ids``' first tokens are the chat template's head (its system turn and the
+    user turn's opening), 0 when they do not start with it."""
+    if not getattr(tokenizer, "chat_template", None):
+        return 0
+    try:
+        head = encode_text(tokenizer, chat_frame(tokenizer)[0])
+    except H2OError:  # a template that rewrites the message: no head to skip
+        return 0
+    return len(head) if head and len(head) < len(ids) and ids[:len(head)] == head else 0

@@ -11,6 +11,19 @@ from h2okv.policies import Policy, policy_class
 # the share of a budget fraction kept for the most recent tokens: the paper's half and half
 DEFAULT_RECENT_SHARE = 0.5
 
+# The fewest slots per (layer, KV head) a *fraction* of the prompt keeps: 20% of a 37-token chat
+# question is 7 slots, and the default model then answers "What is the capital of France?" with
+# "The capital of the world is no...". Measured on 12 short chat questions (docs/RESULTS.md,
+# "Budget floor"): FLOOR_NOTE. A slot count given as such is never raised.
+DEFAULT_BUDGET_FLOOR = 64
+
+# a budget below this many slots per (layer, KV head) warns once: it rarely keeps an answer
+DEGENERATE_SLOTS = 16
+
+
+class H2OBudgetWarning(UserWarning):
+    """A budget so small that answers degrade (fewer than ``DEGENERATE_SLOTS`` slots)."""
+
 
 @dataclass(frozen=True)
 class BudgetSpec:
@@ -20,9 +33,12 @@ class BudgetSpec:
     recent: int | None = None
     heavy_ratio: float | None = None
     recent_ratio: float | None = None
+    #: the fewest slots a ratio budget keeps (``DEFAULT_BUDGET_FLOOR``; 0: none)
+    floor: int = 0
 
     @classmethod
-    def build(cls, policy: Policy, heavy, recent, heavy_ratio, recent_ratio) -> BudgetSpec:
+    def build(cls, policy: Policy, heavy=None, recent=None, heavy_ratio=None, recent_ratio=None,
+              floor: int = DEFAULT_BUDGET_FLOOR) -> BudgetSpec:
         absolute = heavy is not None or recent is not None
         ratio = heavy_ratio is not None or recent_ratio is not None
         if not policy.evicts:
@@ -52,7 +68,7 @@ class BudgetSpec:
             raise H2OError(
                 f"{policy.name} needs heavy_ratio and recent_ratio in (0, 1] (got {heavy_ratio}, {recent_ratio})"
             )
-        return cls(heavy_ratio=heavy_ratio, recent_ratio=recent_ratio)
+        return cls(heavy_ratio=heavy_ratio, recent_ratio=recent_ratio, floor=check_floor(floor))
 
     @classmethod
     def from_fraction(cls, fraction: float, recent_share: float = DEFAULT_RECENT_SHARE) -> BudgetSpec:
@@ -79,10 +95,42 @@ class BudgetSpec:
         """(heavy, recent) slots for a sequence whose prompt has ``prompt_len`` real tokens."""
         if not self.is_ratio:
             return self.heavy, self.recent
+        total = self.heavy_ratio + self.recent_ratio
+        if prompt_len * total < self.floor:
+            # a short prompt's fraction is raised to the floor, split in the ratios' proportions
+            heavy = round(self.floor * self.heavy_ratio / total)
+            if self.heavy_ratio > 0 and self.recent_ratio > 0:
+                heavy = min(max(heavy, 1), self.floor - 1)
+            return heavy, self.floor - heavy
         # at least one slot for each part whose ratio is > 0 (a 5-token prompt still gets a budget)
         heavy = max(1, int(self.heavy_ratio * prompt_len)) if self.heavy_ratio > 0 else 0
         recent = max(1, int(self.recent_ratio * prompt_len)) if self.recent_ratio > 0 else 0
         return heavy, recent
+
+
+def check_floor(floor) -> int:
+    """``floor`` as a slot count >= 0, else a one-line error."""
+    if isinstance(floor, bool) or not isinstance(floor, int) or floor < 0:
+        raise H2OError(f"budget_floor must be a whole number of slots >= 0, got {floor!r}")
+    return floor
+
+
+def budget_keywords(budget, recent_share: float = DEFAULT_RECENT_SHARE) -> dict:
+    """``H2OCache``'s one ``budget`` argument as the heavy/recent keywords it stands for: a float
+    in (0, 1] is a fraction of each prompt, an int (or a whole float above 1) slots per (layer, KV
+    head); ``recent_share`` of it is kept for the most recent tokens."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or math.isnan(budget):
+        raise H2OError(f"budget must be a fraction of the prompt in (0, 1] or a number of slots, got {budget!r}")
+    fraction = isinstance(budget, float) and (budget <= 1 or not budget.is_integer())
+    if fraction:
+        if not 0.0 < budget <= 1.0:
+            raise H2OError(f"budget {budget} is neither a fraction in (0, 1] nor a whole number of slots")
+        spec = BudgetSpec.from_fraction(budget, recent_share)
+        return {"heavy_ratio": spec.heavy_ratio, "recent_ratio": spec.recent_ratio}
+    if budget < 1 or math.isinf(budget):
+        raise H2OError(f"budget must be a number of slots >= 1 or a fraction in (0, 1], got {budget!r}")
+    spec = BudgetSpec.from_slots(int(budget), recent_share)
+    return {"heavy": spec.heavy, "recent": spec.recent}
 
 
 def check_recent_share(share: float) -> float:

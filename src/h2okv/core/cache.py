@@ -4,29 +4,76 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import torch
 from transformers.cache_utils import Cache
 
 from h2okv.core.attention import prepare_model
-from h2okv.core.budget import BudgetSpec
+from h2okv.core.budget import (
+    DEFAULT_BUDGET_FLOOR,
+    DEFAULT_RECENT_SHARE,
+    DEGENERATE_SLOTS,
+    BudgetSpec,
+    H2OBudgetWarning,
+    budget_keywords,
+)
 from h2okv.core.head_budget import DEFAULT_FLOOR, HEAD_BUDGETS
 from h2okv.core.layer import SlotLayer
 from h2okv.core.positions import RollingPositions, check_positions
 from h2okv.errors import H2OError
 from h2okv.policies import Budget, Policy, make_policy
+from h2okv.recipes import DEFAULT_RECIPE_BUDGET, expand
 
 DEFAULT_CHUNK = 512
 PREFILL_MODES = ("chunked", "late")
 
 
+def check_settings(policy=None, *, recipe=None, budget=None, recent_share=None, budget_floor=DEFAULT_BUDGET_FLOOR,
+                   seed=0, prefill=None, positions=None, head_budgets=None, head_floor=None, **parts):
+    """``H2OCache``'s keywords checked and completed without a model: ``(settings, policy,
+    budget spec)``, where ``settings`` holds every keyword a recipe or the defaults filled in.
+    Commands call it to refuse bad settings before the (slow) model load; ``parts`` are the older
+    ``heavy``/``recent``/``heavy_ratio``/``recent_ratio``."""
+    # a recipe fills in what is not given (h2okv.recipes); then the library's defaults
+    settings = {"policy": "h2o", "prefill": "chunked", "positions": "true", "head_budgets": "uniform",
+                "head_floor": DEFAULT_FLOOR, "recent_share": None,
+                **expand(recipe, policy=policy, prefill=prefill, positions=positions, head_budgets=head_budgets,
+                         head_floor=head_floor, recent_share=recent_share)}
+    chosen = make_policy(settings["policy"], seed=seed)
+    if settings["prefill"] not in PREFILL_MODES:
+        raise H2OError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {settings['prefill']!r}")
+    parts = {name: parts.get(name) for name in ("heavy", "recent", "heavy_ratio", "recent_ratio")}
+    given_parts = any(v is not None for v in parts.values())
+    if budget is not None or (recipe is not None and chosen.evicts and not given_parts):
+        if given_parts:
+            raise H2OError("give either budget= or heavy=/recent=/heavy_ratio=/recent_ratio=, not both")
+        share = DEFAULT_RECENT_SHARE if settings["recent_share"] is None else settings["recent_share"]
+        if chosen.evicts:
+            parts = budget_keywords(DEFAULT_RECIPE_BUDGET if budget is None else budget, share)
+        elif budget is not None:
+            raise H2OError(f"policy {chosen.name!r} keeps every token; do not give it a budget")
+    elif recent_share is not None and chosen.evicts:
+        raise H2OError("recent_share splits budget=; with heavy=/recent= or ratios give both parts yourself")
+    return settings, chosen, BudgetSpec.build(chosen, floor=budget_floor, **parts)
+
+
 class H2OCache(Cache):
     """A ``transformers.Cache`` that keeps at most ``heavy + recent`` tokens per (sequence, layer, KV head).
 
-    ``H2OCache(model, policy="h2o", heavy=102, recent=102)`` or
-    ``H2OCache(model, policy="h2o", heavy_ratio=0.1, recent_ratio=0.1)``; pass it as ``cache=``
-    (transformers >= 5.24; ``past_key_values=`` before) to ``model.generate`` or ``model(...)``.
-    One cache serves one generation.
+    ``H2OCache(model)`` is the paper's H2O: 10% heavy hitters + 10% recent tokens of each prompt.
+    ``H2OCache(model, recipe="bounded", budget=0.2)`` is the best configuration we measured for a
+    use (``h2okv.recipes``: ``prompt``, ``bounded``, ``document``, ``generation``, ``stream``);
+    keywords given beside a recipe replace its parts. Pass the cache as ``cache=`` (transformers
+    >= 5.24; ``past_key_values=`` before) to ``model.generate`` or ``model(...)``. One cache
+    serves one generation.
+
+    ``budget``: a fraction of each prompt (a float in (0, 1]) or slots per (layer, KV head) (an
+    int), ``recent_share`` of it for the most recent tokens (default 0.5), the rest for the
+    policy's choice. The older spelling: ``heavy=``/``recent=`` slots or ``heavy_ratio=``/
+    ``recent_ratio=`` fractions. A fraction never keeps fewer than ``budget_floor`` slots
+    (``DEFAULT_BUDGET_FLOOR``; 0 turns it off), and a budget under ``DEGENERATE_SLOTS`` slots
+    warns once (``H2OBudgetWarning``).
     ``policy`` is a name from ``POLICIES``, optionally with options (``"snapkv:window=16"``).
 
     ``prefill`` says when a forward call of several tokens (a prompt) is ranked:
@@ -57,36 +104,42 @@ class H2OCache(Cache):
     def __init__(
         self,
         model,
-        policy: str | Policy = "h2o",
+        policy: str | Policy | None = None,
         heavy: int | None = None,
         recent: int | None = None,
         heavy_ratio: float | None = None,
         recent_ratio: float | None = None,
         chunk_size: int = DEFAULT_CHUNK,
         seed: int = 0,
-        prefill: str = "chunked",
-        positions: str = "true",
-        head_budgets: str = "uniform",
-        head_floor: float = DEFAULT_FLOOR,
+        prefill: str | None = None,
+        positions: str | None = None,
+        head_budgets: str | None = None,
+        head_floor: float | None = None,
+        *,
+        budget: int | float | None = None,
+        recipe: str | None = None,
+        recent_share: float | None = None,
+        budget_floor: int = DEFAULT_BUDGET_FLOOR,
     ):
-        self.policy = make_policy(policy, seed=seed)
+        self.recipe = recipe
+        settings, self.policy, self.spec = check_settings(
+            policy, recipe=recipe, budget=budget, recent_share=recent_share, budget_floor=budget_floor, seed=seed,
+            prefill=prefill, positions=positions, head_budgets=head_budgets, head_floor=head_floor,
+            heavy=heavy, recent=recent, heavy_ratio=heavy_ratio, recent_ratio=recent_ratio)
         self.policy.bind(model)
-        if prefill not in PREFILL_MODES:
-            raise H2OError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
-        self.prefill = prefill
-        self.spec = BudgetSpec.build(self.policy, heavy, recent, heavy_ratio, recent_ratio)
+        self.prefill = settings["prefill"]
         if int(chunk_size) < 1:
             raise H2OError(f"chunk_size must be >= 1, got {chunk_size}")
         self.chunk_size = int(chunk_size)
-        self.head_budgets, self.head_floor = self._check_head_budgets(head_budgets, head_floor)
-        if self.policy.ranks_by_reconstruction and prefill != "late":
+        self.head_budgets, self.head_floor = self._check_head_budgets(settings["head_budgets"], settings["head_floor"])
+        if self.policy.ranks_by_reconstruction and self.prefill != "late":
             raise H2OError(f"policy {self.policy.spec!r} ranks the whole prompt after reading it: use prefill=late "
                            f"(--prefill late)")
         # while h2okv.reconstruct runs: layer index -> the best probe score of each slot so far
         self.probing: dict[int, torch.Tensor] | None = None
         num_layers = prepare_model(model)
         super().__init__(layers=[SlotLayer(self, i) for i in range(num_layers)])
-        scheme = check_positions(self.policy, positions)
+        scheme = check_positions(self.policy, settings["positions"])
         self.rolling = None if scheme is None else RollingPositions(model, scheme)
         self._row_budgets: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -234,10 +287,18 @@ class H2OCache(Cache):
             heavy = torch.tensor([p.heavy for p in pairs], dtype=torch.long)
             recent = torch.tensor([p.recent for p in pairs], dtype=torch.long)
             self._row_budgets = (heavy, recent)
+            self._warn_if_degenerate()
         heavy, recent = self._row_budgets
         # sinks never exceed the heavy part, so a row at its budget always has a candidate
         sinks = heavy.clamp(max=self.policy.sink_tokens)
         return heavy.to(device), recent.to(device), sinks.to(device)
+
+    def _warn_if_degenerate(self) -> None:
+        smallest = int((self._row_budgets[0] + self._row_budgets[1]).min()) if self.rows else 0
+        if self.policy.evicts and 0 < smallest < DEGENERATE_SLOTS:
+            warnings.warn(f"h2okv: a budget of {smallest} slots per layer and KV head rarely keeps an answer; "
+                          f"give budget= a larger fraction or at least {DEGENERATE_SLOTS} slots "
+                          f"(budget_floor raises fractions of short prompts)", H2OBudgetWarning, stacklevel=2)
 
     def _split(self, pair) -> Budget:
         if not self.policy.evicts:
@@ -270,6 +331,8 @@ class H2OCache(Cache):
         slots = [int(layer.live_slots().max()) for layer in layers]
         return {
             "policy": self.policy.name,
+            "policy_spec": self.policy.spec,
+            "recipe": self.recipe,
             "tokens_seen": self.get_seq_length(),
             "budget": self.budget(),
             "slots": slots,  # the most live tokens any (sequence, head) of each layer holds
@@ -284,3 +347,19 @@ class H2OCache(Cache):
             "kv_bytes": sum(layer.kv_bytes() for layer in layers),
             "full_kv_bytes": sum(layer.full_kv_bytes() for layer in layers),
         }
+
+    def summary(self) -> str:
+        """One line: what the cache is, what it has seen, what it keeps and the bytes it holds
+        against a full cache of the same tokens (``stats()`` has the per-layer lists)."""
+        stats = self.stats()
+        name = stats["policy_spec"] + (f" (recipe {self.recipe})" if self.recipe else "")
+        budget = stats["budget"]
+        if budget is None:
+            kept = "every token kept"
+        else:
+            low, high = min(budget), max(budget)
+            kept = f"budget {low if low == high else f'{low}-{high}'} slots per layer and KV head"
+        ratio = stats["kv_bytes"] / stats["full_kv_bytes"] if stats["full_kv_bytes"] else 1.0
+        mib = 1024 * 1024
+        return (f"{name}: {stats['tokens_seen']} tokens seen, {kept}, KV {stats['kv_bytes'] / mib:.2f} MiB "
+                f"vs {stats['full_kv_bytes'] / mib:.2f} MiB full ({ratio:.0%})")

@@ -1,0 +1,128 @@
+"""Recipes: the best configuration we measured for one use, under one name.
+
+A recipe is only a name for a set of ``H2OCache`` keywords (policy, prefill mode, recent share,
+head split, positions). ``H2OCache(model, recipe="bounded", budget=0.2)`` is the same cache as
+spelling the keywords out, and any keyword given beside the recipe replaces the recipe's. The
+policies and options stay available as they are; ``stats()`` and every evaluation row record the
+recipe and what it expanded to.
+
+Each recipe is the configuration that scored best for its use on every model we measured
+(docs/RESULTS.md, "Recipes"), not one tuned to a single model.
+
+Torch-free on purpose: the command line lists the recipes in ``--help`` without loading torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from h2okv.errors import H2OError
+
+# the budget a recipe keeps when none is given: the paper's "20% KV cache"
+DEFAULT_RECIPE_BUDGET = 0.2
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    #: when to use it, in one line (help texts and README)
+    use: str
+    #: the ``H2OCache`` keywords it stands for
+    settings: dict = field(default_factory=dict)
+    #: what it scored, in one line, with where the command is (docs/RESULTS.md)
+    measured: str = ""
+
+    def describe(self) -> str:
+        """``snapkv:window=1,kernel=7,heads=shared, recent_share=0.05, prefill=chunked``."""
+        rest = ", ".join(f"{k}={v}" for k, v in self.settings.items() if k != "policy")
+        return f"{self.settings['policy']}, {rest}" if rest else self.settings["policy"]
+
+
+RECIPES: dict[str, Recipe] = {
+    recipe.name: recipe
+    for recipe in (
+        Recipe(
+            "prompt",
+            "the question is in the prompt and the prompt may be read whole",
+            # SnapKV as kvpress runs it: read with exact attention, then the last 32 queries
+            # (pooled over 7 neighbours) rank the prompt once; the recent share keeps those 32
+            # window tokens at 20% of a 2k prompt
+            {"policy": "snapkv", "prefill": "late", "recent_share": 0.078},
+            "RULER-style, 2k tokens, 20%: 1.5B 91.7 = full; 0.5B 78.3 (full 90.0)",
+        ),
+        Recipe(
+            "bounded",
+            "the question is in the prompt and memory must stay at budget + one chunk",
+            # the question's last query ranks every token of the call before the first chunk is
+            # evicted, pooled over 7 neighbours so that a number is kept whole
+            {"policy": "snapkv:window=1,kernel=7,heads=shared", "prefill": "chunked", "recent_share": 0.05},
+            "passkeys, 135M, 20%: 17/20 (full 18); RULER-style 1.5B: 88.3 (full 91.7)",
+        ),
+        Recipe(
+            "document",
+            "the context is compressed before any question exists (a cached document)",
+            # KVzip: ranked by how the model repeats the context, the whole cache's slots shared
+            # out among every layer and KV head; h2okv.read_context runs the reconstruction pass
+            {"policy": "kvzip", "prefill": "late", "head_budgets": "layers", "head_floor": 0.0,
+             "recent_share": 0.01},
+            "RULER-style, question after compression, 20%: 1.5B 90.0 = kvpress KVzip; 0.5B 85.0; passkeys 135M 18/20",
+        ),
+        Recipe(
+            "generation",
+            "long outputs (reasoning, stories): give the budget in slots, >= 2/3 of prompt + answer",
+            {"policy": "h2o", "prefill": "chunked", "recent_share": 0.5},
+            "GSM8K, 0.5B, 256 slots: 26.7% (full 28.0%); every policy but local is within a point",
+        ),
+        Recipe(
+            "stream",
+            "text past the model's context window, in constant memory",
+            # the accumulated mass divided by the number of queries that saw a token: old tokens
+            # do not win by age alone over a long stream
+            {"policy": "h2o-mean", "prefill": "chunked", "recent_share": 0.5, "positions": "rolling"},
+            "64k-token stream, 512 slots: per-window perplexity 1.04-1.15x full attention's",
+        ),
+    )
+}
+RECIPE_NAMES = tuple(RECIPES)
+
+
+def get_recipe(name: str) -> Recipe:
+    """The recipe called ``name``, else a one-line error that lists them."""
+    recipe = RECIPES.get(str(name).strip())
+    if recipe is None:
+        raise H2OError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPE_NAMES)}")
+    return recipe
+
+
+def expand(recipe: str | None, **given) -> dict:
+    """The recipe's keywords overlaid with the ``given`` ones that are not None (what the user
+    spelled out wins); with no recipe, just the given keywords."""
+    explicit = {key: value for key, value in given.items() if value is not None}
+    if recipe is None:
+        return explicit
+    return {**get_recipe(recipe).settings, **explicit}
+
+
+def recipe_runs(names: list[str]) -> list[tuple[str, dict, str]]:
+    """``(policy, cache keywords but the policy, recipe name)`` for each recipe in ``names``: how an
+    evaluation grid runs a recipe beside its plain policies."""
+    runs = []
+    for name in names:
+        settings = dict(get_recipe(name).settings)
+        runs.append((settings.pop("policy"), settings, name))
+    return runs
+
+
+def parse_recipes(text: str | None) -> list[str]:
+    """``--recipe prompt,bounded`` -> the names, each checked (one-line error for an unknown one)."""
+    if text is None:
+        return []
+    names = [get_recipe(part).name for part in (p.strip() for p in text.split(",")) if part]
+    if not names:
+        raise H2OError(f"--recipe is empty; choose from {', '.join(RECIPE_NAMES)}")
+    return list(dict.fromkeys(names))
+
+
+def recipe_help() -> str:
+    """One help line naming each recipe and its use."""
+    return "; ".join(f"{r.name}: {r.use}" for r in RECIPES.values())
