@@ -13,7 +13,7 @@ from h2okv.core import DEFAULT_CHUNK, H2OCache, fraction_budget, slot_budget
 from h2okv.core.budget import DEFAULT_RECENT_SHARE
 from h2okv.core.compat import cache_arg
 from h2okv.errors import H2OError
-from h2okv.reconstruction import reconstruct
+from h2okv.reconstruction import read_context, reconstruct
 
 
 @dataclass
@@ -32,21 +32,23 @@ def budget_kwargs(heavy=None, recent=None, heavy_ratio=None, recent_ratio=None) 
 
 def new_cache(model, policy: str | None, fraction: float | None = None, chunk_size: int = DEFAULT_CHUNK,
               seed: int = 0, recent_share: float = DEFAULT_RECENT_SHARE, prefill: str = "chunked",
-              slots: int | None = None, **options):
-    """The cache for one run: an ``H2OCache`` under ``policy`` keeping ``fraction`` of each prompt
-    (``fraction_budget``, ``recent_share`` of it recent) or, given ``slots``, that many tokens per
-    layer and KV head (``slot_budget``, ``recent_share`` of them recent) - both ignored for a policy that keeps
-    everything - with the ``prefill`` mode (``H2OCache``), or, for ``policy=None``, the plain
-    ``DynamicCache`` transformers runs by default (the benchmarks' baseline). ``options`` are
-    further ``H2OCache`` keywords, passed through unread (evaluations' ``--cache-option``); an
-    unknown one is a one-line error."""
+              slots: int | None = None, budget_floor: int = 0, **options):
+    """The cache for one evaluation run: an ``H2OCache`` under ``policy`` keeping ``fraction`` of
+    each prompt (``fraction_budget``, ``recent_share`` of it recent) or, given ``slots``, that many
+    tokens per layer and KV head (``slot_budget``, ``recent_share`` of them recent) - both ignored
+    for a policy that keeps everything - with the ``prefill`` mode (``H2OCache``), or, for
+    ``policy=None``, the plain ``DynamicCache`` transformers runs by default (the benchmarks'
+    baseline). An evaluation measures the fraction it names, so there is no budget floor unless
+    ``budget_floor`` says so. ``options`` are further ``H2OCache`` keywords, passed through unread
+    (evaluations' ``--cache-option``, a recipe's settings); an unknown one is a one-line error."""
     if policy is None:
         return DynamicCache(config=model.config)
     budget = fraction_budget(policy, fraction, recent_share) if slots is None else slot_budget(policy, slots, recent_share)
-    if clash := sorted(set(options) & {"policy", "chunk_size", "seed", *budget}):
+    if clash := sorted(set(options) & {"policy", "chunk_size", "seed", "recipe", "budget", *budget}):
         raise H2OError(f"cache option(s) {', '.join(clash)} are set by the evaluation itself")
     try:
-        return H2OCache(model, policy=policy, chunk_size=chunk_size, seed=seed, prefill=prefill, **budget, **options)
+        return H2OCache(model, policy=policy, chunk_size=chunk_size, seed=seed, prefill=prefill,
+                        budget_floor=budget_floor, **budget, **options)
     except TypeError as exc:
         if "unexpected keyword" not in str(exc):
             raise
@@ -129,12 +131,12 @@ def generate(
     model,
     tokenizer,
     prompt: str,
-    policy: str = "h2o",
+    policy: str | None = None,
     max_new_tokens: int = 128,
     chat: bool = False,
     stream: bool = False,
     chunk_size: int = DEFAULT_CHUNK,
-    positions: str = "true",
+    positions: str | None = None,
     kv_every: int | None = None,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -142,16 +144,29 @@ def generate(
     seed: int = 0,
     ignore_eos: bool = False,
     on_kv=None,
-    **budget,
+    recipe: str | None = None,
+    budget: float | int | None = None,
+    recent_share: float | None = None,
+    budget_floor: int | None = None,
+    prefill: str | None = None,
+    **parts,
 ) -> Generation:
     """Generation under ``policy``, greedy unless ``temperature`` > 0 (then sampled with ``top_p``,
     seeded by ``seed``), for exactly ``max_new_tokens`` with ``ignore_eos``; ``positions="rolling"``
     goes on past the context window.
     ``kv_every``: ``stats["kv_history"]`` gets ``(tokens seen, KV bytes)`` every that many tokens,
     each also handed to ``on_kv(seen, bytes, tokens since the first, seconds)`` as it happens
-    (``KVWatch``)."""
-    cache = H2OCache(model, policy=policy, chunk_size=chunk_size, positions=positions, **budget_kwargs(**budget))
+    (``KVWatch``). ``recipe``, ``budget`` and the rest are ``H2OCache``'s keywords (``parts``: the
+    older ``heavy``/``recent``/``heavy_ratio``/``recent_ratio``); a policy ranked by reconstruction
+    (``kvzip``, the ``document`` recipe) first reads and ranks all of the prompt but its last token."""
+    floor = {} if budget_floor is None else {"budget_floor": budget_floor}
+    cache = H2OCache(model, policy=policy, recipe=recipe, budget=budget, recent_share=recent_share, prefill=prefill,
+                     chunk_size=chunk_size, positions=positions, **floor, **budget_kwargs(**parts))
     inputs = encode_prompt(tokenizer, prompt, chat=chat, device=model.device)
+    if cache.policy.ranks_by_reconstruction:
+        if inputs["input_ids"].shape[1] < 2:
+            raise H2OError(f"policy {cache.policy.spec!r} ranks the prompt by repeating it: give at least 2 tokens")
+        read_context(model, cache, inputs["input_ids"][:, :-1], tokenizer)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     watch = KVWatch(cache, kv_every, on_kv) if kv_every else None
     sampling = {"do_sample": False}
@@ -182,7 +197,7 @@ def summary_line(stats: dict) -> str:
     slots = max(stats["slots"]) if stats["slots"] else 0
     ratio = stats["kv_bytes"] / stats["full_kv_bytes"] if stats["full_kv_bytes"] else 0.0
     line = (
-        f"[{stats['policy']}] tokens seen {stats['tokens_seen']}, slots kept {slots} per layer/head, "
+        f"[{stats.get('policy_spec', stats['policy'])}{', recipe ' + stats['recipe'] if stats.get('recipe') else ''}] tokens seen {stats['tokens_seen']}, slots kept {slots} per layer/head, "
         f"KV {stats['kv_bytes'] / mib:.2f} MiB vs full-cache {stats['full_kv_bytes'] / mib:.2f} MiB ({ratio:.1%})"
     )
     ranks = stats.get("per_rank") or []

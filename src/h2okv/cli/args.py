@@ -19,6 +19,7 @@ from h2okv.corpus import DEFAULT_PLAY
 from h2okv.errors import H2OError
 from h2okv.parallel.launch import DEFAULT_TIMEOUT_S
 from h2okv.policy_names import POLICY_NAMES, RECONSTRUCTION_POLICIES
+from h2okv.recipes import recipe_help
 
 # H2OCache's prefill modes (core/cache.py PREFILL_MODES; kept here so --help loads no torch)
 PREFILL_CHOICES = ("chunked", "late")
@@ -177,7 +178,16 @@ def add_model_args(parser: argparse.ArgumentParser, device: bool = True) -> None
 def add_budget_args(parser: argparse.ArgumentParser, policy_default: str = "h2o", reconstruction: bool = False) -> None:
     """``reconstruction``: the command runs ``kvzip``'s pass (``serve``), so its help lists it."""
     names = [p for p in POLICY_NAMES if reconstruction or p not in RECONSTRUCTION_POLICIES]
-    parser.add_argument("--policy", default=policy_default, help=f"one of {', '.join(names)}, options after a colon, e.g. snapkv:window=16 (default: {policy_default})")
+    parser.add_argument("--policy", default=None, help=f"one of {', '.join(names)}, options after a colon, e.g. snapkv:window=16 (default: {policy_default}, or the recipe's)")
+    add_recipe_arg(parser)
+    parser.add_argument("--budget", type=parse_budget, default=None,
+                        help="the cache budget: a fraction of the prompt (0.2) or slots per layer and KV head (256) "
+                             "(default: 0.2, the paper's 10%% heavy + 10%% recent)")
+    parser.add_argument("--recent-share", type=recent_share, default=None,
+                        help="share of --budget kept for the most recent tokens (default: 0.5, or the recipe's)")
+    parser.add_argument("--budget-floor", type=int, default=None,
+                        help="the fewest slots a fractional budget keeps on a short prompt (default: the library's "
+                             "DEFAULT_BUDGET_FLOOR; 0: none)")
     parser.add_argument("--heavy", type=int, default=None, help="heavy-hitter slots per layer/head")
     parser.add_argument("--recent", type=int, default=None, help="recent-token slots per layer/head")
     parser.add_argument("--heavy-ratio", type=float, default=None, help="heavy slots as a fraction of the prompt (default 0.1)")
@@ -186,12 +196,21 @@ def add_budget_args(parser: argparse.ArgumentParser, policy_default: str = "h2o"
 
 
 def budget_from_args(args) -> dict:
+    """The older spelling of a budget (``--heavy``/``--recent``/``--heavy-ratio``/``--recent-ratio``)."""
     return {
         "heavy": args.heavy,
         "recent": args.recent,
         "heavy_ratio": args.heavy_ratio,
         "recent_ratio": args.recent_ratio,
     }
+
+
+def cache_keywords(args) -> dict:
+    """``H2OCache``'s keywords from ``add_budget_args``' flags, only those given (a recipe fills the
+    rest); ``prefill`` too where the command has ``--prefill``."""
+    given = {"policy": args.policy, "recipe": args.recipe, "budget": args.budget, "recent_share": args.recent_share,
+             "budget_floor": args.budget_floor, "prefill": getattr(args, "prefill", None), **budget_from_args(args)}
+    return {key: value for key, value in given.items() if value is not None}
 
 
 def recent_share(text: str) -> float:
@@ -202,6 +221,31 @@ def recent_share(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a share in [0, 1], got {text!r}") from None
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be a share in [0, 1], got {text!r}")
+    return value
+
+
+def add_recipe_arg(parser: argparse.ArgumentParser, grid: bool = False) -> None:
+    """``--recipe``: a name for the best configuration we measured for a use (``h2okv.recipes``);
+    a grid (``grid``) takes several, run beside ``--policies``."""
+    what = "comma-separated recipes run beside --policies (which then defaults to full)" if grid else \
+        "the measured best configuration for a use; --policy and the other flags given replace its parts"
+    parser.add_argument("--recipe", default=None, metavar="NAME" + (",..." if grid else ""),
+                        help=f"{what}: {recipe_help()}")
+
+
+def parse_budget(text: str) -> float | int:
+    """``--budget``: a fraction of the prompt with a point (``0.2``) or slots per layer and KV head
+    (an integer: ``256``)."""
+    text = str(text).strip()
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    try:
+        value = float(text) if "." in text else None
+    except ValueError:
+        value = None
+    if value is None or not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction of the prompt with a point (0.2) or a number of "
+                                         f"slots (256), got {text!r}")
     return value
 
 

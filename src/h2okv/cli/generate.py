@@ -6,10 +6,11 @@ import sys
 from pathlib import Path
 
 from h2okv.cli.args import (
+    PREFILL_CHOICES,
     add_budget_args,
     add_model_args,
     add_tp_args,
-    budget_from_args,
+    cache_keywords,
     non_negative_float,
     positive_float,
     positive_int,
@@ -25,8 +26,8 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
-    p.add_argument("--positions", default="true",
-                   help="true (default) or rolling (rolling:shift, rolling:order): keep positions inside the "
+    p.add_argument("--positions", default=None,
+                   help="true (default, or the recipe's) or rolling (rolling:shift, rolling:order): keep positions inside the "
                         "model's context window, so generation goes on past it in constant memory")
     p.add_argument("--kv-every", type=positive_int, default=None,
                    help="print the KV memory every N tokens (it stays flat once an evicting cache is full)")
@@ -40,7 +41,10 @@ def register(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true",
                    help="never stop at the end-of-sequence token: generate exactly --max-new-tokens (long runs)")
     add_model_args(p)
-    add_budget_args(p)
+    add_budget_args(p, reconstruction=True)
+    p.add_argument("--prefill", choices=PREFILL_CHOICES, default=None,
+                   help="chunked: evict after every prefill chunk (bounded: budget + chunk slots); late: read the "
+                        "whole prompt with exact attention, then rank once (default: chunked, or the recipe's)")
     add_tp_args(p)
     p.set_defaults(func=run)
 
@@ -63,17 +67,13 @@ def read_prompt(args) -> str:
 
 
 def run(args) -> int:
-    from h2okv.core import BudgetSpec
+    from h2okv.core.cache import check_settings
     from h2okv.core.positions import parse_positions
     from h2okv.parallel import launch
-    from h2okv.policies import make_policy, refuse_reconstruction
 
     args.prompt_text = read_prompt(args)
     parse_positions(args.positions)
-    budget = budget_from_args(args)
-    # validate settings before the (slow) model load and before any rank starts
-    BudgetSpec.build(make_policy(args.policy), **{k: budget[k] for k in ("heavy", "recent", "heavy_ratio", "recent_ratio")})
-    refuse_reconstruction(args.policy, "`h2okv generate`")
+    check_settings(**cache_keywords(args))  # before the (slow) model load and before any rank starts
     launch.prepare(args)
     return launch.run(args, generate_on_rank)
 
@@ -81,7 +81,7 @@ def run(args) -> int:
 def generate_on_rank(args) -> int:
     """The generation itself: in this process, or on every rank of a ``--tp`` run (all ranks
     compute the same tokens; rank 0 prints)."""
-    from h2okv.generation import budget_kwargs, generate, summary_line
+    from h2okv.generation import generate, summary_line
     from h2okv.models import load_model
     from h2okv.parallel.ranks import is_main_rank
     from h2okv.parallel.stats import gather_stats
@@ -94,11 +94,11 @@ def generate_on_rank(args) -> int:
         print(f"[kv] tokens seen {seen}: KV {kv / 2**20:.2f} MiB{rate}", file=sys.stderr, flush=True)
 
     result = generate(
-        model, tokenizer, args.prompt_text, policy=args.policy, max_new_tokens=args.max_new_tokens,
+        model, tokenizer, args.prompt_text, max_new_tokens=args.max_new_tokens,
         chat=args.chat, stream=stream, chunk_size=args.chunk_size, positions=args.positions,
         kv_every=args.kv_every, temperature=args.temperature, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, seed=args.seed, ignore_eos=args.ignore_eos,
-        on_kv=kv_line if stream else None, **budget_kwargs(**budget_from_args(args)),
+        on_kv=kv_line if stream else None, **cache_keywords(args),
     )
     stats = gather_stats(result.stats)
     if not is_main_rank():
