@@ -31,6 +31,7 @@ from h2okv.eval.greedy import greedy_rows
 from h2okv.eval.reasoning_data import Problem
 from h2okv.generation import chat_prompt_ids, new_cache
 from h2okv.policies import policy_class
+from h2okv.recipes import get_recipe
 
 PIECE_FORMAT = "h2okv-reasoning/1"
 EXPORT_FORMAT = "h2okv-reasoning-prompts/1"  # read by tools/peer/run_kvpress.py
@@ -49,12 +50,28 @@ class Setup:
     batch_size: int
     seed: int = 0
     recent_share: float = DEFAULT_RECENT_SHARE  # of each budget; the rest is the policy's ranking
+    #: the recipe whose policy this piece runs with the recipe's settings (``h2okv.recipes``)
+    recipe: str | None = None
+
+    def cache_options(self, policy: str) -> dict:
+        """The recipe's further cache keywords (prefill, positions...) for the recipe's own policy."""
+        if self.recipe is None:
+            return {}
+        settings = dict(get_recipe(self.recipe).settings)
+        if settings.pop("policy") != policy:
+            return {}
+        settings.pop("recent_share", None)  # the piece's own recent_share, set from the recipe
+        return settings
 
 
-def config_label(policy: str, recent_share: float) -> str:
-    """A row's ``policy``: the policy, with its recent share where that is not the default half
-    (a piece of another share is then another line of the report, not the same one)."""
-    if recent_share == DEFAULT_RECENT_SHARE or not policy_class(policy).evicts:
+def config_label(policy: str, recent_share: float, recipe: str | None = None) -> str:
+    """A row's ``policy``: the policy, with its recipe or its recent share where that is not the
+    default half (a piece of another share is then another line of the report, not the same one)."""
+    if not policy_class(policy).evicts:
+        return policy
+    if recipe is not None and get_recipe(recipe).settings["policy"] == policy:
+        return f"{policy} recipe={recipe}"
+    if recent_share == DEFAULT_RECENT_SHARE:
         return policy
     return f"{policy} recent={recent_share:g}"
 
@@ -108,8 +125,9 @@ def run_batch(model, tokenizer, setup: Setup, problems: list[Problem], policy: s
     stop = () if setup.style == "chat" else problems[0].stop
     prompts = [prompt_ids(tokenizer, p, setup.style) for p in problems]
     fraction, slots = (budget, None) if isinstance(budget, float) else (None, budget)
-    cache = new_cache(model, policy, fraction, seed=setup.seed, slots=slots, recent_share=setup.recent_share)
-    label = config_label(policy, setup.recent_share)
+    cache = new_cache(model, policy, fraction, seed=setup.seed, slots=slots, recent_share=setup.recent_share,
+                      **setup.cache_options(policy))
+    label = config_label(policy, setup.recent_share, setup.recipe)
     start, cpu_start = time.perf_counter(), time.process_time()
     results = greedy_rows(model, prompts, cache, setup.max_new_tokens, eos_ids, stop=stop, decode=tokenizer.decode,
                           pad_id=tokenizer.pad_token_id or 0)
@@ -156,7 +174,7 @@ def reasoning_grid(model, tokenizer, setup: Setup, problems: list[Problem], poli
     eos = model_eos_ids(model, tokenizer)
     work = []
     for policy, budget in runs_of(policies, budgets):
-        label = config_label(policy, setup.recent_share)
+        label = config_label(policy, setup.recent_share, setup.recipe)
         todo = [p for p in problems if (label, budget, p.id) not in done]
         work += [(policy, budget, todo[i: i + setup.batch_size]) for i in range(0, len(todo), setup.batch_size)]
     with tqdm(total=sum(len(w[2]) for w in work), desc=f"{setup.task} {setup.style}", unit="problem",

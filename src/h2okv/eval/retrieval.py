@@ -30,11 +30,13 @@ from tqdm.auto import tqdm
 from h2okv.core import DEFAULT_CHUNK, H2OCache
 from h2okv.core.budget import DEFAULT_RECENT_SHARE
 from h2okv.core.compat import cache_arg
+from h2okv.core.head_budget import DEFAULT_FLOOR
 from h2okv.errors import H2OError
 from h2okv.eval.haystack import FILLER, Haystack  # noqa: F401 (FILLER: public here before)
 from h2okv.eval.plots import annotated_heatmap, format_table, new_figure, save_figure
 from h2okv.generation import new_cache, read_ahead
 from h2okv.policies import policy_class
+from h2okv.recipes import recipe_runs
 
 INSTRUCTION = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -119,10 +121,16 @@ class Cell:
     prefill: str = "chunked"  # H2OCache's prefill mode (a peer's rows: its own, see its README)
     recent_share: float = DEFAULT_RECENT_SHARE
     head_budgets: str = "uniform"  # H2OCache's: uniform or adaptive (Ada-KV)
+    head_floor: float = DEFAULT_FLOOR
+    positions: str = "true"
+    recipe: str | None = None  # the recipe the settings above were expanded from (h2okv.recipes)
 
     @property
     def config(self) -> str:
-        """The policy with the cache settings that differ from the defaults, e.g. ``knorm late r0.05``."""
+        """The policy with the cache settings that differ from the defaults, e.g. ``knorm late r0.05``;
+        a recipe's run by its name, ``recipe bounded``."""
+        if self.recipe:
+            return f"recipe {self.recipe}"
         parts = [self.policy]
         if self.prefill != "chunked":
             parts.append(self.prefill)
@@ -164,16 +172,21 @@ def grid_prompts(tokenizer, contexts, depths, trials, haystack="filler", seed=0)
 
 def retrieval_grid(model, tokenizer, policies, budgets, contexts, depths, trials, haystack="filler",
                    chunk_size=DEFAULT_CHUNK, max_new_tokens=8, seed=0, progress=True,
-                   recent_share=DEFAULT_RECENT_SHARE, prefill="chunked", head_budgets="uniform") -> list[Cell]:
+                   recent_share=DEFAULT_RECENT_SHARE, prefill="chunked", head_budgets="uniform",
+                   recipes=()) -> list[Cell]:
+    """Every policy (with the grid's cache settings) and every recipe (with its own) at every
+    budget (a policy that keeps everything once), on the same prompts."""
     shape = {"recent_share": recent_share, "prefill": prefill, "head_budgets": head_budgets}
     prompts_by_context = grid_prompts(tokenizer, contexts, depths, trials, haystack, seed)
-    runs = [(p, None) for p in policies if not policy_class(p).evicts]
-    runs += [(p, b) for p in policies if policy_class(p).evicts for b in budgets]
+    configs = [(p, policy_shape(p, shape), None) for p in policies] + recipe_runs(recipes)
+    runs = [(p, None, s, r) for p, s, r in configs if not policy_class(p).evicts]
+    runs += [(p, b, s, r) for p, s, r in configs if policy_class(p).evicts for b in budgets]
     cells = []
     with tqdm(total=len(runs) * len(contexts), desc="retrieval", unit="batch", disable=not progress) as bar:
-        for policy, budget in runs:
+        for policy, budget, shape, recipe in runs:
+            name = recipe or policy
             for context in contexts:
-                bar.set_postfix_str(f"{policy}@{budget:g} ctx {context}" if budget else f"{policy} ctx {context}")
+                bar.set_postfix_str(f"{name}@{budget:g} ctx {context}" if budget else f"{name} ctx {context}")
                 prompts = prompts_by_context[context]
                 answers, kept = run_batch(model, tokenizer, prompts, policy, budget, chunk_size, max_new_tokens, seed,
                                           shape)
@@ -184,7 +197,7 @@ def retrieval_grid(model, tokenizer, policies, budgets, contexts, depths, trials
                         policy=policy, budget=1.0 if budget is None else budget, context=context, depth=depth,
                         trials=trials, correct=correct, accuracy=correct / trials,
                         needle_kept=round(sum(kept[i] for i in rows) / trials, 4), haystack=haystack,
-                        chunk_size=chunk_size, answers=[answers[i] for i in rows], **policy_shape(policy, shape),
+                        chunk_size=chunk_size, answers=[answers[i] for i in rows], recipe=recipe, **shape,
                     ))
                 bar.update(1)
     return cells

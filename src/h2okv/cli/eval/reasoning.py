@@ -13,6 +13,7 @@ from h2okv.cli.args import (
     positive_int,
 )
 from h2okv.errors import H2OError
+from h2okv.recipes import recipe_help
 
 DEFAULT_POLICIES = "full,h2o,h2o-mean,tova,snapkv,h2o-sink,sink,local"
 DEFAULT_BUDGETS = "64,128,256,512"
@@ -27,7 +28,10 @@ def register(kinds) -> None:
                         "request file's own few-shot prompt as plain text (default: chat)")
     p.add_argument("--limit", type=positive_int, default=None, help="number of problems (default: all)")
     p.add_argument("--offset", type=int, default=0, help="first problem (0-based; pieces take consecutive ranges)")
-    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default: {DEFAULT_POLICIES})")
+    p.add_argument("--policies", default=None, help=f"comma-separated (default: {DEFAULT_POLICIES}; full with --recipe)")
+    p.add_argument("--recipe", default=None, metavar="NAME",
+                   help=f"run the recipe's policy with its settings (recent share, prefill, positions) beside "
+                        f"--policies: {recipe_help()}")
     p.add_argument("--budgets", default=DEFAULT_BUDGETS,
                    help="KV budgets: integers are slots per layer and KV head (--recent-share of them recent, "
                         "the rest heavy hitters), "
@@ -75,8 +79,16 @@ def run(args) -> int:
     from h2okv.eval.reasoning_data import load_problems
     from h2okv.eval.reasoning_report import plot_accuracy, summarize, summary_table
     from h2okv.models import load_model
+    from h2okv.recipes import get_recipe
 
-    policies = parse_policies(args.policies)
+    recipe = get_recipe(args.recipe) if args.recipe else None
+    policies = parse_policies(args.policies or ("full" if recipe else DEFAULT_POLICIES))
+    if recipe is not None:
+        if args.recent_share not in (0.5, recipe.settings["recent_share"]):  # 0.5: the flag's default
+            raise H2OError(f"--recent-share {args.recent_share:g} differs from recipe {recipe.name}'s "
+                           f"{recipe.settings['recent_share']:g}: give one or the other")
+        args.recent_share = recipe.settings["recent_share"]
+        policies = list(dict.fromkeys([*policies, recipe.settings["policy"]]))
     budgets = parse_kv_budgets(args.budgets)
     if args.offset < 0:
         raise H2OError(f"--offset must be >= 0, got {args.offset}")
@@ -89,7 +101,8 @@ def run(args) -> int:
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     setup = Setup(model=args.model or model.name_or_path, task=args.task, style=args.prompt,
                   max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
-                  recent_share=args.recent_share)
+                  recent_share=args.recent_share,
+                  recipe=recipe.name if recipe else None)
     if args.export_prompts:
         return export(args, model, tokenizer, setup, problems, budgets)
     save = (lambda piece: write_json(piece, args.json)) if args.json else None

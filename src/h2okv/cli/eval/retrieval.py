@@ -6,6 +6,7 @@ from __future__ import annotations
 from h2okv.cli.args import (
     add_budget_shape_args,
     add_model_args,
+    add_recipe_arg,
     add_threads_arg,
     apply_threads,
     int_list,
@@ -26,7 +27,8 @@ DEFAULT_PLOT = "results/retrieval_heatmap.png"
 def register(kinds) -> None:
     p = kinds.add_parser("retrieval", help="passkey retrieval (needle in a haystack) under eviction")
     add_model_args(p)
-    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default: {DEFAULT_POLICIES})")
+    p.add_argument("--policies", default=None, help=f"comma-separated (default: {DEFAULT_POLICIES}; full with --recipe)")
+    add_recipe_arg(p, grid=True)
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"cache budgets as fractions of the prompt (default: {DEFAULT_BUDGETS})")
     p.add_argument("--contexts", type=int_list, default=DEFAULT_CONTEXTS, help=f"prompt lengths in tokens (default: {DEFAULT_CONTEXTS})")
     p.add_argument("--depths", default=DEFAULT_DEPTHS, help=f"needle depths, 0 = start, 1 = end (default: {DEFAULT_DEPTHS})")
@@ -63,8 +65,10 @@ def run(args) -> int:
     from h2okv.eval.plots import check_output_paths, write_json
     from h2okv.eval.retrieval import plot_heatmap, retrieval_grid, summary_table
     from h2okv.models import load_model
+    from h2okv.recipes import parse_recipes, recipe_runs
 
-    policies = parse_policies(args.policies, reconstruction=True)
+    recipes = parse_recipes(args.recipe)
+    policies = parse_policies(args.policies or ("full" if recipes else DEFAULT_POLICIES), reconstruction=True)
     budgets = parse_budgets(args.budgets)
     contexts = sorted(set(args.contexts))
     depths = parse_depths(args.depths)
@@ -80,16 +84,19 @@ def run(args) -> int:
     from h2okv.eval.retrieval import policy_shape
     from h2okv.generation import new_cache
 
-    for policy in policies:  # a shape a policy cannot take (--head-budgets adaptive) fails now, not mid-grid
-        new_cache(model, policy, budgets[0], chunk_size=chunk, **policy_shape(policy, shape_from_args(args)))
+    # a shape a policy cannot take (--head-budgets adaptive) fails now, not mid-grid
+    for policy, shape, _ in [(p, policy_shape(p, shape_from_args(args)), None) for p in policies] + recipe_runs(recipes):
+        new_cache(model, policy, budgets[0], chunk_size=chunk, **shape)
     start = time.perf_counter()
     cells = retrieval_grid(model, tokenizer, policies, budgets, contexts, depths, args.trials, args.haystack,
-                           chunk, args.max_new_tokens, args.seed, **shape_from_args(args))
+                           chunk, args.max_new_tokens, args.seed, recipes=recipes, **shape_from_args(args))
     seconds = time.perf_counter() - start
     late = [p for p in policies if policy_shape(p, {}).get("prefill") == "late"]  # read whole whatever --prefill says
     prefill = args.prefill + (f" ({', '.join(late)}: late)" if late and args.prefill != "late" else "")
     print(f"Passkey retrieval, {args.haystack} haystack, prefill {prefill} (chunk {chunk}), recent share "
           f"{args.recent_share:g}, {args.head_budgets} head budgets, {args.trials} trials per cell")
+    for _, settings, name in recipe_runs(recipes):
+        print(f"recipe {name}: {', '.join(f'{k}={v}' for k, v in settings.items())}")
     print(summary_table(cells))
     print(f"{len(cells)} cells in {seconds:.1f} s")
     if args.json:

@@ -22,7 +22,7 @@ def models_of(rows: list[dict]) -> str:
 
 
 def group_key(row: dict) -> tuple:
-    return row["question"], config_label(row["policy"], row.get("cache_options")), float(row["budget"]), int(row["context"])
+    return row["question"], config_label(row["policy"], row.get("cache_options"), row.get("recipe")), float(row["budget"]), int(row["context"])
 
 
 def summarize(rows: list[dict]) -> list[dict]:

@@ -19,8 +19,15 @@ ROW_FIELDS = (
 )
 
 
-def config_label(policy: str, cache_options: dict | None) -> str:
-    """How a configuration is named in tables and plots: the policy spec, then its cache options."""
+# optional: the recipe a row's policy and cache options were expanded from (h2okv.recipes)
+OPTIONAL_FIELDS = ("recipe",)
+
+
+def config_label(policy: str, cache_options: dict | None, recipe: str | None = None) -> str:
+    """How a configuration is named in tables and plots: a recipe by its name, else the policy
+    spec, then its cache options."""
+    if recipe:
+        return f"recipe {recipe}"
     if not cache_options:
         return policy
     return f"{policy} [{','.join(f'{k}={v}' for k, v in sorted(cache_options.items()))}]"
@@ -28,10 +35,11 @@ def config_label(policy: str, cache_options: dict | None) -> str:
 
 def make_row(**fields) -> dict:
     missing = [f for f in ROW_FIELDS if f not in fields]
-    unknown = [f for f in fields if f not in ROW_FIELDS]
+    unknown = [f for f in fields if f not in ROW_FIELDS + OPTIONAL_FIELDS]
     if missing or unknown:
         raise ValueError(f"row fields: missing {missing}, unknown {unknown}")
     row = {f: fields[f] for f in ROW_FIELDS}
+    row.update({f: fields[f] for f in OPTIONAL_FIELDS if fields.get(f) is not None})
     row["cache_options"] = dict(row["cache_options"] or {})
     return row
 

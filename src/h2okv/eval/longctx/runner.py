@@ -35,6 +35,7 @@ from h2okv.eval.longctx.rows import make_row, row_key
 from h2okv.eval.longctx.tasks import build_prompts
 from h2okv.generation import new_cache, read_ahead
 from h2okv.policies import policy_class
+from h2okv.recipes import recipe_runs
 
 QUESTION_MODES = ("aware", "agnostic")
 
@@ -53,17 +54,37 @@ class GridSpec:
     cache_options: dict = field(default_factory=dict)
     max_new_tokens: int | None = None  # None: each task's own
     chat: bool = True
+    recipes: list[str] = field(default_factory=list)  # run beside the policies, each with its own settings
 
     def options_for(self, policy: str) -> dict:
         """The cache keywords of ``policy``'s runs: a policy ranked by reconstruction reads the
-        prompt whole (late prefill) unless the options say otherwise (which is then an error)."""
+        prompt whole (late prefill) unless the options say otherwise (which is then an error); a
+        policy that keeps every token takes none (the options shape what is evicted)."""
+        if not policy_class(policy).evicts:
+            return {}
         late = {"prefill": "late"} if policy_class(policy).ranks_by_reconstruction else {}
         return {**late, **self.cache_options}
 
-    def configs(self) -> list[tuple[str, float]]:
-        """(policy, budget) pairs; a policy that keeps everything runs once, at budget 1."""
-        runs = [(p, 1.0) for p in self.policies if not policy_class(p).evicts]
-        return runs + [(p, b) for p in self.policies if policy_class(p).evicts for b in self.budgets]
+    def configs(self) -> list[Config]:
+        """Every configuration to run; a policy that keeps everything runs once, at budget 1."""
+        runs = [Config(p, 1.0, {}) for p in self.policies if not policy_class(p).evicts]
+        runs += [Config(p, b, self.options_for(p)) for p in self.policies if policy_class(p).evicts for b in self.budgets]
+        return runs + [Config(p, b, options, name) for p, options, name in recipe_runs(self.recipes) for b in self.budgets]
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration of a grid: a policy at a budget with its cache keywords, and the recipe
+    they came from (None for a plain policy)."""
+
+    policy: str
+    budget: float
+    options: dict
+    recipe: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.recipe or self.policy}@{self.budget:g}"
 
 
 def haystack_source(tokenizer, spec: str):
@@ -102,20 +123,21 @@ def batches(prompts: list[LongPrompt], question: str) -> list[list[LongPrompt]]:
     return list(groups.values())
 
 
-def run_config(model, tokenizer, prompts, spec: GridSpec, policy: str, budget: float, meta: dict) -> list[dict]:
+def run_config(model, tokenizer, prompts, spec: GridSpec, config: Config, meta: dict) -> list[dict]:
     """The rows of one configuration on one (task, context)'s prompts."""
+    policy, budget = config.policy, config.budget
     rows = []
     chat_head = len(Frame(tokenizer, spec.chat).head)
     for group in batches(prompts, spec.question):
         max_new = spec.max_new_tokens or group[0].max_new_tokens
-        cache = new_cache(model, policy, budget, chunk_size=spec.chunk_size, seed=spec.seed, **spec.options_for(policy))
+        cache = new_cache(model, policy, budget, chunk_size=spec.chunk_size, seed=spec.seed, **config.options)
         start = time.perf_counter()
         answers = generate_answers(model, tokenizer, group, cache, spec.question, max_new, chat_head)
         seconds = (time.perf_counter() - start) / len(group)
         for p, answer in zip(group, answers, strict=True):
             rows.append(make_row(
                 task=p.task, context=p.context, sample=p.sample, question=spec.question, policy=policy, budget=budget,
-                cache_options=spec.cache_options, chunk_size=spec.chunk_size, metric=p.metric,
+                cache_options=config.options, recipe=config.recipe, chunk_size=spec.chunk_size, metric=p.metric,
                 score=score(p.metric, answer, p.references), answer=answer, references=p.references,
                 haystack=spec.haystack, seed=spec.seed, model=meta.get("model"), max_new_tokens=max_new,
                 seconds=round(seconds, 3),
@@ -123,21 +145,22 @@ def run_config(model, tokenizer, prompts, spec: GridSpec, policy: str, budget: f
     return sorted(rows, key=lambda r: r["sample"])
 
 
-def cell_keys(spec: GridSpec, task: str, context: int, policy: str, budget: float) -> set[tuple]:
-    return {row_key({"question": spec.question, "policy": policy, "budget": budget, "cache_options": spec.cache_options,
-                     "task": task, "context": context, "sample": s}) for s in range(spec.samples)}
+def cell_keys(spec: GridSpec, task: str, context: int, config: Config) -> set[tuple]:
+    return {row_key({"question": spec.question, "policy": config.policy, "budget": config.budget,
+                     "cache_options": config.options, "task": task, "context": context, "sample": s})
+            for s in range(spec.samples)}
 
 
 def run_grid(model, tokenizer, spec: GridSpec, done: set[tuple] = frozenset(), on_rows=None, progress=True,
              meta: dict | None = None) -> list[dict]:
     """Every (task, context, configuration) cell not in ``done``; ``on_rows(rows)`` after each."""
     prompts = grid_prompts(tokenizer, spec)
-    todo = [(t, c, p, b) for (t, c) in prompts for p, b in spec.configs() if not cell_keys(spec, t, c, p, b) <= done]
+    todo = [(t, c, config) for (t, c) in prompts for config in spec.configs() if not cell_keys(spec, t, c, config) <= done]
     found = []
     with tqdm(total=len(todo), desc=f"longctx ({spec.question})", unit="cell", disable=not progress) as bar:
-        for task, context, policy, budget in todo:
-            bar.set_postfix_str(f"{task} {context} {policy}@{budget:g}")
-            rows = run_config(model, tokenizer, prompts[task, context], spec, policy, budget, meta or {})
+        for task, context, config in todo:
+            bar.set_postfix_str(f"{task} {context} {config.name}")
+            rows = run_config(model, tokenizer, prompts[task, context], spec, config, meta or {})
             found += rows
             if on_rows is not None:
                 on_rows(rows)
