@@ -73,10 +73,10 @@ def register(sub) -> None:
                         "(default: 4M, a 128k-token prompt with room to spare)")
     p.add_argument("--body-timeout", type=positive_float, default=30.0,
                    help="seconds a request body may take to arrive; then HTTP 408 (default: 30)")
-    p.add_argument("--prefill", choices=PREFILL_CHOICES, default="chunked",
+    p.add_argument("--prefill", choices=PREFILL_CHOICES, default=None,
                    help="chunked: a prompt is fed and evicted in --chunk-size chunks (bounded: budget + chunk "
                         "slots); late: a prompt is fed in one forward call, read with exact attention and ranked "
-                        "once at its end (peak: the prompt; better retrieval) (default: chunked)")
+                        "once at its end (peak: the prompt; better retrieval) (default: chunked, or the recipe's)")
     _add_max_batch(p, 32)
     _add_schedule(p)
     add_tp_args(p)
@@ -123,10 +123,13 @@ def run_serve(args) -> int:
     from h2okv.policies import policy_class
     from h2okv.serve.eviction import EvictionDefaults
 
-    eviction = EvictionDefaults(policy=check_policy(args.policy, reconstruction=True), prefill=args.prefill,
-                                **budget_from_args(args))
+    if args.policy is not None:
+        check_policy(args.policy, reconstruction=True)
+    eviction = EvictionDefaults.from_options(recipe=args.recipe, policy=args.policy, prefill=args.prefill,
+                                             budget=args.budget, recent_share=args.recent_share,
+                                             budget_floor=args.budget_floor, **budget_from_args(args))
     eviction.validate()  # before the (slow) model load
-    check_positions(policy_class(args.policy), args.positions)
+    check_positions(policy_class(eviction.policy), args.positions)
     if args.max_queue < 0:
         raise H2OError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 < args.port < 65536:

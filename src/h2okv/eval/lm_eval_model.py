@@ -38,14 +38,15 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from h2okv.core import DEFAULT_CHUNK, BudgetSpec, H2OCache
+from h2okv.core import DEFAULT_CHUNK, H2OCache
+from h2okv.core.cache import check_settings
 from h2okv.core.compat import cache_arg
 from h2okv.errors import H2OError, print_error
 from h2okv.eval import offline
 from h2okv.eval.branch import branch_loglikelihoods
 from h2okv.generation import budget_kwargs, pad_rows
 from h2okv.models import load_model
-from h2okv.policies import make_policy, refuse_reconstruction
+from h2okv.policies import refuse_reconstruction
 
 DEFAULT_MAX_GEN_TOKS = 256
 _BUDGET_KEYS = ("heavy", "recent", "heavy_ratio", "recent_ratio")
@@ -110,12 +111,25 @@ def _as_number(name: str, value, kind):
         raise H2OError(f"model_args {name}={value!r} is not a valid {kind.__name__}") from None
 
 
+def _as_budget(value):
+    """A ``budget`` model_arg: ``"0.2"`` (a fraction, with a point) or ``"256"`` (slots)."""
+    if value is None or value == "" or isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value if value != "" else None
+    text = str(value).strip()
+    try:
+        return int(text) if text.isdigit() else float(text)
+    except ValueError:
+        raise H2OError(f"model_args budget must be a fraction like 0.2 or slots like 256, got {value!r}") from None
+
+
 class H2OLM(TemplateLM):
     """``lm_eval`` model: a Hugging Face causal LM whose KV cache is an ``H2OCache``.
 
     model_args: ``pretrained`` (HF id, local dir, .gguf; empty or ``smollm2`` = embedded default),
-    ``policy`` (full, h2o, local, sink, random), ``heavy_ratio``/``recent_ratio`` (default 0.1 +
-    0.1) or ``heavy``/``recent``, ``chunk_size`` (scoring, default 1 = exact per-token eviction),
+    ``recipe`` (``h2okv.recipes``), ``policy`` (full, h2o, local, sink, random, ...), ``budget`` (a
+    fraction of each context, or slots) with ``recent_share``, or ``heavy_ratio``/``recent_ratio``
+    (default 0.1 + 0.1) or ``heavy``/``recent``; ``budget_floor`` (default 0: the paper's tasks
+    measure the fraction itself, however short the context), ``chunk_size`` (scoring, default 1 = exact per-token eviction),
     ``gen_chunk_size`` (prompt prefill before generation, default 512), ``batch_size``,
     ``max_length``, ``max_gen_toks``, ``device``, ``dtype``, ``seed`` (random policy).
     ``pretrained`` may also be a model object, with ``tokenizer`` given.
@@ -126,7 +140,11 @@ class H2OLM(TemplateLM):
     def __init__(
         self,
         pretrained=None,
-        policy: str = "h2o",
+        policy: str | None = None,
+        recipe: str | None = None,
+        budget=None,
+        recent_share=None,
+        budget_floor=0,
         heavy=None,
         recent=None,
         heavy_ratio=None,
@@ -146,23 +164,27 @@ class H2OLM(TemplateLM):
         super().__init__()
         if unknown:
             raise H2OError(
-                f"unknown model_args for h2okv: {', '.join(sorted(unknown))} (known: pretrained, policy, heavy, "
-                "recent, heavy_ratio, recent_ratio, chunk_size, gen_chunk_size, batch_size, max_length, "
+                f"unknown model_args for h2okv: {', '.join(sorted(unknown))} (known: pretrained, recipe, policy, "
+                "budget, recent_share, budget_floor, heavy, recent, heavy_ratio, recent_ratio, chunk_size, gen_chunk_size, batch_size, max_length, "
                 "max_gen_toks, device, dtype, seed)"
             )
         # validate everything before the (slow) model load
-        self.policy_name = str(policy)
-        policy_obj = make_policy(self.policy_name)
-        refuse_reconstruction(self.policy_name, "the lm-eval model")
-        budget = {
+        parts = {
             "heavy": _as_number("heavy", heavy, int),
             "recent": _as_number("recent", recent, int),
             "heavy_ratio": _as_number("heavy_ratio", heavy_ratio, float),
             "recent_ratio": _as_number("recent_ratio", recent_ratio, float),
         }
-        BudgetSpec.build(policy_obj, **budget)
+        # lm-eval hands model_args over as strings: "0.2" is a fraction, "256" slots
+        given = {"policy": policy or None, "recipe": recipe or None, "budget": _as_budget(budget),
+                 "recent_share": _as_number("recent_share", recent_share, float),
+                 "budget_floor": _as_number("budget_floor", budget_floor, int), **budget_kwargs(**parts)}
+        self.cache_kwargs = {k: v for k, v in given.items() if v is not None}
+        _, policy_obj, _ = check_settings(**self.cache_kwargs)
+        self.policy_name = policy_obj.spec
+        refuse_reconstruction(self.policy_name, "the lm-eval model")
         self._evicts = policy_obj.evicts
-        self.budget = budget_kwargs(**budget)
+        self.budget = {k: v for k, v in self.cache_kwargs.items() if k not in ("policy", "recipe")}
         self.chunk_size = _as_number("chunk_size", chunk_size, int)
         self.gen_chunk_size = _as_number("gen_chunk_size", gen_chunk_size, int)
         for name, value in (("chunk_size", self.chunk_size), ("gen_chunk_size", self.gen_chunk_size)):
@@ -229,11 +251,11 @@ class H2OLM(TemplateLM):
         return self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens))
 
     def get_model_info(self) -> dict:
-        return {"model_name": self.model_name, "policy": self.policy_name, "budget": self.budget,
-                "chunk_size": self.chunk_size}
+        return {"model_name": self.model_name, "policy": self.policy_name, "recipe": self.cache_kwargs.get("recipe"),
+                "budget": self.budget, "chunk_size": self.chunk_size}
 
     def _new_cache(self, chunk_size: int) -> H2OCache:
-        return H2OCache(self.model, policy=self.policy_name, chunk_size=chunk_size, seed=self.seed, **self.budget)
+        return H2OCache(self.model, chunk_size=chunk_size, seed=self.seed, **self.cache_kwargs)
 
     # -- scoring -------------------------------------------------------------------------------
     def _score_batch(self, rows: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:

@@ -1,16 +1,21 @@
-"""The server's eviction settings (``--policy``, ``--heavy``...) and how one request's override
-resolves against them into absolute slots (what a ``GenerationRequest`` carries)."""
+"""The server's eviction settings (``--recipe``, ``--policy``, ``--budget``...) and how one
+request's override resolves against them into absolute slots (what a ``GenerationRequest``
+carries)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from h2okv.core import BudgetSpec
+from h2okv.core.budget import DEFAULT_BUDGET_FLOOR, DEFAULT_RECENT_SHARE, budget_keywords
 from h2okv.core.cache import PREFILL_MODES
 from h2okv.errors import H2OError
 from h2okv.policies import make_policy
+from h2okv.recipes import DEFAULT_RECIPE_BUDGET, get_recipe
 
-BUDGET_FIELDS = ("heavy", "recent", "heavy_ratio", "recent_ratio")
+# the older spelling of a budget, and the one-argument spelling (budget + its recent share)
+PART_FIELDS = ("heavy", "recent", "heavy_ratio", "recent_ratio")
+BUDGET_FIELDS = (*PART_FIELDS, "budget", "recent_share")
 
 
 @dataclass(frozen=True)
@@ -25,33 +30,74 @@ class EvictionDefaults:
     #: H2OCache's prefill mode for every request (``serve --prefill``): ``late`` feeds a prompt in
     #: one forward call and ranks it once at its end (peak: the prompt), ``chunked`` is bounded
     prefill: str = "chunked"
+    #: the recipe the settings were expanded from (``from_options``), shown by ``/v1/models``
+    recipe: str | None = None
+    #: a fraction of each prompt or slots (``H2OCache``'s ``budget``), ``recent_share`` of it recent
+    budget: float | int | None = None
+    recent_share: float | None = None
+    #: the fewest slots a fractional budget keeps (a short chat prompt must not get 3 + 3 slots)
+    budget_floor: int = DEFAULT_BUDGET_FLOOR
+
+    @classmethod
+    def from_options(cls, recipe: str | None = None, policy: str | None = None, prefill: str | None = None,
+                     budget_floor: int | None = None, **budget) -> EvictionDefaults:
+        """The server's settings from its flags: ``recipe`` fills what is not given."""
+        settings = get_recipe(recipe).settings if recipe else {}
+        share = budget.get("recent_share")
+        if share is None and recipe and not any(budget.get(name) is not None for name in PART_FIELDS):
+            share = settings.get("recent_share")
+        given = {name: budget.get(name) for name in (*PART_FIELDS, "budget")}
+        return cls(policy=policy or settings.get("policy", "h2o"), prefill=prefill or settings.get("prefill", "chunked"),
+                   recipe=recipe, recent_share=share,
+                   budget_floor=DEFAULT_BUDGET_FLOOR if budget_floor is None else budget_floor, **given)
 
     def describe(self) -> dict:
-        return {"policy": self.policy, **self.budget()}
+        extra = {name: value for name, value in (("recipe", self.recipe), ("budget", self.budget),
+                                                 ("recent_share", self.recent_share)) if value is not None}
+        return {"policy": self.policy, **extra, **{name: getattr(self, name) for name in PART_FIELDS},
+                "budget_floor": self.budget_floor}
 
-    def budget(self) -> dict:
-        return {"heavy": self.heavy, "recent": self.recent, "heavy_ratio": self.heavy_ratio,
-                "recent_ratio": self.recent_ratio}
+    def budget_fields(self) -> dict:
+        return {name: getattr(self, name) for name in BUDGET_FIELDS}
 
     def validate(self) -> None:
-        BudgetSpec.build(make_policy(self.policy), **self.budget())
+        self.resolve(0)
         if self.prefill not in PREFILL_MODES:
             raise H2OError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {self.prefill!r}")
 
-    def resolve(self, prompt_len: int, policy: str | None = None,
-                budget: dict | None = None) -> tuple[str, int | None, int | None]:
+    def resolve(self, prompt_len: int, policy: str | None = None, budget: dict | None = None,
+                recipe: str | None = None) -> tuple[str, int | None, int | None]:
         """(policy, heavy, recent) slots for one request; raises ``H2OError`` for bad settings.
 
-        ``policy``: the request's policy (None: the server's); ``budget``: the request's budget
-        fields (``BUDGET_FIELDS``), which replace the server's whole budget (None: none given)."""
-        chosen = make_policy(policy if policy is not None else self.policy)
+        ``policy``: the request's policy (None: its recipe's, else the server's); ``budget``: the
+        request's budget fields (``BUDGET_FIELDS``), which replace the server's whole budget (None:
+        none given); ``recipe``: the request's recipe, whose policy and recent share apply (the
+        prefill mode stays the server's)."""
+        settings = get_recipe(recipe).settings if recipe else {}
+        chosen = make_policy(policy or settings.get("policy") or self.policy)
         if budget is not None:
             fields = {name: budget.get(name) for name in BUDGET_FIELDS}
         elif chosen.evicts and make_policy(self.policy).evicts:
-            fields = self.budget()
+            fields = self.budget_fields()
+            if recipe and fields["budget"] is not None:  # the request's recipe splits the server's budget its way
+                fields["recent_share"] = None
         else:  # switching to/from "full": the server's budget does not carry over
             fields = dict.fromkeys(BUDGET_FIELDS)
-        spec = BudgetSpec.build(chosen, **fields)
+        parts = {name: fields[name] for name in PART_FIELDS}
+        given_parts = any(value is not None for value in parts.values())
+        share = fields["recent_share"]
+        if share is None:
+            share = settings.get("recent_share", DEFAULT_RECENT_SHARE)
+        if fields["budget"] is not None or (recipe and not given_parts):
+            if given_parts:
+                raise H2OError("give either budget or heavy/recent/heavy_ratio/recent_ratio, not both")
+            if chosen.evicts:
+                parts = budget_keywords(DEFAULT_RECIPE_BUDGET if fields["budget"] is None else fields["budget"], share)
+        elif fields["recent_share"] is not None and chosen.evicts:
+            raise H2OError("recent_share splits budget; with heavy/recent or ratios give both parts yourself")
+        if not chosen.evicts and fields["budget"] is not None:
+            raise H2OError(f"policy {chosen.name!r} keeps every token; do not give it a budget")
+        spec = BudgetSpec.build(chosen, floor=self.budget_floor, **parts)
         if not chosen.evicts:
             return chosen.spec, None, None
         heavy, recent = spec.resolve(prompt_len)

@@ -247,7 +247,7 @@ def bench(model, tokenizer, *, policies: list[str], kv_memory: int, requests: in
     for schedule in schedules:
         for policy in policies:
             evicts = make_policy(policy).evicts
-            eviction = EvictionDefaults(policy=policy, **((budget or {}) if evicts else {}))
+            eviction = EvictionDefaults(policy=policy, budget_floor=0, **((budget or {}) if evicts else {}))
             app = create_app(model, tokenizer, model_name=model_name, eviction=eviction, kv_memory=kv_memory,
                              max_batch=max_batch, max_queue=max(256, requests), prefill_chunk=prefill_chunk,
                              schedule=schedule, step_tokens=step_tokens)

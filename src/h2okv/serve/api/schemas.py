@@ -37,13 +37,18 @@ Text = Annotated[str, AfterValidator(_utf8)]
 
 
 class H2OSettings(BaseModel):
-    """``"h2o": {"policy": "local", "heavy_ratio": 0.1, "recent_ratio": 0.1}`` (or ``heavy``/``recent``).
+    """``"h2o": {"recipe": "bounded", "budget": 0.2}`` or ``{"policy": "local", "heavy_ratio": 0.1,
+    "recent_ratio": 0.1}`` (or ``heavy``/``recent``; ``budget`` is a fraction of the prompt or a
+    slot count, ``recent_share`` of it recent).
 
-    Giving any budget field replaces the server's budget; giving only ``policy`` keeps it."""
+    Giving any budget field replaces the server's budget; giving only ``policy`` or ``recipe`` keeps it."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     policy: Text | None = None
+    recipe: Text | None = None
+    budget: int | float | None = None
+    recent_share: float | None = None
     heavy: int | None = None
     recent: int | None = None
     heavy_ratio: float | None = None
@@ -52,7 +57,7 @@ class H2OSettings(BaseModel):
     def budget_given(self) -> bool:
         return any(getattr(self, name) is not None for name in BUDGET_FIELDS)
 
-    def budget(self) -> dict | None:
+    def budget_fields(self) -> dict | None:
         """The budget fields given (the others None), or None when none is."""
         return {name: getattr(self, name) for name in BUDGET_FIELDS} if self.budget_given() else None
 

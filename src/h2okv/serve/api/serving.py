@@ -34,6 +34,7 @@ from fastapi import Request
 
 from h2okv.errors import H2OError
 from h2okv.policies import make_policy
+from h2okv.recipes import get_recipe
 from h2okv.serve.api.errors import APIError
 from h2okv.serve.api.formatting import CompletionLogprobs, chat_logprobs, merge_completion_logprobs
 from h2okv.serve.api.schemas import ChatCompletionRequest, CompletionRequest
@@ -172,7 +173,7 @@ class Serving:
         try:
             policy, heavy, recent = self.eviction.resolve(
                 len(prompt_ids), policy=body.h2o.policy if body.h2o else None,
-                budget=body.h2o.budget() if body.h2o else None)
+                budget=body.h2o.budget_fields() if body.h2o else None, recipe=body.h2o.recipe if body.h2o else None)
         except (H2OError, ValueError, OverflowError) as exc:
             raise APIError(400, f"h2o: {exc}", param="h2o") from None
         return [GenerationRequest(
@@ -185,8 +186,10 @@ class Serving:
     def check_budget(self, body) -> None:
         """Budgets in slots are at most the context length: no sequence holds more tokens, and
         larger numbers (1e30) would only overflow the cache's integer tensors."""
-        for name in ("heavy", "recent"):
+        for name in ("heavy", "recent", "budget"):
             value = getattr(body.h2o, name, None) if body.h2o else None
+            if name == "budget" and isinstance(value, float) and value <= 1:
+                continue  # a fraction of the prompt
             if value is not None and not 0 <= value <= self.limits.context:
                 raise APIError(400, f"h2o.{name}={value} must be in [0, {self.limits.context}] (the model's "
                                f"context length)", param=f"h2o.{name}")
@@ -197,7 +200,9 @@ class Serving:
         if not self.limits.rolling:
             return False
         try:
-            return make_policy(body.h2o.policy if body.h2o and body.h2o.policy else self.eviction.policy).evicts
+            h2o = body.h2o
+            recipe = get_recipe(h2o.recipe).settings["policy"] if h2o and h2o.recipe else None
+            return make_policy((h2o.policy if h2o else None) or recipe or self.eviction.policy).evicts
         except (H2OError, ValueError):
             return False
 
