@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from h2okv import conversion, paths
-from h2okv.errors import H2OError, first_line
+from h2okv.errors import H2OError
 
 DEFAULT_MODEL = "smollm2"
 
@@ -42,8 +42,9 @@ def converted_source(gguf_path: Path | None = None, user: bool = False) -> str:
         return str(conversion.ensure_converted(gguf, user=user))
     except H2OError:
         raise
-    except (OSError, ValueError, KeyError) as exc:
-        raise H2OError(f"cannot convert the model file {gguf}: {first_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - any failure in transformers' GGUF reader is the file's
+        raise H2OError(f"cannot convert the model file {gguf}: {one_line(exc)} Check that it is a GGUF of an "
+                       "architecture this transformers version reads.") from None
 
 
 def user_gguf(name: str) -> Path | None:
@@ -108,7 +109,7 @@ def _check_hub_id(name: str) -> None:
             return
     except ValueError as exc:  # not of the form owner/name
         raise H2OError(f"unknown model {name!r}: not a built-in name ({known}), a local path, "
-                       f"or a hub id ({first_line(exc)})") from None
+                       f"or a hub id ({one_line(exc).removesuffix('.')})") from None
     try:
         model_info(name, timeout=10)
     except RepositoryNotFoundError:
@@ -116,7 +117,7 @@ def _check_hub_id(name: str) -> None:
                        "on the Hugging Face hub (a private or gated one needs `hf auth login`)") from None
     except Exception as exc:  # noqa: BLE001 - any failure to reach the hub means the same to the user
         raise H2OError(f"cannot load model {name!r}: not a built-in name ({known}) or a local path, not in "
-                       f"the Hugging Face cache, and the hub cannot be reached ({first_line(exc)})") from None
+                       f"the Hugging Face cache, and the hub cannot be reached ({one_line(exc).removesuffix('.')})") from None
 
 
 def _config_source(name) -> tuple[str, dict]:
@@ -132,8 +133,52 @@ def _config_source(name) -> tuple[str, dict]:
     return (str(folder), {}) if folder else (str(gguf.parent), {"gguf_file": gguf.name})
 
 
-def _cannot_load(name, exc: Exception) -> H2OError:
-    return H2OError(f"cannot load model {name!r}: {first_line(exc)}")
+# what a checkpoint folder needs, for telling a user which part is missing
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tiktoken.model")
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+SAVE_HINT = "save the model into it with model.save_pretrained(folder) and tokenizer.save_pretrained(folder)"
+
+
+def one_line(exc: BaseException, limit: int = 400) -> str:
+    """An exception's whole message as one line that ends a sentence. ``first_line`` would cut
+    transformers' messages mid-sentence ("... from one of: "); a message over ``limit`` characters
+    is cut after its last full sentence that fits."""
+    text = " ".join(str(exc).strip().strip('"').split()) or type(exc).__name__
+    if len(text) > limit:
+        cut = text[:limit]
+        end = max(cut.rfind(". "), cut.rfind("; "))
+        text = cut[:end] if end > 0 else cut.rsplit(" ", 1)[0]
+    text = text.rstrip(" :;,")
+    return text if text.endswith((".", "!", "?")) else text + "."
+
+
+def _missing(folder: Path, part: str) -> str | None:
+    """What ``folder`` lacks for loading ``part`` ("tokenizer", "model" or "config"), and what to
+    do, as the end of a sentence; None when nothing expected is missing."""
+    if not (folder / "config.json").is_file():
+        return f"the folder has no config.json, so it is not a transformers checkpoint; {SAVE_HINT}"
+    if part == "tokenizer" and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return ("the folder has no tokenizer files (tokenizer.json, tokenizer.model, or vocab.json with "
+                "merges.txt); save the tokenizer there with tokenizer.save_pretrained(folder), or copy those "
+                "files from the checkpoint the model came from")
+    if part == "model" and not any(any(folder.glob(pattern)) for pattern in WEIGHT_FILES):
+        return f"the folder has no weights (model.safetensors or pytorch_model.bin); {SAVE_HINT}"
+    return None
+
+
+def _cannot_load(name, exc: Exception, part: str = "model", source: str | None = None) -> H2OError:
+    """A load failure as one full-sentence line: what is missing and what to do when a local folder
+    lacks a file, else transformers' own message, whole, and what to check."""
+    folder = source or name
+    missing = _missing(Path(folder), part) if folder and Path(folder).is_dir() else None
+    if missing:
+        return H2OError(f"cannot load model {name!r}: {missing}.")
+    what, check = {
+        "tokenizer": ("tokenizer", "its tokenizer files are complete and readable by this transformers version"),
+        "config": ("config", "its config.json names a model type this transformers version knows"),
+        "model": ("weights", "it is a causal language model whose weights match its config.json"),
+    }[part]
+    return H2OError(f"cannot load the {what} of model {name!r}: {one_line(exc)} Check that {check}.")
 
 
 def load_config(name: str | None = None):
@@ -144,7 +189,7 @@ def load_config(name: str | None = None):
     try:
         return AutoConfig.from_pretrained(source, **extra)
     except (OSError, ValueError, KeyError) as exc:
-        raise _cannot_load(name, exc) from None
+        raise _cannot_load(name, exc, "config", None if extra else source) from None
 
 
 def _load(name, device, dtype, device_map, tp=1):
@@ -162,11 +207,16 @@ def _load(name, device, dtype, device_map, tp=1):
 
         kwargs["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=tp)
     source, extra = _source(name)
+    # any failure inside from_pretrained is the model's (a missing or corrupt file: OSError,
+    # ValueError, safetensors' own error, ...), told as one line
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+    except Exception as exc:  # noqa: BLE001
+        raise _cannot_load(name, exc, "tokenizer", None if extra else source) from None
+    try:
         model = AutoModelForCausalLM.from_pretrained(source, **extra, **kwargs)
-    except (OSError, ValueError, KeyError) as exc:
-        raise _cannot_load(name, exc) from None
+    except Exception as exc:  # noqa: BLE001
+        raise _cannot_load(name, exc, "model", None if extra else source) from None
     if not device_map and tp == 1:
         model = model.to(device)
     model.eval()
