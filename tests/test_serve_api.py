@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from h2okv import H2OCache
+from h2okv.core.budget import DEFAULT_BUDGET_FLOOR
 from h2okv.core.compat import cache_arg
 from h2okv.serve import EvictionDefaults, create_app, running_server
 from h2okv.tools.loadgen import scrape
@@ -54,7 +55,8 @@ def test_models_health_metrics(client, server):
 
 def test_completion_equals_generation_alone(client, model_tok):
     """Greedy text through the server = the model's own generate with an H2O cache of the budget the
-    server resolved (10% + 10% of the prompt)."""
+    server resolved: 10% + 10% of the prompt, raised to the budget floor for this short prompt, so
+    the answer is also the full cache's."""
     model, tok = model_tok
     text = "The quick brown fox jumps over the lazy dog, then runs far away into the forest at dusk."
     ids = tok(text)["input_ids"]
@@ -64,9 +66,29 @@ def test_completion_equals_generation_alone(client, model_tok):
     assert choice.finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), 12, len(ids) + 12)
     h2o = r.model_extra["h2o"]
-    assert (h2o["policy"], h2o["heavy"], h2o["recent"]) == ("h2o", len(ids) // 10, len(ids) // 10)
-    expected = greedy_alone(model, ids, 12, heavy=len(ids) // 10, recent=len(ids) // 10)
+    half = DEFAULT_BUDGET_FLOOR // 2
+    assert len(ids) // 5 < DEFAULT_BUDGET_FLOOR  # 20% of the prompt is below the floor
+    assert (h2o["policy"], h2o["heavy"], h2o["recent"]) == ("h2o", half, half)
+    expected = greedy_alone(model, ids, 12, heavy=half, recent=half)
     assert choice.text == tok.decode(expected, skip_special_tokens=True)
+    assert expected == greedy_alone(model, ids, 12, policy="full")
+
+
+def test_per_request_recipe_and_budget(client, model_tok):
+    model, tok = model_tok
+    text = "y" * 300  # 300 byte tokens: a fraction above the floor
+    ids = tok(text)["input_ids"]
+    r = client.completions.create(model=NAME, prompt=text, max_tokens=6, temperature=0,
+                                  extra_body={"h2o": {"recipe": "bounded", "budget": 0.5}, "ignore_eos": True})
+    h2o = r.model_extra["h2o"]
+    # 50% of the prompt, the recipe's recent share (0.05) of it recent
+    assert h2o["policy"] == "snapkv:window=1,kernel=7,heads=shared"
+    assert (h2o["heavy"], h2o["recent"]) == (int(0.5 * 0.95 * len(ids)), int(0.5 * 0.05 * len(ids)))
+    expected = greedy_alone(model, ids, 6, policy=h2o["policy"], heavy=h2o["heavy"], recent=h2o["recent"])
+    assert r.choices[0].text == tok.decode(expected, skip_special_tokens=True)
+    slots = client.completions.create(model=NAME, prompt=text, max_tokens=2, temperature=0,
+                                      extra_body={"h2o": {"budget": 40, "recent_share": 0.25}})
+    assert (slots.model_extra["h2o"]["heavy"], slots.model_extra["h2o"]["recent"]) == (30, 10)
 
 
 def test_chat_completion_uses_the_chat_template(client, model_tok):
@@ -129,7 +151,8 @@ def test_per_request_eviction_override(client, model_tok):
     full = results[str({"policy": "full"})]
     assert full.model_extra["h2o"]["kv_slots"] == len(ids) + 10 and full.model_extra["h2o"]["heavy"] is None
     ratio = results[str({"heavy_ratio": 0.05, "recent_ratio": 0.05})].model_extra["h2o"]
-    assert (ratio["policy"], ratio["heavy"]) == ("h2o", int(0.05 * len(ids)))
+    assert int(0.1 * len(ids)) < DEFAULT_BUDGET_FLOOR  # a short prompt: its 10% is raised to the floor
+    assert (ratio["policy"], ratio["heavy"], ratio["recent"]) == ("h2o", DEFAULT_BUDGET_FLOOR // 2, DEFAULT_BUDGET_FLOOR // 2)
 
 
 BAD_REQUESTS = [  # (body changes, status, param)
@@ -153,7 +176,12 @@ BAD_REQUESTS = [  # (body changes, status, param)
     ({"h2o": {"heavy_ratio": 1.5, "recent_ratio": 0.1}}, 400, "h2o"),
     ({"h2o": {"heavy": 4, "recent": 4, "heavy_ratio": 0.1}}, 400, "h2o"),
     ({"h2o": {"policy": "full", "heavy": 4, "recent": 4}}, 400, "h2o"),
-    ({"h2o": {"budget": 4}}, 400, "h2o.budget"),
+    ({"h2o": {"budgett": 4}}, 400, "h2o.budgett"),
+    ({"h2o": {"budget": 1.5}}, 400, "h2o"),
+    ({"h2o": {"budget": 0.2, "heavy": 4}}, 400, "h2o"),
+    ({"h2o": {"budget": LIMIT + 1}}, 400, "h2o.budget"),
+    ({"h2o": {"recipe": "fastest"}}, 400, "h2o"),
+    ({"h2o": {"recipe": "bounded", "budget": "0.2"}}, 400, "h2o.budget"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
 ]
 

@@ -47,6 +47,8 @@ class EvictionDefaults:
         if share is None and recipe and not any(budget.get(name) is not None for name in PART_FIELDS):
             share = settings.get("recent_share")
         given = {name: budget.get(name) for name in (*PART_FIELDS, "budget")}
+        if recipe and not any(value is not None for value in given.values()):
+            given["budget"] = DEFAULT_RECIPE_BUDGET  # a recipe without a budget keeps its fifth
         return cls(policy=policy or settings.get("policy", "h2o"), prefill=prefill or settings.get("prefill", "chunked"),
                    recipe=recipe, recent_share=share,
                    budget_floor=DEFAULT_BUDGET_FLOOR if budget_floor is None else budget_floor, **given)
