@@ -286,30 +286,83 @@ def test_missing_essays_package_is_a_one_line_error(monkeypatch):
         Haystack(Chars(), "essays")
 
 
-def test_plot_draws_full_in_both_question_modes_and_names_the_model(tmp_path, monkeypatch):
-    """A configuration that keeps everything is one line in every panel of its context (the mode
-    cannot change it), the axis spans the evicting budgets only, and a converted GGUF folder's
-    suffix is not part of the model's name."""
-    import matplotlib.axes
-
+def plotted(monkeypatch, rows):
+    """The figure ``plot_scores`` would save: ``(panels, the legend's axes)``."""
     from h2okv.eval.longctx import report
 
+    saved = []
+    monkeypatch.setattr(report, "save_figure", lambda fig, path: saved.append(fig) or path)
+    report.plot_scores(rows, "p.png", "t")
+    fig = saved[0]
+    fig.canvas.draw()
+    axes = [ax for ax in fig.axes if ax.axison]
+    legend_ax = next(ax for ax in fig.axes if not ax.axison)
+    return axes, legend_ax
+
+
+def assert_legend_covers_no_panel(axes, legend_ax):
+    assert all(ax.get_legend() is None for ax in axes)
+    box = legend_ax.get_legend().get_window_extent()
+    assert not any(box.overlaps(ax.get_window_extent()) for ax in axes)
+
+
+def longctx_rows(points, task="vt"):
     model = "/cache/Qwen2.5-Coder-1.5B-Instruct.Q4_K_M-1117320768-transformers-5.23.0-v2"
-    rows = [{"question": q, "policy": p, "budget": b, "context": 2048, "task": "vt", "score": s, "cache_options": {},
-             "model": model} for q, p, b, s in [("aware", "full", 1.0, 1.0), ("aware", "h2o", 0.2, 0.5),
-                                                 ("agnostic", "h2o", 0.2, 0.25)]]
+    return [{"question": q, "policy": p, "budget": b, "context": 2048, "task": t, "score": s, "cache_options": {},
+             "model": model} for q, p, b, s, t in ((*point, task) if len(point) == 4 else point for point in points)]
+
+
+def test_plot_of_one_budget_is_bars_per_task_with_full_as_a_level_in_both_question_modes(monkeypatch):
+    """One budget: a group of bars per task and the average, one bar per configuration; full (measured
+    aware only: no eviction, so the mode cannot change it) a dashed level over each group of both
+    panels; one legend, in axes of its own below the panels."""
+    from h2okv.eval.longctx import report
+
+    rows = longctx_rows([("aware", "full", 1.0, 1.0), ("aware", "h2o", 0.2, 0.5), ("agnostic", "h2o", 0.2, 0.25),
+                         ("aware", "tova", 0.2, 0.0), ("aware", "full", 1.0, 0.5, "fwe"),
+                         ("aware", "h2o", 0.2, 0.0, "fwe"), ("aware", "tova", 0.2, 1.0, "fwe")])
     assert report.models_of(rows) == "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M"
-    lines = []
-    original = matplotlib.axes.Axes.axhline
-    monkeypatch.setattr(matplotlib.axes.Axes, "axhline", lambda ax, y, **kw: lines.append((ax, y)) or original(ax, y, **kw))
-    assert report.plot_scores(rows, tmp_path / "p.png", "t").exists()
-    assert len({id(ax) for ax, _ in lines}) == 2 and {y for _, y in lines} == {100.0}
-    assert [ax.get_xlim() for ax, _ in lines] == [pytest.approx((0.1, 0.3))] * 2
-    # a peer's press is drawn in its counterpart's colour (its line dotted): one colour per method
+    axes, legend_ax = plotted(monkeypatch, rows)
+    assert [ax.get_title() for ax in axes] == ["2048 tokens, question agnostic, 20% budget",
+                                               "2048 tokens, question aware, 20% budget"]
+    assert [t.get_text() for t in axes[1].get_xticklabels()] == ["vt", "fwe", "average"]
+    heights = {c.get_label(): [round(b.get_height(), 1) for b in c] for c in axes[1].containers}
+    assert heights == {"h2o": [50.0, 0.0, 25.0], "tova": [0.0, 100.0, 50.0]}
+    for ax in axes:  # full's level over every group: vt 100, fwe 50, average 75
+        (levels,) = [c for c in ax.collections if c.get_label() == "full"]
+        assert sorted(segment[0][1] for segment in levels.get_segments()) == [50.0, 75.0, 100.0]
+    assert {t.get_text() for t in axes[1].texts} == {"0"}  # a bar of height 0 is labelled
+    assert [t.get_text() for t in legend_ax.get_legend().get_texts()] == ["full", "h2o", "tova"]
+    assert_legend_covers_no_panel(axes, legend_ax)
+
+
+def test_plot_of_several_budgets_is_lines_with_the_legend_outside(monkeypatch):
+    """Several budgets: average score vs budget per configuration, full a dashed line in every panel
+    of its context, the axis spanning the evicting budgets only, the legend outside the panels."""
+    rows = longctx_rows([("aware", "full", 1.0, 1.0), ("aware", "h2o", 0.2, 0.5), ("aware", "h2o", 0.5, 0.75),
+                         ("agnostic", "h2o", 0.2, 0.25), ("agnostic", "h2o", 0.5, 0.5)])
+    axes, legend_ax = plotted(monkeypatch, rows)
+    for ax in axes:
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        assert set(lines) == {"full", "h2o"} and set(lines["full"].get_ydata()) == {100.0}
+        assert ax.get_xlim() == pytest.approx((0.1, 0.6))
+    assert list(axes[1].get_lines()[-1].get_ydata()) == [50.0, 75.0]
+    assert_legend_covers_no_panel(axes, legend_ax)
+
+
+def test_each_method_has_one_colour_and_its_variants_differ():
+    """A peer's press is drawn in its counterpart's colour (paler, hatched): one colour per method;
+    a second configuration of one colour gets another hatch."""
+    from h2okv.eval.longctx import report
+
     assert report.method_color("kvpress-tova") == report.method_color("tova [prefill=late]") is not None
     assert report.method_color("kvpress-streaming") == report.method_color("sink")
     assert report.method_color("kvpress-observed") == report.method_color("h2o")
     assert report.method_color("kvpress-adakv-snapkv") == report.method_color("snapkv:window=1")
+    styles = report.config_styles(["snapkv [prefill=late]", "kvpress-snapkv", "snapkv:window=1", "h2o",
+                                   "kvpress-adakv-snapkv"])
+    assert [styles[c]["variant"] for c in styles] == [0, 0, 1, 0, 1]  # h2okv's and the peer's counted apart
+    assert styles["kvpress-snapkv"]["peer"] and not styles["snapkv:window=1"]["peer"]
 
 
 @pytest.mark.parametrize("question", ["aware", "agnostic"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from h2okv.eval.longctx.rows import config_label
-from h2okv.eval.plots import format_table, new_figure, policy_color, save_figure
+from h2okv.eval.plots import format_table, policy_color, pyplot, save_figure
 
 MARKERS = "osD^vP*X"
 
@@ -60,38 +60,150 @@ def method_color(config: str) -> str | None:
 
 
 def plot_scores(rows: list[dict], path, title: str):
-    """Average score vs budget, one line per configuration, one panel per (question mode, context);
-    a configuration that keeps everything is a dashed horizontal line. A method has one colour:
-    h2okv's lines are solid with filled markers, the peer's (kvpress) dotted with hollow ones; the
-    legend sits beside each panel, so a grid of twenty configurations hides no line."""
+    """The scores, one panel per (question mode, context), one legend for all panels below them.
+
+    One evicting budget: grouped bars, a group per task and one for the average, a bar per
+    configuration, and a configuration that keeps everything (full) as a dashed black level across
+    each group. Several budgets: average score vs budget, one line per configuration, full as a
+    dashed horizontal line. A method has one colour: h2okv's bars are solid (lines solid, filled
+    markers), the peer's (kvpress) pale and hatched (lines dotted, hollow markers); variants of one
+    method differ by hatch or marker. A configuration that keeps everything evicts nothing, so the
+    question mode cannot change it: it is drawn in every panel of its context (measured in one mode
+    is enough)."""
     summary = summarize(rows)
     panels = sorted({(s["question"], s["context"]) for s in summary})
-    # a configuration that keeps everything evicts nothing, so the question mode cannot change it:
-    # its line is drawn in every panel of its context (measured in one mode is enough)
-    keep_all = {(s["context"], s["config"]): s["average"] for s in summary if s["budget"] == 1.0}
-    entries = max((len({s["config"] for s in summary if (s["question"], s["context"]) == panel}) for panel in panels),
-                  default=1)
-    fig, axes = new_figure(ncols=len(panels), width=7.6, height=max(4.0, 0.22 * entries + 1.0))
-    for ax, (question, context) in zip(axes[0], panels, strict=True):
-        here = [s for s in summary if (s["question"], s["context"]) == (question, context) and s["budget"] < 1.0]
-        for (ctx, config), average in keep_all.items():
-            if ctx == context:
-                ax.axhline(average, color=method_color(config) or "black", linestyle="--", label=config)
-        for index, config in enumerate(dict.fromkeys(s["config"] for s in here)):
-            points = sorted((s["budget"], s["average"]) for s in here if s["config"] == config)
-            peer = config.startswith(PEER)
-            color = method_color(config)
-            # markers of shrinking size and different shapes: equal scores stay visible
-            ax.plot(*zip(*points), marker=MARKERS[index % len(MARKERS)], markersize=max(11 - 0.5 * index, 4),
-                    color=color, label=config, alpha=0.85, linestyle=":" if peer else "-",
-                    markerfacecolor="none" if peer else color)
-        budgets = sorted({s["budget"] for s in here}) or [1.0]
-        ax.set_xlim(budgets[0] - 0.1, budgets[-1] + 0.1)
-        ax.set_xticks(budgets, labels=[f"{b:.0%}" for b in budgets])
-        ax.set_ylim(-3, 103)
-        ax.set_xlabel("cache budget (share of the prompt)")
-        ax.set_ylabel("RULER score (average over tasks)")
-        ax.set_title(f"{context} tokens, question {question}", fontsize=10)
-        ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    keep_all = [s for s in summary if s["budget"] == 1.0]
+    evicting = [s for s in summary if s["budget"] < 1.0]
+    styles = config_styles(dict.fromkeys(s["config"] for s in evicting))
+    budgets = sorted({s["budget"] for s in evicting})
+    tasks = list(dict.fromkeys(task for s in summary for task in s["tasks"]))
+    most = max((sum(1 for s in evicting if (s["question"], s["context"]) == panel) for panel in panels), default=1)
+    bars = len(budgets) <= 1
+    width = max(6.0, 0.16 * most * (len(tasks) + 1) + 1.5) if bars else 6.4
+    fig, axes, legend_ax = _figure_with_legend(len(panels), width, 4.2, len(styles) + len(keep_all))
+    for ax, (question, context) in zip(axes, panels, strict=True):
+        here = [s for s in evicting if (s["question"], s["context"]) == (question, context)]
+        full = [s for s in keep_all if s["context"] == context]
+        if bars:
+            _task_bars(ax, here, full, tasks, styles)
+            budget = f", {budgets[0]:.0%} budget" if budgets else ""
+            ax.set_title(f"{context} tokens, question {question}{budget}", fontsize=10)
+        else:
+            _budget_lines(ax, here, full, budgets, styles)
+            ax.set_title(f"{context} tokens, question {question}", fontsize=10)
+    _shared_legend(legend_ax, axes, 1 if len(panels) == 1 else _legend_columns(width * len(panels)))
     fig.suptitle(title, fontsize=10)
     return save_figure(fig, path)
+
+
+# hatches that tell apart configurations of one method (one colour): h2okv's, then the peer's
+HATCHES = ("", "..", "xx", "oo", "--", "++")
+PEER_HATCHES = ("////", "\\\\\\\\", "xxxx", "....")
+FALLBACK_COLORS = ("tab:gray", "gold", "teal", "navy", "lime", "crimson")
+
+
+def config_styles(configs) -> dict[str, dict]:
+    """Each configuration's colour (its method's), whether it is the peer's, its variant (the
+    how-many-th of h2okv's, or of the peer's, configurations in that colour: its hatch), and its
+    index (its line's marker)."""
+    styles, seen = {}, {}
+    for index, config in enumerate(configs):
+        color = method_color(config) or FALLBACK_COLORS[index % len(FALLBACK_COLORS)]
+        peer = config.startswith(PEER)
+        variant = seen.get((color, peer), 0)
+        seen[(color, peer)] = variant + 1
+        styles[config] = {"color": color, "peer": peer, "variant": variant, "index": index}
+    return styles
+
+
+def _figure_with_legend(panels: int, width: float, height: float, entries: int):
+    """``(fig, panel axes, legend axes)``: the panels side by side and the one legend in axes of
+    its own, so it covers no panel: below the panels, as wide as the figure, or for a single panel
+    beside it (one column of labels beneath a narrow panel would be taller than the panel)."""
+    plt = pyplot()
+    if panels == 1:
+        fig = plt.figure(figsize=(width + LEGEND_WIDTH, max(height, 0.5 + 0.2 * entries)))
+        grid = fig.add_gridspec(1, 2, width_ratios=[width, LEGEND_WIDTH])
+        axes, legend_ax = [fig.add_subplot(grid[0, 0])], fig.add_subplot(grid[0, 1])
+    else:
+        legend_height = 0.3 + 0.2 * -(-max(entries, 1) // _legend_columns(width * panels))
+        fig = plt.figure(figsize=(width * panels, height + legend_height))
+        grid = fig.add_gridspec(2, panels, height_ratios=[height, legend_height])
+        axes, legend_ax = [fig.add_subplot(grid[0, i]) for i in range(panels)], fig.add_subplot(grid[1, :])
+    legend_ax.axis("off")
+    return fig, axes, legend_ax
+
+
+# inches of one legend column: a long label ("snapkv:window=1,... [recent_share=0.05]") is ~4 in
+LEGEND_WIDTH = 4.6
+
+
+def _legend_columns(figure_width: float) -> int:
+    return max(1, int(figure_width // LEGEND_WIDTH))
+
+
+def _shared_legend(legend_ax, axes, columns: int) -> None:
+    """One legend for every panel: each label once, in the order first drawn."""
+    entries = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    if entries:
+        legend_ax.legend(entries.values(), entries.keys(), loc="center", ncol=columns, fontsize=7.5, frameon=False)
+
+
+def _task_bars(ax, here: list[dict], full: list[dict], tasks: list[str], styles: dict) -> None:
+    """A group of bars per task and one for the average; each keep-everything configuration a
+    dashed level across each group."""
+    from matplotlib.colors import to_rgb
+
+    groups = [*tasks, "average"]
+    configs = [config for config in styles if any(s["config"] == config for s in here)]
+    step = 0.8 / max(len(configs), 1)
+    for slot, config in enumerate(configs):
+        entry = next(s for s in here if s["config"] == config)
+        style = styles[config]
+        values = [entry["average"] if g == "average" else entry["tasks"].get(g, float("nan")) for g in groups]
+        x = [g + (slot - (len(configs) - 1) / 2) * step for g in range(len(groups))]
+        if style["peer"]:
+            pale = tuple(0.7 + 0.3 * c for c in to_rgb(style["color"]))
+            look = {"color": pale, "edgecolor": style["color"],
+                    "hatch": PEER_HATCHES[style["variant"] % len(PEER_HATCHES)]}
+        else:
+            look = {"color": style["color"], "edgecolor": "white", "hatch": HATCHES[style["variant"] % len(HATCHES)]}
+        ax.bar(x, values, width=step, label=config, linewidth=0.6, **look)
+        for where, value in zip(x, values):
+            if value == 0:  # a bar of height 0 is invisible: say it scored nothing
+                ax.text(where, 0.5, "0", ha="center", va="bottom", fontsize=6, color=style["color"])
+    for entry in full:
+        levels = [(g, entry["average"] if name == "average" else entry["tasks"].get(name))
+                  for g, name in enumerate(groups)]
+        levels = [(g, level) for g, level in levels if level is not None]
+        ax.hlines([level for _, level in levels], [g - 0.45 for g, _ in levels], [g + 0.45 for g, _ in levels],
+                  colors=method_color(entry["config"]) or "black", linestyles="--", linewidth=1.6,
+                  label=entry["config"])
+    ax.set_xticks(range(len(groups)), labels=groups, fontsize=8)
+    ax.set_xlim(-0.5, len(groups) - 0.5)
+    ax.set_ylim(0, 105)
+    ax.set_ylabel("RULER score (mean over samples)")
+
+
+def _budget_lines(ax, here: list[dict], full: list[dict], budgets: list[float], styles: dict) -> None:
+    """Average score vs budget, a line per configuration; keep-everything ones as dashed levels."""
+    for entry in full:
+        ax.axhline(entry["average"], color=method_color(entry["config"]) or "black", linestyle="--",
+                   label=entry["config"])
+    for config, style in styles.items():
+        points = sorted((s["budget"], s["average"]) for s in here if s["config"] == config)
+        if not points:
+            continue
+        index, peer = style["index"], style["peer"]
+        # markers of shrinking size and different shapes: equal scores stay visible
+        ax.plot(*zip(*points), marker=MARKERS[index % len(MARKERS)], markersize=max(11 - 0.5 * index, 4),
+                color=style["color"], label=config, alpha=0.85, linestyle=":" if peer else "-",
+                markerfacecolor="none" if peer else style["color"])
+    ax.set_xlim(budgets[0] - 0.1, budgets[-1] + 0.1)
+    ax.set_xticks(budgets, labels=[f"{b:.0%}" for b in budgets])
+    ax.set_ylim(-3, 103)
+    ax.set_xlabel("cache budget (share of the prompt)")
+    ax.set_ylabel("RULER score (average over tasks)")
