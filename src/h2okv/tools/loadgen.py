@@ -8,8 +8,8 @@ request holds, hence how many run at once. ``--schedules budget,serial`` repeats
 both prefill schedules; ``--arrival-rate`` sends requests at Poisson arrival times instead of all at
 once.
 
-Three profiles (``--profile``): ``prefill-heavy`` (long prompts, few new tokens: the workload of the
-first serve-bench), ``decode-heavy`` (short prompts, long generations: the paper's dialogue and
+Three profiles (``--profile``): ``prefill-heavy`` (long prompts, few new tokens: questions or
+summaries over a document), ``decode-heavy`` (short prompts, long generations: the paper's dialogue and
 story-writing setting, where the KV cache grows with every generated token) and ``gsm8k`` (real
 GSM8K problems as 0-shot chat prompts, greedy until EOS, each served answer graded like
 ``h2okv eval reasoning`` grades it: throughput comes with the accuracy it was served at).
@@ -346,9 +346,9 @@ def bench_command(args) -> str:
 
 # what --profile fills in for the options not given on the command line
 PROFILES = {
-    # the first serve-bench: 256-token prompts, 64 new tokens; budget 10% + 10% of the prompt
+    # long prompts, short answers: 256-token prompts, 64 new tokens; budget 10% + 10% of the prompt
     "prefill-heavy": {"kv_memory": 30 << 20, "requests": 16, "concurrency": 16, "prompt_tokens": 256, "max_tokens": 64},
-    # the example: long generations from short prompts, a fixed 64 + 64 budget
+    # long generations from short prompts (the paper's dialogue and story writing), a fixed 64 + 64 budget
     "decode-heavy": {"kv_memory": 256 << 20, "requests": 32, "concurrency": 32, "prompt_tokens": 128,
                      "max_tokens": 1024, "heavy": 64, "recent": 64},
     # served reasoning: real GSM8K problems (0-shot chat, ~70-150 prompt tokens), up to 512 new

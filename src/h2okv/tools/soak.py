@@ -9,9 +9,10 @@ concurrent loops. Each loop sends, at random:
 - valid edge requests, which must get a 200: a tiny temperature (greedy), policy options
   (``snapkv:window=4``, echoed back), ``n`` at the server's ``--max-n``;
 - bad requests: malformed JSON, wrong values, huge ``max_tokens``, an empty prompt, invalid UTF-8,
-  an unknown policy, an over-long prompt, and those of issue 20: a lone surrogate, a budget past
-  the context, a body over ``--max-body-bytes``, bad policy options, wrong JSON types
-  (``"max_tokens": "3"``), over-long or too many stop strings, ``n`` above the cap.
+  an unknown policy, an over-long prompt, and the hostile inputs the server was hardened against
+  after probing it as an attacker would: a lone surrogate, a budget past the context, a body over
+  ``--max-body-bytes``, bad policy options, wrong JSON types (``"max_tokens": "3"``), over-long or
+  too many stop strings, ``n`` above the cap.
 
 It checks: no 5xx at all; a 4xx in OpenAI's error format for every bad request; every completed
 stream well formed; zero KV bytes and requests in use at the end (``/metrics``); the server's RSS
@@ -74,7 +75,7 @@ BAD_REQUESTS = {
     "unknown_policy": lambda rng: _completion(h2o={"policy": "lru-ish"}),
     "overlong_prompt": lambda rng: _completion(prompt=" y" * (MAX_PROMPT + 1 + rng.randrange(100))),
     "bad_messages": lambda rng: ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "robot", "content": 3}]}),
-    # issue 20
+    # the hostile inputs the server was hardened against after probing it as an attacker would
     "lone_surrogate": lambda rng: rng.choice([
         _completion(prompt="a\ud800b"),
         ("/v1/chat/completions", {"model": NAME, "max_tokens": 4, "messages": [{"role": "user", "content": "\udfff"}]})]),
