@@ -70,6 +70,9 @@ def test_a_recipe_without_a_budget_keeps_a_fifth(llama):
     cache = H2OCache(llama, recipe="generation", budget_floor=0)
     run(llama, cache, length=100)
     assert cache.budget() == [20]
+    # the keywords README once recommended, which raised a TypeError: the default fifth, split by the share
+    spelled = H2OCache(llama, policy="snapkv", prefill="late", recent_share=0.078, budget_floor=0)
+    assert spelled.spec.heavy_ratio == pytest.approx(0.2 * 0.922) and spelled.spec.recent_ratio == pytest.approx(0.2 * 0.078)
 
 
 def test_unknown_recipes_and_bad_budgets_are_one_line_errors(llama):

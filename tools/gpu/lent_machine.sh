@@ -14,7 +14,7 @@
 #   stage join M  (nothing)          assemble model M into the cache, check its size and sha256
 #   stage cli ...  (nothing)         any h2okv command in this environment, e.g.
 #                 cli eval reasoning --model qwen2.5-0.5b --device cuda --json \$OUT/x.json ...
-# First lease (2026-11-24, H100): env+unit 6.4 min, model 2.3 min, rest 5.7 min, 50 MB pieces ~6 s each
+# The first lease (H100): env+unit 6.4 min, model 2.3 min, rest 5.7 min, 50 MB pieces ~6 s each
 # (several `run` calls in one message run one after another, so the machine stays warm).
 set -u
 stage=${1:?stage: env, part2, model, unit, rest, piece M N, join M or cli ...}

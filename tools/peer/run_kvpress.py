@@ -58,7 +58,7 @@ PRESSES = ["full", "knorm", "tova", "snapkv", "streaming", "observed", "expected
 
 
 def make_press(name: str, ratio: float):
-    """The press behind one of our short names. SnapKV uses the window and kernel that the issue
+    """The press behind one of our short names. SnapKV uses the window and kernel that RESULTS
     compared with h2okv's one-chunk ``snapkv`` (32, 7); the rest use kvpress's defaults."""
     if name == "full":
         return None

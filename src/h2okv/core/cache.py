@@ -45,7 +45,8 @@ def check_settings(policy=None, *, recipe=None, budget=None, recent_share=None, 
         raise H2OError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {settings['prefill']!r}")
     parts = {name: parts.get(name) for name in ("heavy", "recent", "heavy_ratio", "recent_ratio")}
     given_parts = any(v is not None for v in parts.values())
-    if budget is not None or (recipe is not None and chosen.evicts and not given_parts):
+    # a recipe or a recent share without a budget: the default fifth of each prompt, split their way
+    if budget is not None or ((recipe is not None or recent_share is not None) and chosen.evicts and not given_parts):
         if given_parts:
             raise H2OError("give either budget= or heavy=/recent=/heavy_ratio=/recent_ratio=, not both")
         share = DEFAULT_RECENT_SHARE if settings["recent_share"] is None else settings["recent_share"]

@@ -51,7 +51,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
     # The cache holds its layers; a layer's way back to its cache is a weak reference. With a strong
     # one, cache and layers form a reference cycle: a cache nobody holds any more (a finished
     # request's, in the server) and its K/V buffers would wait for Python's cyclic collector, which
-    # runs rarely, and the heap would grow in between (issue 20's soak). Weak, they go at once.
+    # runs rarely, and the heap would grow in between (the 10-minute soak saw it). Weak, they go at once.
     @property
     def owner(self):
         return self._owner()

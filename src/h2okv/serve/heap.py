@@ -6,7 +6,7 @@ buffer is freed, glibc raises the threshold to its size (up to 32 MiB). After th
 a few large buffers (a 1 MiB request body, a prompt's prefill activations, a KV cache), every later
 buffer up to that size comes from the heap instead, between long-lived small allocations; when it is
 freed its pages stay with the process, and the next one of a slightly different size often does not
-fit the hole. Under the soak (issue 20) the heap's free bytes grew without bound and with them RSS
+fit the hole. Under the 10-minute soak the heap's free bytes grew without bound and with them RSS
 (6.8 MiB a minute); with the threshold pinned they stayed flat (docs/RESULTS.md). Setting the
 threshold explicitly switches the dynamic raising off (glibc's ``mallopt``), as the environment
 variable ``MALLOC_MMAP_THRESHOLD_`` does; a value set there is left alone.
