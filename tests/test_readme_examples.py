@@ -9,9 +9,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_packaging import EXTRA_ONLY, run_without
 
 from h2okv import cli
+from test_packaging import EXTRA_ONLY, run_without
 
 pytestmark = pytest.mark.integration
 
