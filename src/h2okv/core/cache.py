@@ -129,6 +129,10 @@ class H2OCache(Cache):
             heavy=heavy, recent=recent, heavy_ratio=heavy_ratio, recent_ratio=recent_ratio)
         self.policy.bind(model)
         self.prefill = settings["prefill"]
+        # what a recipe expanded to, for stats(): the share a budget= was split by (None: given in parts)
+        split = budget is not None or recipe is not None or recent_share is not None
+        share = settings["recent_share"]
+        self.recent_share = (DEFAULT_RECENT_SHARE if share is None else share) if split else None
         if int(chunk_size) < 1:
             raise H2OError(f"chunk_size must be >= 1, got {chunk_size}")
         self.chunk_size = int(chunk_size)
@@ -339,6 +343,8 @@ class H2OCache(Cache):
             "slots": slots,  # the most live tokens any (sequence, head) of each layer holds
             "capacity": [layer.capacity for layer in layers],
             "prefill": self.prefill,
+            "recent_share": self.recent_share,
+            "positions": "true" if self.rolling is None else "rolling",
             "head_budgets": self.head_budgets,
             # per layer, the fewest and most slots one KV head may hold (equal unless adaptive)
             "head_budget_range": [self._head_range(layer) for layer in layers],
