@@ -93,8 +93,8 @@ def run(args) -> int:
     seconds = time.perf_counter() - start
     late = [p for p in policies if policy_shape(p, {}).get("prefill") == "late"]  # read whole whatever --prefill says
     prefill = args.prefill + (f" ({', '.join(late)}: late)" if late and args.prefill != "late" else "")
-    print(f"Passkey retrieval, {args.haystack} haystack, prefill {prefill} (chunk {chunk}), recent share "
-          f"{args.recent_share:g}, {args.head_budgets} head budgets, {args.trials} trials per cell")
+    print(f"Passkey retrieval, {args.haystack} haystack, chunk {chunk}, {args.trials} trials per cell; --policies "
+          f"runs: prefill {prefill}, recent share {args.recent_share:g}, {args.head_budgets} head budgets")
     for _, settings, name in recipe_runs(recipes):
         print(f"recipe {name}: {', '.join(f'{k}={v}' for k, v in settings.items())}")
     print(summary_table(cells))
