@@ -63,13 +63,15 @@ def retrieval_part(model, tokenizer, clock: Clock) -> dict:
     results = {}
     for index, case in enumerate(cases, 1):
         clock.say(f"case {index}/{len(cases)}: {case.title}")
+        print(f"    {'cache':<15} {'answer (8 tokens)':<28} {'':<6} {'KV MiB':>7}  of full", flush=True)
         results[case.title] = []
         for config, keywords in RETRIEVAL_CONFIGS:
             got = answer(model, tokenizer, case, config, keywords)
             results[case.title].append(got)
             full = results[case.title][0].kv_bytes
-            print(f"    {config:<15} {got.text.strip()[:24]!r:<28} {'right' if got.right else 'WRONG':<6}"
-                  f"KV {mib(got.kv_bytes):>6} MiB ({got.kv_bytes / full:.0%} of full)", flush=True)
+            shown = repr(got.text.strip()[:24]) if got.text.strip() else "(nothing)"
+            print(f"    {config:<15} {shown:<28} {'right' if got.right else 'WRONG':<6} {mib(got.kv_bytes):>7}"
+                  f"  {got.kv_bytes / full:>7.0%}", flush=True)
     for c, (config, _) in enumerate(RETRIEVAL_CONFIGS):
         right = sum(answers[c].right for answers in results.values())
         print(f"  {config}: {right} of {len(cases)} right", flush=True)
