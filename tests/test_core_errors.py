@@ -5,6 +5,7 @@ import torch
 import transformers
 
 from h2okv import H2OCache, H2OError
+from h2okv.core.budget import DEFAULT_BUDGET_FLOOR, BudgetSpec
 from h2okv.core.compat import cache_arg
 
 
@@ -36,9 +37,10 @@ def test_bad_settings(llama, kwargs, message):
 
 
 def test_default_budget_is_papers_twenty_percent(llama):
-    cache = H2OCache(llama)
+    cache = H2OCache(llama, budget_floor=0)  # the floor would raise 20 slots of this short prompt
     llama(torch.randint(2, 90, (1, 100)), **cache_arg(cache))
     assert cache.budget() == [20]
+    assert H2OCache(llama).spec == BudgetSpec(heavy_ratio=0.1, recent_ratio=0.1, floor=DEFAULT_BUDGET_FLOOR)
 
 
 def test_encoder_decoder_rejected():

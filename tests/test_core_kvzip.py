@@ -174,7 +174,6 @@ def test_errors_are_one_line():
 @pytest.mark.parametrize("argv", [
     ["eval", "reasoning", "--policies", "h2o,kvzip"],
     ["eval", "ppl", "--policies", "kvzip"],
-    ["generate", "--policy", "kvzip", "--prompt", "hello"],
 ])
 def test_commands_without_the_pass_refuse_kvzip(argv, capsys, monkeypatch):
     import h2okv.models

@@ -112,7 +112,8 @@ def test_model_sliding_window_honoured():
 
 @pytest.mark.parametrize(
     "budget",
-    [{"heavy": 4, "recent": 3}, {"heavy_ratio": 0.2, "recent_ratio": 0.2}],
+    # the ratio budget without the floor: each row resolves its own few slots from its own length
+    [{"heavy": 4, "recent": 3}, {"heavy_ratio": 0.2, "recent_ratio": 0.2, "budget_floor": 0}],
     ids=["absolute", "ratio"],
 )
 @pytest.mark.parametrize("chunk, policy", [(1, "h2o"), (8, "h2o"), (512, "h2o"),
@@ -146,10 +147,10 @@ def test_padding_never_kept(llama):
 
 
 def test_ratio_budget_from_prompt_length(llama):
-    cache = H2OCache(llama, policy="h2o", heavy_ratio=0.1, recent_ratio=0.1)
+    cache = H2OCache(llama, policy="h2o", heavy_ratio=0.1, recent_ratio=0.1, budget_floor=0)
     llama(random_ids(205), **cache_arg(cache))
     assert cache.budget() == [40]  # 20 + 20 of 205 tokens
-    tiny = H2OCache(llama, policy="h2o", heavy_ratio=0.01, recent_ratio=0.01)
+    tiny = H2OCache(llama, policy="h2o", heavy_ratio=0.01, recent_ratio=0.01, budget_floor=0)
     llama(random_ids(30), **cache_arg(tiny))
     assert tiny.budget() == [2]  # at least one slot each
 
@@ -186,7 +187,7 @@ def test_row_selection_keeps_budgets_in_step(llama):
     """Dropping a row (as generate and the server do) keeps per-row budgets and decoding right."""
     seqs = [random_ids(30, seed=1)[0].tolist(), random_ids(12, seed=2)[0].tolist()]
     ids, mask = pad_rows(seqs, pad_id=0)
-    cache = H2OCache(llama, policy="h2o", heavy_ratio=0.2, recent_ratio=0.2)
+    cache = H2OCache(llama, policy="h2o", heavy_ratio=0.2, recent_ratio=0.2, budget_floor=0)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # what generate derives from a left-padded mask
     llama(ids, attention_mask=mask, position_ids=positions, **cache_arg(cache))
     assert cache.budget() == [12, 4]
@@ -194,7 +195,7 @@ def test_row_selection_keeps_budgets_in_step(llama):
     assert cache.budget() == [4]
     assert cache.max_budget == 4
     # the remaining row decodes exactly like the same sequence alone
-    alone = H2OCache(llama, policy="h2o", heavy_ratio=0.2, recent_ratio=0.2)
+    alone = H2OCache(llama, policy="h2o", heavy_ratio=0.2, recent_ratio=0.2, budget_floor=0)
     llama(torch.tensor([seqs[1]]), **cache_arg(alone))
     token = torch.tensor([[5]])
     a = llama(token, **cache_arg(cache), position_ids=torch.tensor([[12]])).logits

@@ -45,7 +45,8 @@ def test_rows_have_the_shape_of_eval_retrieval_rows(adapter):
     rows = adapter.cells(exported, ["111.", "x", "333", "no"], "kvpress-knorm", 0.2)
     # every field of h2okv's rows, except the shape of h2okv's own cache (recent share, head budgets):
     # a press has none
-    assert [set(r) for r in rows] == [{f.name for f in dataclasses.fields(Cell)} - {"recent_share", "head_budgets"}] * 2
+    own = {"recent_share", "head_budgets", "head_floor", "positions", "recipe"}
+    assert [set(r) for r in rows] == [{f.name for f in dataclasses.fields(Cell)} - own] * 2
     assert [r["prefill"] for r in rows] == ["late"] * 2  # a press ranks once, after the prompt
     assert [(r["depth"], r["correct"], r["trials"], r["accuracy"]) for r in rows] == [(0.0, 1, 2, 0.5), (1.0, 1, 2, 0.5)]
     assert rows[0]["answers"] == ["111.", "x"]

@@ -15,7 +15,7 @@ def test_chat_on_the_default_model(default_model):
         messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
         runs = {}
         for name, h2o in (("full", {"policy": "full"}), ("roomy", {"heavy": 1000, "recent": 1000}),
-                          ("h2o", {"heavy_ratio": 0.1, "recent_ratio": 0.1})):
+                          ("h2o", {"budget": 16})):
             runs[name] = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=16,
                                                         temperature=0, extra_body={"h2o": h2o})
         streamed = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=16, temperature=0,

@@ -63,6 +63,8 @@ class EvictionDefaults:
         return {name: getattr(self, name) for name in BUDGET_FIELDS}
 
     def validate(self) -> None:
+        if not make_policy(self.policy).evicts and any(getattr(self, name) is not None for name in (*PART_FIELDS, "budget")):
+            raise H2OError(f"policy {self.policy!r} keeps every token; do not give it a budget")
         self.resolve(0)
         if self.prefill not in PREFILL_MODES:
             raise H2OError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {self.prefill!r}")
