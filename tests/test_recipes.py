@@ -131,6 +131,13 @@ def test_the_floor_raises_a_fraction_of_a_short_prompt():
         BudgetSpec.build(make_policy("h2o"), heavy_ratio=0.1, recent_ratio=0.1, floor=-1)
 
 
+def test_the_help_texts_floor_is_the_librarys():
+    from h2okv.cli.args import BUDGET_FLOOR, PREFILL_CHOICES
+    from h2okv.core.cache import PREFILL_MODES
+
+    assert BUDGET_FLOOR == DEFAULT_BUDGET_FLOOR and PREFILL_CHOICES == PREFILL_MODES
+
+
 def test_the_floor_applies_in_the_cache_and_can_be_turned_off(llama):
     floored, plain = H2OCache(llama), H2OCache(llama, budget_floor=0)
     run(llama, floored, length=40)

@@ -23,6 +23,8 @@ from h2okv.recipes import recipe_help
 
 # H2OCache's prefill modes (core/cache.py PREFILL_MODES; kept here so --help loads no torch)
 PREFILL_CHOICES = ("chunked", "late")
+# core/budget.py DEFAULT_BUDGET_FLOOR, for --help (tests/test_recipes.py checks that they agree)
+BUDGET_FLOOR = 128
 
 
 # -- types: a value or a one-line error ------------------------------------------------------------
@@ -186,8 +188,8 @@ def add_budget_args(parser: argparse.ArgumentParser, policy_default: str = "h2o"
     parser.add_argument("--recent-share", type=recent_share, default=None,
                         help="share of --budget kept for the most recent tokens (default: 0.5, or the recipe's)")
     parser.add_argument("--budget-floor", type=int, default=None,
-                        help="the fewest slots a fractional budget keeps on a short prompt (default: the library's "
-                             "DEFAULT_BUDGET_FLOOR; 0: none)")
+                        help=f"the fewest slots a fractional budget keeps on a short prompt (default: {BUDGET_FLOOR}; "
+                             "0: none)")
     parser.add_argument("--heavy", type=int, default=None, help="heavy-hitter slots per layer/head")
     parser.add_argument("--recent", type=int, default=None, help="recent-token slots per layer/head")
     parser.add_argument("--heavy-ratio", type=float, default=None, help="heavy slots as a fraction of the prompt (default 0.1)")
