@@ -57,6 +57,20 @@ def test_generate_runs_the_document_recipe(capsys, tiny_dir):
     assert "[kvzip, recipe document]" in out.strip().splitlines()[-1]
 
 
+def test_generate_takes_every_knob_a_recipe_uses(capsys, tiny_dir):
+    """The document recipe spelled out flag by flag: the same cache as the recipe's name."""
+    prompt = " ".join(f"w{i}" for i in range(5, 65))
+    base = ["generate", "--model", str(tiny_dir), "--prompt", prompt, "--budget", "0.25", "--budget-floor", "0",
+            "--max-new-tokens", "3"]
+    code, by_name, err = run_cli(capsys, *base, "--recipe", "document")
+    assert code == 0, err
+    code, spelled, err = run_cli(capsys, *base, "--policy", "kvzip", "--prefill", "late", "--head-budgets", "layers",
+                                 "--head-floor", "0", "--recent-share", "0.01")
+    assert code == 0, err
+    assert by_name.splitlines()[0] == spelled.splitlines()[0]  # the same tokens
+    assert by_name.splitlines()[-1].split("]", 1)[1] == spelled.splitlines()[-1].split("]", 1)[1]
+
+
 def test_retrieval_runs_a_recipe_beside_full(capsys, tmp_path, tiny_dir):
     rows = tmp_path / "r.json"
     code, out, err = run_cli(capsys, "eval", "retrieval", "--model", str(tiny_dir), "--recipe", "bounded",

@@ -149,6 +149,8 @@ def generate(
     recent_share: float | None = None,
     budget_floor: int | None = None,
     prefill: str | None = None,
+    head_budgets: str | None = None,
+    head_floor: float | None = None,
     **parts,
 ) -> Generation:
     """Generation under ``policy``, greedy unless ``temperature`` > 0 (then sampled with ``top_p``,
@@ -161,7 +163,8 @@ def generate(
     (``kvzip``, the ``document`` recipe) first reads and ranks all of the prompt but its last token."""
     floor = {} if budget_floor is None else {"budget_floor": budget_floor}
     cache = H2OCache(model, policy=policy, recipe=recipe, budget=budget, recent_share=recent_share, prefill=prefill,
-                     chunk_size=chunk_size, positions=positions, **floor, **budget_kwargs(**parts))
+                     chunk_size=chunk_size, positions=positions, head_budgets=head_budgets, head_floor=head_floor,
+                     **floor, **budget_kwargs(**parts))
     inputs = encode_prompt(tokenizer, prompt, chat=chat, device=model.device)
     if cache.policy.ranks_by_reconstruction:
         if inputs["input_ids"].shape[1] < 2:

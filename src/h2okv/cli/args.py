@@ -211,7 +211,9 @@ def cache_keywords(args) -> dict:
     """``H2OCache``'s keywords from ``add_budget_args``' flags, only those given (a recipe fills the
     rest); ``prefill`` too where the command has ``--prefill``."""
     given = {"policy": args.policy, "recipe": args.recipe, "budget": args.budget, "recent_share": args.recent_share,
-             "budget_floor": args.budget_floor, "prefill": getattr(args, "prefill", None), **budget_from_args(args)}
+             "budget_floor": args.budget_floor, "prefill": getattr(args, "prefill", None),
+             "head_budgets": getattr(args, "head_budgets", None), "head_floor": getattr(args, "head_floor", None),
+             **budget_from_args(args)}
     return {key: value for key, value in given.items() if value is not None}
 
 
@@ -269,6 +271,13 @@ def add_budget_shape_args(parser: argparse.ArgumentParser, prefill: bool = True,
                             "are shared out among its heads by the policy's rank (Ada-KV; needs --prefill late, "
                             "or snapkv/knorm)" + ("; layers: the whole cache's slots among every layer and head "
                                                  "(kvzip only)" if layers else "") + " (default: uniform)")
+        add_head_floor_arg(parser)
+
+
+def add_head_floor_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--head-floor", type=recent_share, default=None,
+                        help="with uneven head budgets, the share of a uniform head's slots every head keeps first "
+                             "(default: 0.2, or the recipe's)")
 
 
 def shape_from_args(args) -> dict:
@@ -279,6 +288,8 @@ def shape_from_args(args) -> dict:
         shape["prefill"] = args.prefill
     if getattr(args, "head_budgets", "uniform") != "uniform":
         shape["head_budgets"] = args.head_budgets
+    if getattr(args, "head_floor", None) is not None:
+        shape["head_floor"] = args.head_floor
     return shape
 
 

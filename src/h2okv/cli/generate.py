@@ -8,6 +8,7 @@ from pathlib import Path
 from h2okv.cli.args import (
     PREFILL_CHOICES,
     add_budget_args,
+    add_head_floor_arg,
     add_model_args,
     add_tp_args,
     cache_keywords,
@@ -45,6 +46,11 @@ def register(sub) -> None:
     p.add_argument("--prefill", choices=PREFILL_CHOICES, default=None,
                    help="chunked: evict after every prefill chunk (bounded: budget + chunk slots); late: read the "
                         "whole prompt with exact attention, then rank once (default: chunked, or the recipe's)")
+    p.add_argument("--head-budgets", choices=("uniform", "adaptive", "layers"), default=None,
+                   help="uniform: every KV head keeps the same slots; adaptive: each layer's ranked slots shared out "
+                        "among its heads (Ada-KV); layers: the whole cache's slots among every layer and head (kvzip) "
+                        "(default: uniform, or the recipe's)")
+    add_head_floor_arg(p)
     add_tp_args(p)
     p.set_defaults(func=run)
 
