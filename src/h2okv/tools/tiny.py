@@ -7,7 +7,7 @@ import torch
 VOCAB = 96
 
 # architecture -> config overrides; small but with the structure that matters (GQA where the
-# architecture has it, RoPE or learned positions, fused or split projections)
+# architecture has it, RoPE or learned positions, fused or split projections, sliding-window layers)
 TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2)),
     "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
@@ -16,6 +16,11 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     "phi3": ("Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)),
     "opt": ("OPTConfig", dict(num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64, pad_token_id=1)),
     "gpt_neox": ("GPTNeoXConfig", dict(num_attention_heads=4, rotary_pct=0.5)),
+    # Gemma-3: sliding-window and global layers alternating (every 2nd layer global, where the real
+    # models have every 6th), one KV head for four query heads, q/k norms; a window of 8 tokens so
+    # the tests' sequences cross it
+    "gemma3": ("Gemma3TextConfig", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                                        sliding_window=8, sliding_window_pattern=2)),
 }
 
 
