@@ -170,7 +170,7 @@ def test_native_decode_of_uneven_budgets_equals_eager(shape, monkeypatch):
     uneven budgets: the live slots are packed to the front once, and the C step then reads each
     (row, head)'s own budget + 1 slots. Same logits and kept sets as eager, which masks."""
     needs_native()
-    from h2okv.reconstruction import reconstruct
+    from h2okv.core.reconstruction import reconstruct
     from test_core_kvzip import Tok
 
     decodes = counting(monkeypatch, native_calls, "decode_dense")
@@ -226,7 +226,7 @@ def test_a_head_that_keeps_every_token_goes_flat_once_the_layer_has_grown(monkey
     full (no free slot), so it stays dense until the first step grows it, then goes flat; stats()
     reads either, and the steps equal eager's."""
     needs_native()
-    from h2okv.reconstruction import reconstruct
+    from h2okv.core.reconstruction import reconstruct
     from test_core_kvzip import Tok
 
     model = tiny_model("llama", num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3)

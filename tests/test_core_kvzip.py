@@ -9,9 +9,9 @@ import torch
 
 from h2okv import H2OCache, reconstruct
 from h2okv.core.compat import cache_arg
+from h2okv.core.reconstruction import FIRST, NEXT, QUOTED, probes
 from h2okv.errors import H2OError
 from h2okv.policies.kvzip import SINKS
-from h2okv.reconstruction import FIRST, NEXT, QUOTED, probes
 from h2okv.tools.tiny import tiny_model
 
 

@@ -9,6 +9,7 @@ from h2okv.cli import main
 from h2okv.cli.args import int_list
 from h2okv.cli.eval.retrieval import parse_depths
 from h2okv.core.compat import cache_arg
+from h2okv.core.reconstruction import reconstruct
 from h2okv.errors import H2OError
 from h2okv.eval.retrieval import (
     INSTRUCTION,
@@ -22,7 +23,6 @@ from h2okv.eval.retrieval import (
     run_batch,
 )
 from h2okv.generation import new_cache
-from h2okv.reconstruction import reconstruct
 from h2okv.tools.tiny import tiny_model
 
 

@@ -74,7 +74,7 @@ def test_executor_ranks_then_keeps_the_budget(model_tok):
     model, tok = model_tok
     ids, heavy, recent = prompt(48, 7), 6, 3
     executor = Executor(model, CHUNK)
-    from h2okv.reconstruction import prompt_probes
+    from h2okv.core.reconstruction import prompt_probes
 
     executor.open(0, "kvzip", heavy, recent, 0, probe=prompt_probes(tok, ids))
     with torch.inference_mode():

@@ -12,8 +12,8 @@ from transformers import DynamicCache, LogitsProcessorList, TextStreamer
 from h2okv.core import DEFAULT_CHUNK, H2OCache, fraction_budget, slot_budget
 from h2okv.core.budget import DEFAULT_RECENT_SHARE
 from h2okv.core.compat import cache_arg
+from h2okv.core.reconstruction import read_context, reconstruct
 from h2okv.errors import H2OError
-from h2okv.reconstruction import read_context, reconstruct
 
 
 @dataclass

@@ -1,21 +1,168 @@
-"""The probe of a reconstruction pass (``h2okv.reconstruction``, policy ``kvzip``): attention of
-tokens that are read on top of the cache and never kept, and the score each cached slot earns.
+"""KVzip's reconstruction pass (policy ``kvzip``): rank a prompt by how the model repeats it.
 
-A probe call attends exactly as a prefill call would (every live slot, plus the probe's own tokens
-up to each query), so the model's hidden states through the probe are those of a full cache
-reading the same text. Nothing is written: the probe's keys and values live only for the call.
-Each live slot's score is the largest probability any probe query of its KV head's query group
-gives it (KVzip's max over the group and the queries). The queries run in blocks, so a
-probability block is ``[block x (capacity + probe)]``.
+The public pass is ``h2okv.reconstruct`` and ``h2okv.read_context`` (defined here); the probe
+attention at the end of this module is what each layer runs during that pass (``SlotLayer``).
+
+KVzip (Kim et al. 2025) asks which cached tokens the model needs to reproduce its context, with
+no question in sight: the same ranking then serves any question asked later (a cached document
+many questions reuse). Usage::
+
+    cache = H2OCache(model, recipe="document", budget=0.2)   # kvzip, read whole, cache-wide split
+    read_context(model, cache, context, tokenizer)           # read, probe, rank, evict to the budget
+    model.generate(input_ids=torch.cat([context, question], 1), cache=cache, ...)
+
+(``read_context`` is ``model(input_ids=context, cache=cache)`` then ``reconstruct``.)
+
+(``cache=`` is transformers >= 5.24's name; older releases call it ``past_key_values=``.)
+
+The probe is "repeat the previous context exactly", the chat template's end of the user turn
+(so the model answers as the assistant) and the context again, in chunks of ``chunk_size`` tokens
+(a later chunk's instruction quotes the last tokens before it, so the model knows where to go on).
+``start`` leaves the prompt's first tokens (a chat template's system turn) out of the repeated
+text; they are still ranked. Cost: one more prefill of the context, through the whole model.
+
+**The probe call inside a layer** (``probe_attention``): attention of tokens that are read on top
+of the cache and never kept, and the score each cached slot earns. A probe call attends exactly as
+a prefill call would (every live slot, plus the probe's own tokens up to each query), so the
+model's hidden states through the probe are those of a full cache reading the same text. Nothing
+is written: the probe's keys and values live only for the call. Each live slot's score is the
+largest probability any probe query of its KV head's query group gives it (KVzip's max over the
+group and the queries). The queries run in blocks, so a probability block is
+``[block x (capacity + probe)]``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from h2okv.chat import chat_frame, encode_text
+from h2okv.core.compat import cache_arg
+from h2okv.core.head_budget import allocate_layers
 from h2okv.errors import H2OError
 
+FIRST = "\n\nRepeat the previous context exactly."
+NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
+QUOTED = 8  # tokens of the previous chunk a later chunk's instruction quotes
+DEFAULT_CHUNK = 2048
 
+
+def turn_end(tokenizer) -> list[int]:
+    """The ids a chat template puts after a user message up to the assistant's turn ("\\n" without
+    a template)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return encode_text(tokenizer, "\n")
+    return encode_text(tokenizer, chat_frame(tokenizer)[1])
+
+
+def probes(tokenizer, context: torch.Tensor, start: int = 0, chunk_size: int = DEFAULT_CHUNK) -> list[torch.Tensor]:
+    """The probe calls ``[B, p]`` for ``context`` ``[B, n]``: instruction, turn end, a chunk of the context."""
+    if chunk_size < 1:
+        raise H2OError(f"chunk_size must be >= 1, got {chunk_size}")
+    n = context.shape[1]
+    if not 0 <= start < n:
+        raise H2OError(f"start must be in [0, {n}) for a context of {n} tokens, got {start}")
+    tail = torch.tensor(turn_end(tokenizer), dtype=context.dtype, device=context.device)
+    calls = []
+    for first in range(start, n, chunk_size):
+        part = context[:, first:first + chunk_size]
+        head = torch.tensor(encode_text(tokenizer, FIRST if first == start else NEXT), dtype=context.dtype,
+                            device=context.device).expand(context.shape[0], -1)
+        if first > start:
+            head = torch.cat([head, context[:, max(start, first - QUOTED):first]], dim=1)
+        calls.append(torch.cat([head, tail.expand(context.shape[0], -1), part], dim=1))
+    return calls
+
+
+def prompt_probes(tokenizer, prompt: list[int], chunk_size: int = DEFAULT_CHUNK) -> list[list[int]]:
+    """The probe calls (id lists) for a ``prompt`` of which all but the last token is read and
+    ranked, the last one then read on the ranked cache (as ``eval longctx`` does, so the first
+    generated token already sees the ranked cache). A chat template's head that opens the prompt
+    is ranked but not repeated (``reconstruct``'s ``start``). Used by the server."""
+    context = list(prompt[:-1])
+    if not context:
+        raise H2OError("a prompt ranked by reconstruction needs at least 2 tokens")
+    start = chat_head_length(tokenizer, context)
+    return [call[0].tolist() for call in probes(tokenizer, torch.tensor([context]), start, chunk_size)]
+
+
+def reconstruct(model, cache, context: torch.Tensor, tokenizer, start: int = 0,
+                chunk_size: int = DEFAULT_CHUNK) -> None:
+    """Rank the prompt ``cache`` holds (``context`` ``[B, n]``: the ids it read, one length, no
+    padding) by the attention the model pays it while repeating it, then evict every layer to its
+    budget. The cache's policy must rank by reconstruction (``kvzip``)."""
+    if not cache.policy.ranks_by_reconstruction:
+        raise H2OError(f"reconstruct ranks a cache whose policy ranks by reconstruction (kvzip), "
+                       f"not {cache.policy.spec!r}")
+    context = torch.as_tensor(context)
+    if context.dim() != 2 or cache.get_seq_length() != context.shape[1] or cache.rows != context.shape[0]:
+        raise H2OError(f"reconstruct needs the [rows, tokens] ids the cache has read: it holds {cache.rows} rows "
+                       f"of {cache.get_seq_length()} tokens, got shape {tuple(context.shape)}")
+    if not all(layer.awaiting_probe for layer in cache.layers):
+        raise H2OError("reconstruct needs a cache that has read the prompt in one call and not been ranked yet")
+    rank_by_probes(model, cache, probes(tokenizer, context.to(model.device), start, chunk_size))
+
+
+def rank_by_probes(model, cache, calls: list[torch.Tensor]) -> None:
+    """Read the probe ``calls`` (``probes``' output, already built: the server builds them where
+    its tokenizer lives) on top of ``cache``, which has read its prompt whole and not been ranked,
+    then evict every layer to its budget by the scores they give."""
+    cache.probing = {}
+    try:
+        with torch.inference_mode():
+            for ids in calls:
+                model(input_ids=ids, **cache_arg(cache), use_cache=True, logits_to_keep=1)
+            for layer in cache.layers:
+                layer.take_probe_scores(cache.probing[layer.layer_idx])
+            shares = [None] * len(cache.layers)
+            if cache.head_budgets == "layers":  # KVzip's own split: the whole cache's slots by rank
+                keys, candidates = zip(*(layer.ranking() for layer in cache.layers), strict=True)
+                first = cache.layers[0]
+                shares = allocate_layers(list(keys), list(candidates), first.heavy, first.sinks, cache.head_floor)
+            for layer, share in zip(cache.layers, shares, strict=True):
+                layer.rank_by_probe(share)
+    finally:
+        cache.probing = None
+
+
+def read_context(model, cache, context, tokenizer=None, start: int | None = None) -> None:
+    """Read ``context`` (``[rows, tokens]`` ids, or one list of ids) into ``cache`` before any
+    question exists, and leave it compressed to its budget: ready for questions read afterwards
+    (``model.generate(input_ids=context + question, cache=cache)`` feeds only what is new).
+
+    Any policy works; one that ranks by reconstruction (``kvzip``, the ``document`` recipe) is
+    ranked here by ``reconstruct``, which needs the ``tokenizer``. ``start`` leaves a chat
+    template's head out of the repeated text (default: found from the tokenizer's template)."""
+    ids = torch.as_tensor(context, dtype=torch.long)
+    ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
+    if ids.dim() != 2 or ids.shape[1] < 1:
+        raise H2OError(f"read_context needs token ids of shape [rows, tokens], got {tuple(ids.shape)}")
+    ids = ids.to(model.device)
+    with torch.inference_mode():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_arg(cache), use_cache=True,
+              logits_to_keep=1)
+        if not cache.policy.ranks_by_reconstruction:
+            return
+        if tokenizer is None:
+            raise H2OError(f"policy {cache.policy.spec!r} ranks the context by reconstructing it: "
+                           f"read_context needs the tokenizer")
+        if start is None:
+            start = chat_head_length(tokenizer, ids[0].tolist())
+        reconstruct(model, cache, ids, tokenizer, start=start)
+
+
+def chat_head_length(tokenizer, ids: list[int]) -> int:
+    """How many of ``ids``' first tokens are the chat template's head (its system turn and the
+    user turn's opening), 0 when they do not start with it."""
+    if not getattr(tokenizer, "chat_template", None):
+        return 0
+    try:
+        head = encode_text(tokenizer, chat_frame(tokenizer)[0])
+    except H2OError:  # a template that rewrites the message: no head to skip
+        return 0
+    return len(head) if head and len(head) < len(ids) and ids[:len(head)] == head else 0
+
+
+# -- the probe call inside a layer (SlotLayer's probe route) -------------------------------------
 def probe_attention(layer, query, key_new, value_new, scaling: float, block: int):
     """``(out [B, Hq, n, Dv], best [B, Hkv, cap])`` of a probe call over ``layer``'s live slots."""
     b, hq, n, d = query.shape

@@ -40,9 +40,9 @@ import torch
 
 from h2okv.core import BudgetSpec
 from h2okv.core.positions import check_positions
+from h2okv.core.reconstruction import prompt_probes
 from h2okv.errors import H2OError
 from h2okv.policies import make_policy, policy_class
-from h2okv.reconstruction import prompt_probes
 from h2okv.serve.errors import ErrorKind, ServeError
 from h2okv.serve.executor import Executor
 from h2okv.serve.memory import Reservation, prefill_chunks, reservation

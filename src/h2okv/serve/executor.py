@@ -26,7 +26,7 @@ the group holds at most ``rows * max(min(prompt, budget) + chunk)`` slots (see `
 
 **Ranked by reconstruction** (policy ``kvzip``). Such a prompt is fed whole, in one ``prefill``
 call, and never shares a forward: its own batch-1 cache reads every token but the last with
-exact attention, reads the probe calls it was ``open``ed with (``h2okv.reconstruction``; built by
+exact attention, reads the probe calls it was ``open``ed with (``core/reconstruction.py``; built by
 the engine, which holds the tokenizer) and evicts to its budget by the scores they give, then
 reads the last token on the ranked cache, whose logits the call returns. That is ``eval
 longctx``'s order, so the first generated token already sees the ranked cache. The probe's keys
@@ -47,8 +47,8 @@ import torch
 from h2okv.core import H2OCache
 from h2okv.core.cache import PREFILL_MODES
 from h2okv.core.compat import cache_arg
+from h2okv.core.reconstruction import rank_by_probes
 from h2okv.policies import policy_class
-from h2okv.reconstruction import rank_by_probes
 from h2okv.serve.batch import DecodeBatch
 from h2okv.serve.memory import bytes_per_slot
 
