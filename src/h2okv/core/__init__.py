@@ -8,6 +8,7 @@
 | ``step.py`` | the eviction rule (once), the general step, the decode fast path |
 | ``scan.py`` | per-token eviction over a whole call, the recurrence only |
 | ``storage.py`` | one layer's slot buffers; resize/compaction and row operations |
+| ``reconstruction.py`` | KVzip's reconstruction pass (``h2okv.reconstruct``, ``h2okv.read_context``) and the probe attention a layer runs in it |
 | ``budget.py`` | ``BudgetSpec``: what the user asked for, resolved per row; a budget fraction's (and slot count's) split, once |
 | ``cache.py`` | ``H2OCache`` and its public row operations |
 """

@@ -44,17 +44,6 @@ import torch
 from h2okv.policies import Policy, make_policy
 
 
-def reference_head(q, k, v, policy: str | Policy, heavy: int, recent: int, calls, chunk: int, scale: float,
-                   late: bool = False):  # one head: nothing to share out among heads
-    """One sequence, one KV head. ``q`` ``[g, n, D]``: the query heads that share this KV head;
-    ``k`` ``[n, D]``, ``v`` ``[n, Dv]``; ``calls``: the forward calls as ``[(start, stop), ...]``.
-
-    Returns ``(out, kept)``: ``out`` ``[g, n, Dv]`` (float64), ``kept`` the sorted kept tokens.
-    """
-    out, kept = reference_heads(q[None], k[None], v[None], policy, heavy, recent, calls, chunk, scale, late)
-    return out[0], kept[0]
-
-
 def reference_heads(q, k, v, policy: str | Policy, heavy: int, recent: int, calls, chunk: int, scale: float,
                     late: bool = False, adaptive: float | None = None):
     """Every KV head of one sequence in lock-step: ``q`` ``[Hkv, g, n, D]``, ``k`` ``[Hkv, n, D]``,
