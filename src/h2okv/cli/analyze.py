@@ -30,7 +30,7 @@ def run(args) -> int:
 
     from h2okv.core.attention import attention_modules
     from h2okv.eval.analysis import layer_stats, plot_powerlaw, plot_sparsity, record_attention
-    from h2okv.eval.plots import check_output_paths, format_table, write_json
+    from h2okv.eval.output import check_output_paths, format_table, write_json
     from h2okv.eval.text import text_segments
     from h2okv.models import load_model
 

@@ -152,7 +152,7 @@ def has_matplotlib() -> bool:
 
 
 def run(args) -> int:
-    from h2okv.eval.plots import check_output_paths
+    from h2okv.eval.output import check_output_paths
 
     check_output_paths(None, args.plot)  # a bad path fails now, not after a minute
     clock = Clock()

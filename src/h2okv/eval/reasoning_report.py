@@ -21,7 +21,8 @@ from pathlib import Path
 
 from h2okv.errors import H2OError
 from h2okv.eval.answers import INVALID, extract_answer, is_correct
-from h2okv.eval.plots import format_table, new_figure, policy_color, save_figure
+from h2okv.eval.output import format_table
+from h2okv.eval.plots import new_figure, policy_color, save_figure
 from h2okv.eval.reasoning import PIECE_FORMAT, budget_label, split_label
 
 GROUP = ("model", "task", "style")  # what a table and a panel are about

@@ -33,7 +33,8 @@ from h2okv.core.compat import cache_arg
 from h2okv.core.head_budget import DEFAULT_FLOOR
 from h2okv.errors import H2OError
 from h2okv.eval.haystack import FILLER, Haystack  # noqa: F401 (FILLER: public here before)
-from h2okv.eval.plots import annotated_heatmap, format_table, new_figure, save_figure
+from h2okv.eval.output import format_table
+from h2okv.eval.plots import annotated_heatmap, new_figure, save_figure
 from h2okv.generation import new_cache, read_ahead
 from h2okv.policies import policy_class
 from h2okv.recipes import recipe_runs

@@ -51,7 +51,7 @@ def stream_runs(policies, slots, positions):
 
 
 def stream_on_rank(args, model, tokenizer) -> int:
-    from h2okv.eval.plots import format_table, write_json
+    from h2okv.eval.output import format_table, write_json
     from h2okv.eval.stream import plot_stream, reference_ppl, stream_ppl
     from h2okv.eval.text import text_segments
     from h2okv.parallel.ranks import is_main_rank

@@ -85,7 +85,7 @@ def parse_value(text: str):
 
 def run(args) -> int:
     from h2okv.eval.haystack import check_haystack
-    from h2okv.eval.plots import check_output_paths
+    from h2okv.eval.output import check_output_paths
 
     check_output_paths(args.json, args.plot)
     check_output_paths(args.export_prompts, None)
@@ -178,7 +178,7 @@ def merge(args) -> int:
 
 def export(args, model, tokenizer, spec) -> int:
     from h2okv.eval.longctx.runner import export_prompts
-    from h2okv.eval.plots import write_json
+    from h2okv.eval.output import write_json
 
     # the folder the model was loaded from: for built-in GGUF models, the converted checkpoint
     exported = export_prompts(model.name_or_path, tokenizer, spec)

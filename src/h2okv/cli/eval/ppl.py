@@ -48,7 +48,7 @@ def register(kinds) -> None:
 
 
 def run(args) -> int:
-    from h2okv.eval.plots import check_output_paths
+    from h2okv.eval.output import check_output_paths
     from h2okv.parallel import launch
 
     # settings are checked here, before the model load and before any rank starts
@@ -72,7 +72,7 @@ def score_on_rank(args) -> int:
     """Load, score, report: in this process, or on every rank of a ``--tp`` run (rank 0 reports)."""
     import time
 
-    from h2okv.eval.plots import format_table, write_json
+    from h2okv.eval.output import format_table, write_json
     from h2okv.eval.ppl import plot_ppl, ppl_grid
     from h2okv.eval.text import text_segments
     from h2okv.models import load_model

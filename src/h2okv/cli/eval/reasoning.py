@@ -74,7 +74,7 @@ def _resumed(args, setup) -> dict | None:
 def run(args) -> int:
     import time
 
-    from h2okv.eval.plots import check_output_paths, write_json
+    from h2okv.eval.output import check_output_paths, write_json
     from h2okv.eval.reasoning import Setup, reasoning_grid
     from h2okv.eval.reasoning_data import load_problems
     from h2okv.eval.reasoning_report import plot_accuracy, summarize, summary_table
@@ -123,7 +123,7 @@ def run(args) -> int:
 
 
 def export(args, model, tokenizer, setup, problems, budgets) -> int:
-    from h2okv.eval.plots import write_json
+    from h2okv.eval.output import write_json
     from h2okv.eval.reasoning import export_prompts
     from h2okv.serve.outputs import eos_ids
 

@@ -19,7 +19,7 @@ def register(kinds) -> None:
 
 
 def run(args) -> int:
-    from h2okv.eval.plots import check_output_paths, write_json
+    from h2okv.eval.output import check_output_paths, write_json
     from h2okv.eval.reasoning_report import (
         common_problems,
         markdown_table,

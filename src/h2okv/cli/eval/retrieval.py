@@ -62,7 +62,7 @@ def run(args) -> int:
     import time
 
     from h2okv.core import DEFAULT_CHUNK
-    from h2okv.eval.plots import check_output_paths, write_json
+    from h2okv.eval.output import check_output_paths, write_json
     from h2okv.eval.retrieval import plot_heatmap, retrieval_grid, summary_table
     from h2okv.models import load_model
     from h2okv.recipes import parse_recipes, recipe_runs
@@ -109,7 +109,7 @@ def run(args) -> int:
 
 
 def export(args, model, tokenizer, budgets, contexts, depths) -> int:
-    from h2okv.eval.plots import write_json
+    from h2okv.eval.output import write_json
     from h2okv.eval.retrieval import export_prompts
 
     # the folder the model was loaded from: for built-in GGUF models, the converted checkpoint

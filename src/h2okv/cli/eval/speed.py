@@ -23,7 +23,7 @@ def register(kinds) -> None:
 
 
 def run(args) -> int:
-    from h2okv.eval.plots import write_json
+    from h2okv.eval.output import write_json
     from h2okv.eval.speed import compare_speed
 
     policy = check_policy(args.policy)

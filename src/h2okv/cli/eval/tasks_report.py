@@ -20,7 +20,7 @@ def register(kinds) -> None:
 
 
 def run(args) -> int:
-    from h2okv.eval.plots import write_json
+    from h2okv.eval.output import write_json
     from h2okv.eval.tasks_report import markdown_table, merge, plot_budget_sweep, plot_summaries
 
     rows = merge(args.pieces)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 
 from h2okv.eval.longctx.rows import config_label
-from h2okv.eval.plots import format_table, policy_color, pyplot, save_figure
+from h2okv.eval.output import format_table
+from h2okv.eval.plots import policy_color, pyplot, save_figure
 
 MARKERS = "osD^vP*X"
 
