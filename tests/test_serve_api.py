@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from h2okv import H2OCache
+from h2okv.bench.serve import scrape
 from h2okv.core.budget import DEFAULT_BUDGET_FLOOR
 from h2okv.core.compat import cache_arg
 from h2okv.serve import EvictionDefaults, create_app, running_server
-from h2okv.tools.loadgen import scrape
 from h2okv.tools.tiny_chat import tiny_chat_model
 
 NAME = "tiny"

@@ -53,8 +53,8 @@ def test_bench_compares_policies_at_the_same_kv_memory(tiny, tmp_path, capsys):
 
 
 def test_poisson_arrivals_and_profiles():
+    from h2okv.bench.serve import PROFILES, apply_profile, poisson_arrivals
     from h2okv.cli.serve import register  # noqa: F401 - the profiles live with the bench
-    from h2okv.tools.loadgen import PROFILES, apply_profile, poisson_arrivals
 
     times = poisson_arrivals(2000, rate=4.0, seed=1)
     assert times[0] == 0 and times == sorted(times) and times == poisson_arrivals(2000, 4.0, seed=1)
@@ -103,8 +103,8 @@ def test_drive_with_poisson_arrivals(tiny):
     """Open-loop arrivals: every stream is well formed and the run lasts at least until the last arrival."""
     import asyncio
 
+    from h2okv.bench.serve import drive, poisson_arrivals
     from h2okv.serve import create_app, running_server
-    from h2okv.tools.loadgen import drive, poisson_arrivals
 
     model, tok = tiny
     arrivals = poisson_arrivals(6, rate=10.0, seed=3)

@@ -28,8 +28,8 @@ from hypothesis import HealthCheck, given, settings
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from h2okv import H2OCache
+from h2okv.bench.serve import scrape
 from h2okv.core.compat import cache_arg
-from h2okv.tools.loadgen import scrape
 from h2okv.tools.process import ServerProcess, save_tiny_model
 from serve_requests import check, encode, mutated_bodies
 

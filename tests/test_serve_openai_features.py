@@ -9,8 +9,8 @@ import openai
 import pytest
 import torch
 
+from h2okv.bench.serve import scrape
 from h2okv.serve import EvictionDefaults, create_app, running_server
-from h2okv.tools.loadgen import scrape
 from h2okv.tools.tiny_chat import tiny_chat_model
 
 NAME = "tiny"

@@ -70,7 +70,7 @@ def register(sub) -> None:
     add_budget_shape_args(p, layers=True)  # how the --policies decode study spends --budget (its caches only)
     add_tp_args(p)
     p.add_argument("--serve", nargs=argparse.REMAINDER, default=None, metavar="SERVE_BENCH_ARGS",
-                   help="instead: the serving load generator (h2okv.tools.loadgen) with the `serve-bench` "
+                   help="instead: the serving load generator (h2okv.bench.serve) with the `serve-bench` "
                    "arguments that follow, e.g. --serve --kv-memory 2GiB --policies full,h2o")
     p.set_defaults(func=run)
 
@@ -129,12 +129,12 @@ def config_from_args(args):
 
 def run_serve(args) -> int:
     """Hand over to the serving load generator, parsing the rest of the line as `serve-bench` would."""
-    if importlib.util.find_spec("h2okv.serve") is None or importlib.util.find_spec("h2okv.tools.loadgen") is None:
-        raise H2OError("the serving load generator (h2okv.tools.loadgen) is not available in this build")
+    if importlib.util.find_spec("h2okv.serve") is None or importlib.util.find_spec("h2okv.bench.serve") is None:
+        raise H2OError("the serving load generator (h2okv.bench.serve) is not available in this build")
     from h2okv.cli.main import build_parser
 
     serve_args = build_parser().parse_args(["serve-bench", *args.serve])
-    return int(importlib.import_module("h2okv.tools.loadgen").run(serve_args) or 0)
+    return int(importlib.import_module("h2okv.bench.serve").run(serve_args) or 0)
 
 
 def load_study(args):

@@ -203,6 +203,6 @@ def _create_app(args, model, tokenizer, executor):
 
 
 def run_bench(args) -> int:
-    from h2okv.tools.loadgen import run
+    from h2okv.bench.serve import run
 
     return run(args)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-from h2okv.tools.loadgen import scrape
+from h2okv.bench.serve import scrape
 from h2okv.tools.process import ServerProcess, save_tiny_model
 
 NAME = "soak"

@@ -1,4 +1,4 @@
-"""Load generation against an OpenAI-compatible server, and ``h2okv serve-bench``.
+"""``h2okv serve-bench``: load generation against an OpenAI-compatible server.
 
 ``drive`` sends streaming completions from concurrent clients and checks every stream is well formed
 (each event is ``data: <json>``, a ``finish_reason`` arrives, the usage chunk agrees with the text
