@@ -2,6 +2,10 @@
 
 The CLI and the server turn it into a one-line message (exit code 2 / HTTP 4xx); a traceback is
 reserved for bugs.
+
+One errors module per layer: this one (the library and the CLI), ``serve/errors.py`` (the
+engine's ``ServeError``, by kind, with no HTTP in it) and ``serve/api/errors.py`` (HTTP's
+``APIError`` and the app's handlers, which need fastapi).
 """
 
 
