@@ -193,6 +193,10 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         b, _, q_len, _ = query.shape
         if owner.probing is not None:
             return self._attend_probe(query, key_new, value_new, new_mask, scaling, sliding_window)
+        if sliding_window is not None and self.tokens_seen <= sliding_window:
+            # no query of the call lies a window past any token yet (ordinals < tokens_seen): the
+            # window hides nothing, so the layer may take the steps without one (the decode fast path)
+            sliding_window = None
         if q_len == 1 and new_mask is None and sliding_window is None and self.has_budget:
             return decode_step(self, query, key_new, value_new, scaling)
         nonpad = None
