@@ -293,7 +293,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         self.shrink_to_budget()
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
-    # -- reconstruction (policy kvzip; core/reconstruction.py, h2okv/reconstruction.py) ------------
+    # -- reconstruction (policy kvzip; core/reconstruction.py) ----------------------------------------
     def _attend_probe(self, query, key_new, value_new, new_mask, scaling, sliding_window):
         """A probe call: attend over the live slots and the probe, keep nothing, record the scores."""
         check_probe_call(new_mask, sliding_window)
