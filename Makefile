@@ -56,10 +56,10 @@ bench-quick: setup
 
 # 10 minutes of 64 concurrent clients (valid, abandoned, edge and malformed requests) against a real
 # server process (RSS slope over the last 8 minutes <= 1 MiB/min), then the hostile-request fuzz of
-# tests/test_serve_hardening.py at 20x its `make test` length
+# tests/serve/test_hardening.py at 20x its `make test` length
 soak: setup
 	$(BIN)/python -m h2okv.tools.soak --duration 600 --clients 64 --json docs/results/soak.json
-	H2OKV_FUZZ_EXAMPLES=3000 $(BIN)/python -m pytest -q tests/test_serve_hardening.py -k fuzz
+	H2OKV_FUZZ_EXAMPLES=3000 $(BIN)/python -m pytest -q tests/serve/test_hardening.py -k fuzz
 
 clean:
 	rm -rf $(VENV) $(PEER_VENV) build *.egg-info src/*.egg-info

