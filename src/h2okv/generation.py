@@ -12,7 +12,7 @@ from transformers import DynamicCache, LogitsProcessorList, TextStreamer
 from h2okv.core import DEFAULT_CHUNK, H2OCache, fraction_budget, slot_budget
 from h2okv.core.budget import DEFAULT_RECENT_SHARE
 from h2okv.core.compat import cache_arg
-from h2okv.core.reconstruction import read_context, reconstruct
+from h2okv.core.reconstruction import read_context
 from h2okv.errors import H2OError
 
 
@@ -63,14 +63,9 @@ def read_ahead(model, tokenizer, cache, ids: torch.Tensor, end: int | None = Non
     token when ``end`` is None, and is ranked by ``reconstruct`` (which repeats the context from
     ``chat_head`` on: the chat template's own head is not text to reproduce). Call it under
     ``torch.inference_mode``."""
-    rebuild = cache.policy.ranks_by_reconstruction
-    if end is None and not rebuild:
+    if end is None and not cache.policy.ranks_by_reconstruction:
         return
-    context = ids[:, : ids.shape[1] - 1 if end is None else end]
-    model(input_ids=context, attention_mask=torch.ones_like(context), **cache_arg(cache), use_cache=True,
-          logits_to_keep=1)
-    if rebuild:
-        reconstruct(model, cache, context, tokenizer, start=chat_head)
+    read_context(model, cache, ids[:, : ids.shape[1] - 1 if end is None else end], tokenizer, start=chat_head)
 
 
 def pad_rows(rows: list[list[int]], pad_id: int, device="cpu", side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:

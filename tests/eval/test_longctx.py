@@ -364,17 +364,17 @@ def test_kvzip_reads_ranks_by_reconstruction_then_answers(tmp_path, tiny_run, qu
     """``kvzip`` runs without --cache-option prefill=late (its runs read the prompt whole); the
     context (agnostic) or all but the last token (aware) is read, reconstruct ranks it from the
     end of the chat head on, and generate reads the rest: the rows are those of a budget kept."""
-    import h2okv.generation as generation
+    import h2okv.core.reconstruction as reconstruction  # read_context calls reconstruct from there
 
     model, fed, grid = tiny_run
     ranked = []
-    real = generation.reconstruct
+    real = reconstruction.reconstruct
 
     def recording(model, cache, context, tokenizer, start=0, **kw):
         real(model, cache, context, tokenizer, start=start, **kw)
         ranked.append((context.shape[1], start, cache.stats()["slots"], cache.budget()))
 
-    monkeypatch.setattr(generation, "reconstruct", recording)
+    monkeypatch.setattr(reconstruction, "reconstruct", recording)
     out = tmp_path / "kvzip.json"
     assert main(["eval", "longctx", *grid, "--policies", "kvzip", "--budgets", "0.3", "--question", question,
                  "--json", str(out), "--plot", ""]) == 0
