@@ -32,7 +32,9 @@ PREFILL_MODES = ("chunked", "late")
 def check_settings(policy=None, *, recipe=None, budget=None, recent_share=None, budget_floor=DEFAULT_BUDGET_FLOOR,
                    seed=0, prefill=None, positions=None, head_budgets=None, head_floor=None, **parts):
     """``H2OCache``'s keywords checked and completed without a model: ``(settings, policy,
-    budget spec)``, where ``settings`` holds every keyword a recipe or the defaults filled in.
+    budget spec)``, where ``settings`` holds every keyword a recipe or the defaults filled in, and
+    ``settings["recent_share"]`` the share a one-argument budget was split by (None for a budget
+    given in parts, or none for a policy that keeps every token).
     Commands call it to refuse bad settings before the (slow) model load; ``parts`` are the older
     ``heavy``/``recent``/``heavy_ratio``/``recent_ratio``."""
     # a recipe fills in what is not given (h2okv.recipes); then the library's defaults
@@ -54,8 +56,11 @@ def check_settings(policy=None, *, recipe=None, budget=None, recent_share=None, 
             parts = budget_keywords(DEFAULT_RECIPE_BUDGET if budget is None else budget, share)
         elif budget is not None:
             raise H2OError(f"policy {chosen.name!r} keeps every token; do not give it a budget")
+        settings["recent_share"] = share if chosen.evicts else None
     elif recent_share is not None and chosen.evicts:
         raise H2OError("recent_share splits budget=; with heavy=/recent= or ratios give both parts yourself")
+    else:
+        settings["recent_share"] = None  # the budget is in parts (or the paper's default): no share split it
     return settings, chosen, BudgetSpec.build(chosen, floor=budget_floor, **parts)
 
 
@@ -129,10 +134,7 @@ class H2OCache(Cache):
             heavy=heavy, recent=recent, heavy_ratio=heavy_ratio, recent_ratio=recent_ratio)
         self.policy.bind(model)
         self.prefill = settings["prefill"]
-        # what a recipe expanded to, for stats(): the share a budget= was split by (None: given in parts)
-        split = budget is not None or recipe is not None or recent_share is not None
-        share = settings["recent_share"]
-        self.recent_share = (DEFAULT_RECENT_SHARE if share is None else share) if split else None
+        self.recent_share = settings["recent_share"]  # for stats(): what a budget= was split by
         if int(chunk_size) < 1:
             raise H2OError(f"chunk_size must be >= 1, got {chunk_size}")
         self.chunk_size = int(chunk_size)
