@@ -32,11 +32,6 @@ class Recipe:
     #: what it scored, in one line, with where the command is (docs/RESULTS.md)
     measured: str = ""
 
-    def describe(self) -> str:
-        """``snapkv:window=1,kernel=7,heads=shared, recent_share=0.05, prefill=chunked``."""
-        rest = ", ".join(f"{k}={v}" for k, v in self.settings.items() if k != "policy")
-        return f"{self.settings['policy']}, {rest}" if rest else self.settings["policy"]
-
 
 RECIPES: dict[str, Recipe] = {
     recipe.name: recipe

@@ -3,11 +3,10 @@ one integration test that the default model answers as the demo says."""
 
 from __future__ import annotations
 
-import string
-
 import pytest
 
 import h2okv.models
+from char_tokenizers import CharTokenizer
 from h2okv.cli import demo as demo_cli
 from h2okv.cli.main import main
 from h2okv.demo_cases import (
@@ -19,24 +18,6 @@ from h2okv.demo_cases import (
     retrieval_cases,
 )
 from h2okv.tools.tiny import tiny_model
-
-
-class CharTokenizer:
-    """One id per character, inside the tiny models' vocabulary (96): a prompt's length in tokens is
-    its length in characters, and decoding is exact."""
-
-    pad_token_id = 1
-    chars = "\n .?,!'" + string.digits + string.ascii_letters
-
-    def __init__(self):
-        self.index = {c: i + 2 for i, c in enumerate(self.chars)}
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [self.index.get(c, 3) for c in text]}  # unknown characters read as a space
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join(self.chars[i - 2] if 2 <= i < 2 + len(self.chars) else "" for i in ids)
-
 
 SHORT_CASES = ((300, 0.25, "62465"), (300, 0.6, "25164"))
 
