@@ -146,6 +146,18 @@ def parse_budgets(text: str) -> list[float]:
     return sorted(set(budgets))
 
 
+def slots_or_fraction(text: str, min_slots: int) -> int | float | None:
+    """One budget as typed: an integer >= ``min_slots`` is slots per layer and KV head, a number
+    with a point in (0, 1] a fraction of the prompt; None for anything else."""
+    if text.isdigit():
+        return int(text) if int(text) >= min_slots else None
+    try:
+        value = float(text) if "." in text else None
+    except ValueError:
+        return None
+    return value if value is not None and 0.0 < value <= 1.0 else None
+
+
 def parse_kv_budgets(text: str) -> list[int | float]:
     """Comma-separated budgets, each either slots per layer and KV head (an integer >= 2: ``128``)
     or a fraction of each prompt (a number with a point, in (0, 1]: ``0.25``); both may be mixed."""
@@ -153,14 +165,8 @@ def parse_kv_budgets(text: str) -> list[int | float]:
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
-        if part.isdigit() and int(part) >= 2:
-            budgets.append(int(part))
-            continue
-        try:
-            value = float(part) if "." in part else None
-        except ValueError:
-            value = None
-        if value is None or not 0.0 < value <= 1.0:
+        value = slots_or_fraction(part, min_slots=2)
+        if value is None:
             raise H2OError(f"budget {part!r}: give slots per layer and head (an integer >= 2, e.g. 128) "
                            "or a fraction of the prompt with a point (e.g. 0.25)")
         budgets.append(value)
@@ -240,14 +246,8 @@ def add_recipe_arg(parser: argparse.ArgumentParser, grid: bool = False) -> None:
 def parse_budget(text: str) -> float | int:
     """``--budget``: a fraction of the prompt with a point (``0.2``) or slots per layer and KV head
     (an integer: ``256``)."""
-    text = str(text).strip()
-    if text.isdigit() and int(text) >= 1:
-        return int(text)
-    try:
-        value = float(text) if "." in text else None
-    except ValueError:
-        value = None
-    if value is None or not 0.0 < value <= 1.0:
+    value = slots_or_fraction(str(text).strip(), min_slots=1)
+    if value is None:
         raise argparse.ArgumentTypeError(f"expected a fraction of the prompt with a point (0.2) or a number of "
                                          f"slots (256), got {text!r}")
     return value
