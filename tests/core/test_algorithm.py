@@ -1,6 +1,6 @@
 """The cache's paths against ``h2okv.core.reference``, the plain per-token loop of Algorithm 1.
 
-The general step (``step.chunk_step``), the decode fast path (``step.decode_step``) and the
+The general step (``step.chunk_step``), the decode steppers at the budget (``decode.py``) and the
 per-token scan (``scan.token_scan``) must keep the same tokens and give the same attention
 outputs as the loop; each policy's hooks are checked against the rule it states.
 """
@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import h2okv.core.decode as decode_mod
 import h2okv.core.layer as layer_mod
 from core_cases import MODEL, random_qkv
 from h2okv import H2OCache
@@ -116,14 +117,22 @@ PATH_CASES = {
 @pytest.mark.parametrize("policy", RULE_POLICIES)
 def test_each_path_matches_the_reference(path, policy, monkeypatch):
     chunk, calls, runs = PATH_CASES[path]
-    original, taken = getattr(layer_mod, path), []
+    taken = []
 
-    def spy(layer, *args, **kwargs):
-        if path != "decode_step" or layer.fast is not None:
+    def spy_on(owner, name):
+        original = getattr(owner, name)
+
+        def spy(*args, **kwargs):
             taken.append(path)
-        return original(layer, *args, **kwargs)
+            return original(*args, **kwargs)
 
-    monkeypatch.setattr(layer_mod, path, spy)
+        monkeypatch.setattr(owner, name, spy)
+
+    if path == "decode_step":  # the layer's stepper with every row at its budget, whichever engine
+        for stepper in (decode_mod.EagerStep, decode_mod.NativeStep, decode_mod.TritonStep):
+            spy_on(stepper, "decode")
+    else:
+        spy_on(layer_mod, path)
     hq, hkv, n, d, heavy, recent = 6, 2, 30, 8, 5, 4
     q, k, v = random_qkv(21, hq, hkv, n, d)
     # the first tokens draw little attention, so whether a path protects the sinks shows

@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache, LogitsProcessorList
 
 import h2okv.core.layer as layer_mod
+from decode_spy import spy_decode_steps
 from h2okv import H2OCache
 from h2okv.core.compat import cache_arg
 from h2okv.generation import pad_rows
@@ -81,8 +82,8 @@ def test_a_sliding_layer_takes_the_decode_step_until_its_window_can_hide_a_token
             return step(layer, *args, **kwargs)
         return spy
 
-    for name in ("decode_step", "chunk_step"):
-        monkeypatch.setattr(layer_mod, name, spying(name, getattr(layer_mod, name)))
+    spy_decode_steps(monkeypatch, lambda step: spying("decode_step", step))
+    monkeypatch.setattr(layer_mod, "chunk_step", spying("chunk_step", layer_mod.chunk_step))
     ids = random_ids(prompt)
     cache = H2OCache(model, policy="h2o", heavy=100, recent=100)
     tokens, logits = greedy(model, ids, cache, steps=steps)

@@ -203,6 +203,8 @@ def test_native_decode_of_uneven_budgets_equals_eager(shape, monkeypatch):
         assert [layer.ragged is not None for layer in cache.layers] == flat
         assert stats["slots"] == [int(layer.slot_budget().max()) for layer in cache.layers]
         flat_bytes = stats["kv_bytes"]
+        for layer in cache.layers:  # read the slots in their dense layout
+            layer.to_dense()
         budgets = [layer.slot_budget().expand(layer.valid.shape[:2]) for layer in cache.layers]
         kept = [sorted(layer.ordinal[r, h][layer.valid[r, h]].tolist()) for layer in cache.layers
                 for r in range(layer.valid.shape[0]) for h in range(layer.valid.shape[1])]
@@ -242,6 +244,8 @@ def test_a_head_that_keeps_every_token_goes_flat_once_the_layer_has_grown(monkey
             before = cache.stats()
             logits = [model(ids[:, t:t + 1], **cache_arg(cache)).logits for t in range(10, 16)]
             flat = [layer.ragged is not None for layer in cache.layers]
+            for layer in cache.layers:  # read the slots in their dense layout
+                layer.to_dense()
             kept = [sorted(layer.ordinal[0, h][layer.valid[0, h]].tolist()) for layer in cache.layers for h in range(2)]
         return torch.cat(logits, dim=1), kept, full, flat, before
 
@@ -406,7 +410,7 @@ def test_triton_fused_decode_step_equals_eager(interpreted, policy, budget, cuts
     """The at-budget decode step as one launch (core/triton_step.py): every rule the kernels know
     (add / replace the mass; rank by score, score per query, ordinal; sinks) gives eager's logits
     and kept sets, for a batch of two."""
-    import h2okv.core.step as step
+    import h2okv.core.decode as decode
     import h2okv.core.triton_step as triton_step
 
     _, device = interpreted
@@ -415,7 +419,7 @@ def test_triton_fused_decode_step_equals_eager(interpreted, policy, budget, cuts
     calls = counting(monkeypatch, triton_step, "decode_dense")
     general = counting(monkeypatch, triton_step, "decode_general")
     if device == "cpu":  # selected on CUDA only: forced here for the step, the attention stays eager
-        monkeypatch.setattr(step, "triton_on", lambda device: True)
+        monkeypatch.setattr(decode, "triton_on", lambda device: True)
     got = run_tiny(policy, "triton" if device == "cuda" else "eager", scores=True, **short)
     steps = cuts[2] - cuts[1]
     assert len(calls) + len(general) == 2 * steps  # 2 layers x every decode step, one launch each
@@ -429,7 +433,7 @@ def test_triton_fused_decode_step_equals_eager(interpreted, policy, budget, cuts
 def test_fused_step_that_cannot_compile_warns_once_and_decodes_eager(monkeypatch):
     """Written after the only GPU lease: if the kernel fails to compile on some GPU, the first step
     says why in one warning and every step (that one too) runs eager, with eager's results."""
-    import h2okv.core.step as step
+    import h2okv.core.decode as decode
     import h2okv.core.triton_kernels as triton_kernels
     import h2okv.core.triton_step as triton_step
 
@@ -445,7 +449,7 @@ def test_fused_step_that_cannot_compile_warns_once_and_decodes_eager(monkeypatch
     want = run_tiny("h2o", "eager", scores=True)
     monkeypatch.setattr(triton_step, "_failed", None)
     monkeypatch.setattr(triton_kernels, "decode_step_kernel", Uncompilable())
-    monkeypatch.setattr(step, "triton_on", lambda device: True)
+    monkeypatch.setattr(decode, "triton_on", lambda device: True)
     with pytest.warns(UserWarning, match=r"fused Triton decode step cannot run here \(RuntimeError: PassManager::run failed\)"):
         got = run_tiny("h2o", "eager", scores=True)
     assert Uncompilable.launches == 1  # tried once, then eager for good

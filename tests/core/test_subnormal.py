@@ -38,10 +38,10 @@ def test_the_check_sees_a_subnormal_in_the_slots(monkeypatch):
     model = tiny_model("gemma3")
     cache = H2OCache(model, policy="h2o", heavy=8, recent=8)
     ids = random_ids(20)
-    out = model(ids, **cache_arg(cache))
-    cache.layers[1].values[0, 0, 0, 0] = 1e-40  # the global layer's first slot
-    spy = SubnormalSpy(monkeypatch, cache)
-    with use_kernels("eager"):
+    with use_kernels("eager"):  # a layer's engine is chosen when its prompt has been read
+        out = model(ids, **cache_arg(cache))
+        cache.layers[1].values[0, 0, 0, 0] = 1e-40  # the global layer's first slot
+        spy = SubnormalSpy(monkeypatch, cache)
         model(out.logits[:, -1:].argmax(-1), **cache_arg(cache))
     assert ("slots after decode_step", (1, "values")) in spy.found
     assert ("slot_attention", 2) in spy.found  # the values it attended over

@@ -132,7 +132,7 @@ def test_expected_generates_within_budget_and_adapts_heads():
         cache = H2OCache(model, policy="expected", heavy=8, recent=2, chunk_size=16, prefill=prefill,
                          head_budgets="adaptive")
         model.generate(ids, **cache_arg(cache), max_new_tokens=6, do_sample=False, pad_token_id=0)
-        assert all(bool((lay.valid.sum(-1) <= lay.slot_budget()).all()) for lay in cache.layers)
+        assert all(bool((lay.live_slots() <= lay.slot_budget()).all()) for lay in cache.layers)
         assert all(bool((lay.head_heavy.sum(-1) == 16).all()) for lay in cache.layers)
 
 

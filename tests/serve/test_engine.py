@@ -269,9 +269,9 @@ def test_decode_batch_rows_keep_their_state(model_tok):
         caches.append((n, [(layer.keys.clone(), layer.valid.clone()) for layer in cache.layers]))
         batch.add(i, cache, 3 + i + 4 + 1)
     assert batch.capacity == 10 and all(layer.capacity == 10 for layer in batch.cache.layers)
-    assert batch.cache._row_budgets[0].tolist() == [3, 4, 5]
+    assert batch.cache.row_budgets.heavy.tolist() == [3, 4, 5]
     batch.keep([0, 2], 9)
-    assert batch.cache._row_budgets[0].tolist() == [3, 5]
+    assert batch.cache.row_budgets.heavy.tolist() == [3, 5]
     for row, original in ((0, caches[0][1]), (1, caches[2][1])):
         for layer, (keys, valid) in zip(batch.cache.layers, original, strict=True):
             live = layer.keys[row][layer.valid[row]]

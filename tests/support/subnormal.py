@@ -3,8 +3,10 @@
 
 import torch
 
+import h2okv.core.decode as decode_mod
 import h2okv.core.layer as layer_mod
 import h2okv.core.step as step_mod
+from decode_spy import spy_decode_steps
 
 
 def count_subnormal(t) -> int:
@@ -34,8 +36,9 @@ class SubnormalSpy:
 
     def __init__(self, monkeypatch, cache):
         self.cache, self.found, self.calls = cache, {}, {"decode_step": 0, "chunk_step": 0, "slot_attention": 0}
-        for mod, name in ((layer_mod, "decode_step"), (layer_mod, "chunk_step"), (step_mod, "slot_attention")):
-            monkeypatch.setattr(mod, name, self._wrap(name, getattr(mod, name)))
+        spy_decode_steps(monkeypatch, lambda step: self._wrap("decode_step", step))
+        for mod, name in ((layer_mod, "chunk_step"), (step_mod, "slot_attention"), (decode_mod, "slot_attention")):
+            monkeypatch.setattr(mod, name, self._wrap(name.split(".")[-1], getattr(mod, name)))
 
     def _note(self, where, tensors):
         for i, t in enumerate(tensors):

@@ -1,12 +1,16 @@
-"""Budgets: what the user asked for (``BudgetSpec``) and how it becomes per-row slot counts."""
+"""Budgets: what the user asked for (``BudgetSpec``) and how it becomes per-row slot counts
+(``RowBudgets``, shared by a cache's layers)."""
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
+import torch
+
 from h2okv.errors import H2OError
-from h2okv.policies import Policy, policy_class
+from h2okv.policies import Budget, Policy, policy_class
 
 # the share of a budget fraction kept for the most recent tokens: the paper's half and half
 DEFAULT_RECENT_SHARE = 0.5
@@ -162,3 +166,75 @@ def slot_budget(policy: str, slots: int | None, recent_share: float = DEFAULT_RE
         return {}
     spec = BudgetSpec.from_slots(slots, recent_share)
     return {"heavy": spec.heavy, "recent": spec.recent}
+
+
+class RowBudgets:
+    """Each row's ``(heavy, recent)`` slots, fixed by its first forward call (its prompt) and shared
+    by every layer of a cache: the one cache-wide input a layer reads when a call starts.
+
+    ``heavy`` and ``recent`` are ``[B]`` CPU tensors (None before the first call). It holds no
+    reference to the cache or its layers, so the layers that share it form no cycle with it."""
+
+    def __init__(self, policy: Policy, spec: BudgetSpec):
+        self.policy, self.spec = policy, spec
+        self.heavy: torch.Tensor | None = None
+        self.recent: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.heavy is None else int(self.heavy.shape[0])
+
+    @property
+    def fixed(self) -> bool:
+        return self.heavy is not None
+
+    def split(self, heavy_recent: tuple[int, int]) -> Budget:
+        """The policy's use of a ``(heavy, recent)`` pair (a policy that keeps everything: none)."""
+        return self.policy.split(*heavy_recent) if self.policy.evicts else Budget(0, 0)
+
+    def fix(self, pairs: list[tuple[int, int]]) -> None:
+        """Set the rows' budgets from absolute ``(heavy, recent)`` pairs, split by the policy."""
+        budgets = [self.split(pair) for pair in pairs]
+        self.heavy = torch.tensor([b.heavy for b in budgets], dtype=torch.long)
+        self.recent = torch.tensor([b.recent for b in budgets], dtype=torch.long)
+
+    def for_call(self, nonpad: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(heavy, recent, sinks)`` per row on ``device``; the first call (``nonpad`` ``[B, n]``: its
+        real tokens) fixes them from the spec and the prompt's lengths."""
+        if self.heavy is None:
+            self.fix([self.spec.resolve(n) for n in nonpad.sum(-1).tolist()])
+            self._warn_if_degenerate()
+        # sinks never exceed the heavy part, so a row at its budget always has a candidate
+        sinks = self.heavy.clamp(max=self.policy.sink_tokens)
+        return self.heavy.to(device), self.recent.to(device), sinks.to(device)
+
+    def _warn_if_degenerate(self) -> None:
+        smallest = int((self.heavy + self.recent).min()) if self.rows else 0
+        if self.policy.evicts and 0 < smallest < DEGENERATE_SLOTS:
+            warnings.warn(f"h2okv: a budget of {smallest} slots per layer and KV head rarely keeps an answer; "
+                          f"give budget= a larger fraction or at least {DEGENERATE_SLOTS} slots "
+                          f"(budget_floor raises fractions of short prompts)", H2OBudgetWarning, stacklevel=2)
+
+    def select(self, index: torch.Tensor) -> RowBudgets:
+        """A new ``RowBudgets`` holding rows ``index`` (repeats allowed)."""
+        twin = RowBudgets(self.policy, self.spec)
+        if self.heavy is not None:
+            index = index.cpu()
+            twin.heavy, twin.recent = self.heavy.index_select(0, index), self.recent.index_select(0, index)
+        return twin
+
+    def extend(self, heavy: torch.Tensor, recent: torch.Tensor) -> None:
+        """Append rows with these budgets (already split)."""
+        self.heavy, self.recent = torch.cat([self.heavy, heavy]), torch.cat([self.recent, recent])
+
+    def totals(self) -> list[int] | None:
+        """Slots per (layer, head) of each row, or None (keeps every token, or no call yet)."""
+        if self.heavy is None or not self.policy.evicts:
+            return None
+        return (self.heavy + self.recent).tolist()
+
+    @property
+    def max_budget(self) -> int | float:
+        if self.heavy is None or not self.policy.evicts:
+            return math.inf
+        return int((self.heavy + self.recent).max())

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import math
-import warnings
 
 import torch
 from transformers.cache_utils import Cache
@@ -13,16 +11,15 @@ from h2okv.core.attention import prepare_model
 from h2okv.core.budget import (
     DEFAULT_BUDGET_FLOOR,
     DEFAULT_RECENT_SHARE,
-    DEGENERATE_SLOTS,
     BudgetSpec,
-    H2OBudgetWarning,
+    RowBudgets,
     budget_keywords,
 )
 from h2okv.core.head_budget import DEFAULT_FLOOR, HEAD_BUDGETS
-from h2okv.core.layer import SlotLayer
+from h2okv.core.layer import LayerConfig, SlotLayer
 from h2okv.core.positions import RollingPositions, check_positions
 from h2okv.errors import H2OError
-from h2okv.policies import Budget, Policy, make_policy
+from h2okv.policies import Policy, make_policy
 from h2okv.recipes import DEFAULT_RECIPE_BUDGET, expand
 
 DEFAULT_CHUNK = 512
@@ -142,13 +139,13 @@ class H2OCache(Cache):
         if self.policy.ranks_by_reconstruction and self.prefill != "late":
             raise H2OError(f"policy {self.policy.spec!r} ranks the whole prompt after reading it: use prefill=late "
                            f"(--prefill late)")
-        # while h2okv.reconstruct runs: layer index -> the best probe score of each slot so far
-        self.probing: dict[int, torch.Tensor] | None = None
         num_layers = prepare_model(model)
-        super().__init__(layers=[SlotLayer(self, i) for i in range(num_layers)])
+        # what every layer is built with; the row budgets are the one state they share
+        self.layer_config = LayerConfig(self.policy, self.prefill, self.chunk_size, self.head_budgets, self.head_floor)
+        self.row_budgets = RowBudgets(self.policy, self.spec)
+        super().__init__(layers=[SlotLayer(i, self.layer_config, self.row_budgets) for i in range(num_layers)])
         scheme = check_positions(self.policy, settings["positions"])
         self.rolling = None if scheme is None else RollingPositions(model, scheme)
-        self._row_budgets: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _check_head_budgets(self, mode, floor) -> tuple[str, float]:
         """``(mode, floor)`` when the pair works with the policy and prefill, else a one-line error."""
@@ -162,8 +159,8 @@ class H2OCache(Cache):
         if mode == "layers" and not policy.ranks_by_reconstruction:
             raise H2OError(f"head_budgets=layers shares slots among all layers, which needs every layer ranked at "
                            f"once (kvzip's reconstruction); {policy.spec!r} ranks layer by layer: use adaptive")
-        by_key = type(policy).key_scores is not Policy.key_scores  # knorm: ranked by each key alone
-        upfront = by_key or type(policy).prefill_scores is not Policy.prefill_scores  # a whole call, before chunks
+        by_key = policy.scores_keys  # knorm: ranked by each key alone
+        upfront = by_key or policy.ranks_upfront  # a whole call, before chunks
         if not policy.evicts or not (policy.needs_scores or by_key):  # local, sink, random rank no tokens
             raise H2OError(f"head_budgets=adaptive needs a ranking policy (h2o, tova, snapkv, knorm, ...), "
                            f"not {policy.name!r}")
@@ -180,18 +177,21 @@ class H2OCache(Cache):
     def select_rows(self, index) -> None:
         """Keep rows ``index`` of every layer, in that order (repeats allowed), budgets in step."""
         index = torch.as_tensor(index, dtype=torch.long)
-        if self._row_budgets is not None:
-            heavy, recent = self._row_budgets
-            self._row_budgets = (heavy.index_select(0, index.cpu()), recent.index_select(0, index.cpu()))
+        self._share_rows(self.row_budgets.select(index))
         for layer in self.layers:
             layer.select_rows(index)
         if self.rolling is not None:
             self.rolling.select_rows(index)
 
+    def _share_rows(self, rows: RowBudgets) -> None:
+        self.row_budgets = rows
+        for layer in self.layers:
+            layer.rows = rows
+
     def append_rows(self, other: H2OCache) -> None:
         """Append ``other``'s rows (a cache of the same model and policy that has run); both end at
         the larger capacity. ``other`` must not be used afterwards."""
-        if self._row_budgets is None or other._row_budgets is None:
+        if not self.row_budgets.fixed or not other.row_budgets.fixed:
             raise H2OError("append_rows needs two caches that have both seen a forward call")
         if self.policy.spec != other.policy.spec or len(self.layers) != len(other.layers):
             raise H2OError(f"cannot join a {other.policy.spec!r} cache to a {self.policy.spec!r} cache")
@@ -199,33 +199,22 @@ class H2OCache(Cache):
             raise H2OError("cannot join a cache with rolling positions to one with true positions")
         if self.rolling is not None:
             self.rolling.append_rows(other.rolling)
+        self.row_budgets.extend(other.row_budgets.heavy, other.row_budgets.recent)
         for mine, theirs in zip(self.layers, other.layers, strict=True):
-            mine.append_rows(theirs)
+            mine.append_rows(theirs)  # ends in the layer's refresh
             mine.tokens_seen = max(mine.tokens_seen, theirs.tokens_seen)
-        (h0, r0), (h1, r1) = self._row_budgets, other._row_budgets
-        self._row_budgets = (torch.cat([h0, h1]), torch.cat([r0, r1]))
-        for layer in self.layers:
-            layer.rows_changed()
 
     def take_rows(self, index) -> H2OCache:
         """A new cache holding a copy of rows ``index`` (same policy object, same capacity); this
         cache is unchanged."""
         index = torch.as_tensor(index, dtype=torch.long)
-        if self._row_budgets is None:
+        if not self.row_budgets.fixed:
             raise H2OError("take_rows needs a cache that has seen a forward call")
         twin = copy.copy(self)
-        heavy, recent = self._row_budgets
-        twin._row_budgets = (heavy.index_select(0, index), recent.index_select(0, index))
+        twin.row_budgets = self.row_budgets.select(index)
         if self.rolling is not None:
             twin.rolling = self.rolling.take_rows(index)
-        twin.layers = []
-        for layer in self.layers:
-            mine = copy.copy(layer)
-            mine.owner = twin
-            mine.__dict__.pop("_max_budget", None)
-            mine.fast = None
-            mine.select_rows(index)  # index_select: new tensors, the original layer keeps its own
-            twin.layers.append(mine)
+        twin.layers = [layer.copy_rows(index, twin.row_budgets) for layer in self.layers]
         return twin
 
     def add_rows(self, budgets: list[tuple[int | None, int | None]]) -> None:
@@ -235,23 +224,23 @@ class H2OCache(Cache):
         call must then have ``len(budgets)`` rows). The server uses it to start prompts with
         different budgets in one forward, and to let new prompts join a batch part-way through
         others."""
-        pairs = [self._split(BudgetSpec.build(self.policy, h, r, None, None).resolve(0)) for h, r in budgets]
-        heavy = torch.tensor([p.heavy for p in pairs], dtype=torch.long)
-        recent = torch.tensor([p.recent for p in pairs], dtype=torch.long)
+        pairs = [BudgetSpec.build(self.policy, h, r, None, None).resolve(0) for h, r in budgets]
         running = [layer for layer in self.layers if layer.is_initialized]
-        if self._row_budgets is None:
+        if not self.row_budgets.fixed:
             if running:
                 raise H2OError("add_rows on a cache whose first call is under way")
-            self._row_budgets = (heavy, recent)
+            self.row_budgets.fix(pairs)
             return
         if len(running) != len(self.layers):
             raise H2OError("add_rows needs every layer to have run")
-        self._row_budgets = (torch.cat([self._row_budgets[0], heavy]), torch.cat([self._row_budgets[1], recent]))
+        new = RowBudgets(self.policy, self.spec)
+        new.fix(pairs)
+        self.row_budgets.extend(new.heavy, new.recent)
         if self.rolling is not None:
             self.rolling.add_rows(len(pairs))
-        sinks = heavy.clamp(max=self.policy.sink_tokens)
+        sinks = new.heavy.clamp(max=self.policy.sink_tokens)
         for layer in self.layers:
-            layer.add_empty_rows(heavy, recent, sinks)
+            layer.add_empty_rows(new.heavy, new.recent, sinks)
 
     def trim(self) -> None:
         """Give back every layer's free slots after its last live one (nothing moves, so each row
@@ -259,18 +248,18 @@ class H2OCache(Cache):
         for layer in self.layers:
             if layer.is_initialized:
                 layer.trim()
-                layer.rows_changed()
+                layer.refresh()
 
     def fit_capacity(self, capacity: int) -> None:
         """Give every layer exactly ``capacity`` slots per (sequence, head); see ``SlotStorage.resize``."""
         for layer in self.layers:
             if layer.is_initialized:
                 layer.resize(capacity)
-                layer.rows_changed()
+                layer.refresh()
 
     @property
     def rows(self) -> int:
-        return 0 if self._row_budgets is None else int(self._row_budgets[0].shape[0])
+        return self.row_budgets.rows
 
     def reorder_cache(self, beam_idx):
         self.select_rows(beam_idx)
@@ -281,54 +270,22 @@ class H2OCache(Cache):
     def batch_repeat_interleave(self, repeats: int):
         layer = next((lay for lay in self.layers if lay.is_initialized), None)
         if layer is not None:
-            self.select_rows(torch.arange(layer.keys.shape[0]).repeat_interleave(repeats))
-        elif self._row_budgets is not None:
+            self.select_rows(torch.arange(layer.n_real.shape[0]).repeat_interleave(repeats))
+        elif self.row_budgets.fixed:
             self.select_rows(torch.arange(self.rows).repeat_interleave(repeats))
 
     # -- budgets: fixed per row by the first forward call (the prompt), shared by all layers -----
-    def budgets_for(self, nonpad: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(heavy, recent, sinks)`` per row; ``nonpad`` ``[B, n]`` marks the prompt's real tokens."""
-        if self._row_budgets is None:
-            lengths = nonpad.sum(-1).tolist()
-            pairs = [self._split(self.spec.resolve(n)) for n in lengths]
-            heavy = torch.tensor([p.heavy for p in pairs], dtype=torch.long)
-            recent = torch.tensor([p.recent for p in pairs], dtype=torch.long)
-            self._row_budgets = (heavy, recent)
-            self._warn_if_degenerate()
-        heavy, recent = self._row_budgets
-        # sinks never exceed the heavy part, so a row at its budget always has a candidate
-        sinks = heavy.clamp(max=self.policy.sink_tokens)
-        return heavy.to(device), recent.to(device), sinks.to(device)
-
-    def _warn_if_degenerate(self) -> None:
-        smallest = int((self._row_budgets[0] + self._row_budgets[1]).min()) if self.rows else 0
-        if self.policy.evicts and 0 < smallest < DEGENERATE_SLOTS:
-            warnings.warn(f"h2okv: a budget of {smallest} slots per layer and KV head rarely keeps an answer; "
-                          f"give budget= a larger fraction or at least {DEGENERATE_SLOTS} slots "
-                          f"(budget_floor raises fractions of short prompts)", H2OBudgetWarning, stacklevel=2)
-
-    def _split(self, pair) -> Budget:
-        if not self.policy.evicts:
-            return Budget(0, 0)
-        return self.policy.split(*pair)
-
     @property
     def max_budget(self) -> int | float:
-        if not self.policy.evicts or self._row_budgets is None:
-            return math.inf
-        heavy, recent = self._row_budgets
-        return int((heavy + recent).max())
+        return self.row_budgets.max_budget
 
     def budget(self) -> list[int] | None:
         """Slots per (layer, head) for each sequence, or None for ``full`` / before the first call."""
-        if self._row_budgets is None or not self.policy.evicts:
-            return None
-        heavy, recent = self._row_budgets
-        return (heavy + recent).tolist()
+        return self.row_budgets.totals()
 
     @staticmethod
     def _head_range(layer) -> list[int] | None:
-        if not layer.has_budget or not layer.owner.policy.evicts:
+        if not layer.has_budget or not layer.config.policy.evicts:
             return None
         budget = layer.slot_budget()
         return [int(budget.min()), int(budget.max())]

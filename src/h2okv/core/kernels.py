@@ -1,4 +1,6 @@
-"""Which kernels the core runs, chosen once per process (or per ``use_kernels`` block).
+"""Which kernels the core runs, chosen once per process (or per ``use_kernels`` block). A layer
+chooses its decode engine when its rows change (``decode.choose_stepper``): a cache follows the
+kernels in force when it read its prompt.
 
 - ``eager``: tensor ops only: the path every other one is tested against.
 - ``native``: on CPU, the per-token scan's recurrence and the at-budget decode step as C loops

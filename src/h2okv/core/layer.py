@@ -2,25 +2,30 @@
 
 ``update`` only hands the new key/value states over (``PENDING`` in ``attention.py``); the work of
 a forward call happens in ``attend``, called from the registered attention function, because that
-is where the query is available. ``attend`` routes a plain decode step to ``step.decode_step``, a
+is where the query is available. ``attend`` routes a plain decode step to the layer's stepper
+(``decode.py``, chosen by ``refresh`` whenever the rows or buffers change), a
 token-by-token call to ``scan.py``, and everything else, chunk by chunk, to ``step.chunk_step``.
 """
 
 from __future__ import annotations
 
+import copy
 import math
-import weakref
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from h2okv.core.attention import PENDING
+from h2okv.core.budget import RowBudgets
+from h2okv.core.decode import choose_stepper
 from h2okv.core.head_budget import allocate
 from h2okv.core.reconstruction import check_probe_call, probe_attention
 from h2okv.core.scan import can_scan, token_scan
-from h2okv.core.step import check_at_budget, chunk_step, decode_step, evict, protected
+from h2okv.core.step import chunk_step, evict, protected
 from h2okv.core.storage import SlotStorage
 from h2okv.errors import H2OError
+from h2okv.policies import Policy
 
 # decode growth before the budget is reached: at least this many slots at a time
 GROWTH_MIN = 32
@@ -28,59 +33,55 @@ GROWTH_MIN = 32
 LATE_BLOCK = 512
 
 
+@dataclass(frozen=True)
+class LayerConfig:
+    """What every layer of a cache is built with (``H2OCache`` checks it)."""
+
+    policy: Policy
+    prefill: str  # "chunked" or "late"
+    chunk_size: int
+    head_budgets: str  # "uniform", "adaptive" or "layers"
+    head_floor: float
+
+
 class SlotLayer(SlotStorage, CacheLayerMixin):
-    """One decoder layer's slot buffers (``storage.py``) and its forward step."""
+    """One decoder layer's slot buffers (``storage.py``) and its forward step.
+
+    A layer holds no reference to its cache: it is built with its ``config`` and the cache's
+    ``rows`` (``RowBudgets``: each row's budget, fixed by its first call), and the reconstruction
+    pass hands it its probe scores' home (``start_probe``)."""
 
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, owner, layer_idx: int):
+    def __init__(self, layer_idx: int, config: LayerConfig, rows: RowBudgets):
         super().__init__()
-        self.owner = owner
         self.layer_idx = layer_idx
+        self.config = config
+        self.rows = rows
         self.tokens_seen = 0  # positions consumed, pads included: what generate needs for positions
         self.peak_capacity = 0
-        self.fast = None
-        # the most live slots a (sequence, head) may hold, and (weakly) the ``valid`` it was counted
-        # on: see ``_live_bound``
+        self.stepper = None  # how a decode step runs (decode.py), chosen by refresh()
+        self._budget_cap: int | float | None = None  # max_budget, once the rows' budgets are fixed
+        # the most live slots a (sequence, head) may hold, and the ``valid`` it was counted on:
+        # see ``_live_bound``
         self._live_max, self._live_of = 0, None
         # kvzip: the prompt is held whole until ``h2okv.reconstruct`` ranks it (``rank_by_probe``)
         self.awaiting_probe = False
         self.probed = False
-
-    # The cache holds its layers; a layer's way back to its cache is a weak reference. With a strong
-    # one, cache and layers form a reference cycle: a cache nobody holds any more (a finished
-    # request's, in the server) and its K/V buffers would wait for Python's cyclic collector, which
-    # runs rarely, and the heap would grow in between (the 10-minute soak saw it). Weak, they go at once.
-    @property
-    def owner(self):
-        return self._owner()
-
-    @owner.setter
-    def owner(self, cache) -> None:
-        self._owner = weakref.ref(cache)
-
-    def __getstate__(self) -> dict:  # copy, deepcopy and pickle carry the cache itself, not the weakref
-        state = dict(self.__dict__)
-        state["_owner"] = self.owner
-        state["_live_of"] = None  # a weakref does not pickle; the copy counts its own slots again
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self.owner = state["_owner"]
+        self.probe_best: torch.Tensor | None = None  # while probing: each slot's best probe score
 
     # -- transformers Cache layer protocol ---------------------------------------------------
     def lazy_initialization(self, key_states, value_states):
         self.init_buffers(key_states, value_states)
-        self.fast = None  # see step.check_at_budget
+        self.stepper = None
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.awaiting_probe and self.owner.probing is None:  # refused before anything changes
-            raise H2OError(f"policy {self.owner.policy.spec!r} ranks the prompt by reconstruction: call "
+        if self.awaiting_probe and self.probe_best is None:  # refused before anything changes
+            raise H2OError(f"policy {self.config.policy.spec!r} ranks the prompt by reconstruction: call "
                            f"h2okv.reconstruct(model, cache, prompt_ids, tokenizer) after the prompt's forward call")
         # the attention function picks these up (see attention.py); K/V are written into slots
         # there, chunk by chunk, interleaved with eviction
@@ -104,9 +105,10 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         self.keys = self.values = None
         self.tokens_seen = 0
         self.peak_capacity = 0
-        self.fast = None
+        self.stepper = None
         self.ragged = None
         self.awaiting_probe = self.probed = False
+        self.probe_best = None
 
     def reorder_cache(self, beam_idx):
         self.select_rows(torch.as_tensor(beam_idx))
@@ -116,48 +118,57 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int):
         if self.is_initialized:
-            self.select_rows(torch.arange(self.keys.shape[0]).repeat_interleave(repeats))
+            self.select_rows(torch.arange(self.n_real.shape[0]).repeat_interleave(repeats))
 
     def crop(self, tokens_to_remove: int) -> None:
         raise H2OError("H2OCache cannot be cropped: evicted tokens are gone (assisted decoding is not supported)")
 
-    def rows_changed(self) -> None:
-        """Forget what was derived for the previous set of rows (largest budget, fast-decode state)."""
-        self.__dict__.pop("_max_budget", None)
-        self.fast = check_at_budget(self) if self.has_budget else None
+    def refresh(self) -> None:
+        """Derive again what depends on the rows, budgets and buffers: the largest budget and the
+        decode stepper (one device sync). Every change of them ends here, so nothing else
+        invalidates state."""
+        self._budget_cap = None
+        self.stepper = choose_stepper(self) if self.has_budget else None
+
+    def copy_rows(self, index: torch.Tensor, rows: RowBudgets) -> SlotLayer:
+        """A new layer holding a copy of rows ``index`` and reading its budgets from ``rows``."""
+        twin = copy.copy(self)
+        twin.rows = rows
+        twin.select_rows(index)  # index_select: new tensors, this layer keeps its own
+        return twin
+
+    def _set_head_heavy(self, head_heavy: torch.Tensor | None) -> None:
+        self.head_heavy = head_heavy
+        self._budget_cap = None
 
     # -- capacity --------------------------------------------------------------------------------
     @property
     def max_budget(self) -> int | float:
-        # fixed once the first forward call has set the row budgets; cached because ensure_free
-        # asks on every step of every layer and the owner computes it with a device sync
-        cached = self.__dict__.get("_max_budget")
-        if cached is not None:
-            return cached
-        if self.has_budget and self.head_heavy is not None:  # this layer's largest head budget
-            self._max_budget = int(self.slot_budget().max())
-            return self._max_budget
-        value = self.owner.max_budget
-        if value != math.inf or not self.owner.policy.evicts:
-            self._max_budget = value
-        return value
+        """The most slots a (row, head) of this layer may hold (inf before the first call or for a
+        policy that keeps everything). Asked on every step by ``ensure_free``: computed (with a
+        device sync) once per change of the budgets."""
+        if self._budget_cap is None:
+            if not self.config.policy.evicts or not self.has_budget:
+                return math.inf
+            self._budget_cap = int(self.slot_budget().max())
+        return self._budget_cap
 
     def ensure_free(self, m: int) -> None:
         """Make room for ``m`` new tokens in every (sequence, head)."""
         if self.capacity >= self.max_budget + m:
             return  # steady state: eviction keeps every (sequence, head) at <= budget
         live = self._live_bound()
-        if live + m > self.capacity and self.owner.policy.evicts:
+        if live + m > self.capacity and self.config.policy.evicts:
             live = self._count_live()  # eviction may have freed slots the bound still counts
         needed = live + m
         if needed > self.capacity:
-            if m == 1 and self.owner.policy.evicts:
+            if m == 1 and self.config.policy.evicts:
                 # decode before the budget is reached: grow in steps so growth is amortised (a
                 # policy that never evicts grows exactly, like a plain cache: never more memory)
                 needed = min(max(needed, self.capacity + max(GROWTH_MIN, self.capacity // 8)), self.max_budget + m)
             self.resize(needed)
         # the caller writes at most m tokens into each (sequence, head) now
-        self._live_max, self._live_of = live + m, weakref.ref(self.valid)
+        self._live_max, self._live_of = live + m, self.valid
 
     def _live_bound(self) -> int:
         """The most live slots any (sequence, head) holds, at most, without counting them (a device
@@ -167,7 +178,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         write); eviction can only lower the truth. Every change that could add live slots
         without such a write (resize, rows selected or appended, scans, flattening) replaces
         ``valid``; in-place changes only write after ``ensure_free``, or free slots."""
-        if self._live_of is None or self._live_of() is not self.valid:
+        if self._live_of is not self.valid:
             return self._count_live()
         return self._live_max
 
@@ -189,16 +200,15 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         we read padding from it and nothing else: causality among new tokens and the model's
         sliding window are applied from the slots' ordinals.
         """
-        owner = self.owner
-        b, _, q_len, _ = query.shape
-        if owner.probing is not None:
+        if self.probe_best is not None:
             return self._attend_probe(query, key_new, value_new, new_mask, scaling, sliding_window)
         if sliding_window is not None and self.tokens_seen <= sliding_window:
             # no query of the call lies a window past any token yet (ordinals < tokens_seen): the
-            # window hides nothing, so the layer may take the steps without one (the decode fast path)
+            # window hides nothing, so the layer may take the steps without one (the decode path)
             sliding_window = None
-        if q_len == 1 and new_mask is None and sliding_window is None and self.has_budget:
-            return decode_step(self, query, key_new, value_new, scaling)
+        if self.stepper is not None and query.shape[2] == 1 and new_mask is None and sliding_window is None:
+            return self.stepper.decode(self, query, key_new, value_new, scaling)
+        self.to_dense()  # every path below reads the dense layout
         nonpad = None
         if new_mask is not None:
             # a real token always sees itself; a pad key is seen by no query
@@ -206,53 +216,47 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
             if bool(nonpad.all()):
                 nonpad = None
         if not self.has_budget:
+            b, _, q_len, _ = query.shape
             full = torch.ones(b, q_len, dtype=torch.bool, device=query.device)
-            self.heavy, self.recent, self.sinks = owner.budgets_for(full if nonpad is None else nonpad, self.device)
-
+            self.heavy, self.recent, self.sinks = self.rows.for_call(full if nonpad is None else nonpad, self.device)
         order = None
         if nonpad is not None:
             # Move every row's real tokens to the front (a right-padded layout): a row's chunks
             # then start at its own first token, as when the sequence runs alone.
             order = torch.argsort((~nonpad).to(torch.int8), dim=-1, stable=True)
             nonpad = nonpad.gather(1, order)
-            query = query.gather(2, order[:, None, :, None].expand_as(query))
-            key_new = key_new.gather(2, order[:, None, :, None].expand_as(key_new))
-            value_new = value_new.gather(2, order[:, None, :, None].expand_as(value_new))
+            query, key_new, value_new = (t.gather(2, order[:, None, :, None].expand_as(t))
+                                         for t in (query, key_new, value_new))
+        out = self._attend_call(query, key_new, value_new, nonpad, scaling, sliding_window)
+        return self._finish_call(out, order)
 
-        if q_len > 1 and owner.prefill == "late":
-            out = self._attend_late(query, key_new, value_new, nonpad, scaling, sliding_window)
-            return self._finish_call(out, order)
-        chunk = owner.chunk_size if q_len > 1 else 1
+    def _attend_call(self, query, key_new, value_new, nonpad, scaling, sliding_window):
+        """The call in the layer's prefill mode; ``[B, Hq, q, D]`` in the (real-first) order given."""
+        config, q_len = self.config, query.shape[2]
+        if q_len > 1 and config.prefill == "late":
+            return self._attend_late(query, key_new, value_new, nonpad, scaling, sliding_window)
+        chunk = config.chunk_size if q_len > 1 else 1
         if chunk == 1 and q_len > 1 and can_scan(self, nonpad, sliding_window):
             # per-token eviction over the whole call: the logits at once, the recurrence per token
-            out = token_scan(self, query, key_new, value_new, scaling)
-            self.fast = check_at_budget(self)
-            return out.transpose(1, 2).contiguous()
+            return token_scan(self, query, key_new, value_new, scaling)
         init = self._prefill_scores(query, key_new, value_new, nonpad, scaling) if q_len > 1 and chunk > 1 else None
-        if q_len > 1 and chunk > 1 and owner.head_budgets == "adaptive":
+        if q_len > 1 and chunk > 1 and config.head_budgets == "adaptive":
             self._share_out_upfront(key_new, nonpad, init)
         outputs = []
         for start in range(0, q_len, chunk):
-            stop = min(start + chunk, q_len)
-            outputs.append(
-                chunk_step(
-                    self,
-                    query[:, :, start:stop],
-                    key_new[:, :, start:stop],
-                    value_new[:, :, start:stop],
-                    None if nonpad is None else nonpad[:, start:stop],
-                    scaling,
-                    sliding_window,
-                    None if init is None else init[:, :, start:stop],
-                )
-            )
+            part = slice(start, min(start + chunk, q_len))
+            outputs.append(chunk_step(
+                self, query[:, :, part], key_new[:, :, part], value_new[:, :, part],
+                None if nonpad is None else nonpad[:, part], scaling, sliding_window,
+                None if init is None else init[:, :, part],
+            ))
         if q_len > 1:
             self.shrink_to_budget()
-        return self._finish_call(outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2), order)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
     def _finish_call(self, out, order):
-        """Fast-decode state, and ``out`` ``[B, Hq, q, D]`` back in the call's token order as ``[B, q, Hq, D]``."""
-        self.fast = check_at_budget(self)
+        """The decode stepper, and ``out`` ``[B, Hq, q, D]`` back in the call's token order as ``[B, q, Hq, D]``."""
+        self.refresh()
         if order is not None:
             out = torch.empty_like(out).scatter_(2, order[:, None, :, None].expand_as(out), out)
         return out.transpose(1, 2).contiguous()
@@ -269,9 +273,10 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         result (for a policy scored by the last query, that is the call's last real query).
         """
         n = query.shape[2]
-        block = self.owner.chunk_size if self.owner.chunk_size > 1 else LATE_BLOCK
+        config = self.config
+        block = config.chunk_size if config.chunk_size > 1 else LATE_BLOCK
         init = self._prefill_scores(query, key_new, value_new, nonpad, scaling)
-        if init is None and self.owner.policy.ranks_by_reconstruction and not self.probed:
+        if init is None and config.policy.ranks_by_reconstruction and not self.probed:
             # the probe will rank this call: its attention mass is not needed (fused attention)
             init = torch.zeros(key_new.shape[:3], dtype=torch.float32, device=self.device)
         self.ensure_free(n)
@@ -283,11 +288,11 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
                 None if nonpad is None else nonpad[:, start:stop], scaling, sliding_window,
                 None if init is None else init[:, :, start:stop], evicts=False,
             ))
-        if self.owner.policy.ranks_by_reconstruction and not self.probed:
+        if config.policy.ranks_by_reconstruction and not self.probed:
             self.awaiting_probe = True  # held whole: the reconstruction pass ranks it (rank_by_probe)
             return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
-        if self.owner.policy.evicts:
-            if self.owner.head_budgets == "adaptive":
+        if self.config.policy.evicts:
+            if self.config.head_budgets == "adaptive":
                 self._share_out(self.score, self.ordinal, self.valid, self.n_real)
             evict(self, n)
         self.shrink_to_budget()
@@ -300,15 +305,23 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         if not self.awaiting_probe:
             raise H2OError("reconstruct needs a cache that has read the prompt and not been ranked yet")
         self.tokens_seen -= key_new.shape[2]  # read, never kept: positions go on from the prompt
-        block = self.owner.chunk_size if self.owner.chunk_size > 1 else LATE_BLOCK
+        block = self.config.chunk_size if self.config.chunk_size > 1 else LATE_BLOCK
         out, best = probe_attention(self, query, key_new, value_new, scaling, block)
-        seen = self.owner.probing.get(self.layer_idx)
-        self.owner.probing[self.layer_idx] = best if seen is None else torch.maximum(seen, best)
+        torch.maximum(self.probe_best, best, out=self.probe_best)
         return out.transpose(1, 2).contiguous()
 
-    def take_probe_scores(self, best) -> None:
-        """Every live slot's score becomes its reconstruction score (``rank_by_probe`` evicts)."""
+    def start_probe(self) -> None:
+        """The reconstruction pass begins: probe calls record each slot's best score from now on."""
+        self.probe_best = torch.zeros(self.valid.shape, dtype=torch.float32, device=self.device)
+
+    def take_probe_scores(self) -> None:
+        """The pass is over: every live slot's score becomes its reconstruction score
+        (``rank_by_probe`` evicts)."""
+        best, self.probe_best = self.probe_best, None
         self.score.copy_(torch.where(self.valid, best, torch.zeros_like(best)))
+
+    def stop_probe(self) -> None:
+        self.probe_best = None
 
     def ranking(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(key, candidate)`` ``[B, H, cap]`` of this layer's slots (``_rank``)."""
@@ -319,13 +332,12 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         ``[B, H]``: this layer's share of a cache-wide allocation (``head_budgets="layers"``)."""
         self.awaiting_probe, self.probed = False, True
         if head_heavy is not None:
-            self.head_heavy = head_heavy
-            self.__dict__.pop("_max_budget", None)
-        elif self.owner.head_budgets == "adaptive":
+            self._set_head_heavy(head_heavy)
+        elif self.config.head_budgets == "adaptive":
             self._share_out(self.score, self.ordinal, self.valid, self.n_real)
         evict(self, self.capacity)  # any m > 1: every row down to its budget at once
         self.shrink_to_budget()
-        self.fast = check_at_budget(self)
+        self.refresh()
 
     # -- head-adaptive budgets (head_budget.py) --------------------------------------------------
     def _rank(self, score, ordinal, live, n_real) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,21 +345,20 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         ``live``, once ``n_real`` tokens have been read) and which tokens it may choose from (live,
         outside the recent window and the sinks)."""
         rows = (-1, 1, 1)
-        key = self.owner.policy.eviction_key(score, ordinal, n_real.view(rows), self.layer_idx)
+        key = self.config.policy.eviction_key(score, ordinal, n_real.view(rows), self.layer_idx)
         candidate = live & ~protected(ordinal, (n_real - self.recent).view(rows), self.sinks.view(rows))
         return key, candidate
 
     def _share_out(self, score, ordinal, live, n_real) -> None:
         """Share the layer's heavy slots out among its heads by the policy's rank (``_rank``)."""
         key, candidate = self._rank(score, ordinal, live, n_real)
-        self.head_heavy = allocate(key, candidate, self.heavy, self.sinks, self.owner.head_floor)
-        self.__dict__.pop("_max_budget", None)
+        self._set_head_heavy(allocate(key, candidate, self.heavy, self.sinks, self.config.head_floor))
 
     def _share_out_upfront(self, key_new, nonpad, init) -> None:
         """Chunked prefill of a call the policy ranks whole before it is chunked (``init``: its
         look-ahead scores; else the keys' own scores): the shares are fixed before the first chunk
         is evicted, from the live slots and the call's tokens, as they will stand at its end."""
-        fresh = init if init is not None else self.owner.policy.key_scores(key_new)
+        fresh = init if init is not None else self.config.policy.key_scores(key_new)
         b, h, n = key_new.shape[:3]
         real = torch.ones(b, n, dtype=torch.bool, device=self.device) if nonpad is None else nonpad
         n_end = self.n_real + real.sum(-1)
@@ -359,7 +370,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         """Let the policy rank a multi-token call before it is chunked (SnapKV); None for most.
 
         Replaces the scores of the live old slots; returns the new tokens' ``[B, Hkv, n]``."""
-        policy = self.owner.policy
+        policy = self.config.policy
         if not policy.evicts:
             return None
         n = query.shape[2]

@@ -33,6 +33,8 @@ pieces (``eval stream``, the server's prefill chunks), else a one-line ``H2OErro
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from h2okv.core.compat import passed_cache
@@ -101,10 +103,15 @@ class RollingPositions:
         if int(real.max()) > self.window:
             raise H2OError(f"a forward call of {int(real.max())} tokens per row does not fit the rolling window "
                            f"of {self.window} positions; feed the text in pieces")
+        flat = [layer for layer in layers if layer.ragged is not None]
+        for layer in flat:  # keys are rotated in their dense layout
+            layer.to_dense()
         if self.scheme == "shift":
             start = self._shift(layers, n_real, real)
         else:
             start = self._compact(layers, n_real, real)
+        for layer in flat:  # and the decode stepper chosen again (it flattens them back)
+            layer.refresh()
         within = torch.cumsum(nonpad.long(), dim=-1) - 1
         return (start[:, None] + within).masked_fill(~nonpad, 0)
 
@@ -159,9 +166,8 @@ class RollingPositions:
         self.snap = [None if s is None else s.index_select(0, index.to(s.device)) for s in self.snap]
 
     def take_rows(self, index: torch.Tensor) -> RollingPositions:
-        twin = RollingPositions.__new__(RollingPositions)
-        twin.__dict__.update(self.__dict__)
-        twin.select_rows(index)
+        twin = copy.copy(self)
+        twin.select_rows(index)  # new tensors: this one keeps its own
         return twin
 
     def append_rows(self, other: RollingPositions) -> None:

@@ -106,13 +106,14 @@ def rank_by_probes(model, cache, calls: list[torch.Tensor]) -> None:
     """Read the probe ``calls`` (``probes``' output, already built: the server builds them where
     its tokenizer lives) on top of ``cache``, which has read its prompt whole and not been ranked,
     then evict every layer to its budget by the scores they give."""
-    cache.probing = {}
+    for layer in cache.layers:
+        layer.start_probe()
     try:
         with torch.inference_mode():
             for ids in calls:
                 model(input_ids=ids, **cache_arg(cache), use_cache=True, logits_to_keep=1)
             for layer in cache.layers:
-                layer.take_probe_scores(cache.probing[layer.layer_idx])
+                layer.take_probe_scores()
             shares = [None] * len(cache.layers)
             if cache.head_budgets == "layers":  # KVzip's own split: the whole cache's slots by rank
                 keys, candidates = zip(*(layer.ranking() for layer in cache.layers), strict=True)
@@ -121,7 +122,8 @@ def rank_by_probes(model, cache, calls: list[torch.Tensor]) -> None:
             for layer, share in zip(cache.layers, shares, strict=True):
                 layer.rank_by_probe(share)
     finally:
-        cache.probing = None
+        for layer in cache.layers:
+            layer.stop_probe()
 
 
 def read_context(model, cache, context, tokenizer=None, start: int | None = None) -> None:

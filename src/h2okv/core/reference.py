@@ -2,7 +2,7 @@
 
 Nothing here is fast, and nothing here is used at run time. It is the rule written the way the
 paper states it, for one sequence and one KV head, with a list of kept token indices and a dict
-of scores. The cache's paths (``step.chunk_step``, ``step.decode_step``, ``scan.token_scan``) are
+of scores. The cache's paths (``step.chunk_step``, the steppers of ``decode.py``, ``scan.token_scan``) are
 held to it by the tests (``tests/core/test_algorithm.py``): the same kept tokens, the same
 attention outputs.
 

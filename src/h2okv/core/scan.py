@@ -79,7 +79,7 @@ def scan_block(probs: torch.Tensor, state: ScanState, plan: ScanPlan, start: int
 
 def can_scan(layer, nonpad, sliding_window) -> bool:
     """The scan covers calls of real tokens only, rows alike (same budget and live count)."""
-    policy = layer.owner.policy
+    policy = layer.config.policy
     if nonpad is not None or sliding_window is not None or not policy.scan_safe:
         return False
     if not policy.evicts or layer.head_heavy is not None:
@@ -92,7 +92,7 @@ def can_scan(layer, nonpad, sliding_window) -> bool:
 
 def token_scan(layer, query, key_new, value_new, scaling) -> torch.Tensor:
     """Per-token eviction over a whole call (see the module docstring); returns ``[B, Hq, n, Dv]``."""
-    policy = layer.owner.policy
+    policy = layer.config.policy
     b, hq, n, d = query.shape
     hkv, cap = key_new.shape[1], layer.capacity
     g = hq // hkv

@@ -9,10 +9,10 @@ can be reordered, cut or padded freely without changing any result.
 
 **Ragged slots.** When the budgets of a layer's (row, head)s differ, the dense layout holds the
 widest one for every head. Once every head is at its budget with its live slots packed in front
-(``step.check_at_budget``), the native decode step ``flatten``s the layer: each (row, head) keeps
+(``decode.at_budget``), the native decode stepper ``flatten``s the layer: each (row, head) keeps
 only its own ``budget + 1`` slots, in flat ``[T(, D)]`` tensors (``RaggedSlots``), and the dense
-ones are freed. Reading any slot tensor (``layer.keys``...) brings the dense layout back first
-(``__getattr__``), so every other path is unchanged; the native step keeps the layer flat.
+ones are freed (the layer's slot tensors are None). Every other path calls ``to_dense`` first,
+which brings the dense layout back; the native step keeps the layer flat.
 """
 
 from __future__ import annotations
@@ -53,17 +53,11 @@ class SlotStorage:
     is_initialized: bool
     peak_capacity: int
     ragged: RaggedSlots | None = None  # see the module docstring
-
-    def __getattr__(self, name: str):
-        # only called when normal lookup fails: a slot tensor of a flattened layer
-        if name in SLOT_TENSORS and self.__dict__.get("ragged") is not None:
-            self.unflatten()
-            return self.__dict__[name]
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    stepper = None  # SlotLayer's decode stepper
 
     def flatten(self, widths: torch.Tensor) -> None:
         """Keep each (row, head)'s first ``widths`` slots only (``[B * H]``; its live slots must be
-        among them): the dense slot tensors are dropped."""
+        among them): the dense slot tensors are dropped (None until ``to_dense``)."""
         b, h, cap = self.valid.shape
         if int(widths.max()) > cap:  # a width past the buffer would shift every later head's offset
             raise RuntimeError(f"cannot flatten: a head's width {int(widths.max())} exceeds the capacity {cap}")
@@ -71,18 +65,24 @@ class SlotStorage:
         ragged = RaggedSlots(**dict.fromkeys(SLOT_TENSORS), base=base.contiguous(), widths=widths, shape=(b, h, cap))
         kept = ragged.kept()
         for name in SLOT_TENSORS:
-            setattr(ragged, name, self.__dict__.pop(name)[kept].contiguous())
+            setattr(ragged, name, getattr(self, name)[kept].contiguous())
+            setattr(self, name, None)
         self.ragged = ragged
 
-    def unflatten(self) -> None:
-        """The dense slot tensors back from the flat ones (free slots past each width)."""
+    def to_dense(self) -> None:
+        """The dense slot tensors back from the flat ones (free slots past each width); nothing to
+        do for a dense layer. Every path but the native decode step reads the dense layout, so each
+        calls this first."""
+        if self.ragged is None:
+            return
+        self.stepper = None  # it ran the flat layout; the next call's end chooses again
         ragged, self.ragged = self.ragged, None
         kept = ragged.kept()
         for name in SLOT_TENSORS:
             flat = getattr(ragged, name)
             dense = flat.new_zeros((*ragged.shape, *flat.shape[1:]))  # zeros: valid=False, free
             dense[kept] = flat
-            self.__dict__[name] = dense
+            setattr(self, name, dense)
 
     def init_buffers(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -137,6 +137,7 @@ class SlotStorage:
         the eviction tie-breaks: bit-identical generations whether it runs alone or in a batch);
         otherwise live slots move to the front first, in slot order.
         """
+        self.to_dense()
         current = self.capacity
         if capacity == current:
             return
@@ -180,15 +181,18 @@ class SlotStorage:
         """Keep rows ``index`` (in that order, repeats allowed): beam search, batch changes."""
         if not self.is_initialized:
             return
+        self.to_dense()
         index = index.to(self.device)
         for name in SLOT_TENSORS + ROW_VECTORS:
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, tensor.index_select(0, index))
-        self.rows_changed()
+        self.refresh()
 
     def append_rows(self, other: SlotStorage) -> None:
         """Append ``other``'s rows after ours; both are brought to the larger capacity first."""
+        self.to_dense()
+        other.to_dense()
         capacity = max(self.capacity, other.capacity)
         self.resize(capacity)
         other.resize(capacity)
@@ -201,11 +205,12 @@ class SlotStorage:
                 raise RuntimeError(f"cannot join a prefilled cache with one that has not run ({name})")
             if mine is not None:
                 setattr(self, name, torch.cat([mine, theirs.to(self.device)]))
-        self.rows_changed()
+        self.refresh()
 
     def add_empty_rows(self, heavy: torch.Tensor, recent: torch.Tensor, sinks: torch.Tensor) -> None:
         """Append ``len(heavy)`` rows with no token yet (every slot free) and these budgets."""
         k = int(heavy.shape[0])
+        self.to_dense()
         for name in SLOT_TENSORS:
             old = getattr(self, name)
             setattr(self, name, torch.cat([old, old.new_zeros((k, *old.shape[1:]))]))  # zeros: free slots
@@ -216,14 +221,15 @@ class SlotStorage:
             self.sinks = torch.cat([self.sinks, sinks.to(self.device)])
         if self.head_heavy is not None:  # a new row starts uniform; its first ranked call shares it out
             self.head_heavy = torch.cat([self.head_heavy, heavy.to(self.device)[:, None].expand(k, self.keys.shape[1])])
-        self.rows_changed()
+        self.refresh()
 
     def trim(self) -> None:
         """Cut the free slots after the last live one (of any row and head); nothing moves."""
+        self.to_dense()
         live = self.valid.any(dim=1).any(dim=0)  # [capacity]
         used = int(live.nonzero().max()) + 1 if bool(live.any()) else 0
         if used < self.capacity:
             self.resize(used)
 
-    def rows_changed(self) -> None:  # pragma: no cover - SlotLayer overrides
-        """Forget state derived from the previous set of rows."""
+    def refresh(self) -> None:  # pragma: no cover - SlotLayer overrides
+        """Derive again what depends on the rows and buffers (``SlotLayer``: its decode stepper)."""

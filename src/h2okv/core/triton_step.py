@@ -30,7 +30,7 @@ _failed: str | None = None  # why the kernel could not run here: then every step
 def decode_rule(layer, general: bool = False) -> tuple[int, int] | None:
     """The rule to run ``layer``'s decode step with, or None when it must stay eager (an unknown
     rule; for the ``general`` step also a budget per head, which it does not know)."""
-    rule = native_rule(layer.owner.policy) if _failed is None and layer.has_budget else None
+    rule = native_rule(layer.config.policy) if _failed is None and layer.has_budget else None
     if rule is None or (general and layer.head_heavy is not None):
         return None
     tensors = (layer.score, layer.ordinal, layer.valid, layer.n_real, layer.heavy, layer.recent, layer.sinks)
@@ -39,35 +39,35 @@ def decode_rule(layer, general: bool = False) -> tuple[int, int] | None:
     return rule
 
 
-def decode_dense(layer, fast, query, k_new, v_new, scaling: float, rule: tuple[int, int]) -> torch.Tensor | None:
-    """``step.decode_step`` for a dense layer at its budget; returns ``[B, 1, Hq, Dv]``, or None
-    (nothing written) when the kernel cannot run here: the caller then runs the eager step."""
-    slot = fast.next_free
-    if slot is None:  # the first step after the budget was reached: the first free slot
-        slot = layer.valid.view(torch.uint8).argmin(dim=-1, keepdim=True)
-    slot = slot.contiguous()
+def decode_dense(layer, state, query, k_new, v_new, scaling: float, rule: tuple[int, int]) -> torch.Tensor | None:
+    """``decode.EagerStep`` for a dense layer at its budget (``state``: ``decode.AtBudget``); returns
+    ``[B, 1, Hq, Dv]``, or None (nothing written) when the kernel cannot run here: the caller then
+    runs the eager step."""
+    slot = state.free_slot(layer.valid).contiguous()
     victim = torch.empty_like(slot)
     b = slot.shape[0]
-    recent_start = fast.recent_start.reshape(b)
-    sinks = fast.sinks.reshape(b) if fast.sinks is not None else recent_start  # a dummy pointer
+    recent_start = state.recent_start.reshape(b)
+    sinks = state.sinks.reshape(b) if state.sinks is not None else recent_start  # a dummy pointer
     out = _launch(layer, query, k_new, v_new, scaling, rule, False, slot, victim, recent_start, sinks,
-                  fast.sinks is not None)
+                  state.sinks is not None)
     if out is not None:
-        fast.recent_start += 1
-        fast.next_free = victim
+        state.recent_start += 1
+        state.next_free = victim
     return out
 
 
 def decode_general(layer, query, k_new, v_new, scaling: float, rule: tuple[int, int]) -> torch.Tensor | None:
-    """``step.decode_step`` for a layer with free slots (rows still filling up to their budget, or
-    a capacity above it), one budget per row: the first free slot takes the token, and a row
-    loses a slot only when it is then over its budget. No device sync: the layer's fast state
-    (``step.check_at_budget``, which counts) is not needed. None as ``decode_dense``."""
+    """The decode step of a layer with free slots (rows still filling up to their budget, or a
+    capacity above it), one budget per row: the first free slot takes the token, and a row loses
+    a slot only when it is then over its budget. No device sync: no live-slot count
+    (``decode.at_budget``) is needed. None as ``decode_dense``."""
     dummy = layer.n_real
     return _launch(layer, query, k_new, v_new, scaling, rule, True, dummy, dummy, dummy, layer.sinks, True)
 
 
 def _launch(layer, query, k_new, v_new, scaling, rule, general, slot, victim, recent_start, sinks, has_sinks):
+    if _failed is not None:  # another layer's launch failed here: every layer steps eager
+        return None
     b, hkv, cap, d = layer.keys.shape
     hq, dv = query.shape[1], layer.values.shape[-1]
     query, k_new, v_new = query.contiguous(), k_new.contiguous(), v_new.contiguous()

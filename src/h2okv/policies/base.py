@@ -62,6 +62,33 @@ class Policy:
     #: the prompt is ranked by a reconstruction pass (``h2okv.reconstruct``, ``kvzip.py``), not by
     #: its own attention: the cache holds it whole until that pass has run
     ranks_by_reconstruction: bool = False
+    #: ``prefill_scores`` ranks a whole multi-token call before it is chunked (``snapkv``, ``expected``)
+    ranks_upfront: bool = False
+    #: ``key_scores`` gives a written token a starting score from its key (``knorm``)
+    scores_keys: bool = False
+    # The rule, declared for the compiled kernels (native C, Triton: ``core/native/rules.py``),
+    # which implement these and nothing else; a policy whose hooks compute something else says
+    # None and runs the tensor-op step. tests/policies/test_declared_rules.py holds each policy's
+    # hooks to what it declares.
+    #: how ``accumulate`` folds a step's mass into the score: "add" it, "replace" the score with it
+    fold: str | None = "add"
+    #: what ``eviction_key`` ranks by: the "score", the score per query that saw the key ("mean"),
+    #: the "ordinal" (oldest first)
+    rank: str | None = None
+
+    def __init_subclass__(cls, **kwargs):
+        # A subclass that overrides a hook of the rule without declaring the rule anew computes
+        # something the kernels do not know: it runs the tensor-op step.
+        super().__init_subclass__(**kwargs)
+        own = vars(cls)
+        if "accumulate" in own and "fold" not in own:
+            cls.fold = None
+        if "eviction_key" in own and "rank" not in own:
+            cls.rank = None
+        if "key_scores" in own and "scores_keys" not in own:
+            cls.scores_keys = True
+        if "prefill_scores" in own and "ranks_upfront" not in own:
+            cls.ranks_upfront = True
 
     def __init__(self, seed: int = 0, **options):
         self.seed = seed

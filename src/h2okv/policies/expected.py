@@ -36,6 +36,7 @@ DEFAULT_SINKS = 4
 
 class ExpectedAttentionPolicy(H2OPolicy):
     name = "expected"
+    ranks_upfront = True
     options = {"future": int, "sinks": int, "heads": str}
 
     def __init__(self, seed: int = 0, future: int = DEFAULT_FUTURE, sinks: int = DEFAULT_SINKS, **options):

@@ -7,6 +7,7 @@ class H2OPolicy(Policy):
     name = "h2o"
     needs_scores = True
     options = {"heads": str}
+    rank = "score"
 
     def eviction_key(self, score, ordinal, n_real, layer_idx=0):
         return score

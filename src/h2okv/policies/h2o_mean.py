@@ -12,6 +12,7 @@ from h2okv.policies.h2o import H2OPolicy
 
 class H2OMeanPolicy(H2OPolicy):
     name = "h2o-mean"
+    rank = "mean"
 
     def eviction_key(self, score, ordinal, n_real, layer_idx=0):
         # free slots may hold stale ordinals >= n_real: clamp, the core masks them out anyway

@@ -20,6 +20,8 @@ NORM_MAX = 60000.0  # below float16's largest finite value
 class KnormPolicy(Policy):
     name = "knorm"
     options = {"heads": str}
+    scores_keys = True
+    rank = "score"
 
     def key_scores(self, keys):
         # Rounded to float16's 11 significant bits: the same token id at two positions has the

@@ -7,6 +7,7 @@ from h2okv.policies.base import Budget, Policy
 
 class LocalPolicy(Policy):
     name = "local"
+    rank = "ordinal"
 
     def split(self, heavy, recent):
         return Budget(0, heavy + recent)

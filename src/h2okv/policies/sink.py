@@ -8,6 +8,7 @@ from h2okv.policies.base import Budget, Policy
 class SinkPolicy(Policy):
     name = "sink"
     sink_tokens = 4
+    rank = "ordinal"
 
     def split(self, heavy, recent):
         total = heavy + recent

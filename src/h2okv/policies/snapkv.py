@@ -30,6 +30,7 @@ DEFAULT_KERNEL = 7
 
 class SnapKVPolicy(H2OPolicy):
     name = "snapkv"
+    ranks_upfront = True
     options = {"window": int, "kernel": int, "heads": str}
 
     def __init__(self, seed: int = 0, window: int = DEFAULT_WINDOW, kernel: int = DEFAULT_KERNEL, **options):

@@ -14,6 +14,8 @@ class TOVAPolicy(Policy):
     needs_scores = True
     options = {"heads": str}
     score_queries = "last"
+    fold = "replace"
+    rank = "score"
 
     def accumulate(self, score, mass):
         score.copy_(mass)  # last step only

@@ -29,6 +29,7 @@ import h2okv.core.layer as layer_mod
 import h2okv.core.scan as scan_mod
 import h2okv.core.step as step_mod
 from h2okv.core.compat import cache_arg
+from h2okv.core.decode import STEPPERS
 from h2okv.core.layer import SlotLayer
 
 
@@ -61,12 +62,14 @@ class Clock:
 def instrumented(clock: Clock):
     """Timers around the seams of the core; the originals are put back on exit."""
     import h2okv.core.attention as attn_mod
+    import h2okv.core.decode as decode_mod
     import h2okv.core.native.calls as native_mod
 
     patches = [
         (SlotLayer, "attend", "attention call (h2o)"),
-        (layer_mod, "decode_step", "decode_step"),
+        *((stepper, "decode", "decode_step") for stepper in STEPPERS),
         (step_mod, "slot_attention", "slot_attention"),
+        (decode_mod, "slot_attention", "slot_attention"),
         (layer_mod, "token_scan", "token_scan"),
         (scan_mod, "scan_block", "scan recurrence"),
         (native_mod, "scan_block", "scan recurrence (native)"),

@@ -8,6 +8,17 @@ from h2okv.core.native.build import library
 from h2okv.core.native.rules import native_rule
 
 
+_loaded = None
+
+
+def _kernels():
+    """The built library, looked up once: a decode step then enters no other module."""
+    global _loaded
+    if _loaded is None:
+        _loaded = library()
+    return _loaded
+
+
 def scan_rule(policy, probs: torch.Tensor, state) -> tuple[int, int] | None:
     """The native rule for this scan call, or None when it must run eager."""
     if probs.dtype != torch.float32 or not probs.is_contiguous():
@@ -32,41 +43,38 @@ def scan_block(probs: torch.Tensor, state, plan, start: int, policy, rule: tuple
     )
 
 
-def decode_rule(layer, query=None) -> tuple[int, int] | None:
-    """The native rule for a dense (or flat: ``layer.ragged``) decode step of ``layer``, or None
-    when it must run eager (``query`` None: asked before the step, of the layer alone)."""
-    held = layer.ragged if layer.ragged is not None else layer  # never unflattens the layer
-    keys, values = held.keys, held.values
-    if keys.dtype != torch.float32 or (query is not None and query.dtype != torch.float32):
+def decode_rule(layer) -> tuple[int, int] | None:
+    """The native rule for the at-budget decode steps of ``layer`` (dense or packed, not yet flat),
+    or None when they must run eager. Asked once, when the layer's stepper is chosen
+    (``core/decode.py``): the queries have the keys' dtype."""
+    if layer.keys.dtype != torch.float32:
         return None
-    if not (keys.is_contiguous() and values.is_contiguous() and layer.n_real.is_contiguous()):
+    if not (layer.keys.is_contiguous() and layer.values.is_contiguous() and layer.n_real.is_contiguous()):
         return None
-    return native_rule(layer.owner.policy)
+    return native_rule(layer.config.policy)
 
 
-def decode_dense(layer, fast, query, k_new, v_new, scaling: float, rule: tuple[int, int]) -> torch.Tensor:
-    """``step.decode_step`` for a dense buffer, packed heads of uneven budgets (``fast.widths``) or
+def decode_dense(layer, state, query, k_new, v_new, scaling: float, rule: tuple[int, int]) -> torch.Tensor:
+    """``decode.EagerStep`` for a dense buffer, packed heads of uneven budgets (``state.widths``) or
     a flattened layer (``layer.ragged``: each head's own slots only), in C; returns ``[B, 1, Hq, Dv]``."""
     ragged = layer.ragged
     held = ragged if ragged is not None else layer
     b, hkv, cap = ragged.shape if ragged is not None else layer.keys.shape[:3]
     hq, dv = query.shape[1], held.values.shape[-1]
     d = held.keys.shape[-1]
-    slot = fast.next_free
-    if slot is None:  # the first step after the budget was reached: the first free slot
-        slot = layer.valid.view(torch.uint8).argmin(dim=-1, keepdim=True)
+    slot = state.next_free if ragged is not None else state.free_slot(layer.valid)
     query, k_new, v_new = query.contiguous(), k_new.contiguous(), v_new.contiguous()
     out = torch.empty((b, 1, hq, dv), dtype=torch.float32)
     acc, key = rule
     probs = torch.empty((hq // hkv) * cap, dtype=torch.float32)  # scratch; held for the call
-    library().decode_dense(
+    _kernels().decode_dense(
         query.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), held.keys.data_ptr(), held.values.data_ptr(),
         held.score.data_ptr(), held.ordinal.data_ptr(), held.valid.data_ptr(), slot.data_ptr(),
-        layer.n_real.data_ptr(), fast.recent_start.data_ptr(),
-        None if fast.sinks is None else fast.sinks.data_ptr(),
-        None if fast.widths is None else fast.widths.data_ptr(),
+        layer.n_real.data_ptr(), state.recent_start.data_ptr(),
+        None if state.sinks is None else state.sinks.data_ptr(),
+        None if state.widths is None else state.widths.data_ptr(),
         None if ragged is None else ragged.base.data_ptr(), out.data_ptr(),
         b * hkv, hkv, hq // hkv, cap, d, dv, scaling, acc, key, probs.data_ptr(),
     )
-    fast.next_free = slot  # the kernel wrote each row's victim there
+    state.next_free = slot  # the kernel wrote each row's victim there
     return out

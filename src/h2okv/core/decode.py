@@ -1,0 +1,217 @@
+"""The decode step of a layer: one real token per row, chosen once per layer as a *stepper*.
+
+A forward call of one token per row, no padding and no sliding window reaching back (a plain
+``generate`` step) is the hot path: it runs for every layer of every token. What it can skip
+depends on state that changes rarely (when a prompt has been read, when rows join or leave), so
+the engine is chosen when that state changes (``choose_stepper``, called by ``SlotLayer.refresh``)
+and each stepper owns what it reuses between steps; a step asks nothing again.
+
+- ``FillingStep``: rows still filling up to their budget (or a policy that keeps everything):
+  write into the first free slot, attend over the live slots, evict by the general rule
+  (``step.evict``), and once every row holds exactly its budget, choose again.
+- ``EagerStep``: every (row, head) holds exactly its budget, so each step evicts exactly one slot
+  per (row, head); with one budget for all rows the buffer has budget + 1 slots and, once the new
+  token is written, no free slot: attention needs no mask and the slot the eviction frees is where
+  the next token goes (``AtBudget.next_free``). ~25 small tensor ops a layer.
+- ``NativeStep``: the same step as one C call (CPU, float32, a rule the kernels know:
+  ``native/``); uneven budgets hold each head's own slots only (``storage.py``: ragged slots).
+- ``TritonStep``: the same step as one Triton launch (CUDA), at the budget or filling up
+  (``triton_step.py``).
+- ``GrowFirst``: a (row, head) at its budget has no free slot for the next token yet: grow once,
+  choose again.
+
+Every stepper computes the general step's slots, scores and evictions (the tests hold them to
+``reference.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from h2okv.core import triton_step
+from h2okv.core.attention import slot_attention
+from h2okv.core.kernels import native_on, triton_on
+from h2okv.core.native import calls as native
+from h2okv.core.step import evict, eviction_rank, protected
+
+
+@dataclass
+class AtBudget:
+    """What a step at the budget reuses: views that follow ``n_real`` in place, and the slot the
+    last step freed."""
+
+    dense_capacity: int  # budget + 1 when every (row, head) has the same budget, else -1
+    ordinal_src: torch.Tensor  # [B, H, 1] view of n_real: the ordinal of the token being written
+    n_real_key: torch.Tensor  # [B, 1, 1] view of n_real, for the policy's key
+    recent_start: torch.Tensor  # [B, 1, 1] = n_real - recent, advanced in place
+    sinks: torch.Tensor | None  # [B, 1, 1] protected first tokens, None when the policy has none
+    # uneven budgets (per row or head), live slots packed at the front (``SlotStorage.pack_live``):
+    # each (row, head)'s budget + 1 as [B * H] int64 and their largest; None for a uniform budget
+    widths: torch.Tensor | None = None
+    max_width: int = 0
+    next_free: torch.Tensor | None = None
+
+    def free_slot(self, valid: torch.Tensor) -> torch.Tensor:
+        """``[B, H, 1]``: last step's victim, or (first step at the budget) the first free slot."""
+        return self.next_free if self.next_free is not None else first_free(valid)
+
+
+def first_free(valid: torch.Tensor) -> torch.Tensor:
+    return valid.view(torch.uint8).argmin(dim=-1, keepdim=True)
+
+
+def at_budget(layer) -> AtBudget | None:
+    """Is every (row, head) of ``layer`` at exactly its budget (one device sync)? Then its state.
+    Uneven budgets also pack each head's live slots to the front."""
+    if not layer.config.policy.evicts or not layer.has_budget:
+        return None
+    budget = layer.slot_budget()
+    if not bool((layer.valid.sum(-1) == budget).all()):
+        return None
+    b, h = layer.valid.shape[:2]
+    uniform = bool((budget == budget[0, 0]).all())
+    widths, max_width = None, 0
+    if not uniform:
+        # heads (or rows) of uneven budgets keep free slots. Packed, each head's live slots are its
+        # first ``budget`` and its next one is free: the native step reads those and no more
+        # (the eager step masks the free ones, packed or not)
+        budget = budget.expand(b, h)
+        packed = torch.arange(layer.capacity, device=layer.valid.device) < budget[..., None]
+        if not bool((layer.valid == packed).all()):
+            layer.pack_live()
+        widths = (budget + 1).reshape(-1).to(torch.int64).contiguous()
+        max_width = int(budget.max()) + 1
+    return AtBudget(
+        dense_capacity=int(budget[0, 0]) + 1 if uniform else -1,
+        ordinal_src=layer.n_real.view(b, 1, 1).expand(b, h, 1),
+        n_real_key=layer.n_real.view(b, 1, 1),
+        recent_start=(layer.n_real - layer.recent).view(b, 1, 1),
+        sinks=layer.sinks.view(b, 1, 1) if bool((layer.sinks > 0).any()) else None,
+        widths=widths,
+        max_width=max_width,
+    )
+
+
+def choose_stepper(layer):
+    """The stepper for ``layer``'s decode steps as its rows stand now (see the module docstring)."""
+    state = at_budget(layer)
+    device = layer.device
+    if state is None:
+        rule = triton_step.decode_rule(layer, general=True) if triton_on(device) else None
+        return TritonStep(None, rule) if rule is not None else FillingStep()
+    if layer.capacity <= layer.max_budget:  # a head holds its whole width: no slot for the next token
+        return GrowFirst()
+    dense = layer.capacity == state.dense_capacity
+    packed = state.widths is not None and state.max_width <= layer.capacity
+    if (dense or packed) and native_on(device):
+        rule = native.decode_rule(layer)
+        if rule is not None:
+            if packed:  # each head's own slots only, from now on
+                state.next_free = first_free(layer.valid)
+                layer.flatten(state.widths)
+            return NativeStep(state, rule)
+    if triton_on(device):
+        rule = triton_step.decode_rule(layer, general=not dense)
+        if rule is not None:
+            return TritonStep(state if dense else None, rule)
+    return EagerStep(state, dense)
+
+
+class FillingStep:
+    """Rows below their budget: the general eviction, then choose again once all are at it."""
+
+    def decode(self, layer, query, k_new, v_new, scaling):
+        layer.ensure_free(1)
+        out = write_and_attend(layer, first_free(layer.valid), layer.n_real.view(-1, 1, 1), query, k_new, v_new,
+                               scaling, masked=True)
+        if layer.config.policy.evicts:
+            evict(layer, 1)
+            layer.refresh()
+        return out
+
+
+class GrowFirst:
+    """No free slot for the next token yet: one growth, then the at-budget stepper."""
+
+    def decode(self, layer, query, k_new, v_new, scaling):
+        layer.ensure_free(1)
+        layer.refresh()
+        return layer.stepper.decode(layer, query, k_new, v_new, scaling)
+
+
+class EagerStep:
+    """At the budget, in tensor ops: the rule of ``step.evict`` with exactly one victim per (row, head)."""
+
+    def __init__(self, state: AtBudget, dense: bool):
+        self.state, self.dense = state, dense
+
+    def decode(self, layer, query, k_new, v_new, scaling):
+        state, policy = self.state, layer.config.policy
+        slot = state.free_slot(layer.valid) if self.dense else first_free(layer.valid)
+        out = write_and_attend(layer, slot, state.ordinal_src, query, k_new, v_new, scaling, masked=not self.dense)
+        state.recent_start += 1  # = n_real - recent
+        shielded = protected(layer.ordinal, state.recent_start, state.sinks)
+        if not self.dense:
+            shielded |= ~layer.valid
+        rank = eviction_rank(policy, layer.layer_idx, layer.score, layer.ordinal, state.n_real_key, shielded)
+        victims = rank.argmin(dim=-1, keepdim=True)
+        layer.valid.scatter_(2, victims, False)
+        state.next_free = victims if self.dense else None
+        return out
+
+
+def write_and_attend(layer, slot, ordinal, query, k_new, v_new, scaling, masked: bool):
+    """Write the token into ``slot`` ``[B, H, 1]``, attend over the live slots (``masked``: free
+    slots are hidden), fold the mass into the scores and count the token; ``[B, 1, Hq, Dv]``."""
+    policy = layer.config.policy
+    b, hkv, _, d = k_new.shape
+    layer.keys.scatter_(2, slot.unsqueeze(-1).expand(b, hkv, 1, d), k_new)
+    layer.values.scatter_(2, slot.unsqueeze(-1).expand(b, hkv, 1, v_new.shape[-1]), v_new)
+    layer.ordinal.scatter_(2, slot, ordinal.expand(b, hkv, 1))
+    fresh = policy.key_scores(k_new)
+    layer.score.scatter_(2, slot, 0.0 if fresh is None else fresh)
+    layer.valid.scatter_(2, slot, True)
+    out, mass = slot_attention(query, layer.keys, layer.values, layer.valid[:, :, None, :] if masked else None,
+                               scaling, need_mass=policy.needs_scores)
+    if mass is not None:
+        policy.accumulate(layer.score, mass)
+    layer.n_real += 1
+    return out.transpose(1, 2).contiguous()
+
+
+class NativeStep:
+    """At the budget, dense or flat, as one C call (``native/calls.py``)."""
+
+    def __init__(self, state: AtBudget, rule: tuple[int, int]):
+        self.state, self.rule = state, rule
+
+    def decode(self, layer, query, k_new, v_new, scaling):
+        return native.decode_dense(layer, self.state, query, k_new, v_new, scaling, self.rule)
+
+
+class TritonStep:
+    """One Triton launch a step: at the budget (``state``) or filling up (None). If the kernel
+    cannot run here, the eager stepper takes over for good (``triton_step`` warns once)."""
+
+    def __init__(self, state: AtBudget | None, rule: tuple[int, int]):
+        self.state, self.rule = state, rule
+
+    def decode(self, layer, query, k_new, v_new, scaling):
+        if self.state is not None:
+            out = triton_step.decode_dense(layer, self.state, query, k_new, v_new, scaling, self.rule)
+            if out is not None:
+                return out
+            layer.stepper = EagerStep(self.state, dense=True)
+        else:
+            layer.ensure_free(1)  # rows filling up: room for the token first
+            out = triton_step.decode_general(layer, query, k_new, v_new, scaling, self.rule)
+            if out is not None:
+                return out
+            layer.stepper = FillingStep()
+        return layer.stepper.decode(layer, query, k_new, v_new, scaling)
+
+
+#: the steppers that run a step themselves (``GrowFirst`` hands its step to one of them)
+STEPPERS = (FillingStep, EagerStep, NativeStep, TritonStep)
