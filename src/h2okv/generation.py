@@ -146,6 +146,7 @@ def generate(
     prefill: str | None = None,
     head_budgets: str | None = None,
     head_floor: float | None = None,
+    compile: str | None = None,
     **parts,
 ) -> Generation:
     """Generation under ``policy``, greedy unless ``temperature`` > 0 (then sampled with ``top_p``,
@@ -155,11 +156,13 @@ def generate(
     each also handed to ``on_kv(seen, bytes, tokens since the first, seconds)`` as it happens
     (``KVWatch``). ``recipe``, ``budget`` and the rest are ``H2OCache``'s keywords (``parts``: the
     older ``heavy``/``recent``/``heavy_ratio``/``recent_ratio``); a policy ranked by reconstruction
-    (``kvzip``, the ``document`` recipe) first reads and ranks all of the prompt but its last token."""
+    (``kvzip``, the ``document`` recipe) first reads and ranks all of the prompt but its last token.
+    ``compile``: a ``torch.compile`` backend ("inductor") for the decode steps at the budget
+    (``H2OCache(compileable=True)``); steps while rows fill up may run eagerly."""
     floor = {} if budget_floor is None else {"budget_floor": budget_floor}
     cache = H2OCache(model, policy=policy, recipe=recipe, budget=budget, recent_share=recent_share, prefill=prefill,
                      chunk_size=chunk_size, positions=positions, head_budgets=head_budgets, head_floor=head_floor,
-                     **floor, **budget_kwargs(**parts))
+                     compileable=compile is not None, **floor, **budget_kwargs(**parts))
     inputs = encode_prompt(tokenizer, prompt, chat=chat, device=model.device)
     if cache.policy.ranks_by_reconstruction:
         if inputs["input_ids"].shape[1] < 2:
@@ -182,12 +185,26 @@ def generate(
             streamer=streamer,
             pad_token_id=tokenizer.pad_token_id,
             logits_processor=LogitsProcessorList([watch] if watch else []),
+            **compile_options(compile),
         )
     new = out[0, inputs["input_ids"].shape[1] :]
     stats = cache.stats()
     if watch is not None:
         stats["kv_history"] = watch.history + [(stats["tokens_seen"], stats["kv_bytes"])]
     return Generation(tokenizer.decode(new, skip_special_tokens=True), int(new.numel()), stats, new.tolist())
+
+
+def compile_options(backend: str | None) -> dict:
+    """``model.generate``'s keywords that compile its decode steps with ``backend`` (none: eager).
+    Not fullgraph: steps while rows fill up to their budget break the graph and run eagerly; at
+    the budget every step is one graph (tests/core/test_compile.py)."""
+    if backend is None:
+        return {}
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=False, dynamic=False, backend=backend, mode=None)
+    config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    return {"compile_config": config}
 
 
 def summary_line(stats: dict) -> str:

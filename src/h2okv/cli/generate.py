@@ -38,6 +38,9 @@ def register(sub) -> None:
     p.add_argument("--repetition-penalty", type=positive_float, default=1.0,
                    help="divide the logits of tokens already in the text by this (1: off); long greedy or "
                         "low-temperature texts from small models loop without it")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="compile the decode steps at the budget with torch.compile (default backend inductor; "
+                        "the first steps compile for minutes on a CPU)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (every --tp rank uses the same)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="never stop at the end-of-sequence token: generate exactly --max-new-tokens (long runs)")
@@ -104,7 +107,7 @@ def generate_on_rank(args) -> int:
         chat=args.chat, stream=stream, chunk_size=args.chunk_size, positions=args.positions,
         kv_every=args.kv_every, temperature=args.temperature, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, seed=args.seed, ignore_eos=args.ignore_eos,
-        on_kv=kv_line if stream else None, **cache_keywords(args),
+        on_kv=kv_line if stream else None, compile=args.compile, **cache_keywords(args),
     )
     stats = gather_stats(result.stats)
     if not is_main_rank():

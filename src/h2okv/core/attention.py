@@ -32,23 +32,44 @@ from h2okv.errors import H2OError
 
 ATTN_NAME = "h2o"
 PENDING: ContextVar[tuple | None] = ContextVar("h2okv_pending", default=None)
+# the same hand-over while torch.compile traces a forward call: dynamo cannot trace a ContextVar
+# (a graph break at every layer) but traces a module-level list, and the value never leaves the
+# trace (set in ``update``, taken here, reset to None), so threads share nothing at run time
+_TRACED: list = [None]
+
+
+def set_pending(value) -> None:
+    if torch.compiler.is_compiling():
+        _TRACED[0] = value
+    else:
+        PENDING.set(value)
+
+
+def get_pending():
+    return _TRACED[0] if torch.compiler.is_compiling() else PENDING.get()
+
 
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")
 
 
 def h2o_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    pending = PENDING.get()
+    pending = get_pending()
     if pending is None or pending[1] is not key:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise H2OError(f"{type(module).__name__} uses {name!r}, which H2O attention does not support")
-    PENDING.set(None)
+    set_pending(None)
     layer = pending[0]
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     out = layer.attend(query, key, value, attention_mask, scaling, sliding_window=kwargs.get("sliding_window"))
     return out, None
+
+
+def fused_mass_on(device) -> bool:
+    """Whether ``slot_attention`` takes the mass from the Triton kernels on ``device``."""
+    return triton_on(device)
 
 
 def slot_attention(
@@ -59,6 +80,7 @@ def slot_attention(
     scaling: float,
     need_mass: bool,
     query_weight: torch.Tensor | None = None,  # [B, m] bool: which queries count towards the score
+    fused: bool | None = None,  # the Triton kernels for the mass (None: where they run, fused_mass_on)
 ):
     b, hq, m, d = query.shape
     hkv, cap = keys.shape[1], keys.shape[2]
@@ -74,7 +96,7 @@ def slot_attention(
         out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=scaling)
         return out.reshape(b, hq, m, values.shape[-1]), None
 
-    if triton_on(query.device):  # fused kernels: the mass from the log-sum-exp, no probability matrix
+    if fused_mass_on(query.device) if fused is None else fused:  # the mass from the log-sum-exp, no probability matrix
         from h2okv.core.triton_attention import triton_slot_attention
 
         return triton_slot_attention(query, keys, values, allowed, scaling, query_weight)
@@ -97,11 +119,25 @@ def slot_attention(
     return out.reshape(b, hq, m, values.shape[-1]), mass
 
 
+def h2o_mask(*args, q_length=None, attention_mask=None, **kwargs):
+    """The ordinary boolean SDPA mask (our cache sizes it to the new tokens only). transformers
+    refuses a compileable cache its ``is_causal`` skip at one query, and a mask there would send a
+    decode step off its stepper: at one query the skip is allowed again (eager: None when the token
+    is real, as for any other cache), and traced, the 2D mask's last column is returned as it is
+    (no look at the data; ``SlotLayer.attend`` asserts on the device that the token is real)."""
+    if q_length == 1:
+        if attention_mask is None:
+            return None
+        if torch.compiler.is_compiling():
+            return attention_mask.to(torch.bool)[:, -1].view(-1, 1, 1, 1)
+        kwargs["allow_is_causal_skip"] = True
+    return sdpa_mask(*args, q_length=q_length, attention_mask=attention_mask, **kwargs)
+
+
 def _register() -> None:
     if ATTN_NAME not in AttentionInterface._global_mapping:
         AttentionInterface.register(ATTN_NAME, h2o_attention_forward)
-        # the mask is the ordinary boolean SDPA mask; our cache sizes it to the new tokens only
-        AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+        AttentionMaskInterface.register(ATTN_NAME, h2o_mask)
 
 
 def attention_modules(model):

@@ -100,6 +100,12 @@ class H2OCache(Cache):
     whole: ``prefill="late"``, or a policy that ranks the call before it is chunked (``snapkv``,
     ``knorm``, ``expected``). The layer's capacity is then its largest head budget, and ``stats()`` reports it.
 
+    ``compileable=True`` lets ``torch.compile(model, fullgraph=True, dynamic=False)`` (or
+    ``generate`` with a ``CompileConfig``; on CUDA by itself) run the decode steps at the budget as
+    one graph with no recompilation: at the budget every shape is static. Those steps then run in
+    tensor ops (the compiler makes the kernels, not ``core/native`` or Triton); prefill and rows
+    still filling up to their budget stay eager.
+
     ``positions="rolling"`` keeps every position the model sees inside its context window so the
     cache reads and generates past it (``core/positions.py``); the default ``"true"`` does not.
     """
@@ -123,6 +129,7 @@ class H2OCache(Cache):
         recipe: str | None = None,
         recent_share: float | None = None,
         budget_floor: int = DEFAULT_BUDGET_FLOOR,
+        compileable: bool = False,
     ):
         self.recipe = recipe
         settings, self.policy, self.spec = check_settings(
@@ -141,10 +148,14 @@ class H2OCache(Cache):
                            f"(--prefill late)")
         num_layers = prepare_model(model)
         # what every layer is built with; the row budgets are the one state they share
-        self.layer_config = LayerConfig(self.policy, self.prefill, self.chunk_size, self.head_budgets, self.head_floor)
+        self.layer_config = LayerConfig(self.policy, self.prefill, self.chunk_size, self.head_budgets, self.head_floor,
+                                        compileable=bool(compileable))
         self.row_budgets = RowBudgets(self.policy, self.spec)
         super().__init__(layers=[SlotLayer(i, self.layer_config, self.row_budgets) for i in range(num_layers)])
         scheme = check_positions(self.policy, settings["positions"])
+        if compileable and scheme is not None:
+            raise H2OError("compileable=True takes true positions only: the rolling positions' hook reads padding "
+                           "from a 2D mask, and generate hands a compileable cache a 4D one")
         self.rolling = None if scheme is None else RollingPositions(model, scheme)
 
     def _check_head_budgets(self, mode, floor) -> tuple[str, float]:

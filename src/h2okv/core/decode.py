@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from h2okv.core import triton_step
-from h2okv.core.attention import slot_attention
+from h2okv.core.attention import fused_mass_on, slot_attention
 from h2okv.core.kernels import native_on, triton_on
 from h2okv.core.native import calls as native
 from h2okv.core.step import evict, eviction_rank, protected
@@ -84,6 +84,9 @@ def at_budget(layer) -> AtBudget | None:
         widths = (budget + 1).reshape(-1).to(torch.int64).contiguous()
         max_width = int(budget.max()) + 1
     return AtBudget(
+        # uniform: each (row, head)'s one free slot, known now (a compiled step then never sees
+        # None here and a tensor after: one graph from the first step)
+        next_free=first_free(layer.valid) if uniform else None,
         dense_capacity=int(budget[0, 0]) + 1 if uniform else -1,
         ordinal_src=layer.n_real.view(b, 1, 1).expand(b, h, 1),
         n_real_key=layer.n_real.view(b, 1, 1),
@@ -98,13 +101,17 @@ def choose_stepper(layer):
     """The stepper for ``layer``'s decode steps as its rows stand now (see the module docstring)."""
     state = at_budget(layer)
     device = layer.device
+    triton = triton_on(device) and not layer.config.compileable
+    fused = fused_mass_on(device) and not layer.config.compileable
     if state is None:
-        rule = triton_step.decode_rule(layer, general=True) if triton_on(device) else None
-        return TritonStep(None, rule) if rule is not None else FillingStep()
+        rule = triton_step.decode_rule(layer, general=True) if triton else None
+        return TritonStep(None, rule) if rule is not None else FillingStep(fused=fused)
     if layer.capacity <= layer.max_budget:  # a head holds its whole width: no slot for the next token
         return GrowFirst()
     dense = layer.capacity == state.dense_capacity
     packed = state.widths is not None and state.max_width <= layer.capacity
+    if layer.config.compileable:  # tensor ops torch.compile traces; the compiler makes the kernels
+        return EagerStep(state, dense)
     if (dense or packed) and native_on(device):
         rule = native.decode_rule(layer)
         if rule is not None:
@@ -112,20 +119,23 @@ def choose_stepper(layer):
                 state.next_free = first_free(layer.valid)
                 layer.flatten(state.widths)
             return NativeStep(state, rule)
-    if triton_on(device):
+    if triton:
         rule = triton_step.decode_rule(layer, general=not dense)
         if rule is not None:
             return TritonStep(state if dense else None, rule)
-    return EagerStep(state, dense)
+    return EagerStep(state, dense, fused=fused)
 
 
 class FillingStep:
     """Rows below their budget: the general eviction, then choose again once all are at it."""
 
+    def __init__(self, fused: bool = False):
+        self.fused = fused  # the Triton attention for the mass (core/triton_attention.py)
+
     def decode(self, layer, query, k_new, v_new, scaling):
         layer.ensure_free(1)
         out = write_and_attend(layer, first_free(layer.valid), layer.n_real.view(-1, 1, 1), query, k_new, v_new,
-                               scaling, masked=True)
+                               scaling, masked=True, fused=self.fused)
         if layer.config.policy.evicts:
             evict(layer, 1)
             layer.refresh()
@@ -144,14 +154,15 @@ class GrowFirst:
 class EagerStep:
     """At the budget, in tensor ops: the rule of ``step.evict`` with exactly one victim per (row, head)."""
 
-    def __init__(self, state: AtBudget, dense: bool):
-        self.state, self.dense = state, dense
+    def __init__(self, state: AtBudget, dense: bool, fused: bool = False):
+        self.state, self.dense, self.fused = state, dense, fused
 
     def decode(self, layer, query, k_new, v_new, scaling):
         state, policy = self.state, layer.config.policy
         slot = state.free_slot(layer.valid) if self.dense else first_free(layer.valid)
-        out = write_and_attend(layer, slot, state.ordinal_src, query, k_new, v_new, scaling, masked=not self.dense)
-        state.recent_start += 1  # = n_real - recent
+        out = write_and_attend(layer, slot, state.ordinal_src, query, k_new, v_new, scaling, masked=not self.dense,
+                               fused=self.fused)
+        state.recent_start.add_(1)  # = n_real - recent (add_, not +=: a compiled step must not rebind it)
         shielded = protected(layer.ordinal, state.recent_start, state.sinks)
         if not self.dense:
             shielded |= ~layer.valid
@@ -162,7 +173,7 @@ class EagerStep:
         return out
 
 
-def write_and_attend(layer, slot, ordinal, query, k_new, v_new, scaling, masked: bool):
+def write_and_attend(layer, slot, ordinal, query, k_new, v_new, scaling, masked: bool, fused: bool):
     """Write the token into ``slot`` ``[B, H, 1]``, attend over the live slots (``masked``: free
     slots are hidden), fold the mass into the scores and count the token; ``[B, 1, Hq, Dv]``."""
     policy = layer.config.policy
@@ -174,10 +185,10 @@ def write_and_attend(layer, slot, ordinal, query, k_new, v_new, scaling, masked:
     layer.score.scatter_(2, slot, 0.0 if fresh is None else fresh)
     layer.valid.scatter_(2, slot, True)
     out, mass = slot_attention(query, layer.keys, layer.values, layer.valid[:, :, None, :] if masked else None,
-                               scaling, need_mass=policy.needs_scores)
+                               scaling, need_mass=policy.needs_scores, fused=fused)
     if mass is not None:
         policy.accumulate(layer.score, mass)
-    layer.n_real += 1
+    layer.n_real.add_(1)
     return out.transpose(1, 2).contiguous()
 
 
@@ -203,13 +214,13 @@ class TritonStep:
             out = triton_step.decode_dense(layer, self.state, query, k_new, v_new, scaling, self.rule)
             if out is not None:
                 return out
-            layer.stepper = EagerStep(self.state, dense=True)
+            layer.stepper = EagerStep(self.state, dense=True, fused=fused_mass_on(layer.device))
         else:
             layer.ensure_free(1)  # rows filling up: room for the token first
             out = triton_step.decode_general(layer, query, k_new, v_new, scaling, self.rule)
             if out is not None:
                 return out
-            layer.stepper = FillingStep()
+            layer.stepper = FillingStep(fused=fused_mass_on(layer.device))
         return layer.stepper.decode(layer, query, k_new, v_new, scaling)
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from h2okv.core.attention import PENDING
+from h2okv.core.attention import set_pending
 from h2okv.core.budget import RowBudgets
 from h2okv.core.decode import choose_stepper
 from h2okv.core.head_budget import allocate
@@ -42,6 +42,7 @@ class LayerConfig:
     chunk_size: int
     head_budgets: str  # "uniform", "adaptive" or "layers"
     head_floor: float
+    compileable: bool = False  # decode steps at the budget in tensor ops torch.compile can trace
 
 
 class SlotLayer(SlotStorage, CacheLayerMixin):
@@ -52,14 +53,17 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
     pass hands it its probe scores' home (``start_probe``)."""
 
     is_sliding = False
-    is_compileable = False
 
     def __init__(self, layer_idx: int, config: LayerConfig, rows: RowBudgets):
         super().__init__()
         self.layer_idx = layer_idx
         self.config = config
+        self.is_compileable = config.compileable
         self.rows = rows
-        self.tokens_seen = 0  # positions consumed, pads included: what generate needs for positions
+        # positions consumed, pads included: what generate needs for positions. A 0-dim CPU tensor
+        # advanced in place: a compiled step reads it as a tensor, where an int would be a guard on
+        # its value (a recompilation every step); ``tokens_seen`` is its int
+        self.seen = torch.zeros((), dtype=torch.long)
         self.peak_capacity = 0
         self.stepper = None  # how a decode step runs (decode.py), chosen by refresh()
         self._budget_cap: int | float | None = None  # max_budget, once the rows' budgets are fixed
@@ -85,17 +89,26 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
                            f"h2okv.reconstruct(model, cache, prompt_ids, tokenizer) after the prompt's forward call")
         # the attention function picks these up (see attention.py); K/V are written into slots
         # there, chunk by chunk, interleaved with eviction
-        PENDING.set((self, key_states, value_states))
-        self.tokens_seen += key_states.shape[-2]
+        set_pending((self, key_states, value_states))
+        self.seen.add_(key_states.shape[-2])
         return key_states, value_states
+
+    @property
+    def tokens_seen(self) -> int:
+        return int(self.seen)
+
+    @tokens_seen.setter
+    def tokens_seen(self, value: int) -> None:
+        self.seen = torch.tensor(value, dtype=torch.long)  # a new tensor: a copy keeps its own
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # The model builds its mask over the *new* tokens only (causal + padding among them); the
         # old tokens' visibility is the slots' valid flag. kv_offset lines the padding mask up.
-        return query_length, self.tokens_seen
+        # Traced, the tensor (as transformers' StaticLayer gives its length): no guard on a value
+        return query_length, self.seen.clone() if torch.compiler.is_compiling() else self.tokens_seen
 
     def get_seq_length(self) -> int:
-        return self.tokens_seen
+        return self.seen.clone() if torch.compiler.is_compiling() else self.tokens_seen
 
     def get_max_length(self) -> int:
         return -1
@@ -134,6 +147,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         """A new layer holding a copy of rows ``index`` and reading its budgets from ``rows``."""
         twin = copy.copy(self)
         twin.rows = rows
+        twin.seen = self.seen.clone()  # advanced in place: the copy counts on its own
         twin.select_rows(index)  # index_select: new tensors, this layer keeps its own
         return twin
 
@@ -206,6 +220,11 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
             # no query of the call lies a window past any token yet (ordinals < tokens_seen): the
             # window hides nothing, so the layer may take the steps without one (the decode path)
             sliding_window = None
+        if new_mask is not None and query.shape[2] == 1 and torch.compiler.is_compiling():
+            # traced (generate hands a compileable cache a [B, 1, 1, 1] mask): no branch on the
+            # data; a decode token is real there, checked on the device instead of looked at
+            torch._assert_async(new_mask.to(torch.bool).all(), "h2okv: a compiled one-token call got a pad token")
+            new_mask = None
         if self.stepper is not None and query.shape[2] == 1 and new_mask is None and sliding_window is None:
             return self.stepper.decode(self, query, key_new, value_new, scaling)
         self.to_dense()  # every path below reads the dense layout

@@ -76,13 +76,21 @@ class SlotStorage:
         if self.ragged is None:
             return
         self.stepper = None  # it ran the flat layout; the next call's end chooses again
-        ragged, self.ragged = self.ragged, None
-        kept = ragged.kept()
-        for name in SLOT_TENSORS:
-            flat = getattr(ragged, name)
-            dense = flat.new_zeros((*ragged.shape, *flat.shape[1:]))  # zeros: valid=False, free
-            dense[kept] = flat
-            setattr(self, name, dense)
+        dense = {name: self.read(name) for name in SLOT_TENSORS}
+        self.ragged = None
+        for name, tensor in dense.items():
+            setattr(self, name, tensor)
+
+    def read(self, name: str) -> torch.Tensor:
+        """Slot tensor ``name`` in the dense layout ``[B, H, capacity(, D)]``, for readers (stats,
+        evaluations): a flat layer's is a copy, and the layer stays as it is."""
+        ragged = self.ragged
+        if ragged is None:
+            return getattr(self, name)
+        flat = getattr(ragged, name)
+        dense = flat.new_zeros((*ragged.shape, *flat.shape[1:]))  # zeros: valid=False, free
+        dense[ragged.kept()] = flat
+        return dense
 
     def init_buffers(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape

@@ -36,8 +36,9 @@ def row_kv(cache, row: int) -> tuple[int, int]:
     for layer in cache.layers:
         if not layer.is_initialized:
             continue
-        live = layer.valid[row].sum(-1)  # [H]
-        per_slot = 2 * layer.keys.shape[-1] * layer.keys.element_size()  # K and V of one head
+        live = layer.live_slots()[row]  # [H]
+        keys = layer.ragged.keys if layer.ragged is not None else layer.keys  # either layout: [..., D]
+        per_slot = 2 * keys.shape[-1] * keys.element_size()  # K and V of one head
         total += int(live.sum()) * per_slot
         most = max(most, int(live.max()))
     return total, most

@@ -98,9 +98,10 @@ def needle_kept(cache: H2OCache, prompts: list[PasskeyPrompt]) -> list[float]:
     kept = torch.zeros(len(prompts))
     layers = [layer for layer in cache.layers if layer.is_initialized]
     for layer in layers:
+        ordinals, valids = layer.read("ordinal"), layer.read("valid")  # [B, H, cap]
         for row, prompt in enumerate(prompts):
             start, stop = prompt.needle
-            ordinal, valid = layer.ordinal[row], layer.valid[row]  # [H, cap]
+            ordinal, valid = ordinals[row], valids[row]
             in_needle = valid & (ordinal >= start) & (ordinal < stop)
             kept[row] += in_needle.sum(-1).float().mean() / (stop - start)
     return (kept / max(len(layers), 1)).tolist()

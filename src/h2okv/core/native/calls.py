@@ -7,7 +7,6 @@ import torch
 from h2okv.core.native.build import library
 from h2okv.core.native.rules import native_rule
 
-
 _loaded = None
 
 
