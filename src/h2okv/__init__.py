@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 # the heavy parts (transformers) load on first use: ``import h2okv.parallel.ranks`` in a
 # tensor-parallel rank, or the CLI's argument parsing, should not pay for them
-_LAZY = {"H2OCache": ".core", "load_model": ".models", "POLICIES": ".policies", "RECIPES": ".recipes",
+_LAZY = {"H2OCache": ".core.cache", "load_model": ".models", "POLICIES": ".policies", "RECIPES": ".recipes",
          "reconstruct": ".core.reconstruction", "read_context": ".core.reconstruction"}
 
 

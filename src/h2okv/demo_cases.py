@@ -81,7 +81,7 @@ def answer(model, tokenizer, case: RetrievalCase, config: str, cache_keywords: d
     """Greedy answer to ``case`` with a fresh ``H2OCache(model, **cache_keywords)``."""
     import torch
 
-    from h2okv.core import H2OCache
+    from h2okv.core.cache import H2OCache
     from h2okv.core.compat import cache_arg
 
     cache = H2OCache(model, **cache_keywords)
@@ -143,7 +143,7 @@ def long_generation(model, tokenizer, new_tokens: int, every: int = 25, request:
     import torch
     from transformers import LogitsProcessorList
 
-    from h2okv.core import H2OCache
+    from h2okv.core.cache import H2OCache
     from h2okv.core.compat import cache_arg
 
     cache = H2OCache(model, **cache_keywords)

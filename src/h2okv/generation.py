@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, LogitsProcessorList, TextStreamer
 
-from h2okv.core import DEFAULT_CHUNK, H2OCache, fraction_budget, slot_budget
-from h2okv.core.budget import DEFAULT_RECENT_SHARE
+from h2okv.core.budget import DEFAULT_RECENT_SHARE, fraction_keywords, slots_keywords
+from h2okv.core.cache import DEFAULT_CHUNK, H2OCache
 from h2okv.core.compat import cache_arg
 from h2okv.core.reconstruction import read_context
 from h2okv.errors import H2OError
@@ -34,8 +34,8 @@ def new_cache(model, policy: str | None, fraction: float | None = None, chunk_si
               seed: int = 0, recent_share: float = DEFAULT_RECENT_SHARE, prefill: str = "chunked",
               slots: int | None = None, budget_floor: int = 0, **options):
     """The cache for one evaluation run: an ``H2OCache`` under ``policy`` keeping ``fraction`` of
-    each prompt (``fraction_budget``, ``recent_share`` of it recent) or, given ``slots``, that many
-    tokens per layer and KV head (``slot_budget``, ``recent_share`` of them recent) - both ignored
+    each prompt (``fraction_keywords``, ``recent_share`` of it recent) or, given ``slots``, that many
+    tokens per layer and KV head (``slots_keywords``, ``recent_share`` of them recent) - both ignored
     for a policy that keeps everything - with the ``prefill`` mode (``H2OCache``), or, for
     ``policy=None``, the plain ``DynamicCache`` transformers runs by default (the benchmarks'
     baseline). An evaluation measures the fraction it names, so there is no budget floor unless
@@ -43,7 +43,7 @@ def new_cache(model, policy: str | None, fraction: float | None = None, chunk_si
     (evaluations' ``--cache-option``, a recipe's settings); an unknown one is a one-line error."""
     if policy is None:
         return DynamicCache(config=model.config)
-    budget = fraction_budget(policy, fraction, recent_share) if slots is None else slot_budget(policy, slots, recent_share)
+    budget = fraction_keywords(policy, fraction, recent_share) if slots is None else slots_keywords(policy, slots, recent_share)
     if clash := sorted(set(options) & {"policy", "chunk_size", "seed", "recipe", "budget", *budget}):
         raise H2OError(f"cache option(s) {', '.join(clash)} are set by the evaluation itself")
     try:

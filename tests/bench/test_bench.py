@@ -277,3 +277,22 @@ def test_profile_step_tool_on_a_tiny_model(tmp_path):
     assert decode["h2o"]["groups"]["attention call (h2o)"]["calls_per_step"] == 2  # one per layer
     assert decode["reference"]["groups"]["attention call (sdpa)"]["calls_per_step"] == 2
     assert result["scoring"]["h2o"]["cpu_median_s"] > 0 and result["scoring"]["plain"]["cpu_median_s"] > 0
+
+
+def test_compiled_column_beside_eager_in_the_same_run():
+    """``bench --compile``: h2o and reference also step through torch.compile (here the "eager"
+    backend: dynamo's graphs run as they are), their rows carry the compiled numbers and the
+    summary the compiled h2o/reference ratio; full is not compiled."""
+    model = tiny_model("llama")
+    cfg = BenchConfig(batches=[2], contexts=[60], budget=0.2, steps=3, warmup=2, memory_contexts=[20],
+                      chunk_size=16, memory_isolation="inprocess", compile="eager")
+    result = run_bench(model, None, cfg, progress=False)
+    torch._dynamo.reset()
+    by = {r["policy"]: r for r in result["rows"]}
+    for policy in ("h2o", "reference"):
+        assert by[policy]["compiled_decode_step_ms"] > 0 and by[policy]["compiled_decode_tokens_per_s"] > 0
+    assert "compiled_decode_step_ms" not in by["full"]
+    (summary,) = result["summary"]["rows"]
+    assert math.isclose(summary["h2o_vs_reference_step_compiled"],
+                        by["h2o"]["compiled_decode_step_ms"] / by["reference"]["compiled_decode_step_ms"])
+    assert "Compiled (`--compile eager`)" in markdown(result)

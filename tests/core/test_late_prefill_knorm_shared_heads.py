@@ -11,7 +11,7 @@ from transformers import DynamicCache, LogitsProcessorList
 
 from core_cases import MODEL, leaning_qkv, run_calls
 from h2okv import H2OCache, H2OError
-from h2okv.core import BudgetSpec, fraction_budget
+from h2okv.core.budget import BudgetSpec, fraction_keywords
 from h2okv.core.compat import cache_arg
 from h2okv.generation import new_cache, pad_rows
 from h2okv.policies import make_policy
@@ -157,8 +157,8 @@ def test_recent_share_splits_a_fraction():
     assert BudgetSpec.from_fraction(0.2) == BudgetSpec(heavy_ratio=0.1, recent_ratio=0.1)  # the paper's split, unchanged
     spec = BudgetSpec.from_fraction(0.2, recent_share=0.05)
     assert spec.resolve(2048) == (int(0.19 * 2048), int(0.01 * 2048))
-    assert fraction_budget("knorm", 0.2, 0.0) == {"heavy_ratio": 0.2, "recent_ratio": 0.0}
-    assert fraction_budget("full", 0.2, 0.05) == {}
+    assert fraction_keywords("knorm", 0.2, 0.0) == {"heavy_ratio": 0.2, "recent_ratio": 0.0}
+    assert fraction_keywords("full", 0.2, 0.05) == {}
     cache = new_cache(MODEL, "knorm", 0.2, recent_share=0.0)
     MODEL(random_ids(50), **cache_arg(cache))
     assert cache.budget() == [10]

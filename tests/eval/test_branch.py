@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from h2okv import H2OCache
-from h2okv.core import BudgetSpec
+from h2okv.core.budget import BudgetSpec
 from h2okv.core.compat import cache_arg
 from h2okv.eval.branch import branch_loglikelihoods
 from h2okv.policies import make_policy

@@ -101,11 +101,12 @@ def test_calls_that_break_the_bookkeeping_are_refused(model_tok):
 def _kept(cache_layer, row):
     """Per KV head: the ordinals kept and their scores, by ordinal (slot order does not matter)."""
     heads = []
-    for h in range(cache_layer.valid.shape[1]):
-        live = cache_layer.valid[row, h]
-        ordinals = cache_layer.ordinal[row, h][live]
+    valid, ordinal, score = (cache_layer.read(name) for name in ("valid", "ordinal", "score"))  # either layout
+    for h in range(valid.shape[1]):
+        live = valid[row, h]
+        ordinals = ordinal[row, h][live]
         order = ordinals.argsort()
-        heads.append((ordinals[order].tolist(), cache_layer.score[row, h][live][order]))
+        heads.append((ordinals[order].tolist(), score[row, h][live][order]))
     return heads
 
 
@@ -182,13 +183,13 @@ def test_core_row_operations_for_groups(model_tok):
     with torch.inference_mode():
         model(torch.tensor([prompt(20, 1), prompt(20, 2)]), **cache_arg(cache))
         assert cache.budget() == [6, 7]
-        keys = [layer.keys.clone() for layer in cache.layers]
+        keys = [layer.read("keys").clone() for layer in cache.layers]  # rows of uneven budgets: held flat
         twin = cache.take_rows([1])
         assert twin.budget() == [7] and cache.budget() == [6, 7]
         for layer, mine, before in zip(twin.layers, cache.layers, keys, strict=True):
             assert torch.equal(layer.keys[0], before[1])
             layer.keys.zero_()
-            assert torch.equal(mine.keys, before)  # the source kept its own tensors
+            assert torch.equal(mine.read("keys"), before)  # the source kept its own tensors
         cache.add_rows([(4, 4)])
         assert cache.budget() == [6, 7, 8] and all(int(layer.valid[2].sum()) == 0 for layer in cache.layers)
         layer = cache.layers[0]

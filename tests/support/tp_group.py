@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from h2okv import cli
-from h2okv.core import H2OCache
+from h2okv.core.cache import H2OCache
 from h2okv.core.compat import cache_arg
 from h2okv.models import load_model
 from h2okv.parallel import launch

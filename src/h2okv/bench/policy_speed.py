@@ -23,7 +23,7 @@ import torch
 
 from h2okv.bench.memory import cache_kv_bytes
 from h2okv.bench.runner import Bench, BenchConfig
-from h2okv.core import H2OCache
+from h2okv.core.cache import H2OCache
 from h2okv.core.compat import cache_arg
 from h2okv.core.reconstruction import reconstruct
 from h2okv.eval.scoring import make_cache

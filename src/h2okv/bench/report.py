@@ -149,6 +149,21 @@ def _decode_tables(result: dict) -> list[str]:
             f"{s.get('h2o_vs_reference_step_cpu', float('nan')):.3f} | "
             f"{s['h2o_vs_full_kv_bytes']:.3f} | {s['h2o_vs_full_prefill']:.2f} |"
         )
+    compiled = [r for r in result["rows"] if "compiled_decode_step_ms" in r]
+    if compiled:  # bench --compile: the same steps through torch.compile, in the same rounds
+        lines += ["", f"Compiled (`--compile {result['config'].get('compile')}`), beside eager:", "",
+                  "| policy | batch | context | eager step ms | compiled step ms | compiled/eager | compiled CPU ms |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in compiled:
+            lines.append(
+                f"| {r['policy']} | {r['batch']} | {r['context']} | {r['decode_step_ms']:.1f} | "
+                f"{r['compiled_decode_step_ms']:.1f} | {r['compiled_decode_step_ms'] / r['decode_step_ms']:.3f} | "
+                f"{r['compiled_decode_step_cpu_ms']:.1f} |")
+        lines += ["", "| batch | context | h2o/reference step, compiled | h2o compiled/eager |", "|---:|---:|---:|---:|"]
+        for s in result["summary"]["rows"]:
+            if "h2o_vs_reference_step_compiled" in s:
+                lines.append(f"| {s['batch']} | {s['context']} | {s['h2o_vs_reference_step_compiled']:.3f} | "
+                             f"{s['h2o_compiled_vs_eager_step']:.3f} |")
     return lines
 
 

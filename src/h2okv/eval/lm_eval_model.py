@@ -38,8 +38,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from h2okv.core import DEFAULT_CHUNK, H2OCache
-from h2okv.core.cache import check_settings
+from h2okv.core.cache import DEFAULT_CHUNK, H2OCache, check_settings
 from h2okv.core.compat import cache_arg
 from h2okv.errors import H2OError, print_error
 from h2okv.eval import offline

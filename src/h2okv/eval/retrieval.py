@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from h2okv.core import DEFAULT_CHUNK, H2OCache
 from h2okv.core.budget import DEFAULT_RECENT_SHARE
+from h2okv.core.cache import DEFAULT_CHUNK, H2OCache
 from h2okv.core.compat import cache_arg
 from h2okv.core.head_budget import DEFAULT_FLOOR
 from h2okv.errors import H2OError

@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from h2okv.core import DEFAULT_CHUNK, H2OCache
+from h2okv.core.cache import DEFAULT_CHUNK, H2OCache
 from h2okv.core.compat import cache_arg
 from h2okv.errors import H2OError
 from h2okv.generation import new_cache

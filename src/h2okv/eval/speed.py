@@ -59,14 +59,14 @@ def compare_speed(tasks: list[str], *, model: str | None, policy: str, budget: f
     import torch
     from lm_eval.models.huggingface import HFLM
 
-    from h2okv.core import fraction_budget
+    from h2okv.core.budget import fraction_keywords
     from h2okv.eval.lm_eval_model import H2OLM
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     torch.set_num_threads(threads)
     offline.install()
     manager = task_manager_for(tasks, [])
-    budget_args = fraction_budget(policy, budget)
+    budget_args = fraction_keywords(policy, budget)
     ours = H2OLM(pretrained=model or "", policy=policy, batch_size=batch_size, device="cpu", **budget_args)
     hf = HFLM(pretrained=hf_source(model), device="cpu", dtype="float32", batch_size=hf_batch_size)
     rows = {}

@@ -28,7 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from h2okv.bench.memory import cache_kv_bytes
-from h2okv.core import H2OCache
+from h2okv.core.cache import H2OCache
 from h2okv.core.compat import cache_arg
 from h2okv.errors import H2OError
 from h2okv.eval.plots import new_figure, policy_color, save_figure

@@ -185,7 +185,7 @@ def evaluate_policies(tasks: list[str], policies: list[str], budget: float, mode
     """``{policy: {"seconds": s, "tasks": {task: {metric: value}}}}`` from lm_eval.simple_evaluate."""
     import lm_eval
 
-    from h2okv.core import fraction_budget
+    from h2okv.core.budget import fraction_keywords
     from h2okv.eval.lm_eval_model import H2OLM
 
     offline.install()  # before any task is built: tasks with an offline copy never touch the hub
@@ -193,7 +193,7 @@ def evaluate_policies(tasks: list[str], policies: list[str], budget: float, mode
     preflight(task_manager, tasks)
     results = {}
     for policy in policies:
-        budget_args = fraction_budget(policy, budget)
+        budget_args = fraction_keywords(policy, budget)
         lm = H2OLM(pretrained=model or "", policy=policy, batch_size=batch_size, chunk_size=chunk_size,
                    device=device, dtype=dtype, **budget_args)
         start = time.perf_counter()

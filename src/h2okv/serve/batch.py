@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from h2okv.core import H2OCache
+from h2okv.core.cache import H2OCache
 
 
 class DecodeBatch:

@@ -38,7 +38,7 @@ from collections import deque
 
 import torch
 
-from h2okv.core import BudgetSpec
+from h2okv.core.budget import BudgetSpec
 from h2okv.core.positions import check_positions
 from h2okv.core.reconstruction import prompt_probes
 from h2okv.errors import H2OError

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from h2okv.core import BudgetSpec
-from h2okv.core.budget import DEFAULT_BUDGET_FLOOR, DEFAULT_RECENT_SHARE, budget_keywords
+from h2okv.core.budget import DEFAULT_BUDGET_FLOOR, DEFAULT_RECENT_SHARE, BudgetSpec, budget_keywords
 from h2okv.core.cache import PREFILL_MODES
 from h2okv.errors import H2OError
 from h2okv.policies import make_policy

@@ -44,8 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from h2okv.core import H2OCache
-from h2okv.core.cache import PREFILL_MODES
+from h2okv.core.cache import PREFILL_MODES, H2OCache
 from h2okv.core.compat import cache_arg
 from h2okv.core.reconstruction import rank_by_probes
 from h2okv.policies import policy_class

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from h2okv.core import H2OCache
+from h2okv.core.cache import H2OCache
 from h2okv.core.compat import cache_arg
 from h2okv.core.layer import GROWTH_MIN  # how much an empty layer grows on a 1-token write
 

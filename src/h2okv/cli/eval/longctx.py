@@ -91,7 +91,7 @@ def run(args) -> int:
     check_output_paths(args.export_prompts, None)
     if args.merge:
         return merge(args)
-    from h2okv.core import DEFAULT_CHUNK
+    from h2okv.core.cache import DEFAULT_CHUNK
     from h2okv.eval.longctx.runner import GridSpec
     from h2okv.recipes import parse_recipes
 

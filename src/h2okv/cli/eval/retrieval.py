@@ -61,7 +61,7 @@ def parse_depths(text: str) -> list[float]:
 def run(args) -> int:
     import time
 
-    from h2okv.core import DEFAULT_CHUNK
+    from h2okv.core.cache import DEFAULT_CHUNK
     from h2okv.eval.output import check_output_paths, write_json
     from h2okv.eval.retrieval import plot_heatmap, retrieval_grid, summary_table
     from h2okv.models import load_model

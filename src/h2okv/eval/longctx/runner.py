@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from h2okv.core import DEFAULT_CHUNK
+from h2okv.core.cache import DEFAULT_CHUNK
 from h2okv.core.compat import cache_arg
 from h2okv.eval.haystack import Haystack
 from h2okv.eval.longctx.metric import score
