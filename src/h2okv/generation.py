@@ -157,7 +157,7 @@ def generate(
     (``KVWatch``). ``recipe``, ``budget`` and the rest are ``H2OCache``'s keywords (``parts``: the
     older ``heavy``/``recent``/``heavy_ratio``/``recent_ratio``); a policy ranked by reconstruction
     (``kvzip``, the ``document`` recipe) first reads and ranks all of the prompt but its last token.
-    ``compile``: a ``torch.compile`` backend ("inductor") for the decode steps at the budget
+    ``compile``: a ``torch.compile`` backend ("inductor", or "inductor:MODE") for the decode steps at the budget
     (``H2OCache(compileable=True)``); steps while rows fill up may run eagerly."""
     floor = {} if budget_floor is None else {"budget_floor": budget_floor}
     cache = H2OCache(model, policy=policy, recipe=recipe, budget=budget, recent_share=recent_share, prefill=prefill,
@@ -202,7 +202,8 @@ def compile_options(backend: str | None) -> dict:
         return {}
     from transformers import CompileConfig
 
-    config = CompileConfig(fullgraph=False, dynamic=False, backend=backend, mode=None)
+    name, _, mode = backend.partition(":")  # "inductor:reduce-overhead": CUDA graphs on a GPU
+    config = CompileConfig(fullgraph=False, dynamic=False, backend=name, mode=mode or None)
     config._compile_all_devices = True  # transformers compiles on CUDA only unless told
     return {"compile_config": config}
 

@@ -148,7 +148,8 @@ class Bench:
         if config.compile:
             # one compiled model for every grid point: each (batch, context, cache) is its own graph
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            self.compiled = torch.compile(model, dynamic=False, backend=config.compile)
+            backend, _, mode = config.compile.partition(":")  # "inductor:reduce-overhead": CUDA graphs
+            self.compiled = torch.compile(model, dynamic=False, backend=backend, mode=mode or None)
 
     # -- caches ----------------------------------------------------------------------------------
     def _new_cache(self, policy: str):

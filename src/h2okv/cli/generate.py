@@ -38,8 +38,8 @@ def register(sub) -> None:
     p.add_argument("--repetition-penalty", type=positive_float, default=1.0,
                    help="divide the logits of tokens already in the text by this (1: off); long greedy or "
                         "low-temperature texts from small models loop without it")
-    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
-                   help="compile the decode steps at the budget with torch.compile (default backend inductor; "
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND[:MODE]",
+                   help="compile the decode steps at the budget with torch.compile (default backend inductor; inductor:reduce-overhead for CUDA graphs; "
                         "the first steps compile for minutes on a CPU)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (every --tp rank uses the same)")
     p.add_argument("--ignore-eos", action="store_true",

@@ -68,7 +68,21 @@ class SnapKVPolicy(H2OPolicy):
         mass = (probs * counts[:, None, None, :, None]).sum(dim=(2, 3))  # [B, Hkv, cap + n]
         old, new = mass[..., :cap], mass[..., cap:]
         if self.kernel > 1 and n > 1:
-            # neighbours in token order (the call's tokens are in order; old slots are not)
-            new = F.avg_pool1d(new.reshape(b * hkv, 1, n), self.kernel, stride=1, padding=self.kernel // 2,
-                               count_include_pad=False).view(b, hkv, n)
+            new = self.pool(new, new_real)
         return old, new
+
+    def pool(self, new, new_real):
+        """Each new token's mass averaged with its neighbours' in token order (the call's tokens
+        are in order; old slots are not), over the row's real tokens only: rows are pooled by
+        their real length, so a padded row is pooled exactly as it would be alone (a pad's zero
+        counted among a last token's neighbours would lower it)."""
+        b, hkv, n = new.shape
+        pooled = torch.zeros_like(new)  # a pad's score: it is never kept as a real token
+        for length in new_real.unique().tolist():
+            if length == 0:
+                continue
+            rows = (new_real == length).nonzero().flatten()
+            part = new[rows, :, :length].reshape(-1, 1, length)
+            pooled[rows, :, :length] = F.avg_pool1d(part, self.kernel, stride=1, padding=self.kernel // 2,
+                                                    count_include_pad=False).view(len(rows), hkv, length)
+        return pooled

@@ -1,0 +1,70 @@
+"""One context, many questions: read a context once, compressed, and answer each question from
+its own copy of that state, the copies decoding as rows of one batch.
+
+    cache = H2OCache(model, recipe="document", budget=0.2)       # compressed before any question
+    read_context(model, cache, context_ids, tokenizer)            # read once (and ranked, for kvzip)
+    answers = ask(model, tokenizer, cache, context_ids, ["Who ...?", "When ...?"])
+
+Each answer is the one a fresh cache gives reading the context and then that question in two
+calls (``read_context``, then ``generate`` on context + question): every copy is the context's
+state (``H2OCache.take_rows``), and the questions' padding sits between the context and each
+question, where the cache treats it as no token at all (its rows keep their real tokens first) and
+the positions skip it. ``cache`` itself is left as it was: ask again, with other questions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from h2okv.chat import encode_text
+from h2okv.core.compat import cache_arg
+from h2okv.errors import H2OError
+
+
+def ask(model, tokenizer, cache, context, questions, max_new_tokens: int = 64, **generate_kwargs) -> list[str]:
+    """Greedy answers to ``questions`` (texts, tokenized as they are, or lists of token ids, e.g. a
+    chat template's user turn end included) over the ``context`` ``cache`` has read (its token ids,
+    one row). ``generate_kwargs`` go to ``model.generate``."""
+    return [tokenizer.decode(ids, skip_special_tokens=True)
+            for ids in ask_ids(model, tokenizer, cache, context, questions, max_new_tokens, **generate_kwargs)]
+
+
+def ask_ids(model, tokenizer, cache, context, questions, max_new_tokens: int = 64, **generate_kwargs) -> list[list[int]]:
+    """``ask``'s answers as token ids (up to the end-of-sequence token, which is kept)."""
+    ids, mask = question_batch(tokenizer, cache, context, questions)
+    copies = cache.take_rows([0] * ids.shape[0])  # the context's state, once per question
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    settings = {"do_sample": False, "pad_token_id": pad, **generate_kwargs}
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                             max_new_tokens=max_new_tokens, **cache_arg(copies), **settings)
+    eos = settings.get("eos_token_id", model.generation_config.eos_token_id)
+    eos = tokenizer.eos_token_id if eos is None else eos
+    return [trim(row, eos) for row in out[:, ids.shape[1]:].tolist()]
+
+
+def question_batch(tokenizer, cache, context, questions) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` ``[Q, n + longest]``: the context, padding, each question."""
+    context = torch.as_tensor(context, dtype=torch.long).reshape(-1)
+    if cache.rows != 1 or cache.get_seq_length() != context.numel():
+        raise H2OError(f"ask needs a cache of one row that has read the context's {context.numel()} tokens; "
+                       f"it holds {cache.rows} row(s) of {cache.get_seq_length()} tokens (read_context first)")
+    if isinstance(questions, str) or not questions:
+        raise H2OError("ask takes a non-empty list of questions")
+    parts = [encode_text(tokenizer, q) if isinstance(q, str) else [int(t) for t in q] for q in questions]
+    if not all(parts):
+        raise H2OError("every question needs at least one token")
+    longest = max(len(p) for p in parts)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = [context.tolist() + [pad] * (longest - len(p)) + p for p in parts]
+    mask = [[1] * context.numel() + [0] * (longest - len(p)) + [1] * len(p) for p in parts]
+    return torch.tensor(ids), torch.tensor(mask)
+
+
+def trim(row: list[int], eos) -> list[int]:
+    """A generated row up to and including its end-of-sequence token (the rest is padding)."""
+    ends = eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+    for i, token in enumerate(row):
+        if token in ends:
+            return row[:i + 1]
+    return row
