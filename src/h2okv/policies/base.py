@@ -17,10 +17,14 @@ layer:
   written (Knorm); else it starts at zero;
 - ``shared_heads``: whether the rank is averaged over the KV heads of a layer, so every head keeps
   the same tokens (option ``heads=shared`` of the score policies, as kvpress's TOVA).
+
+A policy's options are declared once, as ``Option``s in ``declared`` (name, type, default, check):
+``make_policy`` parses them, ``__init__`` checks and sets them, ``spec`` writes them back.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +44,19 @@ class Budget:
         return self.heavy + self.recent
 
 
+@dataclass(frozen=True)
+class Option:
+    """One option of a policy, declared once: ``make_policy`` parses it (``snapkv:window=16``), the
+    policy checks and sets it, and ``spec`` writes it back."""
+
+    name: str
+    type: type
+    default: object
+    check: Callable[[object], bool] = lambda value: True
+    rule: str = ""  # what a value must be, for the one-line error
+    attribute: str | None = None  # the attribute it sets (default: its name)
+
+
 class Policy:
     name: str = ""
     #: whether the attention must produce per-slot probability mass (score-based policies); the
@@ -55,7 +72,11 @@ class Policy:
     #: whether ``eviction_key`` depends only on its arguments (not on how many calls came before
     #: or the buffer's shape), so the per-token scan (``core/scan.py``) may rank keys in its own layout
     scan_safe: bool = True
-    #: the options ``make_policy`` accepts for this policy (name -> type)
+    #: the policy's own options, in order (the first may be given without its name)
+    declared: tuple[Option, ...] = ()
+    #: whether it takes ``heads=own|shared`` (the ranking policies; see ``heads_option``)
+    ranks_heads: bool = False
+    #: the options ``make_policy`` accepts (name -> type): ``declared``, then ``heads`` (derived)
     options: dict[str, type] = {}
     #: rank by the mean over the layer's KV heads (one kept set per layer); see ``heads_option``
     shared_heads: bool = False
@@ -77,9 +98,10 @@ class Policy:
     rank: str | None = None
 
     def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.options = {o.name: o.type for o in cls.declared} | ({"heads": str} if cls.ranks_heads else {})
         # A subclass that overrides a hook of the rule without declaring the rule anew computes
         # something the kernels do not know: it runs the tensor-op step.
-        super().__init_subclass__(**kwargs)
         own = vars(cls)
         if "accumulate" in own and "fold" not in own:
             cls.fold = None
@@ -97,6 +119,11 @@ class Policy:
             raise H2OError(f"policy {self.name!r} has no option {', '.join(sorted(unknown))}")
         if "heads" in options:
             self.shared_heads = heads_option(self.name, options["heads"])
+        for option in self.declared:
+            value = option.type(options.get(option.name, option.default))
+            if not option.check(value):
+                raise H2OError(f"{self.name} {option.name} must be {option.rule}, got {value}")
+            setattr(self, option.attribute or option.name, value)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec})"
@@ -109,7 +136,7 @@ class Policy:
 
     def spec_options(self) -> list[str]:
         """The policy's own options as ``NAME=VALUE`` strings (``heads`` is added by ``spec``)."""
-        return []
+        return [f"{o.name}={getattr(self, o.attribute or o.name)}" for o in self.declared]
 
     def split(self, heavy: int, recent: int) -> Budget:
         """How a (heavy, recent) budget is used by this policy; the total is always kept."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from h2okv.errors import H2OError
+from h2okv.policies.base import Option
 from h2okv.policies.h2o import H2OPolicy
 
 DEFAULT_FUTURE = 512
@@ -37,20 +38,15 @@ DEFAULT_SINKS = 4
 class ExpectedAttentionPolicy(H2OPolicy):
     name = "expected"
     ranks_upfront = True
-    options = {"future": int, "sinks": int, "heads": str}
+    declared = (
+        Option("future", int, DEFAULT_FUTURE, lambda v: v >= 1, ">= 1"),
+        Option("sinks", int, DEFAULT_SINKS, lambda v: v >= 0, ">= 0", attribute="sink_tokens"),
+    )
 
-    def __init__(self, seed: int = 0, future: int = DEFAULT_FUTURE, sinks: int = DEFAULT_SINKS, **options):
+    def __init__(self, seed: int = 0, **options):
         super().__init__(seed, **options)
-        if int(future) < 1:
-            raise H2OError(f"expected: future must be >= 1, got {future}")
-        if int(sinks) < 0:
-            raise H2OError(f"expected: sinks must be >= 0, got {sinks}")
-        self.future, self.sink_tokens = int(future), int(sinks)
         self.rope = None  # the model's RoPE, set by ``bind``
         self._mean_turn = None  # (rope, cos, sin): RoPE's rotation averaged over the future
-
-    def spec_options(self) -> list[str]:
-        return [f"future={self.future}", f"sinks={self.sink_tokens}"]
 
     def bind(self, model) -> None:
         from h2okv.core.rope import RopeRotation, rotary_module

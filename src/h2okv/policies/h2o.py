@@ -6,7 +6,7 @@ from h2okv.policies.base import Policy
 class H2OPolicy(Policy):
     name = "h2o"
     needs_scores = True
-    options = {"heads": str}
+    ranks_heads = True
     rank = "score"
 
     def eviction_key(self, score, ordinal, n_real, layer_idx=0):

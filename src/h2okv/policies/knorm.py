@@ -19,7 +19,7 @@ NORM_MAX = 60000.0  # below float16's largest finite value
 
 class KnormPolicy(Policy):
     name = "knorm"
-    options = {"heads": str}
+    ranks_heads = True
     scores_keys = True
     rank = "score"
 

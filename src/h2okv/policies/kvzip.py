@@ -23,4 +23,4 @@ class KVzipPolicy(H2OPolicy):
     name = "kvzip"
     ranks_by_reconstruction = True
     sink_tokens = SINKS
-    options = {"heads": str}
+    ranks_heads = True

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from h2okv.errors import H2OError
+from h2okv.policies.base import Option
 from h2okv.policies.h2o import H2OPolicy
 
 DEFAULT_WINDOW = 32
@@ -31,18 +31,10 @@ DEFAULT_KERNEL = 7
 class SnapKVPolicy(H2OPolicy):
     name = "snapkv"
     ranks_upfront = True
-    options = {"window": int, "kernel": int, "heads": str}
-
-    def __init__(self, seed: int = 0, window: int = DEFAULT_WINDOW, kernel: int = DEFAULT_KERNEL, **options):
-        super().__init__(seed, **options)
-        if int(window) < 1:
-            raise H2OError(f"snapkv window must be >= 1, got {window}")
-        if int(kernel) < 1 or int(kernel) % 2 == 0:
-            raise H2OError(f"snapkv kernel must be an odd number >= 1, got {kernel}")
-        self.window, self.kernel = int(window), int(kernel)
-
-    def spec_options(self) -> list[str]:
-        return [f"window={self.window}", f"kernel={self.kernel}"]
+    declared = (
+        Option("window", int, DEFAULT_WINDOW, lambda v: v >= 1, ">= 1"),
+        Option("kernel", int, DEFAULT_KERNEL, lambda v: v >= 1 and v % 2 == 1, "an odd number >= 1"),
+    )
 
     def prefill_scores(self, query, key_new, old_keys, old_valid, new_real, scaling, value_new=None, old_values=None):
         """``(old [B, Hkv, cap], new [B, Hkv, n])``: the window's attention mass per slot / new token.

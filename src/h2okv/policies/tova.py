@@ -12,7 +12,7 @@ from h2okv.policies.base import Policy
 class TOVAPolicy(Policy):
     name = "tova"
     needs_scores = True
-    options = {"heads": str}
+    ranks_heads = True
     score_queries = "last"
     fold = "replace"
     rank = "score"
