@@ -202,7 +202,9 @@ def compile_options(backend: str | None) -> dict:
         return {}
     from transformers import CompileConfig
 
-    name, _, mode = backend.partition(":")  # "inductor:reduce-overhead": CUDA graphs on a GPU
+    name, mode = backend, None
+    if isinstance(backend, str):  # "inductor:reduce-overhead": CUDA graphs on a GPU
+        name, _, mode = backend.partition(":")
     config = CompileConfig(fullgraph=False, dynamic=False, backend=name, mode=mode or None)
     config._compile_all_devices = True  # transformers compiles on CUDA only unless told
     return {"compile_config": config}

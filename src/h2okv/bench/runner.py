@@ -148,7 +148,9 @@ class Bench:
         if config.compile:
             # one compiled model for every grid point: each (batch, context, cache) is its own graph
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            backend, _, mode = config.compile.partition(":")  # "inductor:reduce-overhead": CUDA graphs
+            backend, mode = config.compile, None
+            if isinstance(backend, str):  # "inductor:reduce-overhead": CUDA graphs
+                backend, _, mode = backend.partition(":")
             self.compiled = torch.compile(model, dynamic=False, backend=backend, mode=mode or None)
 
     # -- caches ----------------------------------------------------------------------------------
