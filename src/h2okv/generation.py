@@ -147,6 +147,7 @@ def generate(
     head_budgets: str | None = None,
     head_floor: float | None = None,
     compile: str | None = None,
+    protect_prompt: bool = False,
     **parts,
 ) -> Generation:
     """Generation under ``policy``, greedy unless ``temperature`` > 0 (then sampled with ``top_p``,
@@ -162,7 +163,8 @@ def generate(
     floor = {} if budget_floor is None else {"budget_floor": budget_floor}
     cache = H2OCache(model, policy=policy, recipe=recipe, budget=budget, recent_share=recent_share, prefill=prefill,
                      chunk_size=chunk_size, positions=positions, head_budgets=head_budgets, head_floor=head_floor,
-                     compileable=compile is not None, **floor, **budget_kwargs(**parts))
+                     compileable=compile is not None, protect_prompt=protect_prompt, **floor,
+                     **budget_kwargs(**parts))
     inputs = encode_prompt(tokenizer, prompt, chat=chat, device=model.device)
     if cache.policy.ranks_by_reconstruction:
         if inputs["input_ids"].shape[1] < 2:

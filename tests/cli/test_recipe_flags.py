@@ -94,6 +94,18 @@ def test_reasoning_rows_name_the_recipe():
     assert config_label("full", 0.5, "stream") == "full"
 
 
+def test_reasoning_rows_name_a_protected_prompt(tmp_path, capsys):
+    from h2okv.eval.reasoning import Setup, config_label
+
+    setup = Setup(model="m", task="gsm8k", style="chat", max_new_tokens=8, batch_size=2, protect_prompt=True)
+    assert setup.cache_options("h2o") == {"protect_prompt": True}
+    assert setup.cache_options("full") == {}  # keeps everything anyway
+    assert config_label("h2o", 0.5, None, True) == "h2o protect-prompt"
+    assert config_label("tova", 0.25, None, True) == "tova recent=0.25 protect-prompt"
+    assert config_label("full", 0.5, None, True) == "full"
+    assert cli.main(["eval", "reasoning", "--protect-prompt", "--policies", "kvzip"]) == 2  # refused before loading
+
+
 def test_longctx_recipes_and_options_reach_only_their_runs():
     from h2okv.eval.longctx.runner import Config, GridSpec
 

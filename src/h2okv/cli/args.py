@@ -219,7 +219,7 @@ def cache_keywords(args) -> dict:
     given = {"policy": args.policy, "recipe": args.recipe, "budget": args.budget, "recent_share": args.recent_share,
              "budget_floor": args.budget_floor, "prefill": getattr(args, "prefill", None),
              "head_budgets": getattr(args, "head_budgets", None), "head_floor": getattr(args, "head_floor", None),
-             **budget_from_args(args)}
+             "protect_prompt": getattr(args, "protect_prompt", False) or None, **budget_from_args(args)}
     return {key: value for key, value in given.items() if value is not None}
 
 

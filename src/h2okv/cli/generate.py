@@ -38,6 +38,8 @@ def register(sub) -> None:
     p.add_argument("--repetition-penalty", type=positive_float, default=1.0,
                    help="divide the logits of tokens already in the text by this (1: off); long greedy or "
                         "low-temperature texts from small models loop without it")
+    p.add_argument("--protect-prompt", action="store_true",
+                   help="keep the prompt whole: the budget applies to the generated tokens (the KV reported counts both)")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND[:MODE]",
                    help="compile the decode steps at the budget with torch.compile (default backend inductor; inductor:reduce-overhead for CUDA graphs; "
                         "the first steps compile for minutes on a CPU)")

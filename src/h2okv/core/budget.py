@@ -175,10 +175,13 @@ class RowBudgets:
     ``heavy`` and ``recent`` are ``[B]`` CPU tensors (None before the first call). It holds no
     reference to the cache or its layers, so the layers that share it form no cycle with it."""
 
-    def __init__(self, policy: Policy, spec: BudgetSpec):
+    def __init__(self, policy: Policy, spec: BudgetSpec, protect_prompt: bool = False):
         self.policy, self.spec = policy, spec
+        # the first call's tokens (the prompt) kept whole, the budget on top for what follows
+        self.protect_prompt = protect_prompt
         self.heavy: torch.Tensor | None = None
         self.recent: torch.Tensor | None = None
+        self.sinks: torch.Tensor | None = None  # protected first tokens per row
 
     @property
     def rows(self) -> int:
@@ -192,24 +195,33 @@ class RowBudgets:
         """The policy's use of a ``(heavy, recent)`` pair (a policy that keeps everything: none)."""
         return self.policy.split(*heavy_recent) if self.policy.evicts else Budget(0, 0)
 
-    def fix(self, pairs: list[tuple[int, int]]) -> None:
-        """Set the rows' budgets from absolute ``(heavy, recent)`` pairs, split by the policy."""
+    def fix(self, pairs: list[tuple[int, int]], prompts: list[int] | None = None) -> None:
+        """Set the rows' budgets from absolute ``(heavy, recent)`` pairs, split by the policy. With
+        ``prompts`` (each row's prompt length), each prompt is kept whole on top of its budget: its
+        tokens are protected like sinks and added to the heavy part, so the rule never evicts one
+        and a row at its budget still always has a candidate (``sinks <= heavy``)."""
         budgets = [self.split(pair) for pair in pairs]
         self.heavy = torch.tensor([b.heavy for b in budgets], dtype=torch.long)
         self.recent = torch.tensor([b.recent for b in budgets], dtype=torch.long)
+        # sinks never exceed the heavy part, so a row at its budget always has a candidate
+        self.sinks = self.heavy.clamp(max=self.policy.sink_tokens)
+        if prompts is not None and self.policy.evicts:
+            prompt = torch.tensor(prompts, dtype=torch.long)
+            self.heavy = self.heavy + prompt
+            self.sinks = torch.maximum(self.sinks, prompt)
 
     def for_call(self, nonpad: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(heavy, recent, sinks)`` per row on ``device``; the first call (``nonpad`` ``[B, n]``: its
         real tokens) fixes them from the spec and the prompt's lengths."""
         if self.heavy is None:
-            self.fix([self.spec.resolve(n) for n in nonpad.sum(-1).tolist()])
+            lengths = nonpad.sum(-1).tolist()
+            self.fix([self.spec.resolve(n) for n in lengths], lengths if self.protect_prompt else None)
             self._warn_if_degenerate()
-        # sinks never exceed the heavy part, so a row at its budget always has a candidate
-        sinks = self.heavy.clamp(max=self.policy.sink_tokens)
-        return self.heavy.to(device), self.recent.to(device), sinks.to(device)
+        return self.heavy.to(device), self.recent.to(device), self.sinks.to(device)
 
     def _warn_if_degenerate(self) -> None:
-        smallest = int((self.heavy + self.recent).min()) if self.rows else 0
+        smallest = int((self.heavy - self.sinks + self.recent).min()) if self.rows and self.protect_prompt \
+            else int((self.heavy + self.recent).min()) if self.rows else 0
         if self.policy.evicts and 0 < smallest < DEGENERATE_SLOTS:
             warnings.warn(f"h2okv: a budget of {smallest} slots per layer and KV head rarely keeps an answer; "
                           f"give budget= a larger fraction or at least {DEGENERATE_SLOTS} slots "
@@ -217,15 +229,17 @@ class RowBudgets:
 
     def select(self, index: torch.Tensor) -> RowBudgets:
         """A new ``RowBudgets`` holding rows ``index`` (repeats allowed)."""
-        twin = RowBudgets(self.policy, self.spec)
+        twin = RowBudgets(self.policy, self.spec, self.protect_prompt)
         if self.heavy is not None:
             index = index.cpu()
-            twin.heavy, twin.recent = self.heavy.index_select(0, index), self.recent.index_select(0, index)
+            twin.heavy, twin.recent, twin.sinks = (t.index_select(0, index) for t in (self.heavy, self.recent, self.sinks))
         return twin
 
-    def extend(self, heavy: torch.Tensor, recent: torch.Tensor) -> None:
-        """Append rows with these budgets (already split)."""
-        self.heavy, self.recent = torch.cat([self.heavy, heavy]), torch.cat([self.recent, recent])
+    def extend(self, other: RowBudgets) -> None:
+        """Append ``other``'s rows (their budgets fixed)."""
+        self.heavy, self.recent, self.sinks = (torch.cat([mine, theirs]) for mine, theirs in
+                                               ((self.heavy, other.heavy), (self.recent, other.recent),
+                                                (self.sinks, other.sinks)))
 
     def totals(self) -> list[int] | None:
         """Slots per (layer, head) of each row, or None (keeps every token, or no call yet)."""

@@ -28,7 +28,8 @@ PREFILL_MODES = ("chunked", "late")
 
 
 def check_settings(policy=None, *, recipe=None, budget=None, recent_share=None, budget_floor=DEFAULT_BUDGET_FLOOR,
-                   seed=0, prefill=None, positions=None, head_budgets=None, head_floor=None, **parts):
+                   seed=0, prefill=None, positions=None, head_budgets=None, head_floor=None, protect_prompt=False,
+                   **parts):
     """``H2OCache``'s keywords checked and completed without a model: ``(settings, policy,
     budget spec)``, where ``settings`` holds every keyword a recipe or the defaults filled in, and
     ``settings["recent_share"]`` the share a one-argument budget was split by (None for a budget
@@ -41,6 +42,10 @@ def check_settings(policy=None, *, recipe=None, budget=None, recent_share=None, 
                 **expand(recipe, policy=policy, prefill=prefill, positions=positions, head_budgets=head_budgets,
                          head_floor=head_floor, recent_share=recent_share)}
     chosen = make_policy(settings["policy"], seed=seed)
+    if protect_prompt and (chosen.ranks_by_reconstruction or settings["head_budgets"] != "uniform"):
+        raise H2OError(f"protect_prompt keeps the prompt whole and ranks what follows: it takes a policy that "
+                       f"ranks by attention and uniform head budgets, not {chosen.spec!r} with "
+                       f"head_budgets={settings['head_budgets']}")
     if settings["prefill"] not in PREFILL_MODES:
         raise H2OError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {settings['prefill']!r}")
     parts = {name: parts.get(name) for name in ("heavy", "recent", "heavy_ratio", "recent_ratio")}
@@ -101,6 +106,10 @@ class H2OCache(Cache):
     whole: ``prefill="late"``, or a policy that ranks the call before it is chunked (``snapkv``,
     ``knorm``, ``expected``). The layer's capacity is then its largest head budget, and ``stats()`` reports it.
 
+    ``protect_prompt=True`` keeps each row's prompt (its first forward call) whole and applies the
+    budget to what follows (generated tokens), as TriAttention does: ``budget()`` and the KV bytes
+    count the prompt too.
+
     ``compileable=True`` lets ``torch.compile(model, fullgraph=True, dynamic=False)`` (or
     ``generate`` with a ``CompileConfig``; on CUDA by itself) run the decode steps at the budget as
     one graph with no recompilation: at the budget every shape is static. Those steps then run in
@@ -131,11 +140,13 @@ class H2OCache(Cache):
         recent_share: float | None = None,
         budget_floor: int = DEFAULT_BUDGET_FLOOR,
         compileable: bool = False,
+        protect_prompt: bool = False,
     ):
         self.recipe = recipe
         settings, self.policy, self.spec = check_settings(
             policy, recipe=recipe, budget=budget, recent_share=recent_share, budget_floor=budget_floor, seed=seed,
             prefill=prefill, positions=positions, head_budgets=head_budgets, head_floor=head_floor,
+            protect_prompt=protect_prompt,
             heavy=heavy, recent=recent, heavy_ratio=heavy_ratio, recent_ratio=recent_ratio)
         self.policy.bind(model)
         self.prefill = settings["prefill"]
@@ -151,7 +162,7 @@ class H2OCache(Cache):
         # what every layer is built with; the row budgets are the one state they share
         self.layer_config = LayerConfig(self.policy, self.prefill, self.chunk_size, self.head_budgets, self.head_floor,
                                         compileable=bool(compileable))
-        self.row_budgets = RowBudgets(self.policy, self.spec)
+        self.row_budgets = RowBudgets(self.policy, self.spec, bool(protect_prompt))
         super().__init__(layers=[SlotLayer(i, self.layer_config, self.row_budgets) for i in range(num_layers)])
         scheme = check_positions(self.policy, settings["positions"])
         if compileable and scheme is not None:
@@ -226,7 +237,7 @@ class H2OCache(Cache):
             raise H2OError("cannot join a cache with rolling positions to one with true positions")
         if self.rolling is not None:
             self.rolling.append_rows(other.rolling)
-        self.row_budgets.extend(other.row_budgets.heavy, other.row_budgets.recent)
+        self.row_budgets.extend(other.row_budgets)
         for mine, theirs in zip(self.layers, other.layers, strict=True):
             mine.append_rows(theirs)  # ends in the layer's refresh
             mine.tokens_seen = max(mine.tokens_seen, theirs.tokens_seen)
@@ -251,6 +262,8 @@ class H2OCache(Cache):
         call must then have ``len(budgets)`` rows). The server uses it to start prompts with
         different budgets in one forward, and to let new prompts join a batch part-way through
         others."""
+        if self.row_budgets.protect_prompt:
+            raise H2OError("protect_prompt takes each row's budget from its prompt: add_rows gives absolute budgets")
         pairs = [BudgetSpec.build(self.policy, h, r, None, None).resolve(0) for h, r in budgets]
         running = [layer for layer in self.layers if layer.is_initialized]
         if not self.row_budgets.fixed:
@@ -262,12 +275,11 @@ class H2OCache(Cache):
             raise H2OError("add_rows needs every layer to have run")
         new = RowBudgets(self.policy, self.spec)
         new.fix(pairs)
-        self.row_budgets.extend(new.heavy, new.recent)
+        self.row_budgets.extend(new)
         if self.rolling is not None:
             self.rolling.add_rows(len(pairs))
-        sinks = new.heavy.clamp(max=self.policy.sink_tokens)
         for layer in self.layers:
-            layer.add_empty_rows(new.heavy, new.recent, sinks)
+            layer.add_empty_rows(new.heavy, new.recent, new.sinks)
 
     def trim(self) -> None:
         """Give back every layer's free slots after its last live one (nothing moves, so each row
@@ -331,6 +343,7 @@ class H2OCache(Cache):
             "prefill": self.prefill,
             "recent_share": self.recent_share,
             "positions": "true" if self.rolling is None else "rolling",
+            "protect_prompt": self.row_budgets.protect_prompt,
             "head_budgets": self.head_budgets,
             # per layer, the fewest and most slots one KV head may hold (equal unless adaptive)
             "head_budget_range": [self._head_range(layer) for layer in layers],

@@ -52,28 +52,34 @@ class Setup:
     recent_share: float = DEFAULT_RECENT_SHARE  # of each budget; the rest is the policy's ranking
     #: the recipe whose policy this piece runs with the recipe's settings (``h2okv.recipes``)
     recipe: str | None = None
+    #: every evicting policy keeps the prompt whole, its budget on the answer (``H2OCache(protect_prompt=True)``)
+    protect_prompt: bool = False
 
     def cache_options(self, policy: str) -> dict:
-        """The recipe's further cache keywords (prefill, positions...) for the recipe's own policy."""
+        """The recipe's further cache keywords (prefill, positions...) for the recipe's own policy,
+        and ``protect_prompt`` for an evicting one."""
+        protect = {"protect_prompt": True} if self.protect_prompt and policy_class(policy).evicts else {}
         if self.recipe is None:
-            return {}
+            return protect
         settings = dict(get_recipe(self.recipe).settings)
         if settings.pop("policy") != policy:
-            return {}
+            return protect
         settings.pop("recent_share", None)  # the piece's own recent_share, set from the recipe
-        return settings
+        return {**settings, **protect}
 
 
-def config_label(policy: str, recent_share: float, recipe: str | None = None) -> str:
+def config_label(policy: str, recent_share: float, recipe: str | None = None, protect_prompt: bool = False) -> str:
     """A row's ``policy``: the policy, with its recipe or its recent share where that is not the
-    default half (a piece of another share is then another line of the report, not the same one)."""
+    default half (a piece of another share is then another line of the report, not the same one),
+    and ``protect-prompt`` when the prompt is kept whole."""
     if not policy_class(policy).evicts:
         return policy
+    suffix = " protect-prompt" if protect_prompt else ""
     if recipe is not None and get_recipe(recipe).settings["policy"] == policy:
-        return f"{policy} recipe={recipe}"
+        return f"{policy} recipe={recipe}{suffix}"
     if recent_share == DEFAULT_RECENT_SHARE:
-        return policy
-    return f"{policy} recent={recent_share:g}"
+        return f"{policy}{suffix}"
+    return f"{policy} recent={recent_share:g}{suffix}"
 
 
 def split_label(label: str) -> tuple[str, str]:
@@ -127,7 +133,7 @@ def run_batch(model, tokenizer, setup: Setup, problems: list[Problem], policy: s
     fraction, slots = (budget, None) if isinstance(budget, float) else (None, budget)
     cache = new_cache(model, policy, fraction, seed=setup.seed, slots=slots, recent_share=setup.recent_share,
                       **setup.cache_options(policy))
-    label = config_label(policy, setup.recent_share, setup.recipe)
+    label = config_label(policy, setup.recent_share, setup.recipe, setup.protect_prompt)
     start, cpu_start = time.perf_counter(), time.process_time()
     results = greedy_rows(model, prompts, cache, setup.max_new_tokens, eos_ids, stop=stop, decode=tokenizer.decode,
                           pad_id=tokenizer.pad_token_id or 0)
@@ -174,7 +180,7 @@ def reasoning_grid(model, tokenizer, setup: Setup, problems: list[Problem], poli
     eos = model_eos_ids(model, tokenizer)
     work = []
     for policy, budget in runs_of(policies, budgets):
-        label = config_label(policy, setup.recent_share, setup.recipe)
+        label = config_label(policy, setup.recent_share, setup.recipe, setup.protect_prompt)
         todo = [p for p in problems if (label, budget, p.id) not in done]
         work += [(policy, budget, todo[i: i + setup.batch_size]) for i in range(0, len(todo), setup.batch_size)]
     with tqdm(total=sum(len(w[2]) for w in work), desc=f"{setup.task} {setup.style}", unit="problem",

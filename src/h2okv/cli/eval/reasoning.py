@@ -37,6 +37,9 @@ def register(kinds) -> None:
                         "the rest heavy hitters), "
                         f"numbers with a point are fractions of the prompt (default: {DEFAULT_BUDGETS})")
     add_budget_shape_args(p, prefill=False)  # --recent-share: a piece's rows name a share other than 0.5
+    p.add_argument("--protect-prompt", action="store_true",
+                   help="keep each prompt whole: the budget applies to the answer (rows say protect-prompt; "
+                        "the KV reported counts the prompt too)")
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="(default: 512)")
     p.add_argument("--batch-size", type=positive_int, default=50,
                    help="problems per batch, left-padded; each row evicts and stops on its own, so the answers "
@@ -102,7 +105,7 @@ def run(args) -> int:
     setup = Setup(model=args.model or model.name_or_path, task=args.task, style=args.prompt,
                   max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                   recent_share=args.recent_share,
-                  recipe=recipe.name if recipe else None)
+                  recipe=recipe.name if recipe else None, protect_prompt=args.protect_prompt)
     if args.export_prompts:
         return export(args, model, tokenizer, setup, problems, budgets)
     save = (lambda piece: write_json(piece, args.json)) if args.json else None
