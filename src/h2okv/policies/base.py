@@ -55,6 +55,7 @@ class Option:
     check: Callable[[object], bool] = lambda value: True
     rule: str = ""  # what a value must be, for the one-line error
     attribute: str | None = None  # the attribute it sets (default: its name)
+    shown: bool = True  # written into ``spec`` always (False: only when it is not the default)
 
 
 class Policy:
@@ -136,7 +137,8 @@ class Policy:
 
     def spec_options(self) -> list[str]:
         """The policy's own options as ``NAME=VALUE`` strings (``heads`` is added by ``spec``)."""
-        return [f"{o.name}={getattr(self, o.attribute or o.name)}" for o in self.declared]
+        values = [(o, getattr(self, o.attribute or o.name)) for o in self.declared]
+        return [f"{o.name}={value}" for o, value in values if o.shown or value != o.default]
 
     def split(self, heavy: int, recent: int) -> Budget:
         """How a (heavy, recent) budget is used by this policy; the total is always kept."""

@@ -8,6 +8,8 @@ softmax per layer, never ``prompt x prompt``), smoothed over neighbouring positi
 average pool of ``kernel`` tokens as SnapKV does (a needle is several tokens). These scores are
 fixed before the first chunk runs, so evicting the lowest chunk by chunk keeps the same set as
 ranking once at the end. After the prompt, decode steps add their attention mass as in ``h2o``.
+``pool=max`` smooths by the largest neighbour instead of the mean: a token next to a chosen one
+ranks with it, so a value of many tokens (a UUID) is kept whole rather than in pieces.
 
 A forward call of a single token is a decode step. ``chunk_size=1`` (token-by-token scoring,
 ``eval ppl``) means "read as if decoded", so there is no prompt boundary and ``snapkv`` is ``h2o``
@@ -34,6 +36,9 @@ class SnapKVPolicy(H2OPolicy):
     declared = (
         Option("window", int, DEFAULT_WINDOW, lambda v: v >= 1, ">= 1"),
         Option("kernel", int, DEFAULT_KERNEL, lambda v: v >= 1 and v % 2 == 1, "an odd number >= 1"),
+        # max: a token takes its best neighbour's mass, so a chosen token keeps the whole span
+        # around it (a value of many tokens, a UUID); avg (SnapKV's): smoothed
+        Option("pool", str, "avg", lambda v: v in ("avg", "max"), "avg or max", attribute="pooling", shown=False),
     )
 
     def prefill_scores(self, query, key_new, old_keys, old_valid, new_real, scaling, value_new=None, old_values=None):
@@ -75,6 +80,9 @@ class SnapKVPolicy(H2OPolicy):
                 continue
             rows = (new_real == length).nonzero().flatten()
             part = new[rows, :, :length].reshape(-1, 1, length)
-            pooled[rows, :, :length] = F.avg_pool1d(part, self.kernel, stride=1, padding=self.kernel // 2,
-                                                    count_include_pad=False).view(len(rows), hkv, length)
+            if self.pooling == "max":
+                smoothed = F.max_pool1d(part, self.kernel, stride=1, padding=self.kernel // 2)
+            else:
+                smoothed = F.avg_pool1d(part, self.kernel, stride=1, padding=self.kernel // 2, count_include_pad=False)
+            pooled[rows, :, :length] = smoothed.view(len(rows), hkv, length)
         return pooled
