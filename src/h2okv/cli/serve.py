@@ -48,6 +48,10 @@ def register(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model or smollm2)")
     p.add_argument("--kv-memory", type=memory_limit, default=None,
                    help="KV-cache bytes for all running requests, e.g. 512M or 2G (binary units; default: no limit)")
+    p.add_argument("--prefix-cache-memory", type=parse_bytes, default=0, metavar="SIZE",
+                   help="bytes for finished requests' compressed caches, resumed by a later prompt that starts "
+                        "with the same tokens (a conversation's next turn): it then reads only the rest; least "
+                        "recently used first out; apart from --kv-memory (default: 0, off)")
     p.add_argument("--max-queue", type=int, default=256, help="requests that may wait; more get HTTP 429")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--api-key", default=None,
@@ -199,7 +203,7 @@ def _create_app(args, model, tokenizer, executor):
                       request_timeout=args.request_timeout, max_prompt_tokens=args.max_prompt_tokens,
                       schedule=args.schedule, step_tokens=args.step_tokens, executor=executor,
                       max_n=args.max_n, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
-                      positions=args.positions)
+                      positions=args.positions, prefix_memory=args.prefix_cache_memory)
 
 
 def run_bench(args) -> int:

@@ -47,6 +47,7 @@ from h2okv.serve.errors import ErrorKind, ServeError
 from h2okv.serve.executor import Executor
 from h2okv.serve.memory import Reservation, prefill_chunks, reservation
 from h2okv.serve.outputs import Output, eos_ids
+from h2okv.serve.prefix import Entry, PrefixIndex
 from h2okv.serve.scheduler import SCHEDULES, Scheduler, SchedulerState, SeqState
 from h2okv.serve.types import EngineStats, Event, GenerationRequest, Handle, Observer
 
@@ -64,8 +65,10 @@ class Sequence:
         self.handle = handle
         self.reservation = reservation
         self.output = output
+        self.chunk = chunk
         self.chunks = prefill_chunks(len(request.prompt_ids), chunk)
         self.next_chunk = 0
+        self.resume: int | None = None  # the prefix store's entry its prefill starts from
         self.restarts = 0  # times its prefill started over after a shared forward failed
         self.uid = uid  # the executor's name for this sequence
         self.done = False
@@ -98,7 +101,7 @@ class Engine:
     def __init__(self, model, tokenizer, *, kv_memory: int | None = None, max_batch: int = 32,
                  max_queue: int = 256, prefill_chunk: int = 128, schedule: str = "budget",
                  step_tokens: int = 512, observer: Observer | None = None, executor=None,
-                 prefill: str = "chunked", positions: str = "true"):
+                 prefill: str = "chunked", positions: str = "true", prefix_memory: int = 0):
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or step_tokens < 1:
             raise ValueError("max_batch, prefill_chunk and step_tokens must be >= 1, max_queue >= 0")
         if schedule not in SCHEDULES:
@@ -135,6 +138,8 @@ class Engine:
         self._draining = False
         self._busy = False
         self.stats = EngineStats()
+        # the prefix store: finished requests' states, resumed by prompts that start with their tokens
+        self.prefixes = PrefixIndex(prefix_memory) if prefix_memory else None
         self.queue_times: deque[float] = deque(maxlen=10_000)  # seconds waited by the latest admissions
 
     # -- client side (any thread) ----------------------------------------------------------------
@@ -281,6 +286,8 @@ class Engine:
                         self._fail(seq, "internal error in the engine")
                     self._prefilling, self._batches = [], {}
                     self.executor.reset()
+                    if self.prefixes is not None:
+                        self.prefixes.clear()  # the executor's saved states went with the reset
                 self._publish()
                 self._busy = False
             self._shutdown()
@@ -373,7 +380,9 @@ class Engine:
             for seq in seqs:
                 req = seq.request
                 if seq.next_chunk == 0:
-                    self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0, seq.probe)
+                    self._look_up(seq)
+                    self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0, seq.probe,
+                                       **({"resume": seq.resume} if seq.resume is not None else {}))
                 start, stop = seq.chunks[seq.next_chunk]
                 parts.append((seq.uid, req.prompt_ids[start:stop], start))
             logits = self.executor.prefill(parts)
@@ -417,7 +426,8 @@ class Engine:
     def _replays_alone(self, seq: Sequence) -> bool:
         req = seq.request
         try:
-            self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0, seq.probe)
+            self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0, seq.probe,
+                               **({"resume": seq.resume} if seq.resume is not None else {}))
             for start, stop in seq.chunks[:seq.next_chunk + 1]:
                 self.executor.prefill([(seq.uid, req.prompt_ids[start:stop], start)])
             return True
@@ -473,6 +483,39 @@ class Engine:
         elif event is not None:
             seq.handle.push(event)
 
+    # -- the prefix store ------------------------------------------------------------------------------
+    @staticmethod
+    def _namespace(request: GenerationRequest) -> tuple:
+        """What two requests must share for one to resume the other's state."""
+        return request.cache_key, request.policy, request.heavy, request.recent
+
+    def _look_up(self, seq: Sequence) -> None:
+        """At a prompt's first prefill: resume the longest saved state its prompt starts with, if
+        any, and read only the rest (in chunks, on its own copy)."""
+        if self.prefixes is None:
+            return
+        prompt = seq.request.prompt_ids
+        entry = self.prefixes.match(self._namespace(seq.request), prompt)
+        if entry is None:
+            return
+        done = len(entry.ids)
+        seq.resume, seq.probe = entry.id, None  # its first part was ranked when it was saved
+        seq.chunks = [(done + a, done + b) for a, b in prefill_chunks(len(prompt) - done, seq.chunk)]
+
+    def _save(self, seq: Sequence) -> None:
+        """A completed request's state (its prompt and answer as fed) into the prefix store."""
+        if self.prefixes is None or not seq.generated or not self._decoding(seq):
+            return
+        ids = tuple(seq.request.prompt_ids) + tuple(seq.generated[:-1])
+        entry = self.prefixes.reserve()
+        try:
+            size = self.executor.save(entry, seq.uid)
+        except Exception:  # the store is an optimisation: the request itself has completed
+            log.exception("saving request %d's state failed", seq.uid)
+            return
+        for gone in self.prefixes.add(Entry(entry, self._namespace(seq.request), ids, size)):
+            self.executor.forget(gone)
+
     def _fail(self, seq: Sequence, message: str, kind: ErrorKind = ErrorKind.INTERNAL) -> None:
         self._finish(seq, Event("error", error=ServeError(kind, message)), "failed")
 
@@ -480,6 +523,8 @@ class Engine:
         if seq.done:
             return
         seq.done = True
+        if outcome == "completed":
+            self._save(seq)
         if not self._decoding(seq):  # a decode row is dropped by _compact, with the rest of its batch
             self.executor.close(seq.uid)
         self.stats.finished[outcome] += 1
@@ -501,6 +546,9 @@ class Engine:
             seq.evicted_counted = evicted
         s.full_kv_bytes = sum(seq.tokens_fed for seq in active) * self.slot_bytes
         s.reserved_bytes = self.scheduler.footprint(self._scheduler_state()) * self.slot_bytes if active else 0
+        if self.prefixes is not None:
+            s.prefix_hits, s.prefix_misses = self.prefixes.hits, self.prefixes.misses
+            s.prefix_entries, s.prefix_bytes = len(self.prefixes), self.prefixes.bytes
 
     def _shutdown(self) -> None:
         with self._cond:
@@ -510,4 +558,6 @@ class Engine:
             self._fail(seq, "the server is shutting down", kind=ErrorKind.UNAVAILABLE)
         self._prefilling, self._batches = [], {}
         self.executor.reset()
+        if self.prefixes is not None:
+            self.prefixes.clear()  # a restart starts with an empty store
         self._publish()

@@ -32,6 +32,13 @@ reads the last token on the ranked cache, whose logits the call returns. That is
 longctx``'s order, so the first generated token already sees the ranked cache. The probe's keys
 and values live for one layer's call only: what stays is the prompt, then the budget.
 
+**Saved states** (the prefix store, ``prefix.py``). ``save(entry, uid)`` copies a decoding row's
+state (the tokens it has fed) under an entry id the engine chose; ``open(..., resume=entry)`` starts
+a sequence from a copy of it, and that sequence's prefill then reads the rest of its prompt on its
+own batch-1 cache (never in a shared forward), as a ranked prompt does, before it joins its
+policy's batch; ``forget(entry)`` drops one. A resumed prompt is never ranked by reconstruction
+again: its first part was.
+
 A call that raises leaves the caches as they were before it, except ``prefill`` and ``decode``
 whose failure leaves the sequences involved unusable (a failed prefill drops its policy's whole
 group): the engine then ``close``s them (``keep`` for a decode batch), which always succeeds.
@@ -85,6 +92,7 @@ class SequenceSpec:
     recent: int | None
     seed: int
     probe: tuple[tuple[int, ...], ...] | None = None  # the probe calls of a policy ranked by reconstruction
+    resume: int | None = None  # the saved state it starts from (its prompt's first part is read)
 
 
 class Executor:
@@ -108,6 +116,8 @@ class Executor:
         self._groups: dict[str, PrefillGroup] = {}  # policy -> the prompts being prefilled
         self._batches: dict[str, DecodeBatch] = {}  # policy -> the rows (uids) that decode together
         self._ranked: dict[int, H2OCache] = {}  # prompts ranked by reconstruction, waiting to join
+        self._resumed: dict[int, H2OCache] = {}  # prompts read on top of a saved state, waiting to join
+        self._saved: dict[int, H2OCache] = {}  # entry -> a sequence's saved state (batch-1)
 
     # -- facts about the model (no cache involved) -------------------------------------------------
     def slot_bytes(self) -> int:
@@ -116,11 +126,17 @@ class Executor:
 
     # -- sequences -----------------------------------------------------------------------------
     def open(self, uid: int, policy: str, heavy: int | None, recent: int | None, seed: int,
-             probe: list[list[int]] | None = None) -> None:
+             probe: list[list[int]] | None = None, resume: int | None = None) -> None:
         """Register a sequence; its cache is built by its first ``prefill``. ``probe``: the probe
-        calls (id lists) of a policy that ranks by reconstruction, which needs them."""
+        calls (id lists) of a policy that ranks by reconstruction, which needs them. ``resume``: a
+        saved entry it starts from (its cache is a copy of it; no probe)."""
         if uid in self._specs:
             raise ValueError(f"sequence {uid} is already open")
+        if resume is not None:
+            if resume not in self._saved or probe is not None:
+                raise ValueError(f"sequence {uid}: no saved state {resume} to resume (or a probe with it)")
+            self._specs[uid] = SequenceSpec(policy, heavy, recent, int(seed), None, resume)
+            return
         if policy_class(policy).ranks_by_reconstruction != (probe is not None):
             raise ValueError(f"sequence {uid}: probe calls go with a policy that ranks by reconstruction, "
                              f"and only with one ({policy!r})")
@@ -150,6 +166,12 @@ class Executor:
                 raise ValueError(f"sequences {sorted(missing)} are part-way through their prompts and must take part")
         out = {}
         for policy, mine in by_policy.items():
+            resumed = [part for part in mine if self._specs[part[0]].resume is not None]
+            for uid, ids, start in resumed:  # each on its own copy of the saved state
+                out[uid] = self._prefill_resumed(uid, ids, start)
+            mine = [part for part in mine if self._specs[part[0]].resume is None]
+            if not mine:
+                continue
             if policy_class(policy).ranks_by_reconstruction:
                 for uid, ids, start in mine:  # one at a time, never padded: see the module docstring
                     out[uid] = self._prefill_ranked(uid, ids, start)
@@ -161,9 +183,10 @@ class Executor:
         """The prefilled ``uid`` becomes the last row of its policy's decode batch, which then has
         ``max(capacity, current)`` slots per row."""
         policy = self._specs[uid].policy
-        if uid in self._ranked:
-            self._batches.setdefault(policy, DecodeBatch(policy)).add(uid, self._ranked.pop(uid), capacity)
-            return
+        for own in (self._ranked, self._resumed):
+            if uid in own:
+                self._batches.setdefault(policy, DecodeBatch(policy)).add(uid, own.pop(uid), capacity)
+                return
         group = self._groups.get(policy)
         if group is None or uid not in group.uids or group.cache is None:
             raise ValueError(f"sequence {uid} has not been prefilled")
@@ -204,6 +227,7 @@ class Executor:
             raise ValueError(f"sequence {uid} decodes: drop it with keep()")
         spec = self._specs.pop(uid, None)
         self._ranked.pop(uid, None)
+        self._resumed.pop(uid, None)
         group = None if spec is None else self._groups.get(spec.policy)
         if group is not None and uid in group.uids:
             group.drop(uid)
@@ -216,17 +240,41 @@ class Executor:
         self._groups.clear()
         self._batches.clear()
         self._ranked.clear()
+        self._resumed.clear()
+        self._saved.clear()
+
+    # -- saved states (the prefix store) ---------------------------------------------------------
+    def save(self, entry: int, uid: int) -> int:
+        """Save decoding row ``uid``'s state as ``entry`` (a copy; the row goes on); returns its bytes."""
+        policy = self._specs[uid].policy if uid in self._specs else None
+        batch = self._batches.get(policy)
+        if batch is None or uid not in batch.rows:
+            raise ValueError(f"sequence {uid} does not decode: nothing to save")
+        if entry in self._saved:
+            raise ValueError(f"entry {entry} is already saved")
+        copy = batch.cache.take_rows([batch.rows.index(uid)])
+        copy.trim()  # the batch's spare slots past the row's last live one
+        self._saved[entry] = copy
+        return sum(layer.kv_bytes() for layer in copy.layers)
+
+    def forget(self, entry: int) -> None:
+        """Drop saved state ``entry`` (no-op for an unknown one)."""
+        self._saved.pop(entry, None)
+
+    def saved_bytes(self) -> int:
+        return sum(layer.kv_bytes() for cache in self._saved.values() for layer in cache.layers)
 
     # -- observation (does not change anything) ------------------------------------------------
     def kv_bytes(self) -> int:
         """Bytes of K/V buffers allocated now, prefill caches and decode batches together."""
         total = sum(batch.kv_bytes() for batch in self._batches.values())
-        groups = [g.cache for g in self._groups.values() if g.cache is not None] + list(self._ranked.values())
+        groups = [g.cache for g in self._groups.values() if g.cache is not None] + list(self._ranked.values()) \
+            + list(self._resumed.values())
         return total + sum(layer.kv_bytes() for cache in groups for layer in cache.layers)
 
     def prefilling(self, policy: str) -> list[int]:
         group = self._groups.get(policy)
-        ranked = [uid for uid in self._ranked if self._specs[uid].policy == policy]
+        ranked = [uid for own in (self._ranked, self._resumed) for uid in own if self._specs[uid].policy == policy]
         return ([] if group is None else list(group.uids)) + ranked
 
     def rows(self, policy: str) -> list[int]:
@@ -265,6 +313,21 @@ class Executor:
             self._ranked.pop(uid, None)
             raise
         self._ranked[uid] = cache
+        return out.logits[0, -1]
+
+    def _prefill_resumed(self, uid: int, ids: list[int], start: int) -> torch.Tensor:
+        """The next part of a resumed prompt, on its own copy of the saved state (one forward)."""
+        cache = self._resumed.get(uid)
+        if cache is None:
+            cache = self._saved[self._specs[uid].resume].take_rows([0])
+        try:
+            out = self.model(input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
+                             position_ids=torch.arange(start, start + len(ids), device=self.device)[None],
+                             **cache_arg(cache), use_cache=True, **self._keep_last)
+        except Exception:
+            self._resumed.pop(uid, None)
+            raise
+        self._resumed[uid] = cache
         return out.logits[0, -1]
 
     def _prefill_group(self, policy: str, parts: list[tuple[int, list[int], int]]) -> dict[int, torch.Tensor]:

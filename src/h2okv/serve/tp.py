@@ -52,13 +52,13 @@ CALL, PING, STATS, STOP = "call", "ping", "stats", "stop"
 # executor methods that only read this rank's caches: run on rank 0 alone. Every other method is
 # broadcast (``slot_bytes`` too: it measures with a forward, whose collectives need every rank), so
 # a method added to the executor later is replicated unless it is listed here.
-LOCAL_ONLY = frozenset({"kv_bytes", "rows", "prefilling", "sequences"})
+LOCAL_ONLY = frozenset({"kv_bytes", "rows", "prefilling", "sequences", "saved_bytes"})
 # calls that change caches without running the model: once the group is gone (broken, or stopped
 # while the engine still winds down) rank 0 runs them alone, so that the engine's cleanup (which
 # the executor promises always succeeds) still frees rank 0's caches and ends every request with
 # its final event. Any other call (a forward) then raises ``GroupBroken``: alone, it would wait in
 # a collective for ranks that are gone.
-CACHE_ONLY = frozenset({"open", "join", "keep", "close", "reset"})
+CACHE_ONLY = frozenset({"open", "join", "keep", "close", "reset", "forget"})
 
 
 class GroupBroken(RuntimeError):

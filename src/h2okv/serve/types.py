@@ -27,6 +27,8 @@ class GenerationRequest:
     ignore_eos: bool = False
     top_logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the k likeliest
     timeout: float | None = None  # seconds from submission; then it ends with finish_reason "timeout"
+    # who may reuse this request's saved state (the prefix store): requests of another key never do
+    cache_key: str | None = None
 
     @property
     def budget(self) -> int | None:
@@ -120,6 +122,12 @@ class EngineStats:
     evicted_tokens: int = 0
     draining: bool = False
     finished: dict = field(default_factory=lambda: {"completed": 0, "cancelled": 0, "failed": 0, "timeout": 0})
+    # the prefix store (``prefix.py``): prompts that resumed a saved state, prompts that found none,
+    # the states kept and their bytes
+    prefix_hits: int = 0
+    prefix_misses: int = 0
+    prefix_entries: int = 0
+    prefix_bytes: int = 0
 
 
 class Observer:

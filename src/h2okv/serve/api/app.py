@@ -48,6 +48,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
     positions: str = "true",
+    prefix_memory: int = 0,
 ) -> FastAPI:
     """An app serving ``model``/``tokenizer`` (injectable: tests pass tiny models). The engine thread
     starts and stops with the app's lifespan; ``app.state.engine`` and ``app.state.metrics`` are
@@ -63,7 +64,7 @@ def create_app(
         raise ValueError("request_timeout must be > 0")
     engine = Engine(model, tokenizer, kv_memory=kv_memory, max_batch=max_batch, max_queue=max_queue,
                     prefill_chunk=prefill_chunk, schedule=schedule, step_tokens=step_tokens, executor=executor,
-                    prefill=eviction.prefill, positions=positions)
+                    prefill=eviction.prefill, positions=positions, prefix_memory=prefix_memory)
     metrics = ServeMetrics(engine)
     engine.observer = metrics
     context = max_context or model_context_limit(model)

@@ -48,6 +48,9 @@ class _EngineCollector:
             ("h2okv_batch_size", "Sequences decoded in the last engine iteration", s.batch_size),
             ("h2okv_batch_size_max", "Most sequences decoded in one engine iteration", s.batch_size_max),
             ("h2okv_draining", "1 while the server drains for shutdown (new requests get 503)", int(s.draining)),
+            ("h2okv_prefix_cache_bytes", "Bytes of KV held by the prefix store (--prefix-cache-memory)",
+             s.prefix_bytes),
+            ("h2okv_prefix_cache_entries", "Finished requests' states the prefix store holds", s.prefix_entries),
             ("h2okv_evictions_per_second", f"Tokens evicted per second, over the last ~{RATE_WINDOW_S:g} s of "
              "scrapes (the counter h2okv_evicted_tokens_total gives exact rates)",
              self.eviction_rate(time.monotonic(), s.evicted_tokens)),
@@ -57,6 +60,10 @@ class _EngineCollector:
         yield CounterMetricFamily("h2okv_generated_tokens", "Tokens generated", value=s.generated_tokens)
         yield CounterMetricFamily("h2okv_evicted_tokens", "Tokens evicted from running requests' caches",
                                   value=s.evicted_tokens)
+        yield CounterMetricFamily("h2okv_prefix_cache_hits", "Prompts that resumed a stored state",
+                                  value=s.prefix_hits)
+        yield CounterMetricFamily("h2okv_prefix_cache_misses", "Prompts that found no stored state (store on)",
+                                  value=s.prefix_misses)
         finished = CounterMetricFamily("h2okv_requests_finished", "Requests that left the engine",
                                        labels=["outcome"])
         for outcome, count in sorted(s.finished.items()):

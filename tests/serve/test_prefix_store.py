@@ -1,0 +1,110 @@
+"""The prefix store (``serve/prefix.py``; ``Engine(prefix_memory=...)``, ``serve --prefix-cache-memory``):
+a finished request's compressed state is kept, and a later prompt that starts with its tokens
+resumes from a copy and reads only the rest, with exactly the tokens of a cache that read the two
+pieces in two calls; namespaces, LRU under the byte budget, misses."""
+
+import time
+
+import pytest
+import torch
+
+from h2okv import H2OCache
+from h2okv.core.compat import cache_arg
+from h2okv.serve.engine import Engine, GenerationRequest
+from h2okv.serve.prefix import Entry, PrefixIndex
+from h2okv.tools.tiny_chat import tiny_chat_model
+from serve_cases import CHUNK, prompt
+
+
+@pytest.fixture(scope="module")
+def model_tok():
+    return tiny_chat_model(layers=3, initializer_range=0.3)
+
+
+@pytest.fixture
+def engine(model_tok):
+    model, tok = model_tok
+    eng = Engine(model, tok, prefill_chunk=CHUNK, max_batch=8, prefix_memory=64 << 20)
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+def run(engine, ids, policy="h2o", heavy=6, recent=6, steps=10, key=None):
+    """One request to its end, and the engine's iteration published (its stats count it)."""
+    request = GenerationRequest(ids, steps, policy, heavy, recent, temperature=0.0, ignore_eos=True, cache_key=key)
+    _, done = engine.submit(request).result_blocking()
+    assert done.kind == "done"
+    deadline = time.monotonic() + 10
+    while not engine.idle() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return done.token_ids
+
+
+def two_calls(model, first, answer_steps, rest, steps, policy, heavy, recent):
+    """The library's reference: one cache reads ``first`` and answers it, then reads ``rest``."""
+    budget = {} if heavy is None else {"heavy": heavy, "recent": recent}
+    cache = H2OCache(model, policy=policy, chunk_size=CHUNK, **budget)
+    out = model.generate(torch.tensor([first]), **cache_arg(cache), max_new_tokens=answer_steps,
+                         min_new_tokens=answer_steps, do_sample=False, pad_token_id=257)
+    ids = torch.cat([out, torch.tensor([rest])], dim=1)
+    more = model.generate(ids, **cache_arg(cache), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                          pad_token_id=257)
+    return out[0, len(first):].tolist(), more[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("policy, heavy, recent", [("h2o", 6, 6), ("tova", 5, 7), ("full", None, None)])
+def test_the_next_turn_resumes_and_equals_a_two_call_read(model_tok, engine, policy, heavy, recent):
+    model, _ = model_tok
+    first, question = prompt(40, 1), prompt(12, 2)
+    answer = run(engine, first, policy, heavy, recent, steps=10)
+    assert engine.stats.prefix_entries == 1 and engine.stats.prefix_misses == 1
+    second = run(engine, first + answer + question, policy, heavy, recent, steps=8)
+    assert engine.stats.prefix_hits == 1  # it read 13 tokens, not 62
+    want_answer, want_second = two_calls(model, first, 10, question, 8, policy, heavy, recent)
+    assert answer == want_answer
+    assert second == want_second
+
+
+def test_no_reuse_across_keys_policies_budgets_or_an_edited_history(engine):
+    first = prompt(30, 3)
+    answer = run(engine, first, key="alice")
+    follow = first + answer + prompt(5, 4)
+    run(engine, follow, key="bob")  # another API key
+    run(engine, follow, policy="tova", key="alice")  # another policy
+    run(engine, follow, heavy=5, key="alice")  # another budget
+    edited = list(follow)
+    edited[3] = (edited[3] + 1) % 256
+    run(engine, edited, key="alice")  # the history changed under the stored state
+    assert engine.stats.prefix_hits == 0
+    run(engine, follow, key="alice")
+    assert engine.stats.prefix_hits == 1
+
+
+def test_a_restart_loses_the_store_cleanly(model_tok):
+    model, tok = model_tok
+    engine = Engine(model, tok, prefill_chunk=CHUNK, prefix_memory=64 << 20)
+    engine.start()
+    first = prompt(20, 5)
+    answer = run(engine, first)
+    assert engine.stats.prefix_entries == 1 and engine.executor.saved_bytes() > 0
+    engine.stop()
+    assert engine.stats.prefix_entries == 0 and engine.executor.saved_bytes() == 0
+    engine.start()
+    run(engine, first + answer + [7])
+    assert engine.stats.prefix_hits == 0
+    engine.stop()
+
+
+def test_lru_under_the_byte_budget():
+    index = PrefixIndex(capacity=100)
+    ns = ("key", "h2o", 6, 6)
+    a, b, c = (Entry(index.reserve(), ns, ids, 40) for ids in ((1, 2), (1, 2, 3), (5,)))
+    assert index.add(a) == [] and index.add(b) == []
+    assert index.match(ns, [1, 2, 9]) is a  # a used: b is now the least recent
+    assert index.add(c) == [b.id]  # 120 > 100 bytes: the least recently used goes
+    assert index.match(ns, [1, 2, 3, 4]) is a  # the longest kept prefix wins
+    assert index.match(ns, [1, 2]) is None  # a proper prefix only: a token must be left to read
+    big = Entry(index.reserve(), ns, (8,), 101)
+    assert index.add(big) == [big.id]  # larger than the whole store: not kept
+    assert index.bytes == 80 and (index.hits, index.misses) == (2, 1)
