@@ -81,6 +81,29 @@ def test_no_reuse_across_keys_policies_budgets_or_an_edited_history(engine):
     assert engine.stats.prefix_hits == 1
 
 
+def test_a_fraction_budget_hits_across_turns_and_keeps_the_first_turns_budget(engine):
+    """The API resolves a fraction to slots per prompt: turns of one conversation ask alike (the
+    same ``budget_label``) with other slot counts, and the resumed turn goes on with the budget its
+    state was built with."""
+    first = prompt(40, 6)
+    one = GenerationRequest(first, 6, "h2o", 4, 4, temperature=0.0, ignore_eos=True, budget_label="0.2")
+    _, done = engine.submit(one).result_blocking()
+    follow = first + done.token_ids + prompt(20, 7)
+    two = GenerationRequest(follow, 6, "h2o", 6, 6, temperature=0.0, ignore_eos=True, budget_label="0.2")
+    _, again = engine.submit(two).result_blocking()
+    assert again.kind == "done" and engine.executor.saved_bytes() > 0
+    deadline = time.monotonic() + 10
+    while not engine.idle() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert engine.stats.prefix_hits == 1
+    other = GenerationRequest(follow, 2, "h2o", 4, 4, temperature=0.0, ignore_eos=True, budget_label="0.3")
+    engine.submit(other).result_blocking()
+    deadline = time.monotonic() + 10
+    while not engine.idle() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert (engine.stats.prefix_hits, engine.stats.prefix_misses) == (1, 2)  # asked for another budget: a miss
+
+
 def test_a_restart_loses_the_store_cleanly(model_tok):
     model, tok = model_tok
     engine = Engine(model, tok, prefill_chunk=CHUNK, prefix_memory=64 << 20)

@@ -486,8 +486,10 @@ class Engine:
     # -- the prefix store ------------------------------------------------------------------------------
     @staticmethod
     def _namespace(request: GenerationRequest) -> tuple:
-        """What two requests must share for one to resume the other's state."""
-        return request.cache_key, request.policy, request.heavy, request.recent
+        """What two requests must share for one to resume the other's state. A resumed sequence
+        keeps the budget the saved state was built with (a conversation's first turn fixes it)."""
+        budget = request.budget_label if request.budget_label is not None else (request.heavy, request.recent)
+        return request.cache_key, request.policy, budget
 
     def _look_up(self, seq: Sequence) -> None:
         """At a prompt's first prefill: resume the longest saved state its prompt starts with, if

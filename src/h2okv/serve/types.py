@@ -29,6 +29,9 @@ class GenerationRequest:
     timeout: float | None = None  # seconds from submission; then it ends with finish_reason "timeout"
     # who may reuse this request's saved state (the prefix store): requests of another key never do
     cache_key: str | None = None
+    # the budget as asked (a fraction resolves to other slot counts for a longer prompt): requests
+    # asking alike share saved states; None: the slot counts themselves
+    budget_label: str | None = None
 
     @property
     def budget(self) -> int | None:

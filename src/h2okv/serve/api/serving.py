@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import threading
 import time
 import uuid
@@ -181,6 +182,7 @@ class Serving:
             temperature=body.temperature, top_p=body.top_p, stops=stops,
             seed=None if body.seed is None else (body.seed + i) % (1 << 63), ignore_eos=body.ignore_eos,
             top_logprobs=body.top_logprobs_wanted(), timeout=self.limits.request_timeout,
+            budget_label=budget_label(body),
         ) for i in range(body.n)]
 
     def check_budget(self, body) -> None:
@@ -324,3 +326,12 @@ async def watch_disconnect(handles: list[Handle], request: Request) -> None:
                 handle.cancel()
             return
         await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+def budget_label(body) -> str:
+    """The request's budget as asked (its ``h2o`` fields and recipe; the server's defaults are the
+    same for every request): what the prefix store compares, since a fraction resolves to other
+    slot counts for a longer prompt."""
+    h2o = body.h2o
+    asked = {"budget": h2o.budget_fields() if h2o else None, "recipe": h2o.recipe if h2o else None}
+    return json.dumps(asked, sort_keys=True, default=str)
