@@ -77,10 +77,11 @@ def main() -> None:
     finally:
         for engine in engines.values():
             engine.stop()
+    store = engines["store"].stats
     med = {name: statistics.median(r["ttft2_s"] for r in rows if r["engine"] == name) for name in engines}
     result = {"policy": "full" if budget is None else f"h2o {budget:g}", "document_tokens": args.tokens,
               "rows": rows, "ttft2_median_s": med, "ttft2_store_vs_none": med["store"] / med["no store"],
-              "hits": engines["store"].stats.prefix_hits}
+              "hits": store.prefix_hits, "store_entries": store.prefix_entries, "store_bytes": store.prefix_bytes}
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
     if args.json:
         with open(args.json, "w") as f:
