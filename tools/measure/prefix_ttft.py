@@ -73,15 +73,16 @@ def main() -> None:
                 extends = ids2[:len(ids1) + len(answer) - 1] == ids1 + answer[:-1]
                 rows.append({"engine": name, "repeat": repeat, "turn1_prompt": len(ids1), "turn2_prompt": len(ids2),
                              "ttft1_s": ttft1, "ttft2_s": ttft2, "turn2_extends_turn1": extends})
+                if engine.prefixes is not None:  # what the store holds now (a restart empties it)
+                    rows[-1].update(store_entries=len(engine.prefixes), store_bytes=engine.prefixes.bytes)
                 print(rows[-1], flush=True)
     finally:
         for engine in engines.values():
             engine.stop()
-    store = engines["store"].stats
     med = {name: statistics.median(r["ttft2_s"] for r in rows if r["engine"] == name) for name in engines}
     result = {"policy": "full" if budget is None else f"h2o {budget:g}", "document_tokens": args.tokens,
               "rows": rows, "ttft2_median_s": med, "ttft2_store_vs_none": med["store"] / med["no store"],
-              "hits": store.prefix_hits, "store_entries": store.prefix_entries, "store_bytes": store.prefix_bytes}
+              "hits": engines["store"].prefixes.hits, "bytes_per_entry": rows[-2]["store_bytes"] / rows[-2]["store_entries"]}
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
     if args.json:
         with open(args.json, "w") as f:
