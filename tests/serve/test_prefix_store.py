@@ -131,3 +131,55 @@ def test_lru_under_the_byte_budget():
     big = Entry(index.reserve(), ns, (8,), 101)
     assert index.add(big) == [big.id]  # larger than the whole store: not kept
     assert index.bytes == 80 and (index.hits, index.misses) == (2, 1)
+
+
+def test_a_shared_document_is_read_once_for_every_conversation(model_tok, engine):
+    """Two conversations open with the same long document: the first saves its state at the end of
+    its cacheable prefix (the document), the second resumes it and reads only its own question,
+    with the tokens of a cache that read the document, then the question."""
+    model, _ = model_tok
+    doc, qa, qb = prompt(40, 8), prompt(9, 9), prompt(12, 10)
+    for question, steps in ((qa, 6), (qb, 8)):
+        request = GenerationRequest(doc + question, steps, "h2o", 6, 6, temperature=0.0, ignore_eos=True,
+                                    cache_prefix=len(doc))
+        _, done = engine.submit(request).result_blocking()
+        deadline = time.monotonic() + 10
+        while not engine.idle() and time.monotonic() < deadline:
+            time.sleep(0.005)
+    assert (engine.stats.prefix_hits, engine.stats.prefix_misses) == (1, 1)
+    assert engine.stats.prefix_entries == 3  # the document (once), and each conversation's end
+    cache = H2OCache(model, policy="h2o", heavy=6, recent=6, chunk_size=CHUNK)
+    model(input_ids=torch.tensor([doc]), **cache_arg(cache))
+    ids = torch.tensor([doc + qb])
+    want = model.generate(ids, **cache_arg(cache), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                          pad_token_id=257)
+    assert done.token_ids == want[0, ids.shape[1]:].tolist()
+
+
+def test_chat_turns_over_http_resume_the_history(model_tok):
+    """Through the OpenAI API: a chat's history before its last user message is its cacheable
+    prefix, and the next turn (history + answer + a new question) resumes the saved conversation."""
+    import openai
+
+    from h2okv.bench.serve import scrape
+    from h2okv.serve import create_app, running_server
+
+    model, tok = model_tok
+    app = create_app(model, tok, model_name="tiny", prefill_chunk=CHUNK, prefix_memory=64 << 20)
+    with running_server(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        system = {"role": "system", "content": "Read this: " + "lorem ipsum dolor sit amet " * 6}
+        history = [system, {"role": "user", "content": "first question?"}]
+        first = client.chat.completions.create(model="tiny", messages=history, max_tokens=6, temperature=0)
+        history += [{"role": "assistant", "content": first.choices[0].message.content},
+                    {"role": "user", "content": "and the second?"}]
+        client.chat.completions.create(model="tiny", messages=history, max_tokens=6, temperature=0)
+        other = [system, {"role": "user", "content": "a question of another conversation"}]
+        client.chat.completions.create(model="tiny", messages=other, max_tokens=4, temperature=0)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and scrape(url).get("h2okv_prefix_cache_hits_total", 0) < 2:
+            time.sleep(0.05)
+        metrics = scrape(url)
+    # turn 2 resumed turn 1's history (its system-message prefix, at least), the other conversation the system message
+    assert metrics["h2okv_prefix_cache_hits_total"] == 2
+    assert metrics["h2okv_prefix_cache_bytes"] > 0 and metrics["h2okv_prefix_cache_entries"] >= 3

@@ -69,6 +69,7 @@ class Sequence:
         self.chunks = prefill_chunks(len(request.prompt_ids), chunk)
         self.next_chunk = 0
         self.resume: int | None = None  # the prefix store's entry its prefill starts from
+        self.save_at: int | None = None  # the end of its cacheable prefix, where its state is saved
         self.restarts = 0  # times its prefill started over after a shared forward failed
         self.uid = uid  # the executor's name for this sequence
         self.done = False
@@ -394,6 +395,8 @@ class Engine:
             return
         for seq in seqs:
             seq.next_chunk += 1
+            if seq.save_at is not None and seq.chunks[seq.next_chunk - 1][1] == seq.save_at:
+                self._save_prefix(seq)
             if seq.next_chunk < len(seq.chunks):
                 continue
             self._prefilling.remove(seq)
@@ -493,16 +496,35 @@ class Engine:
 
     def _look_up(self, seq: Sequence) -> None:
         """At a prompt's first prefill: resume the longest saved state its prompt starts with, if
-        any, and read only the rest (in chunks, on its own copy)."""
+        any, and read only the rest (in chunks, on its own copy); a chunk ends where the request's
+        cacheable prefix does, whose state is then saved (``_save_prefix``)."""
         if self.prefixes is None:
             return
         prompt = seq.request.prompt_ids
         entry = self.prefixes.match(self._namespace(seq.request), prompt)
-        if entry is None:
+        done = 0
+        if entry is not None:
+            done = len(entry.ids)
+            seq.resume, seq.probe = entry.id, None  # its first part was ranked when it was saved
+        cut = seq.request.cache_prefix
+        if cut is None or not done < cut < len(prompt) or seq.probe is not None:
+            cut = len(prompt)  # no prefix point (a prompt ranked whole by reconstruction has none)
+        seq.save_at = cut if cut < len(prompt) else None
+        pieces = [(done, cut), (cut, len(prompt))] if cut < len(prompt) else [(done, len(prompt))]
+        seq.chunks = [(lo + a, lo + b) for lo, hi in pieces for a, b in prefill_chunks(hi - lo, min(seq.chunk, hi - lo))]
+
+    def _save_prefix(self, seq: Sequence) -> None:
+        """The state after a request's cacheable prefix, into the prefix store."""
+        request = seq.request
+        entry = self.prefixes.reserve()
+        try:
+            size = self.executor.save(entry, seq.uid)
+        except Exception:
+            log.exception("saving request %d's prefix failed", seq.uid)
             return
-        done = len(entry.ids)
-        seq.resume, seq.probe = entry.id, None  # its first part was ranked when it was saved
-        seq.chunks = [(done + a, done + b) for a, b in prefill_chunks(len(prompt) - done, seq.chunk)]
+        for gone in self.prefixes.add(Entry(entry, self._namespace(request), tuple(request.prompt_ids[:seq.save_at]),
+                                            size)):
+            self.executor.forget(gone)
 
     def _save(self, seq: Sequence) -> None:
         """A completed request's state (its prompt and answer as fed) into the prefix store."""

@@ -245,14 +245,21 @@ class Executor:
 
     # -- saved states (the prefix store) ---------------------------------------------------------
     def save(self, entry: int, uid: int) -> int:
-        """Save decoding row ``uid``'s state as ``entry`` (a copy; the row goes on); returns its bytes."""
-        policy = self._specs[uid].policy if uid in self._specs else None
-        batch = self._batches.get(policy)
-        if batch is None or uid not in batch.rows:
-            raise ValueError(f"sequence {uid} does not decode: nothing to save")
+        """Save sequence ``uid``'s state as ``entry`` (a copy; the sequence goes on): a decoding row,
+        or a prompt part-way through its prefill; returns the copy's bytes."""
         if entry in self._saved:
             raise ValueError(f"entry {entry} is already saved")
-        copy = batch.cache.take_rows([batch.rows.index(uid)])
+        policy = self._specs[uid].policy if uid in self._specs else None
+        batch, group = self._batches.get(policy), self._groups.get(policy)
+        if batch is not None and uid in batch.rows:
+            cache, row = batch.cache, batch.rows.index(uid)
+        elif group is not None and uid in group.uids and group.cache is not None:
+            cache, row = group.cache, group.uids.index(uid)
+        elif uid in self._resumed or uid in self._ranked:
+            cache, row = self._resumed.get(uid) or self._ranked[uid], 0
+        else:
+            raise ValueError(f"sequence {uid} holds no state to save")
+        copy = cache.take_rows([row])
         copy.trim()  # the batch's spare slots past the row's last live one
         self._saved[entry] = copy
         return sum(layer.kv_bytes() for layer in copy.layers)

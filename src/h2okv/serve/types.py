@@ -32,6 +32,9 @@ class GenerationRequest:
     # the budget as asked (a fraction resolves to other slot counts for a longer prompt): requests
     # asking alike share saved states; None: the slot counts themselves
     budget_label: str | None = None
+    # the prompt's first tokens to store a state after (the prefix store): a chat's history before
+    # its last user message, a shared document; None: none
+    cache_prefix: int | None = None
 
     @property
     def budget(self) -> int | None:

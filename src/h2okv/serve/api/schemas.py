@@ -53,6 +53,9 @@ class H2OSettings(BaseModel):
     recent: int | None = None
     heavy_ratio: float | None = None
     recent_ratio: float | None = None
+    # the prompt's first tokens after which the prefix store keeps a state (completions; a chat's
+    # is its history before the last user message)
+    cache_prefix: int | None = None
 
     def budget_given(self) -> bool:
         return any(getattr(self, name) is not None for name in BUDGET_FIELDS)

@@ -182,7 +182,7 @@ class Serving:
             temperature=body.temperature, top_p=body.top_p, stops=stops,
             seed=None if body.seed is None else (body.seed + i) % (1 << 63), ignore_eos=body.ignore_eos,
             top_logprobs=body.top_logprobs_wanted(), timeout=self.limits.request_timeout,
-            budget_label=budget_label(body),
+            budget_label=budget_label(body), cache_prefix=self.cacheable_prefix(body, prompt_ids),
         ) for i in range(body.n)]
 
     def check_budget(self, body) -> None:
@@ -255,6 +255,31 @@ class Serving:
         if any(not 0 <= t < self.vocab for t in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {self.vocab})", param="prompt")
         return list(prompt)
+
+    def cacheable_prefix(self, body, prompt_ids: list[int]) -> int | None:
+        """Where the prefix store keeps a state of this prompt (None: the store is off, or nowhere):
+        ``h2o.cache_prefix`` tokens for a completion; for a chat, every message before the last user
+        message as the template renders them, when the prompt starts with exactly those tokens."""
+        if self.engine.prefixes is None:
+            return None
+        if isinstance(body, ChatCompletionRequest):
+            roles = [m.role for m in body.messages]
+            last_user = max((i for i, r in enumerate(roles) if r == "user"), default=0)
+            if last_user == 0:
+                return None
+            history = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
+                       for m in body.messages[:last_user]]
+            try:
+                with self.encoder_lock:
+                    ids = list(self.encoder.apply_chat_template(history, return_dict=True)["input_ids"])
+            except Exception:  # noqa: BLE001 - a template that wants a user turn last: no prefix point
+                return None
+            return len(ids) if 0 < len(ids) < len(prompt_ids) and prompt_ids[:len(ids)] == ids else None
+        given = body.h2o.cache_prefix if body.h2o else None
+        if given is not None and not 0 < given < len(prompt_ids):
+            raise APIError(400, f"h2o.cache_prefix={given} must be in [1, {len(prompt_ids) - 1}] (the prompt has "
+                           f"{len(prompt_ids)} tokens)", param="h2o.cache_prefix")
+        return given
 
     def _encode(self, param: str, encode) -> list[int]:
         """``encode(tokenizer)``'s ids; the tokenizer refusing the input is a 400 on ``param``."""
