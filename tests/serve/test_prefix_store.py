@@ -173,7 +173,9 @@ def test_chat_turns_over_http_resume_the_history(model_tok):
         first = client.chat.completions.create(model="tiny", messages=history, max_tokens=6, temperature=0)
         history += [{"role": "assistant", "content": first.choices[0].message.content},
                     {"role": "user", "content": "and the second?"}]
-        client.chat.completions.create(model="tiny", messages=history, max_tokens=6, temperature=0)
+        second = client.chat.completions.create(model="tiny", messages=history, max_tokens=6, temperature=0)
+        assert 0 < second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens  # OpenAI's field
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
         other = [system, {"role": "user", "content": "a question of another conversation"}]
         client.chat.completions.create(model="tiny", messages=other, max_tokens=4, temperature=0)
         deadline = time.monotonic() + 10

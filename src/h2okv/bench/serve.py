@@ -43,6 +43,7 @@ class RequestResult:
     error: str | None = None
     events: int = 0
     gaps_s: list[float] = field(default_factory=list)  # between consecutive text chunks (inter-token latency)
+    usage: dict | None = None  # the final usage chunk (prompt_tokens_details.cached_tokens: read from the store)
 
 
 @dataclass
@@ -109,6 +110,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, payload: dict) 
         if usage is None:
             raise ValueError("no usage chunk despite stream_options.include_usage")
         result.completion_tokens = usage["completion_tokens"]
+        result.usage = usage
         result.text = "".join(texts)
         result.ok = True
     except (httpx.HTTPError, ValueError, KeyError) as exc:
@@ -355,6 +357,10 @@ PROFILES = {
     # tokens until EOS, graded; a fixed 64 + 64 budget (eval reasoning's 128-slot point)
     "gsm8k": {"kv_memory": 64 << 20, "requests": 32, "concurrency": 32, "max_tokens": 512, "heavy": 64, "recent": 64,
               "task": "gsm8k"},
+    # conversations over long documents (bench/chat.py): 4 of 3 turns over ~1,024-token essays, 16 new
+    # tokens a turn, 20% of each prompt; every policy with a 256 MiB prefix store and without
+    "chat": {"kv_memory": 256 << 20, "requests": 4, "concurrency": 4, "prompt_tokens": 1024, "max_tokens": 16,
+             "heavy_ratio": 0.1, "recent_ratio": 0.1, "turns": 3, "prefix_cache_memory": 256 << 20},
 }
 
 
@@ -363,10 +369,26 @@ def apply_profile(args) -> None:
     option given replaces the profile's whole budget)."""
     budget_given = any(getattr(args, k, None) is not None for k in ("heavy", "recent", "heavy_ratio", "recent_ratio"))
     for name, value in PROFILES[args.profile].items():
-        if name in ("heavy", "recent") and budget_given:
+        if name in ("heavy", "recent", "heavy_ratio", "recent_ratio") and budget_given:
             continue
         if getattr(args, name, None) is None:
             setattr(args, name, value)
+
+
+def _run_chat(args, model, tokenizer, policies, budget) -> int:
+    from h2okv.bench.chat import chat_bench
+
+    result = chat_bench(model, tokenizer, policies=policies, kv_memory=args.kv_memory, conversations_count=args.requests,
+                        turns=args.turns, doc_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                        prefix_memory=args.prefix_cache_memory, concurrency=args.concurrency, budget=budget,
+                        prefill_chunk=args.chunk_size, model_name=args.model or "smollm2", seed=args.seed)
+    result["command"] = bench_command(args) + f" --turns {args.turns} --prefix-cache-memory {args.prefix_cache_memory}"
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {path}")
+    return 0 if all(r["answered"] == args.requests * args.turns for r in result["results"]) else 1
 
 
 def run(args) -> int:
@@ -390,6 +412,8 @@ def run(args) -> int:
         EvictionDefaults(policy=policy, **({} if not make_policy(policy).evicts else budget)).validate()
     kv_memory = args.kv_memory  # bytes: the command line parsed them (h2okv.cli.args.parse_bytes)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    if args.profile == "chat":
+        return _run_chat(args, model, tokenizer, policies, budget)
     result = bench(model, tokenizer, policies=policies, kv_memory=kv_memory, requests=args.requests,
                    concurrency=args.concurrency, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                    budget=budget, prefill_chunk=args.chunk_size, max_batch=args.max_batch,

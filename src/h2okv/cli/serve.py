@@ -91,12 +91,16 @@ def register(sub) -> None:
 
     b = sub.add_parser("serve-bench", help="throughput and latency of `serve` per policy at the same KV memory")
     add_model_args(b)
-    b.add_argument("--profile", choices=["prefill-heavy", "decode-heavy", "gsm8k"], default="prefill-heavy",
+    b.add_argument("--profile", choices=["prefill-heavy", "decode-heavy", "gsm8k", "chat"], default="prefill-heavy",
                    help="workload whose settings fill the options not given: prefill-heavy (16 requests, "
                         "256-token prompts, 64 new tokens, 30M), decode-heavy (32 requests, 128-token prompts, "
                         "1024 new tokens, heavy 64 + recent 64, 256M) or gsm8k (32 real GSM8K problems as 0-shot "
                         "chat prompts, up to 512 new tokens until EOS, heavy 64 + recent 64, 64M; the served "
-                        "answers are graded) (default: prefill-heavy)")
+                        "answers are graded) or chat (4 conversations of 3 turns over ~1,024-token essays, each "
+                        "policy with a 256M prefix store and without, graded) (default: prefill-heavy)")
+    b.add_argument("--turns", type=positive_int, default=None, help="turns per conversation (--profile chat; default 3)")
+    b.add_argument("--prefix-cache-memory", type=parse_bytes, default=None, metavar="SIZE",
+                   help="the prefix store of the runs with one (--profile chat; default 256M)")
     b.add_argument("--kv-memory", type=parse_bytes, default=None,
                    help="KV-cache bytes shared by running requests, e.g. 64M (binary units; default: the profile's)")
     b.add_argument("--policies", default="full,h2o", help="comma-separated policies to compare (default: full,h2o)")

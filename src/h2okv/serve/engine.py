@@ -506,6 +506,7 @@ class Engine:
         if entry is not None:
             done = len(entry.ids)
             seq.resume, seq.probe = entry.id, None  # its first part was ranked when it was saved
+            seq.output.cached_tokens = done
         cut = seq.request.cache_prefix
         if cut is None or not done < cut < len(prompt) or seq.probe is not None:
             cut = len(prompt)  # no prefix point (a prompt ranked whole by reconstruction has none)

