@@ -14,12 +14,14 @@ store (``--prefix-cache-memory``) and without, at the same ``--kv-memory``.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import statistics
+from pathlib import Path
 
 import httpx
 
-from h2okv.bench.serve import scrape, stream_completion
+from h2okv.bench.serve import bench_command, scrape, stream_completion
 from h2okv.eval.haystack import essays_folder, read_texts
 
 KEY_WORDS = ("amber", "birch", "cobalt", "delta", "ember", "falcon", "garnet", "harbor", "indigo", "juniper")
@@ -135,3 +137,18 @@ def format_chat_row(row: dict) -> str:
     store = f"store {row['prefix_cache_memory'] / 2**20:.0f} MiB" if row["prefix_cache_memory"] else "no store"
     return (f"{row['policy']:>6} ({store}): {row['correct']}/{row['answered']} right, hits {row['prefix_hits']}, "
             f"stored {row['prefix_bytes'] / 2**20:.1f} MiB, peak KV {row['kv_bytes_peak'] / 2**20:.1f} MiB; {turns}")
+
+
+def run_chat(args, model, tokenizer, policies, budget) -> int:
+    """``serve-bench --profile chat`` once ``bench.serve.run`` has checked the settings and loaded the model."""
+    result = chat_bench(model, tokenizer, policies=policies, kv_memory=args.kv_memory, conversations_count=args.requests,
+                        turns=args.turns, doc_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                        prefix_memory=args.prefix_cache_memory, concurrency=args.concurrency, budget=budget,
+                        prefill_chunk=args.chunk_size, model_name=args.model or "smollm2", seed=args.seed)
+    result["command"] = bench_command(args) + f" --turns {args.turns} --prefix-cache-memory {args.prefix_cache_memory}"
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {path}")
+    return 0 if all(r["answered"] == args.requests * args.turns for r in result["results"]) else 1

@@ -375,24 +375,9 @@ def apply_profile(args) -> None:
             setattr(args, name, value)
 
 
-def _run_chat(args, model, tokenizer, policies, budget) -> int:
-    from h2okv.bench.chat import chat_bench
-
-    result = chat_bench(model, tokenizer, policies=policies, kv_memory=args.kv_memory, conversations_count=args.requests,
-                        turns=args.turns, doc_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
-                        prefix_memory=args.prefix_cache_memory, concurrency=args.concurrency, budget=budget,
-                        prefill_chunk=args.chunk_size, model_name=args.model or "smollm2", seed=args.seed)
-    result["command"] = bench_command(args) + f" --turns {args.turns} --prefix-cache-memory {args.prefix_cache_memory}"
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {path}")
-    return 0 if all(r["answered"] == args.requests * args.turns for r in result["results"]) else 1
-
-
-def run(args) -> int:
-    """``h2okv serve-bench``: load the model, bench each policy, print and write JSON."""
+def run(args, run_chat=None) -> int:
+    """``h2okv serve-bench``: load the model, bench each policy, print and write JSON (``run_chat``:
+    what runs ``--profile chat``, ``bench.chat.run_chat``)."""
     from h2okv.models import load_model
     from h2okv.policies import make_policy
     from h2okv.serve.eviction import EvictionDefaults
@@ -412,8 +397,8 @@ def run(args) -> int:
         EvictionDefaults(policy=policy, **({} if not make_policy(policy).evicts else budget)).validate()
     kv_memory = args.kv_memory  # bytes: the command line parsed them (h2okv.cli.args.parse_bytes)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
-    if args.profile == "chat":
-        return _run_chat(args, model, tokenizer, policies, budget)
+    if args.profile == "chat":  # bench/chat.py, which the command line sends here with its loaded pieces
+        return run_chat(args, model, tokenizer, policies, budget)
     result = bench(model, tokenizer, policies=policies, kv_memory=kv_memory, requests=args.requests,
                    concurrency=args.concurrency, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                    budget=budget, prefill_chunk=args.chunk_size, max_batch=args.max_batch,

@@ -138,7 +138,7 @@ def run_serve(args) -> int:
     from h2okv.cli.main import build_parser
 
     serve_args = build_parser().parse_args(["serve-bench", *args.serve])
-    return int(importlib.import_module("h2okv.bench.serve").run(serve_args) or 0)
+    return int(serve_args.func(serve_args) or 0)  # serve-bench's own entry (it routes --profile chat)
 
 
 def load_study(args):

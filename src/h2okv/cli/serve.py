@@ -213,4 +213,8 @@ def _create_app(args, model, tokenizer, executor):
 def run_bench(args) -> int:
     from h2okv.bench.serve import run
 
+    if args.profile == "chat":
+        from h2okv.bench.chat import run_chat
+
+        return run(args, run_chat)
     return run(args)
