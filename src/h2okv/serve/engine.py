@@ -382,8 +382,8 @@ class Engine:
                 req = seq.request
                 if seq.next_chunk == 0:
                     self._look_up(seq)
-                    self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0, seq.probe,
-                                       **({"resume": seq.resume} if seq.resume is not None else {}))
+                    # positional, as every executor call: plain data a recorder or a TP follower replays
+                    self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0, seq.probe, seq.resume)
                 start, stop = seq.chunks[seq.next_chunk]
                 parts.append((seq.uid, req.prompt_ids[start:stop], start))
             logits = self.executor.prefill(parts)
@@ -396,7 +396,7 @@ class Engine:
         for seq in seqs:
             seq.next_chunk += 1
             if seq.save_at is not None and seq.chunks[seq.next_chunk - 1][1] == seq.save_at:
-                self._save_prefix(seq)
+                self._store(seq, seq.request.prompt_ids[:seq.save_at])
             if seq.next_chunk < len(seq.chunks):
                 continue
             self._prefilling.remove(seq)
@@ -429,8 +429,7 @@ class Engine:
     def _replays_alone(self, seq: Sequence) -> bool:
         req = seq.request
         try:
-            self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0, seq.probe,
-                               **({"resume": seq.resume} if seq.resume is not None else {}))
+            self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0, seq.probe, seq.resume)
             for start, stop in seq.chunks[:seq.next_chunk + 1]:
                 self.executor.prefill([(seq.uid, req.prompt_ids[start:stop], start)])
             return True
@@ -497,7 +496,7 @@ class Engine:
     def _look_up(self, seq: Sequence) -> None:
         """At a prompt's first prefill: resume the longest saved state its prompt starts with, if
         any, and read only the rest (in chunks, on its own copy); a chunk ends where the request's
-        cacheable prefix does, whose state is then saved (``_save_prefix``)."""
+        cacheable prefix does, whose state is then saved (``_store``)."""
         if self.prefixes is None:
             return
         prompt = seq.request.prompt_ids
@@ -512,33 +511,18 @@ class Engine:
             cut = len(prompt)  # no prefix point (a prompt ranked whole by reconstruction has none)
         seq.save_at = cut if cut < len(prompt) else None
         pieces = [(done, cut), (cut, len(prompt))] if cut < len(prompt) else [(done, len(prompt))]
-        seq.chunks = [(lo + a, lo + b) for lo, hi in pieces for a, b in prefill_chunks(hi - lo, min(seq.chunk, hi - lo))]
+        seq.chunks = [(lo + a, lo + b) for lo, hi in pieces for a, b in prefill_chunks(hi - lo, seq.chunk)]
 
-    def _save_prefix(self, seq: Sequence) -> None:
-        """The state after a request's cacheable prefix, into the prefix store."""
-        request = seq.request
+    def _store(self, seq: Sequence, ids: list[int]) -> None:
+        """``seq``'s state now, having fed ``ids``, into the prefix store: at the end of its
+        cacheable prefix, or completed (its prompt and answer as fed)."""
         entry = self.prefixes.reserve()
         try:
             size = self.executor.save(entry, seq.uid)
-        except Exception:
-            log.exception("saving request %d's prefix failed", seq.uid)
-            return
-        for gone in self.prefixes.add(Entry(entry, self._namespace(request), tuple(request.prompt_ids[:seq.save_at]),
-                                            size)):
-            self.executor.forget(gone)
-
-    def _save(self, seq: Sequence) -> None:
-        """A completed request's state (its prompt and answer as fed) into the prefix store."""
-        if self.prefixes is None or not seq.generated or not self._decoding(seq):
-            return
-        ids = tuple(seq.request.prompt_ids) + tuple(seq.generated[:-1])
-        entry = self.prefixes.reserve()
-        try:
-            size = self.executor.save(entry, seq.uid)
-        except Exception:  # the store is an optimisation: the request itself has completed
+        except Exception:  # the store is an optimisation: the request itself goes on
             log.exception("saving request %d's state failed", seq.uid)
             return
-        for gone in self.prefixes.add(Entry(entry, self._namespace(seq.request), ids, size)):
+        for gone in self.prefixes.add(Entry(entry, self._namespace(seq.request), tuple(ids), size)):
             self.executor.forget(gone)
 
     def _fail(self, seq: Sequence, message: str, kind: ErrorKind = ErrorKind.INTERNAL) -> None:
@@ -548,8 +532,8 @@ class Engine:
         if seq.done:
             return
         seq.done = True
-        if outcome == "completed":
-            self._save(seq)
+        if outcome == "completed" and self.prefixes is not None and seq.generated and self._decoding(seq):
+            self._store(seq, seq.request.prompt_ids + seq.generated[:-1])
         if not self._decoding(seq):  # a decode row is dropped by _compact, with the rest of its batch
             self.executor.close(seq.uid)
         self.stats.finished[outcome] += 1
