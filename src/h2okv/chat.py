@@ -21,3 +21,18 @@ def chat_frame(tokenizer) -> tuple[str, str]:
 def encode_text(tokenizer, text: str) -> list[int]:
     """``text``'s ids with no special tokens added (none for an empty text)."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+
+def history_length(tokenizer, messages: list[dict], prompt_ids: list[int]) -> int | None:
+    """How many of ``prompt_ids`` (``messages`` through the chat template) are the conversation's
+    history: every message before the last user message, as the template renders them alone. None
+    when there is none, or the prompt does not start with exactly those tokens (a template that
+    renders earlier turns otherwise once a later one follows, or wants a user turn last)."""
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=0)
+    if last_user == 0:
+        return None
+    try:
+        ids = list(tokenizer.apply_chat_template(messages[:last_user], return_dict=True)["input_ids"])
+    except Exception:  # noqa: BLE001 - a template that refuses the history: no prefix point
+        return None
+    return len(ids) if 0 < len(ids) < len(prompt_ids) and list(prompt_ids[:len(ids)]) == ids else None

@@ -14,15 +14,15 @@ store (``--prefix-cache-memory``) and without, at the same ``--kv-memory``.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import statistics
-from pathlib import Path
 
 import httpx
 
 from h2okv.bench.serve import bench_command, scrape, stream_completion
+from h2okv.chat import history_length
 from h2okv.eval.haystack import essays_folder, read_texts
+from h2okv.eval.output import write_json
 
 KEY_WORDS = ("amber", "birch", "cobalt", "delta", "ember", "falcon", "garnet", "harbor", "indigo", "juniper")
 
@@ -51,10 +51,9 @@ def conversations(tokenizer, count: int, doc_tokens: int, turns: int, seed: int 
 
 def turn_payload(tokenizer, model_name: str, messages: list[dict], max_tokens: int) -> dict:
     ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
-    history = list(tokenizer.apply_chat_template(messages[:-1], return_dict=True)["input_ids"])
-    h2o = {"cache_prefix": len(history)} if 0 < len(history) < len(ids) and ids[:len(history)] == history else {}
+    history = history_length(tokenizer, messages, ids)  # what the chat endpoint would store a state after
     return {"model": model_name, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
-            **({"h2o": h2o} if h2o else {})}
+            **({"h2o": {"cache_prefix": history}} if history else {})}
 
 
 async def converse(client, url, tokenizer, model_name, conv: dict, max_tokens: int) -> list[dict]:
@@ -147,8 +146,5 @@ def run_chat(args, model, tokenizer, policies, budget) -> int:
                         prefill_chunk=args.chunk_size, model_name=args.model or "smollm2", seed=args.seed)
     result["command"] = bench_command(args) + f" --turns {args.turns} --prefix-cache-memory {args.prefix_cache_memory}"
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {path}")
+        print(f"wrote {write_json(result, args.json)}")
     return 0 if all(r["answered"] == args.requests * args.turns for r in result["results"]) else 1

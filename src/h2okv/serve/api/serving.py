@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from h2okv.chat import history_length
 from h2okv.errors import H2OError
 from h2okv.policies import make_policy
 from h2okv.recipes import get_recipe
@@ -241,8 +242,7 @@ class Serving:
                 raise APIError(400, "messages must not be empty", param="messages")
             if not getattr(self.tokenizer, "chat_template", None):
                 raise APIError(400, f"the model {self.model_name!r} has no chat template; use /v1/completions")
-            messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
-                        for m in body.messages]
+            messages = chat_messages(body)
             return self._encode("messages", lambda tok: tok.apply_chat_template(
                 messages, add_generation_prompt=True, return_dict=True)["input_ids"])
         prompt = body.prompt
@@ -263,18 +263,8 @@ class Serving:
         if self.engine.prefixes is None:
             return None
         if isinstance(body, ChatCompletionRequest):
-            roles = [m.role for m in body.messages]
-            last_user = max((i for i, r in enumerate(roles) if r == "user"), default=0)
-            if last_user == 0:
-                return None
-            history = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
-                       for m in body.messages[:last_user]]
-            try:
-                with self.encoder_lock:
-                    ids = list(self.encoder.apply_chat_template(history, return_dict=True)["input_ids"])
-            except Exception:  # noqa: BLE001 - a template that wants a user turn last: no prefix point
-                return None
-            return len(ids) if 0 < len(ids) < len(prompt_ids) and prompt_ids[:len(ids)] == ids else None
+            with self.encoder_lock:
+                return history_length(self.encoder, chat_messages(body), prompt_ids)
         given = body.h2o.cache_prefix if body.h2o else None
         if given is not None and not 0 < given < len(prompt_ids):
             raise APIError(400, f"h2o.cache_prefix={given} must be in [1, {len(prompt_ids) - 1}] (the prompt has "
@@ -353,6 +343,11 @@ async def watch_disconnect(handles: list[Handle], request: Request) -> None:
                 handle.cancel()
             return
         await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+def chat_messages(body) -> list[dict]:
+    """A chat request's messages as the chat template takes them (``developer`` is a system turn)."""
+    return [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in body.messages]
 
 
 def budget_label(body) -> str:
