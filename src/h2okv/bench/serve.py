@@ -23,13 +23,13 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from h2okv.errors import H2OError
+from h2okv.eval.output import write_json
 
 
 @dataclass
@@ -406,10 +406,7 @@ def run(args, run_chat=None) -> int:
                    arrival_rate=args.arrival_rate, seed=args.seed, task=getattr(args, "task", None))
     result["command"] = bench_command(args)
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {path}")
+        print(f"wrote {write_json(result, args.json)}")
     failed = [r for r in result["results"] if r["ok"] != r["requests"]]
     return 1 if failed else 0
 
