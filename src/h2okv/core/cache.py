@@ -196,10 +196,6 @@ class H2OCache(Cache):
                            f"{policy.spec!r} with chunk_size {self.chunk_size}: use prefill=late (--prefill late)")
         return mode, float(floor)
 
-    @property
-    def compileable(self) -> bool:
-        return self.layer_config.compileable
-
     def set_compileable(self, compileable: bool) -> None:
         """Switch the decode steps at the budget to (or from) the tensor ops ``torch.compile``
         traces, e.g. after an eager prefill; every layer chooses its stepper again."""
@@ -207,7 +203,7 @@ class H2OCache(Cache):
             raise H2OError("compileable=True takes true positions only (rolling positions are not traced)")
         self.layer_config = dataclasses.replace(self.layer_config, compileable=bool(compileable))
         for layer in self.layers:
-            layer.config, layer.is_compileable = self.layer_config, self.layer_config.compileable
+            layer.config = self.layer_config
             if layer.is_initialized:
                 layer.refresh()
 

@@ -58,7 +58,6 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         super().__init__()
         self.layer_idx = layer_idx
         self.config = config
-        self.is_compileable = config.compileable
         self.rows = rows
         # positions consumed, pads included: what generate needs for positions. A 0-dim CPU tensor
         # advanced in place: a compiled step reads it as a tensor, where an int would be a guard on
@@ -76,6 +75,10 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         self.probe_best: torch.Tensor | None = None  # while probing: each slot's best probe score
 
     # -- transformers Cache layer protocol ---------------------------------------------------
+    @property
+    def is_compileable(self) -> bool:  # transformers asks: may it compile the forward with this cache
+        return self.config.compileable
+
     def lazy_initialization(self, key_states, value_states):
         self.init_buffers(key_states, value_states)
         self.stepper = None
