@@ -33,8 +33,7 @@ def ask_ids(model, tokenizer, cache, context, questions, max_new_tokens: int = 6
     """``ask``'s answers as token ids (up to the end-of-sequence token, which is kept)."""
     ids, mask = question_batch(tokenizer, cache, context, questions)
     copies = cache.take_rows([0] * ids.shape[0])  # the context's state, once per question
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    settings = {"do_sample": False, "pad_token_id": pad, **generate_kwargs}
+    settings = {"do_sample": False, "pad_token_id": pad_id(tokenizer), **generate_kwargs}
     with torch.inference_mode():
         out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
                              max_new_tokens=max_new_tokens, **cache_arg(copies), **settings)
@@ -55,10 +54,18 @@ def question_batch(tokenizer, cache, context, questions) -> tuple[torch.Tensor, 
     if not all(parts):
         raise H2OError("every question needs at least one token")
     longest = max(len(p) for p in parts)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad = pad_id(tokenizer)
     ids = [context.tolist() + [pad] * (longest - len(p)) + p for p in parts]
     mask = [[1] * context.numel() + [0] * (longest - len(p)) + [1] * len(p) for p in parts]
     return torch.tensor(ids), torch.tensor(mask)
+
+
+def pad_id(tokenizer) -> int:
+    """The id padding takes (masked where it sits): the tokenizer's pad, else its end of sequence, else 0."""
+    for token in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token is not None:
+            return token
+    return 0
 
 
 def trim(row: list[int], eos) -> list[int]:

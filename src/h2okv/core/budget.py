@@ -220,8 +220,11 @@ class RowBudgets:
         return self.heavy.to(device), self.recent.to(device), self.sinks.to(device)
 
     def _warn_if_degenerate(self) -> None:
-        smallest = int((self.heavy - self.sinks + self.recent).min()) if self.rows and self.protect_prompt \
-            else int((self.heavy + self.recent).min()) if self.rows else 0
+        if not self.rows:
+            return
+        # a protected prompt is kept on top of the budget: what is left to rank is the rest
+        kept = self.heavy + self.recent - (self.sinks if self.protect_prompt else 0)
+        smallest = int(kept.min())
         if self.policy.evicts and 0 < smallest < DEGENERATE_SLOTS:
             warnings.warn(f"h2okv: a budget of {smallest} slots per layer and KV head rarely keeps an answer; "
                           f"give budget= a larger fraction or at least {DEGENERATE_SLOTS} slots "
