@@ -14,14 +14,7 @@ from h2okv.serve.engine import Engine, GenerationRequest
 from h2okv.serve.errors import ErrorKind, ServeError
 from h2okv.serve.memory import footprint_slots, prefill_chunks, reservation
 from h2okv.serve.text import TextStream
-from h2okv.tools.tiny_chat import tiny_chat_model
 from serve_cases import CHUNK, alone, prompt
-
-
-@pytest.fixture(scope="module")
-def model_tok():
-    # a large init scale gives varied, confident greedy outputs: a wrong eviction or position changes them
-    return tiny_chat_model(layers=3, initializer_range=0.3)
 
 
 @pytest.fixture

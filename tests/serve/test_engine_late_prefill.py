@@ -10,7 +10,6 @@ from h2okv import H2OCache, H2OError
 from h2okv.core.compat import cache_arg
 from h2okv.serve.engine import Engine, GenerationRequest
 from h2okv.serve.eviction import EvictionDefaults
-from h2okv.tools.tiny_chat import tiny_chat_model
 from serve_cases import CHUNK, prompt
 
 CASES = [  # (prompt length, policy, heavy, recent, new tokens)
@@ -21,11 +20,6 @@ CASES = [  # (prompt length, policy, heavy, recent, new tokens)
     (45, "snapkv:window=4,heads=shared", 6, 3, 12),
     (30, "full", None, None, 9),
 ]
-
-
-@pytest.fixture(scope="module")
-def model_tok():
-    return tiny_chat_model(layers=3, initializer_range=0.3)
 
 
 def alone(model, ids, policy, heavy, recent, steps, prefill):

@@ -12,13 +12,7 @@ from h2okv import H2OCache
 from h2okv.core.compat import cache_arg
 from h2okv.serve.engine import Engine, GenerationRequest
 from h2okv.serve.prefix import Entry, PrefixIndex
-from h2okv.tools.tiny_chat import tiny_chat_model
 from serve_cases import CHUNK, prompt
-
-
-@pytest.fixture(scope="module")
-def model_tok():
-    return tiny_chat_model(layers=3, initializer_range=0.3)
 
 
 @pytest.fixture
@@ -30,14 +24,19 @@ def engine(model_tok):
     eng.stop()
 
 
+def settle(engine) -> None:
+    """Wait for the engine's iteration to be published (its stats count what just finished)."""
+    deadline = time.monotonic() + 10
+    while not engine.idle() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def run(engine, ids, policy="h2o", heavy=6, recent=6, steps=10, key=None):
     """One request to its end, and the engine's iteration published (its stats count it)."""
     request = GenerationRequest(ids, steps, policy, heavy, recent, temperature=0.0, ignore_eos=True, cache_key=key)
     _, done = engine.submit(request).result_blocking()
     assert done.kind == "done"
-    deadline = time.monotonic() + 10
-    while not engine.idle() and time.monotonic() < deadline:
-        time.sleep(0.005)
+    settle(engine)
     return done.token_ids
 
 
@@ -92,15 +91,11 @@ def test_a_fraction_budget_hits_across_turns_and_keeps_the_first_turns_budget(en
     two = GenerationRequest(follow, 6, "h2o", 6, 6, temperature=0.0, ignore_eos=True, budget_label="0.2")
     _, again = engine.submit(two).result_blocking()
     assert again.kind == "done" and engine.executor.saved_bytes() > 0
-    deadline = time.monotonic() + 10
-    while not engine.idle() and time.monotonic() < deadline:
-        time.sleep(0.005)
+    settle(engine)
     assert engine.stats.prefix_hits == 1
     other = GenerationRequest(follow, 2, "h2o", 4, 4, temperature=0.0, ignore_eos=True, budget_label="0.3")
     engine.submit(other).result_blocking()
-    deadline = time.monotonic() + 10
-    while not engine.idle() and time.monotonic() < deadline:
-        time.sleep(0.005)
+    settle(engine)
     assert (engine.stats.prefix_hits, engine.stats.prefix_misses) == (1, 2)  # asked for another budget: a miss
 
 
@@ -143,9 +138,7 @@ def test_a_shared_document_is_read_once_for_every_conversation(model_tok, engine
         request = GenerationRequest(doc + question, steps, "h2o", 6, 6, temperature=0.0, ignore_eos=True,
                                     cache_prefix=len(doc))
         _, done = engine.submit(request).result_blocking()
-        deadline = time.monotonic() + 10
-        while not engine.idle() and time.monotonic() < deadline:
-            time.sleep(0.005)
+        settle(engine)
     assert (engine.stats.prefix_hits, engine.stats.prefix_misses) == (1, 1)
     assert engine.stats.prefix_entries == 3  # the document (once), and each conversation's end
     cache = H2OCache(model, policy="h2o", heavy=6, recent=6, chunk_size=CHUNK)
