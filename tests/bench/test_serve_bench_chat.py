@@ -29,3 +29,38 @@ def test_every_conversation_hides_one_number_per_turn():
         assert len(conv["keys"]) == len(conv["numbers"]) == 4
         for key, number in zip(conv["keys"], conv["numbers"], strict=True):
             assert f"The special magic number for {key} is {number}" in conv["document"]
+
+
+def test_a_recipe_runs_beside_the_policies_and_its_document_is_ranked_once():
+    """``--recipe document``: the server of ``serve --recipe document`` (kvzip, cache-wide head split),
+    given the profile's total budget. Its first turn ranks the document alone (the question is read
+    after), so the second turn resumes the question-agnostic state and reads only what is new."""
+    from h2okv.bench.serve import server_settings
+
+    (label, eviction), = server_settings([], ["document"], {"heavy_ratio": 0.1, "recent_ratio": 0.1})
+    assert (label, eviction.policy, eviction.budget, eviction.head_budgets) == ("document", "kvzip", 0.2, "layers")
+    model, tok = tiny_chat_model(layers=2, max_positions=2048)
+    result = chat_bench(model, tok, policies=[], recipes=["document"], kv_memory=64 << 20, conversations_count=1,
+                        turns=2, doc_tokens=150, max_tokens=4, prefix_memory=64 << 20, concurrency=1,
+                        budget={"heavy_ratio": 0.1, "recent_ratio": 0.1}, prefill_chunk=64, model_name="tiny",
+                        progress=lambda line: None, source=TEXT)
+    store, none = result["results"]
+    assert store["policy"] == none["policy"] == "document"
+    assert store["answered"] == none["answered"] == 2
+    assert store["prefix_hits"] >= 1 and none["prefix_hits"] == 0
+    assert store["turns"][1]["read_tokens_mean"] < store["turns"][1]["prompt_tokens_mean"] / 2
+
+
+def test_the_per_turn_plot_draws_every_run(tmp_path):
+    import pytest
+
+    from h2okv.bench.chat import plot_chat
+    from h2okv.errors import H2OError
+
+    turns = [{"turn": t, "ttft_median_s": s} for t, s in ((1, 60.0), (2, 1.2), (3, None))]
+    rows = [{"policy": name, "prefix_cache_memory": store, "turns": turns, "correct": 3, "answered": 3}
+            for name in ("full", "document") for store in (1 << 20, 0)]
+    path = plot_chat(rows, str(tmp_path / "turns.png"))
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(H2OError, match=".png"):
+        plot_chat(rows, str(tmp_path / "turns.svg"))

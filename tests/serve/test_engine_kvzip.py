@@ -128,3 +128,44 @@ def test_cli_refuses_kvzip_with_rolling_positions(capsys, monkeypatch):
     assert main(["serve", "--policy", "kvzip", "--positions", "rolling"]) == 2
     err = capsys.readouterr().err
     assert "--positions true" in err and err.count("\n") == 1
+
+
+def kvzip_document(model, tok, ids, cut, heavy, recent, steps, **options):
+    """Reference for a prompt whose first ``cut`` tokens are its cacheable prefix (a document): the
+    document ranked as a prompt of its own (all but its last token read, ``reconstruct``, the last
+    token), then the rest read on the ranked cache in one call, then ``generate``."""
+    cache = H2OCache(model, policy="kvzip", heavy=heavy, recent=recent, prefill="late", **options)
+    head = torch.tensor([ids[:cut - 1]])
+    with torch.inference_mode():
+        model(input_ids=head, **cache_arg(cache), use_cache=True)
+        reconstruct(model, cache, head, tok, start=0)
+        model(input_ids=torch.tensor([ids[cut - 1:cut]]), position_ids=torch.tensor([[cut - 1]]),
+              **cache_arg(cache), use_cache=True)
+        out = model.generate(torch.tensor([ids]), **cache_arg(cache), max_new_tokens=steps, min_new_tokens=steps,
+                             do_sample=False, pad_token_id=257)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("options", [{}, {"head_budgets": "layers", "head_floor": 0.0}])
+def test_a_cacheable_prefix_is_ranked_before_the_question_and_resumed(model_tok, options):
+    """A kvzip request with a cacheable prefix ranks only it (the question is read after, on the
+    ranked cache: the ``document`` recipe), with the recipe's head split; the prefix store keeps that
+    question-agnostic state, and a second question over the same document resumes it. Both answers
+    equal the library's order, store or no store."""
+    model, tok = model_tok
+    doc, qa, qb = prompt(50, 11), prompt(8, 12), prompt(10, 13)
+    wants = [kvzip_document(model, tok, doc + q, len(doc), 6, 2, 7, **options) for q in (qa, qb)]
+    for store in (0, 64 << 20):
+        engine = Engine(model, tok, prefill_chunk=CHUNK, prefix_memory=store,
+                        cache_options={"kvzip": options} if options else None)
+        engine.start()
+        try:
+            for question, want in zip((qa, qb), wants, strict=True):
+                request = GenerationRequest(doc + question, 7, "kvzip", 6, 2, temperature=0.0, ignore_eos=True,
+                                            cache_prefix=len(doc))
+                _, done = engine.submit(request).result_blocking()
+                assert done.token_ids == want, (store, options)
+        finally:
+            engine.stop()
+        if store:  # the first read the document and stored it; the second resumed it
+            assert (engine.prefixes.hits, engine.prefixes.misses) == (1, 1)

@@ -48,3 +48,12 @@ def test_bad_server_settings_are_one_line_errors(settings):
     with pytest.raises(H2OError) as err:
         EvictionDefaults.from_options(**settings).validate()
     assert "\n" not in str(err.value)
+
+
+def test_a_recipes_head_split_reaches_the_caches_of_its_own_policy_only():
+    document = EvictionDefaults.from_options(recipe="document")
+    assert document.cache_options() == {"kvzip": {"head_budgets": "layers", "head_floor": 0.0}}
+    assert document.describe()["head_budgets"] == "layers"
+    assert EvictionDefaults.from_options(recipe="document", policy="h2o").cache_options() == {}
+    assert EvictionDefaults.from_options(recipe="prompt").cache_options() == {}
+    assert "head_budgets" not in EvictionDefaults().describe()

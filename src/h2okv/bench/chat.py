@@ -98,19 +98,16 @@ def per_turn(rows: list[dict], turns: int) -> list[dict]:
 def chat_bench(model, tokenizer, *, policies: list[str], kv_memory: int, conversations_count: int, turns: int,
                doc_tokens: int, max_tokens: int, prefix_memory: int, concurrency: int, budget: dict | None = None,
                prefill_chunk: int = 128, model_name: str = "bench", seed: int = 0, progress=print,
-               source: str | None = None) -> dict:
-    """Every policy with the prefix store and without, on the same conversations."""
-    from h2okv.policies import make_policy
+               source: str | None = None, recipes: list[str] = ()) -> dict:
+    """Every policy and recipe with the prefix store and without, on the same conversations."""
+    from h2okv.bench.serve import server_settings
     from h2okv.serve.api.app import create_app
     from h2okv.serve.api.server import running_server
-    from h2okv.serve.eviction import EvictionDefaults
 
     convs = conversations(tokenizer, conversations_count, doc_tokens, turns, seed, source)
     results = []
-    for policy in policies:
+    for policy, eviction in server_settings(policies, recipes, budget):
         for store in (prefix_memory, 0):
-            evicts = make_policy(policy).evicts
-            eviction = EvictionDefaults(policy=policy, budget_floor=0, **((budget or {}) if evicts else {}))
             app = create_app(model, tokenizer, model_name=model_name, eviction=eviction, kv_memory=kv_memory,
                              prefill_chunk=prefill_chunk, prefix_memory=store)
             with running_server(app) as url:
@@ -138,13 +135,42 @@ def format_chat_row(row: dict) -> str:
             f"stored {row['prefix_bytes'] / 2**20:.1f} MiB, peak KV {row['kv_bytes_peak'] / 2**20:.1f} MiB; {turns}")
 
 
-def run_chat(args, model, tokenizer, policies, budget) -> int:
+def plot_chat(results: list[dict], path: str) -> str:
+    """Median TTFT per turn (log scale), one line per server run: with the store solid, without
+    dashed, its accuracy in the legend; ``results`` are ``chat_bench`` rows (several runs may be
+    merged)."""
+    from h2okv.eval.plots import new_figure, policy_color, save_figure
+    from h2okv.recipes import RECIPES
+
+    fig, axes = new_figure(width=6.4, height=4.0)
+    ax = axes[0][0]
+    for row in results:
+        turns = [t for t in row["turns"] if t["ttft_median_s"] is not None]
+        stored = bool(row["prefix_cache_memory"])
+        name = row["policy"]
+        color = policy_color(RECIPES[name].settings["policy"] if name in RECIPES else name)
+        ax.plot([t["turn"] for t in turns], [t["ttft_median_s"] for t in turns], marker="o", color=color,
+                linestyle="-" if stored else "--",
+                label=f"{name}, {'store' if stored else 'no store'}: {row['correct']}/{row['answered']} right")
+    ax.set_yscale("log")
+    ax.set_xlabel("turn of the conversation")
+    ax.set_ylabel("time to first token, median (s)")
+    ax.set_xticks(sorted({t["turn"] for row in results for t in row["turns"]}))
+    ax.legend(fontsize=7.5)
+    ax.grid(alpha=0.3)
+    return str(save_figure(fig, path))
+
+
+def run_chat(args, model, tokenizer, policies, budget, recipes=()) -> int:
     """``serve-bench --profile chat`` once ``bench.serve.run`` has checked the settings and loaded the model."""
     result = chat_bench(model, tokenizer, policies=policies, kv_memory=args.kv_memory, conversations_count=args.requests,
                         turns=args.turns, doc_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                         prefix_memory=args.prefix_cache_memory, concurrency=args.concurrency, budget=budget,
-                        prefill_chunk=args.chunk_size, model_name=args.model or "smollm2", seed=args.seed)
+                        prefill_chunk=args.chunk_size, model_name=args.model or "smollm2", seed=args.seed,
+                        recipes=recipes)
     result["command"] = bench_command(args) + f" --turns {args.turns} --prefix-cache-memory {args.prefix_cache_memory}"
     if args.json:
         print(f"wrote {write_json(result, args.json)}")
+    if getattr(args, "plot", None):
+        print(f"wrote {plot_chat(result['results'], args.plot)}")
     return 0 if all(r["answered"] == args.requests * args.turns for r in result["results"]) else 1

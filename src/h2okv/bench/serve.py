@@ -225,18 +225,36 @@ def grade(results: list[RequestResult], problems) -> dict:
             "correct": int(sum(scores)), "graded": len(scores)}
 
 
+def server_settings(policies: list[str], recipes: list[str], budget: dict | None) -> list[tuple[str, object]]:
+    """``(label, EvictionDefaults)`` of every server a bench starts: each policy with ``budget``
+    (``heavy``/``recent``/ratios; none for a policy that keeps everything), then each recipe as
+    ``serve --recipe`` builds it, given the same total budget, which it splits its own way."""
+    from h2okv.policies import make_policy
+    from h2okv.serve.eviction import EvictionDefaults
+
+    budget = budget or {}
+    out = [(policy, EvictionDefaults(policy=policy, budget_floor=0, **(budget if make_policy(policy).evicts else {})))
+           for policy in policies]
+    total = None
+    if "heavy" in budget or "recent" in budget:
+        total = int(budget.get("heavy", 0)) + int(budget.get("recent", 0))
+    elif "heavy_ratio" in budget or "recent_ratio" in budget:
+        total = float(budget.get("heavy_ratio", 0.0)) + float(budget.get("recent_ratio", 0.0))
+    for recipe in recipes:
+        out.append((recipe, EvictionDefaults.from_options(recipe=recipe, budget_floor=0, budget=total)))
+    return out
+
+
 def bench(model, tokenizer, *, policies: list[str], kv_memory: int, requests: int, concurrency: int,
           prompt_tokens: int | None, max_tokens: int, budget: dict | None = None, prefill_chunk: int = 128,
           max_batch: int = 64, model_name: str = "bench", schedules: tuple[str, ...] = ("budget",),
           step_tokens: int = 512, arrival_rate: float | None = None, seed: int = 0, task: str | None = None,
-          progress=print) -> dict:
+          progress=print, recipes: list[str] = ()) -> dict:
     """Serve ``model`` once per (schedule, policy) at the same ``kv_memory``; drive each with the same
     prompts (and arrival times): Hamlet cuts of ``prompt_tokens`` generating ``max_tokens`` each, or,
     with ``task``, that task's problems, graded."""
-    from h2okv.policies import make_policy
     from h2okv.serve.api.app import create_app
     from h2okv.serve.api.server import running_server
-    from h2okv.serve.eviction import EvictionDefaults
 
     problems = None
     if task:
@@ -247,9 +265,7 @@ def bench(model, tokenizer, *, policies: list[str], kv_memory: int, requests: in
     arrivals = None if arrival_rate is None else poisson_arrivals(requests, arrival_rate, seed)
     rows = []
     for schedule in schedules:
-        for policy in policies:
-            evicts = make_policy(policy).evicts
-            eviction = EvictionDefaults(policy=policy, budget_floor=0, **((budget or {}) if evicts else {}))
+        for policy, eviction in server_settings(policies, recipes, budget):
             app = create_app(model, tokenizer, model_name=model_name, eviction=eviction, kv_memory=kv_memory,
                              max_batch=max_batch, max_queue=max(256, requests), prefill_chunk=prefill_chunk,
                              schedule=schedule, step_tokens=step_tokens)
@@ -335,7 +351,8 @@ def format_row(row: dict) -> str:
 def bench_command(args) -> str:
     """The command line that reproduces this run (from the parsed arguments, not ``sys.argv``)."""
     parts = ["h2okv serve-bench", f"--profile {args.profile}", f"--kv-memory {args.kv_memory}",
-             f"--policies {args.policies}", f"--schedules {args.schedules}",
+             f"--policies {args.policies}", *([f"--recipe {args.recipe}"] if getattr(args, "recipe", None) else []),
+             f"--schedules {args.schedules}",
              f"--requests {args.requests}", f"--concurrency {args.concurrency}",
              *([f"--prompt-tokens {args.prompt_tokens}"] if args.prompt_tokens else []), f"--max-tokens {args.max_tokens}",
              f"--chunk-size {args.chunk_size}", f"--step-tokens {args.step_tokens}", f"--max-batch {args.max_batch}"]
@@ -379,8 +396,7 @@ def run(args, run_chat=None) -> int:
     """``h2okv serve-bench``: load the model, bench each policy, print and write JSON (``run_chat``:
     what runs ``--profile chat``, ``bench.chat.run_chat``)."""
     from h2okv.models import load_model
-    from h2okv.policies import make_policy
-    from h2okv.serve.eviction import EvictionDefaults
+    from h2okv.recipes import parse_recipes
     from h2okv.serve.scheduler import SCHEDULES
 
     apply_profile(args)
@@ -393,17 +409,19 @@ def run(args, run_chat=None) -> int:
         raise H2OError(f"--schedules takes a comma-separated list of {', '.join(SCHEDULES)}, got {args.schedules!r}")
     budget = {k: getattr(args, k) for k in ("heavy", "recent", "heavy_ratio", "recent_ratio")
               if getattr(args, k, None) is not None}
-    for policy in policies:  # validate before the slow model load
-        EvictionDefaults(policy=policy, **({} if not make_policy(policy).evicts else budget)).validate()
+    recipes = parse_recipes(args.recipe) if getattr(args, "recipe", None) else []
+    for _, eviction in server_settings(policies, recipes, budget):  # validate before the slow model load
+        eviction.validate()
     kv_memory = args.kv_memory  # bytes: the command line parsed them (h2okv.cli.args.parse_bytes)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     if args.profile == "chat":  # bench/chat.py, which the command line sends here with its loaded pieces
-        return run_chat(args, model, tokenizer, policies, budget)
+        return run_chat(args, model, tokenizer, policies, budget, recipes)
     result = bench(model, tokenizer, policies=policies, kv_memory=kv_memory, requests=args.requests,
                    concurrency=args.concurrency, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                    budget=budget, prefill_chunk=args.chunk_size, max_batch=args.max_batch,
                    model_name=args.model or "smollm2", schedules=schedules, step_tokens=args.step_tokens,
-                   arrival_rate=args.arrival_rate, seed=args.seed, task=getattr(args, "task", None))
+                   arrival_rate=args.arrival_rate, seed=args.seed, task=getattr(args, "task", None),
+                   recipes=recipes)
     result["command"] = bench_command(args)
     if args.json:
         print(f"wrote {write_json(result, args.json)}")

@@ -98,12 +98,17 @@ def register(sub) -> None:
                         "chat prompts, up to 512 new tokens until EOS, heavy 64 + recent 64, 64M; the served "
                         "answers are graded) or chat (4 conversations of 3 turns over ~1,024-token essays, each "
                         "policy with a 256M prefix store and without, graded) (default: prefill-heavy)")
+    b.add_argument("--plot", default=None, metavar="PNG",
+                   help="--profile chat: time to first token per turn, each run a line (default: none)")
     b.add_argument("--turns", type=positive_int, default=None, help="turns per conversation (--profile chat; default 3)")
     b.add_argument("--prefix-cache-memory", type=parse_bytes, default=None, metavar="SIZE",
                    help="the prefix store of the runs with one (--profile chat; default 256M)")
     b.add_argument("--kv-memory", type=parse_bytes, default=None,
                    help="KV-cache bytes shared by running requests, e.g. 64M (binary units; default: the profile's)")
     b.add_argument("--policies", default="full,h2o", help="comma-separated policies to compare (default: full,h2o)")
+    b.add_argument("--recipe", default=None, metavar="NAME,...",
+                   help="comma-separated recipes run beside --policies, each as `serve --recipe NAME` would, with "
+                        "the total of the budget given split its own way (e.g. document; see `serve --help`)")
     b.add_argument("--heavy", type=int, default=None, help="heavy-hitter slots (evicting policies)")
     b.add_argument("--recent", type=int, default=None, help="recent slots (evicting policies)")
     b.add_argument("--heavy-ratio", type=float, default=None, help="heavy slots as a fraction of the prompt")
@@ -169,7 +174,7 @@ def serve_on_rank(args) -> int:
     from h2okv.serve import tp
 
     channel = tp.Channel(heartbeat_s=tp.heartbeat_seconds(args.tp_timeout))
-    executor = Executor(model, args.chunk_size, args.eviction.prefill, args.positions)
+    executor = Executor(model, args.chunk_size, args.eviction.prefill, args.positions, args.eviction.cache_options())
     if not is_main_rank():
         tp.follow(executor, channel, tp.RankFigures(executor, channel.rank))
         return 0

@@ -296,6 +296,27 @@ class H2OCache(Cache):
     def rows(self) -> int:
         return self.row_budgets.rows
 
+    def compact(self) -> None:
+        """Hold each head's own live slots only (the flat layout) in every layer whose heads keep
+        uneven counts (a cache-wide or adaptive split): a state kept aside (the server's prefix
+        store) then costs its live tokens, not its widest head's count times every head. Any later
+        use (``take_rows``, a forward call) brings a layer back to the dense layout."""
+        for layer in self.layers:
+            if not layer.is_initialized or layer.ragged is not None:
+                continue
+            live = layer.live_slots()
+            if bool((live == live.flatten()[0]).all()):
+                continue  # even counts: the dense layout, trimmed, is already tight
+            layer.pack_live(int(live.max()))  # each head's live slots first, in slot order; no free tail
+            layer.flatten(live.reshape(-1).to(torch.int64).contiguous())
+
+    def decode_capacity(self) -> int:
+        """The slots per (row, head) a decode step needs: the largest budget of any layer's head
+        (a cache-wide or adaptive split gives some heads more than the even share), plus the
+        token the step writes before it evicts."""
+        budgets = [int(layer.slot_budget().max()) for layer in self.layers if layer.is_initialized]
+        return max(budgets, default=0) + 1
+
     def reorder_cache(self, beam_idx):
         self.select_rows(beam_idx)
 

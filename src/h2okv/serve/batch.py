@@ -8,7 +8,8 @@ mask needs no offset. A sequence is prefilled in its policy's prefill group (``e
 row is then copied out (``H2OCache.take_rows``) and appended to the batch of its policy
 (``H2OCache.append_rows``); a finished one is dropped (``H2OCache.select_rows``).
 
-Every row of a batch has the same slot capacity, sized to the largest row's reservation, so the
+Every row of a batch has the same slot capacity, sized to the largest row's reservation (or to its widest
+head's budget, under a cache-wide split: ``H2OCache.decode_capacity``), so the
 cache never grows during decode and the memory the engine admitted against is what it holds.
 """
 
@@ -37,7 +38,8 @@ class DecodeBatch:
     def add(self, row, cache: H2OCache, capacity: int) -> None:
         """Append a prefilled batch-1 ``cache`` as a new row; every row then has ``max(capacity, ...)``
         slots. ``cache`` must not be used by the caller afterwards."""
-        target = max(capacity, self.capacity)
+        # a head given more than the even share (a cache-wide split) keeps its slots
+        target = max(capacity, self.capacity, cache.decode_capacity())
         cache.fit_capacity(target)
         if self.cache is None:
             self.cache = cache
@@ -57,6 +59,7 @@ class DecodeBatch:
         position = {id(r): i for i, r in enumerate(self.rows)}
         index = torch.tensor([position[id(r)] for r in keep_rows], dtype=torch.long)
         self.cache.select_rows(index)
+        capacity = max(capacity, self.cache.decode_capacity())
         self.cache.fit_capacity(capacity)
         self.rows = list(keep_rows)
         self.capacity = capacity

@@ -56,6 +56,14 @@ log = logging.getLogger("h2okv.serve")
 __all__ = ["SCHEDULES", "Engine", "GenerationRequest"]
 
 
+def ranked_length(request: GenerationRequest) -> int:
+    """How many of the prompt's first tokens a policy ranked by reconstruction ranks: its cacheable
+    prefix (a document compressed before the question that follows, as ``read_context`` does, so
+    the state saved there is the question-agnostic one), else the whole prompt."""
+    cut = request.cache_prefix
+    return cut if cut is not None and 2 <= cut < len(request.prompt_ids) else len(request.prompt_ids)
+
+
 class Sequence:
     """One request inside the engine: its prompt chunks, its executor uid, its output."""
 
@@ -78,6 +86,7 @@ class Sequence:
         self.last_token_at: float | None = None
         self.evicted_counted = 0  # tokens evicted so far, as already added to the engine's counter
         self.probe: list[list[int]] | None = None  # a policy ranked by reconstruction: its probe calls
+        self.ranked = len(request.prompt_ids)  # ... and the prompt's first tokens they rank
 
     @property
     def generated(self) -> list[int]:
@@ -102,7 +111,8 @@ class Engine:
     def __init__(self, model, tokenizer, *, kv_memory: int | None = None, max_batch: int = 32,
                  max_queue: int = 256, prefill_chunk: int = 128, schedule: str = "budget",
                  step_tokens: int = 512, observer: Observer | None = None, executor=None,
-                 prefill: str = "chunked", positions: str = "true", prefix_memory: int = 0):
+                 prefill: str = "chunked", positions: str = "true", prefix_memory: int = 0,
+                 cache_options: dict[str, dict] | None = None):
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or step_tokens < 1:
             raise ValueError("max_batch, prefill_chunk and step_tokens must be >= 1, max_queue >= 0")
         if schedule not in SCHEDULES:
@@ -112,7 +122,8 @@ class Engine:
         self.observer = observer or Observer()
         # every model run and cache change goes through the executor (plain-data calls, see executor.py);
         # ``serve --tp`` passes one that also sends each call to the other ranks (tp.py)
-        self.executor = executor if executor is not None else Executor(model, prefill_chunk, prefill, positions)
+        self.executor = executor if executor is not None else \
+            Executor(model, prefill_chunk, prefill, positions, cache_options)
         # late prefill ranks a prompt once, at the end of the call that feeds it: so it is fed whole
         self.whole_prompts = prefill == "late"
         self.positions = positions
@@ -228,8 +239,9 @@ class Engine:
         output = Output(request, self.decode, self.device)
         seq = Sequence(request, handle, self.reservation(request), next(self.uids), self.chunk_for(request), output)
         if policy_class(request.policy).ranks_by_reconstruction:  # built here, where the tokenizer is
+            seq.ranked = ranked_length(request)
             with self.tokenizer_lock:
-                seq.probe = prompt_probes(self.tokenizer, request.prompt_ids)
+                seq.probe = prompt_probes(self.tokenizer, request.prompt_ids[:seq.ranked])
         return seq
 
     def wake(self) -> None:
@@ -496,20 +508,21 @@ class Engine:
     def _look_up(self, seq: Sequence) -> None:
         """At a prompt's first prefill: resume the longest saved state its prompt starts with, if
         any, and read only the rest (in chunks, on its own copy); a chunk ends where the request's
-        cacheable prefix does, whose state is then saved (``_store``)."""
-        if self.prefixes is None:
-            return
+        cacheable prefix does, whose state is then saved (``_store``). A prompt ranked by
+        reconstruction reads its ranked part in one chunk (``Sequence.ranked``), the rest after."""
         prompt = seq.request.prompt_ids
-        entry = self.prefixes.match(self._namespace(seq.request), prompt)
+        entry = None if self.prefixes is None else self.prefixes.match(self._namespace(seq.request), prompt)
         done = 0
         if entry is not None:
             done = len(entry.ids)
             seq.resume, seq.probe = entry.id, None  # its first part was ranked when it was saved
             seq.output.cached_tokens = done
         cut = seq.request.cache_prefix
-        if cut is None or not done < cut < len(prompt) or seq.probe is not None:
-            cut = len(prompt)  # no prefix point (a prompt ranked whole by reconstruction has none)
-        seq.save_at = cut if cut < len(prompt) else None
+        if seq.probe is not None:
+            cut = seq.ranked
+        elif cut is None or not done < cut < len(prompt):
+            cut = len(prompt)
+        seq.save_at = cut if cut < len(prompt) and self.prefixes is not None else None
         pieces = [(done, cut), (cut, len(prompt))] if cut < len(prompt) else [(done, len(prompt))]
         seq.chunks = [(lo + a, lo + b) for lo, hi in pieces for a, b in prefill_chunks(hi - lo, seq.chunk)]
 

@@ -36,6 +36,10 @@ class EvictionDefaults:
     recent_share: float | None = None
     #: the fewest slots a fractional budget keeps (a short chat prompt must not get 3 + 3 slots)
     budget_floor: int = DEFAULT_BUDGET_FLOOR
+    #: how the recipe shares slots among heads (``H2OCache``'s ``head_budgets``/``head_floor``),
+    #: for requests of the server's own policy: the ``document`` recipe's cache-wide split
+    head_budgets: str = "uniform"
+    head_floor: float | None = None
 
     @classmethod
     def from_options(cls, recipe: str | None = None, policy: str | None = None, prefill: str | None = None,
@@ -48,15 +52,30 @@ class EvictionDefaults:
         given = {name: budget.get(name) for name in (*PART_FIELDS, "budget")}
         if recipe and not any(value is not None for value in given.values()):
             given["budget"] = DEFAULT_RECIPE_BUDGET  # a recipe without a budget keeps its fifth
-        return cls(policy=policy or settings.get("policy", "h2o"), prefill=prefill or settings.get("prefill", "chunked"),
+        chosen = policy or settings.get("policy", "h2o")
+        # the recipe's head split goes with the recipe's own policy only (another --policy gets none)
+        split = settings if chosen == settings.get("policy") else {}
+        return cls(policy=chosen, prefill=prefill or settings.get("prefill", "chunked"),
                    recipe=recipe, recent_share=share,
-                   budget_floor=DEFAULT_BUDGET_FLOOR if budget_floor is None else budget_floor, **given)
+                   budget_floor=DEFAULT_BUDGET_FLOOR if budget_floor is None else budget_floor,
+                   head_budgets=split.get("head_budgets", "uniform"), head_floor=split.get("head_floor"), **given)
 
     def describe(self) -> dict:
         extra = {name: value for name, value in (("recipe", self.recipe), ("budget", self.budget),
                                                  ("recent_share", self.recent_share)) if value is not None}
+        split = {"head_budgets": self.head_budgets, "head_floor": self.head_floor} if self.cache_options() else {}
         return {"policy": self.policy, **extra, **{name: getattr(self, name) for name in PART_FIELDS},
-                "budget_floor": self.budget_floor}
+                "budget_floor": self.budget_floor, **split}
+
+    def cache_options(self) -> dict[str, dict]:
+        """``H2OCache`` keywords beyond the budget, by policy spec: the executor builds every cache
+        of the server's policy with them (plain data, so ``--tp`` followers get the same)."""
+        if self.head_budgets == "uniform" and self.head_floor is None:
+            return {}
+        split = {"head_budgets": self.head_budgets}
+        if self.head_floor is not None:
+            split["head_floor"] = self.head_floor
+        return {make_policy(self.policy).spec: split}
 
     def budget_fields(self) -> dict:
         return {name: getattr(self, name) for name in BUDGET_FIELDS}

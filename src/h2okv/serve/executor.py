@@ -24,13 +24,15 @@ every policy), which the engine's scheduler guarantees. ``join`` copies a finish
 into its policy's decode batch; ``join`` and ``close`` then cut the group's free tail slots, so
 the group holds at most ``rows * max(min(prompt, budget) + chunk)`` slots (see ``memory.py``).
 
-**Ranked by reconstruction** (policy ``kvzip``). Such a prompt is fed whole, in one ``prefill``
-call, and never shares a forward: its own batch-1 cache reads every token but the last with
-exact attention, reads the probe calls it was ``open``ed with (``core/reconstruction.py``; built by
-the engine, which holds the tokenizer) and evicts to its budget by the scores they give, then
-reads the last token on the ranked cache, whose logits the call returns. That is ``eval
-longctx``'s order, so the first generated token already sees the ranked cache. The probe's keys
-and values live for one layer's call only: what stays is the prompt, then the budget.
+**Ranked by reconstruction** (policy ``kvzip``). Such a prompt's ranked part (the whole prompt, or
+its cacheable prefix: a document ranked before the question that follows it) is fed in one
+``prefill`` call and never shares a forward: its own batch-1 cache reads every token but the last
+with exact attention, reads the probe calls it was ``open``ed with (``core/reconstruction.py``;
+built by the engine, which holds the tokenizer, from the ranked part) and evicts to its budget by
+the scores they give, then reads the last token on the ranked cache, whose logits the call
+returns. That is ``eval longctx``'s order, so the first generated token already sees the ranked
+cache. Later calls read the rest of the prompt (the question) on that cache. The probe's keys and
+values live for one layer's call only: what stays is the prompt, then the budget.
 
 **Saved states** (the prefix store, ``prefix.py``). ``save(entry, uid)`` copies a decoding row's
 state (the tokens it has fed) under an entry id the engine chose; ``open(..., resume=entry)`` starts
@@ -98,13 +100,16 @@ class SequenceSpec:
 class Executor:
     """Owns ``model`` and the caches; see the module docstring for the determinism rule."""
 
-    def __init__(self, model, prefill_chunk: int, prefill: str = "chunked", positions: str = "true"):
+    def __init__(self, model, prefill_chunk: int, prefill: str = "chunked", positions: str = "true",
+                 cache_options: dict[str, dict] | None = None):
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
         self.model = model
         self.positions = positions  # every cache's position scheme (``H2OCache(positions=...)``)
+        # more H2OCache keywords for the caches of one policy spec (a recipe's head split)
+        self.cache_options = {spec: dict(options) for spec, options in (cache_options or {}).items()}
         self.device = model.device
         self.prefill_chunk = prefill_chunk
         self.prefill_mode = prefill  # H2OCache's: the engine feeds a late prompt in one call
@@ -168,13 +173,15 @@ class Executor:
         for policy, mine in by_policy.items():
             resumed = [part for part in mine if self._specs[part[0]].resume is not None]
             for uid, ids, start in resumed:  # each on its own copy of the saved state
-                out[uid] = self._prefill_resumed(uid, ids, start)
+                out[uid] = self._read_on(self._resumed, uid, ids, start)
             mine = [part for part in mine if self._specs[part[0]].resume is None]
             if not mine:
                 continue
             if policy_class(policy).ranks_by_reconstruction:
                 for uid, ids, start in mine:  # one at a time, never padded: see the module docstring
-                    out[uid] = self._prefill_ranked(uid, ids, start)
+                    ranked = uid in self._ranked  # its ranked part read: the rest goes on top
+                    out[uid] = self._read_on(self._ranked, uid, ids, start) if ranked else \
+                        self._prefill_ranked(uid, ids, start)
             else:
                 out.update(self._prefill_group(policy, mine))
         return out
@@ -261,6 +268,7 @@ class Executor:
             raise ValueError(f"sequence {uid} holds no state to save")
         copy = cache.take_rows([row])
         copy.trim()  # the batch's spare slots past the row's last live one
+        copy.compact()  # heads of uneven budgets: each holds its own live slots only
         self._saved[entry] = copy
         return sum(layer.kv_bytes() for layer in copy.layers)
 
@@ -297,8 +305,9 @@ class Executor:
         positions = self.positions if spec.heavy is not None else "true"  # keeping everything, nothing rolls
         # a prompt ranked by reconstruction is read whole whatever the server's mode
         prefill = "late" if spec.probe is not None else self.prefill_mode
+        options = self.cache_options.get(spec.policy, {}) if spec.heavy is not None else {}
         return H2OCache(self.model, policy=spec.policy, chunk_size=self.prefill_chunk, seed=spec.seed,
-                        prefill=prefill, positions=positions, **budget)
+                        prefill=prefill, positions=positions, **budget, **options)
 
     def _prefill_ranked(self, uid: int, ids: list[int], start: int) -> torch.Tensor:
         """A prompt ranked by reconstruction: all but its last token read, the probe, the last token."""
@@ -322,9 +331,10 @@ class Executor:
         self._ranked[uid] = cache
         return out.logits[0, -1]
 
-    def _prefill_resumed(self, uid: int, ids: list[int], start: int) -> torch.Tensor:
-        """The next part of a resumed prompt, on its own copy of the saved state (one forward)."""
-        cache = self._resumed.get(uid)
+    def _read_on(self, own: dict[int, H2OCache], uid: int, ids: list[int], start: int) -> torch.Tensor:
+        """The next part of a prompt with a batch-1 cache of its own (``own[uid]``: a resumed one's
+        copy of its saved state, made at its first part; a ranked one's cache), in one forward."""
+        cache = own.get(uid)
         if cache is None:
             cache = self._saved[self._specs[uid].resume].take_rows([0])
         try:
@@ -332,9 +342,9 @@ class Executor:
                              position_ids=torch.arange(start, start + len(ids), device=self.device)[None],
                              **cache_arg(cache), use_cache=True, **self._keep_last)
         except Exception:
-            self._resumed.pop(uid, None)
+            own.pop(uid, None)
             raise
-        self._resumed[uid] = cache
+        own[uid] = cache
         return out.logits[0, -1]
 
     def _prefill_group(self, policy: str, parts: list[tuple[int, list[int], int]]) -> dict[int, torch.Tensor]:

@@ -64,7 +64,8 @@ def create_app(
         raise ValueError("request_timeout must be > 0")
     engine = Engine(model, tokenizer, kv_memory=kv_memory, max_batch=max_batch, max_queue=max_queue,
                     prefill_chunk=prefill_chunk, schedule=schedule, step_tokens=step_tokens, executor=executor,
-                    prefill=eviction.prefill, positions=positions, prefix_memory=prefix_memory)
+                    prefill=eviction.prefill, positions=positions, prefix_memory=prefix_memory,
+                    cache_options=eviction.cache_options())
     metrics = ServeMetrics(engine)
     engine.observer = metrics
     context = max_context or model_context_limit(model)

@@ -35,7 +35,7 @@ from fastapi import Request
 
 from h2okv.chat import history_length
 from h2okv.errors import H2OError
-from h2okv.policies import make_policy
+from h2okv.policies import make_policy, policy_class
 from h2okv.recipes import get_recipe
 from h2okv.serve.api.errors import APIError
 from h2okv.serve.api.formatting import CompletionLogprobs, chat_logprobs, merge_completion_logprobs
@@ -183,7 +183,7 @@ class Serving:
             temperature=body.temperature, top_p=body.top_p, stops=stops,
             seed=None if body.seed is None else (body.seed + i) % (1 << 63), ignore_eos=body.ignore_eos,
             top_logprobs=body.top_logprobs_wanted(), timeout=self.limits.request_timeout,
-            budget_label=budget_label(body), cache_prefix=self.cacheable_prefix(body, prompt_ids),
+            budget_label=budget_label(body), cache_prefix=self.cacheable_prefix(body, prompt_ids, policy),
         ) for i in range(body.n)]
 
     def check_budget(self, body) -> None:
@@ -256,11 +256,12 @@ class Serving:
             raise APIError(400, f"prompt token ids must be in [0, {self.vocab})", param="prompt")
         return list(prompt)
 
-    def cacheable_prefix(self, body, prompt_ids: list[int]) -> int | None:
-        """Where the prefix store keeps a state of this prompt (None: the store is off, or nowhere):
+    def cacheable_prefix(self, body, prompt_ids: list[int], policy: str) -> int | None:
+        """Where the prefix store keeps a state of this prompt, and what a policy ranked by
+        reconstruction ranks before the rest is read (None: nowhere, or neither applies):
         ``h2o.cache_prefix`` tokens for a completion; for a chat, every message before the last user
         message as the template renders them, when the prompt starts with exactly those tokens."""
-        if self.engine.prefixes is None:
+        if self.engine.prefixes is None and not policy_class(policy).ranks_by_reconstruction:
             return None
         if isinstance(body, ChatCompletionRequest):
             with self.encoder_lock:
