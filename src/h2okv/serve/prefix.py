@@ -46,6 +46,10 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __iter__(self):
+        """The entries kept, least recently used first (a snapshot: the engine's thread may add more)."""
+        return iter(list(self._entries.values()))
+
     def match(self, namespace: tuple, ids: list[int]) -> Entry | None:
         """The entry of ``namespace`` whose ids are the longest proper prefix of ``ids`` (at least
         one token is left to read, whose logits start the answer), marked as used; None: a miss."""
