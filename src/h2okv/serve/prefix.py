@@ -38,6 +38,7 @@ class PrefixIndex:
         self._entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
         self._ids = itertools.count()
         self.hits = self.misses = 0
+        self.evicted = 0  # entries dropped to stay under the capacity (least recently used first)
 
     @property
     def bytes(self) -> int:
@@ -83,6 +84,7 @@ class PrefixIndex:
         while self.bytes > self.capacity:
             oldest, _ = self._entries.popitem(last=False)
             gone.append(oldest)
+            self.evicted += 1
         return gone
 
     def clear(self) -> list[int]:
