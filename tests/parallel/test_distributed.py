@@ -153,7 +153,8 @@ def test_serve_channel_replays_rank0_calls_in_order(tp_session):
     assert [k for k in kinds if k != "ping"] == ["call", "call", "call", "call", "stats", "call", "stop"]
     # per-rank figures, gathered between two calls
     for rank, figures in enumerate(leader["figures"]):
-        assert figures == {"rank": rank, "kv_bytes": 15, "kv_bytes_peak": 15, "sequences": 2}
+        assert figures == {"rank": rank, "kv_bytes": 15, "kv_bytes_peak": 15, "sequences": 2, "saved_entries": 0,
+                           "saved_bytes": 0, "saved_checksum": 0}  # (no prefix store: CRC-32 of nothing)
     # the same failure on every rank is survived; one rank failing alone is a divergence
     assert follower["error"] == ("rank 1 diverged from rank 0: call fail_on_followers() failed here but "
                                  "succeeded on rank 0")

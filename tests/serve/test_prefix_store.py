@@ -126,6 +126,7 @@ def test_lru_under_the_byte_budget():
     big = Entry(index.reserve(), ns, (8,), 101)
     assert index.add(big) == [big.id]  # larger than the whole store: not kept
     assert index.bytes == 80 and (index.hits, index.misses) == (2, 1)
+    assert index.evicted == 1  # b (big was never kept)
 
 
 def test_a_shared_document_is_read_once_for_every_conversation(model_tok, engine):
@@ -178,3 +179,4 @@ def test_chat_turns_over_http_resume_the_history(model_tok):
     # turn 2 resumed turn 1's history (its system-message prefix, at least), the other conversation the system message
     assert metrics["h2okv_prefix_cache_hits_total"] == 2
     assert metrics["h2okv_prefix_cache_bytes"] > 0 and metrics["h2okv_prefix_cache_entries"] >= 3
+    assert metrics["h2okv_prefix_cache_evictions_total"] == 0  # 64 MiB hold them all

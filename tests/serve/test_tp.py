@@ -1,7 +1,7 @@
 """``h2okv serve --tp 2`` on CPU with gloo: a tiny random Qwen2 with 4 KV heads (2 per rank) answers
 the official ``openai`` client with the same greedy text as a ``--tp 1`` server of the same
-checkpoint, frees every rank's KV after cancelled streams, and ends every rank with exit 0 on
-SIGTERM.
+checkpoint, resumes a conversation from its prefix store with every rank keeping the same saved
+entries, frees every rank's KV after cancelled streams, and ends every rank with exit 0 on SIGTERM.
 
 Starting ranks is the slow part (each imports torch and transformers): the server is the last step
 of the session's one 2-rank group (``tp_group``, tests/support/tp_group.py), which runs
@@ -26,6 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from h2okv import cli
+from h2okv.bench.serve import scrape
 from h2okv.models import load_model
 from h2okv.parallel import launch
 from h2okv.serve import EvictionDefaults, create_app, running_server, tp
@@ -33,7 +34,7 @@ from h2okv.serve.engine import Engine, GenerationRequest
 from h2okv.serve.executor import Executor
 from h2okv.tools.process import save_tiny_model
 from h2okv.tools.tiny_chat import tiny_chat_model
-from tp_group import SERVE_CHUNK, SERVE_HEAVY, SERVE_NAME, SERVE_RECENT
+from tp_group import SERVE_CHUNK, SERVE_HEAVY, SERVE_NAME, SERVE_PREFIX_MEMORY, SERVE_RECENT
 
 NAME = SERVE_NAME
 PROMPTS = [f"prompt {i}: the quick brown fox jumps over {i * 7} lazy dogs" for i in range(8)]
@@ -49,7 +50,7 @@ def tp2(tp_group):
 def tp1(tp_group):
     """The same checkpoint and settings served by one process, in this one (no rank to start)."""
     model, tok = load_model(str(tp_group.checkpoint), cache=False)
-    app = create_app(model, tok, model_name=NAME, prefill_chunk=SERVE_CHUNK,
+    app = create_app(model, tok, model_name=NAME, prefill_chunk=SERVE_CHUNK, prefix_memory=SERVE_PREFIX_MEMORY,
                      eviction=EvictionDefaults(policy="h2o", heavy=SERVE_HEAVY, recent=SERVE_RECENT))
     with running_server(app) as url:
         yield url
@@ -127,6 +128,49 @@ def test_kvzip_completion_matches_tp1(tp2, tp1):
         return out.choices[0].text
 
     assert run(tp2.url) == run(tp1)
+
+
+def converse(url: str) -> list[tuple[str, int]]:
+    """A two-turn chat over a shared system document: each turn's (answer, cached prompt tokens)."""
+    system = {"role": "system", "content": "Read this note first: " + "the mill pond freezes in January. " * 4}
+    history, turns = [system, {"role": "user", "content": "when does the pond freeze?"}], []
+    for question in ("and when does it thaw?", None):
+        out = client(url).chat.completions.create(model=NAME, messages=history, max_tokens=8, temperature=0,
+                                                  extra_body={"ignore_eos": True})
+        turns.append((out.choices[0].message.content, out.usage.prompt_tokens_details.cached_tokens))
+        if question:
+            history += [{"role": "assistant", "content": turns[-1][0]}, {"role": "user", "content": question}]
+    return turns
+
+
+@pytest.mark.slow
+def test_a_conversation_resumes_on_every_rank_and_every_rank_keeps_the_same_entries(tp2, tp1):
+    """With the prefix store: the second turn resumes a saved state (each rank its own KV heads of
+    it), answers as one process with the same store does, and afterwards every rank holds the same
+    saved entries (their count and a checksum of their ids), the ones rank 0's index lists.
+
+    Their bytes are rank 0's in the index, and close on the other rank but not equal: a saved copy
+    is trimmed past its last live slot, and where that falls depends on which slots this rank's KV
+    heads evicted (seen: rank 1 held 129,024 bytes where rank 0 held 129,280, one slot of one layer)."""
+    hits = scrape(tp2.url).get("h2okv_prefix_cache_hits_total", 0)
+    turns = converse(tp2.url)
+    assert turns[0][1] == 0 and turns[1][1] > 0  # the second turn read only what follows a saved state
+    assert turns == converse(tp1)  # the same answers, resumed at the same point
+    deadline = time.monotonic() + 30
+    while True:  # the engine publishes its store's figures once its iteration ends
+        store, ranks = scrape(tp2.url), rank_gauges(tp2.url)
+        if ranks["h2okv_rank_prefix_cache_entries"][0] == store["h2okv_prefix_cache_entries"]:
+            break
+        assert time.monotonic() < deadline, (store, ranks)
+        time.sleep(0.2)
+    assert store["h2okv_prefix_cache_hits_total"] >= hits + 1
+    entries, size = store["h2okv_prefix_cache_entries"], store["h2okv_prefix_cache_bytes"]
+    assert entries >= 3 and size > 0  # this conversation's: the document, turn 1, turn 2's history, turn 2
+    assert ranks["h2okv_rank_prefix_cache_entries"] == {0: entries, 1: entries}
+    held = ranks["h2okv_rank_prefix_cache_bytes"]
+    assert held[0] == size and abs(held[1] - size) <= 0.1 * size
+    checksum = ranks["h2okv_rank_prefix_cache_checksum"]
+    assert checksum[0] == checksum[1] and set(checksum) == {0, 1}
 
 
 @pytest.mark.slow

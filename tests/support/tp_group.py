@@ -8,8 +8,8 @@ Every rank of the group, in order:
    ``eval ppl``, ``bench`` and ``generate`` as commands, and drives the ``serve --tp`` command
    channel with a recording executor; rank 0 saves the results (``TPGroup.results``,
    tests/parallel/test_distributed.py);
-2. runs ``h2okv serve --tp 2`` on a tiny chat checkpoint (rank 0 serves HTTP) until rank 0 gets
-   SIGTERM (``TPGroup.serve``, tests/serve/test_tp.py).
+2. runs ``h2okv serve --tp 2`` on a tiny chat checkpoint (rank 0 serves HTTP), its prefix store on,
+   until rank 0 gets SIGTERM (``TPGroup.serve``, tests/serve/test_tp.py).
 
 The group is started by ``launch.run`` in a thread of the test process (the launcher), so it
 runs while the tests use it; the failure tests start their own, light groups.
@@ -51,8 +51,9 @@ ROLL_WINDOW, ROLL_NEW_TOKENS = 48, 80
 SERVE_NAME = "tiny"
 SERVE_HEAVY = SERVE_RECENT = 8
 SERVE_CHUNK = 16
+SERVE_PREFIX_MEMORY = 16 << 20  # the prefix store on: every rank saves, resumes and forgets the same states
 SERVE_SETTINGS = ["--policy", "h2o", "--heavy", str(SERVE_HEAVY), "--recent", str(SERVE_RECENT),
-                  "--chunk-size", str(SERVE_CHUNK)]
+                  "--chunk-size", str(SERVE_CHUNK), "--prefix-cache-memory", str(SERVE_PREFIX_MEMORY)]
 
 
 def greedy_new_tokens(model, cache, new_tokens: int) -> tuple[list[int], torch.Tensor]:

@@ -38,6 +38,7 @@ class PrefixIndex:
         self._entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
         self._ids = itertools.count()
         self.hits = self.misses = 0
+        self.evicted = 0  # entries dropped to stay under the capacity (least recently used first)
 
     @property
     def bytes(self) -> int:
@@ -45,6 +46,10 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def __iter__(self):
+        """The entries kept, least recently used first (a snapshot: the engine's thread may add more)."""
+        return iter(list(self._entries.values()))
 
     def match(self, namespace: tuple, ids: list[int]) -> Entry | None:
         """The entry of ``namespace`` whose ids are the longest proper prefix of ``ids`` (at least
@@ -79,6 +84,7 @@ class PrefixIndex:
         while self.bytes > self.capacity:
             oldest, _ = self._entries.popitem(last=False)
             gone.append(oldest)
+            self.evicted += 1
         return gone
 
     def clear(self) -> list[int]:

@@ -38,6 +38,7 @@ import logging
 import signal
 import threading
 import time
+import zlib
 from collections.abc import Callable
 
 import torch
@@ -181,7 +182,8 @@ class Channel:
 
 class RankFigures:
     """What one rank holds, for ``/metrics``: KV bytes now and at their peak (sampled after every
-    call), and open sequences."""
+    call), open sequences, and the prefix store's saved states (how many, their bytes, and a
+    checksum of their entry ids: every rank of a healthy group holds the same entries)."""
 
     def __init__(self, executor, rank: int):
         self.executor, self.rank = executor, rank
@@ -191,13 +193,22 @@ class RankFigures:
         self.kv_bytes_peak = max(self.kv_bytes_peak, self.executor.kv_bytes())
 
     def __call__(self) -> dict:
+        saved = _saved_entries(self.executor)
+        saved_bytes = getattr(self.executor, "saved_bytes", None)
         return {"rank": self.rank, "kv_bytes": self.executor.kv_bytes(), "kv_bytes_peak": self.kv_bytes_peak,
-                "sequences": _open_sequences(self.executor)}
+                "sequences": _open_sequences(self.executor), "saved_entries": len(saved),
+                "saved_bytes": saved_bytes() if callable(saved_bytes) else 0,
+                "saved_checksum": zlib.crc32(",".join(map(str, saved)).encode())}
 
 
 def _open_sequences(executor) -> int:
     count = getattr(executor, "sequences", None)
     return count() if callable(count) else len(executor._specs)
+
+
+def _saved_entries(executor) -> list[int]:
+    """The ids of the saved states ``executor`` holds, sorted (none for an executor with no store)."""
+    return sorted(getattr(executor, "_saved", ()))
 
 
 class Leader:
@@ -263,6 +274,12 @@ class RankCollector:
             ("h2okv_rank_kv_bytes_peak", "Most KV bytes this tensor-parallel rank held after any call",
              "kv_bytes_peak"),
             ("h2okv_rank_sequences", "Sequences open in this tensor-parallel rank's executor", "sequences"),
+            ("h2okv_rank_prefix_cache_entries", "Saved states (prefix store) this tensor-parallel rank holds",
+             "saved_entries"),
+            ("h2okv_rank_prefix_cache_bytes", "Bytes of the saved states (prefix store) this tensor-parallel rank "
+             "holds", "saved_bytes"),
+            ("h2okv_rank_prefix_cache_checksum", "CRC-32 of the ids of the saved states this tensor-parallel rank "
+             "holds: the same on every rank of a healthy group", "saved_checksum"),
         )
         for name, doc, key in families:
             family = GaugeMetricFamily(name, doc, labels=["rank"])

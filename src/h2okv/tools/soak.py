@@ -8,6 +8,10 @@ concurrent loops. Each loop sends, at random:
   logprobs), some of which the client abandons after a few chunks (a disconnect);
 - valid edge requests, which must get a 200: a tiny temperature (greedy), policy options
   (``snapkv:window=4``, echoed back), ``n`` at the server's ``--max-n``;
+- conversations (a share of the clients, ``--conversing``): chats of 2 to 4 streamed turns over a
+  system document that several conversations share, each turn sending the history back with the
+  previous answer, so the prefix store (``--prefix-cache-memory``, on by default and small, so it
+  fills and evicts) resumes turns and documents; some turns are abandoned mid-stream;
 - bad requests: malformed JSON, wrong values, huge ``max_tokens``, an empty prompt, invalid UTF-8,
   an unknown policy, an over-long prompt, and the hostile inputs the server was hardened against
   after probing it as an attacker would: a lone surrogate, a budget past the context, a body over
@@ -15,7 +19,9 @@ concurrent loops. Each loop sends, at random:
   too many stop strings, ``n`` above the cap.
 
 It checks: no 5xx at all; a 4xx in OpenAI's error format for every bad request; every completed
-stream well formed; zero KV bytes and requests in use at the end (``/metrics``); the server's RSS
+stream well formed; zero KV bytes and requests in use at the end (``/metrics``); with the store on,
+that conversations resumed stored states (hits), that the store evicted and stayed within its
+budget; the server's RSS
 slope over the last ``--rss-window`` seconds (least squares, MiB per minute) at most
 ``--max-rss-slope``; and that SIGTERM then exits 0. Prints and optionally writes a JSON report;
 exit status 1 if a check fails.
@@ -37,6 +43,7 @@ from pathlib import Path
 import httpx
 
 from h2okv.bench.serve import scrape
+from h2okv.cli.args import parse_bytes
 from h2okv.tools.process import ServerProcess, save_tiny_model
 
 NAME = "soak"
@@ -46,6 +53,9 @@ BIG_BODY = 6 << 20  # over the server's default --max-body-bytes (4 MiB)
 POLICIES = [None, {"policy": "h2o"}, {"policy": "local", "heavy": 0, "recent": 16}, {"policy": "full"},
             {"policy": "sink", "heavy": 4, "recent": 12}, {"policy": "random", "heavy": 8, "recent": 8},
             {"heavy_ratio": 0.2, "recent_ratio": 0.2}]
+WORDS = ["alpha", "beta", "gamma", "delta", "\u00e9t\u00e9", "\u4e2d\u6587"]
+# the system documents conversations open with (several conversations share each: read once, resumed)
+DOCUMENTS = [f"Document {i}. " + " ".join(random.Random(i).choice(WORDS) for _ in range(16)) for i in range(6)]
 
 
 def bad_request(rng: random.Random) -> tuple[str, str, bytes]:
@@ -114,8 +124,7 @@ def valid_request(rng: random.Random) -> tuple[str, dict]:
         body["n"] = 2
     if (policy := rng.choice(POLICIES)) is not None:
         body["h2o"] = policy
-    text = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "\u00e9t\u00e9", "\u4e2d\u6587"])
-                    for _ in range(rng.randint(1, 40)))
+    text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
     if chat:
         body["messages"] = [{"role": "user", "content": text}]
         if rng.random() < 0.2:
@@ -145,22 +154,29 @@ class Tally:
 async def send_valid(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
     path, body = valid_request(rng)
     disconnect_after = rng.randint(1, 5) if rng.random() < 0.2 else None
+    await stream(client, path, body, tally, disconnect_after)
+
+
+async def stream(client: httpx.AsyncClient, path: str, body: dict, tally: Tally,
+                 disconnect_after: int | None) -> tuple[str, dict] | None:
+    """Send a streamed request and read it to its end: (choice 0's text, the usage chunk), or None
+    (a failure, tallied; a 429; a disconnect after ``disconnect_after`` events)."""
     async with client.stream("POST", path, json=body) as response:
         if response.status_code == 429:  # queue full: a 4xx a client is told to retry, not a failure
             tally.counts["valid_429"] += 1
-            return
+            return None
         if response.status_code != 200:
             detail = (await response.aread())[:200]
             tally.status(response.status_code)
             tally.fail(f"valid request got HTTP {response.status_code}: {detail!r}")
-            return
-        events, finished, done = 0, 0, False
+            return None
+        events, finished, done, parts, usage = 0, 0, False, [], {}
         async for line in response.aiter_lines():
             if not line:
                 continue
             if not line.startswith("data: "):
                 tally.fail(f"not an SSE line: {line[:80]!r}")
-                return
+                return None
             data = line[6:]
             if data == "[DONE]":
                 done = True
@@ -168,16 +184,48 @@ async def send_valid(client: httpx.AsyncClient, rng: random.Random, tally: Tally
             event = json.loads(data)
             if "error" in event:
                 tally.fail(f"error event for a valid request: {event['error']}")
-                return
+                return None
             events += 1
-            finished += sum(1 for c in event.get("choices", []) if c.get("finish_reason"))
+            usage = event.get("usage") or usage
+            for choice in event.get("choices", []):
+                finished += bool(choice.get("finish_reason"))
+                if choice.get("index") == 0:
+                    parts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
             if disconnect_after is not None and events >= disconnect_after:
                 tally.counts["valid_disconnected"] += 1
-                return  # leaving the block closes the connection mid-stream
-        if not done or finished != body.get("n", 1):
-            tally.fail(f"incomplete stream: done={done}, finish reasons {finished}")
-            return
+                return None  # leaving the block closes the connection mid-stream
+        if not done or finished != body.get("n", 1) or not usage:
+            tally.fail(f"incomplete stream: done={done}, finish reasons {finished}, usage {usage}")
+            return None
         tally.counts["valid_completed"] += 1
+        return "".join(parts), usage
+
+
+async def converse(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
+    """One conversation: a shared document, then 2 to 4 turns, each sending the history with the
+    previous answer (same policy and budget throughout, as one client's chat would)."""
+    messages = [{"role": "system", "content": rng.choice(DOCUMENTS)}]
+    policy = rng.choice(POLICIES)
+    for turn in range(rng.randint(2, 4)):
+        question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8))) + "?"
+        messages.append({"role": "user", "content": question})
+        body: dict = {"model": NAME, "messages": messages, "max_tokens": rng.randint(4, 24), "stream": True,
+                      "temperature": rng.choice([0.0, 0.7]), "seed": rng.randrange(1 << 30),
+                      "stream_options": {"include_usage": True}, "ignore_eos": rng.random() < 0.5}
+        if policy is not None:
+            body["h2o"] = policy
+        disconnect_after = rng.randint(1, 3) if rng.random() < 0.1 else None
+        answer = await stream(client, "/v1/chat/completions", body, tally, disconnect_after)
+        if answer is None:
+            return
+        text, usage = answer
+        tally.counts["conversation_turns"] += 1
+        if turn and usage.get("prompt_tokens_details", {}).get("cached_tokens", 0) > 0:
+            tally.counts["conversation_turns_resumed"] += 1
+        if usage["prompt_tokens"] + usage["completion_tokens"] + 96 > MAX_PROMPT:
+            break  # the next turn would not fit --max-prompt-tokens
+        messages.append({"role": "assistant", "content": text})
+    tally.counts["conversations_completed"] += 1
 
 
 async def send_bad(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
@@ -215,7 +263,9 @@ async def send_edge(client: httpx.AsyncClient, rng: random.Random, tally: Tally)
                    f"{response.text[:200]!r}")
 
 
-async def client_loop(url: str, seed: int, stop_at: float, tally: Tally) -> None:
+async def client_loop(url: str, seed: int, stop_at: float, tally: Tally, conversing: bool = False) -> None:
+    """One client until ``stop_at``: bad, edge and valid requests at random; a ``conversing`` client
+    holds conversations where another sends single valid requests."""
     rng = random.Random(seed)
     timeout = httpx.Timeout(120.0)
     async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
@@ -226,6 +276,8 @@ async def client_loop(url: str, seed: int, stop_at: float, tally: Tally) -> None
                     await send_bad(client, rng, tally)
                 elif draw < 0.25:
                     await send_edge(client, rng, tally)
+                elif conversing:
+                    await converse(client, rng, tally)
                 else:
                     await send_valid(client, rng, tally)
             except httpx.HTTPError as exc:
@@ -240,11 +292,15 @@ async def sample_rss(server: ServerProcess, stop_at: float, samples: list[tuple[
         await asyncio.sleep(1.0)
 
 
-async def run_load(server: ServerProcess, clients: int, duration: float, seed: int) -> tuple[Tally, list]:
+async def run_load(server: ServerProcess, clients: int, duration: float, seed: int,
+                   conversing: float = 0.0) -> tuple[Tally, list]:
+    """``clients`` loops, the first ``conversing`` share of them (rounded) holding conversations."""
     tally, rss = Tally(), []
     stop_at = time.monotonic() + duration
+    talkers = round(clients * conversing)
     await asyncio.gather(sample_rss(server, stop_at, rss),
-                         *(client_loop(server.url, seed * 1000 + i, stop_at, tally) for i in range(clients)))
+                         *(client_loop(server.url, seed * 1000 + i, stop_at, tally, i < talkers)
+                           for i in range(clients)))
     return tally, rss
 
 
@@ -270,10 +326,12 @@ def run_server(args, tmp: str) -> tuple[Tally, list, float, dict, int]:
     server_args = ["--model", model, "--served-model-name", NAME, "--log-level", "warning",
                    "--kv-memory", args.kv_memory, "--max-batch", "48", "--max-queue", "128", "--max-n", str(MAX_N),
                    "--max-prompt-tokens", str(MAX_PROMPT), "--chunk-size", "64", "--request-timeout", "60"]
+    if args.prefix_memory:
+        server_args += ["--prefix-cache-memory", str(args.prefix_memory)]
     with ServerProcess(server_args, log_path=Path(tmp) / "server.log") as server:
         server.wait_healthy()
         started = time.monotonic()
-        tally, rss = asyncio.run(run_load(server, args.clients, args.duration, args.seed))
+        tally, rss = asyncio.run(run_load(server, args.clients, args.duration, args.seed, args.conversing))
         elapsed = time.monotonic() - started
         deadline = time.monotonic() + 30
         metrics = scrape(server.url)
@@ -304,8 +362,18 @@ def soak(args) -> dict:
         "sigterm_exit_0": exit_code == 0,
         "traffic_seen": counts.get("valid_completed", 0) > 0 and bad > 0 and counts.get("valid_disconnected", 0) > 0,
     }
+    store = {"memory": args.prefix_memory, "hits": int(metrics["h2okv_prefix_cache_hits_total"]),
+             "misses": int(metrics["h2okv_prefix_cache_misses_total"]),
+             "evictions": int(metrics["h2okv_prefix_cache_evictions_total"]),
+             "bytes_end": int(metrics["h2okv_prefix_cache_bytes"]), "entries_end": int(metrics["h2okv_prefix_cache_entries"])}
+    if args.prefix_memory:  # the store was used, filled and gave way, and kept to its budget
+        checks["prefix_store_hits_and_evicts"] = store["hits"] > 0 and store["evictions"] > 0
+        checks["prefix_store_within_budget"] = 0 < store["bytes_end"] <= args.prefix_memory
+        if args.conversing:
+            checks["conversations_resumed"] = counts.get("conversation_turns_resumed", 0) > 0
     return {
         "config": {"duration_s": args.duration, "clients": args.clients, "kv_memory": args.kv_memory,
+                   "prefix_cache_memory": args.prefix_memory, "conversing": args.conversing,
                    "model": args.model or "tiny random (2 layers)", "seed": args.seed,
                    "max_rss_slope_mib_per_min": args.max_rss_slope},
         "elapsed_s": round(elapsed, 1),
@@ -321,10 +389,16 @@ def soak(args) -> dict:
         "evicted_tokens": int(metrics["h2okv_evicted_tokens_total"]),
         "kv_bytes_in_use_end": int(metrics["h2okv_kv_bytes_in_use"]),
         "batch_size_max": int(metrics["h2okv_batch_size_max"]),
+        "prefix_cache": store,
         "exit_code": exit_code,
         "checks": checks,
         "passed": all(checks.values()),
     }
+
+
+def store_size(text: str) -> int:
+    """A byte size for --prefix-cache-memory, or 0 (off)."""
+    return 0 if str(text).strip() == "0" else parse_bytes(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,6 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=600.0, help="seconds of load (default: 600)")
     p.add_argument("--clients", type=int, default=64, help="concurrent client loops (default: 64)")
     p.add_argument("--kv-memory", default="4M", help="the server's --kv-memory (default: 4M)")
+    p.add_argument("--prefix-cache-memory", dest="prefix_memory", type=store_size, default="1M", metavar="SIZE",
+                   help="the server's --prefix-cache-memory; 0: the store off (default: 1M, small enough that "
+                        "the store fills and evicts)")
+    p.add_argument("--conversing", type=float, default=0.25,
+                   help="share of the clients that hold multi-turn conversations (default: 0.25)")
     p.add_argument("--model", default=None, help="checkpoint to serve (default: a tiny random model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rss-window", type=float, default=480.0,
@@ -343,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.duration <= 0 or args.clients <= 0:
         p.exit(2, "h2okv: error: --duration and --clients must be > 0\n")
+    if not 0 <= args.conversing <= 1:
+        p.exit(2, "h2okv: error: --conversing must be in [0, 1]\n")
     report = soak(args)
     text = json.dumps(report, indent=2)
     print(text)

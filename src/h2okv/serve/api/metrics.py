@@ -64,6 +64,10 @@ class _EngineCollector:
                                   value=s.prefix_hits)
         yield CounterMetricFamily("h2okv_prefix_cache_misses", "Prompts that found no stored state (store on)",
                                   value=s.prefix_misses)
+        store = self.engine.prefixes  # (read live: an int the engine thread only increments)
+        yield CounterMetricFamily("h2okv_prefix_cache_evictions", "Stored states dropped to stay under "
+                                  "--prefix-cache-memory, least recently used first",
+                                  value=0 if store is None else store.evicted)
         finished = CounterMetricFamily("h2okv_requests_finished", "Requests that left the engine",
                                        labels=["outcome"])
         for outcome, count in sorted(s.finished.items()):
