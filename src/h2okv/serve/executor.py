@@ -276,6 +276,10 @@ class Executor:
         """Drop saved state ``entry`` (no-op for an unknown one)."""
         self._saved.pop(entry, None)
 
+    def saved_entries(self) -> list[int]:
+        """The ids of the saved states held, sorted (every rank of ``serve --tp`` holds the same)."""
+        return sorted(self._saved)
+
     def saved_bytes(self) -> int:
         return sum(layer.kv_bytes() for cache in self._saved.values() for layer in cache.layers)
 

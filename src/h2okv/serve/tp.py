@@ -53,7 +53,7 @@ CALL, PING, STATS, STOP = "call", "ping", "stats", "stop"
 # executor methods that only read this rank's caches: run on rank 0 alone. Every other method is
 # broadcast (``slot_bytes`` too: it measures with a forward, whose collectives need every rank), so
 # a method added to the executor later is replicated unless it is listed here.
-LOCAL_ONLY = frozenset({"kv_bytes", "rows", "prefilling", "sequences", "saved_bytes"})
+LOCAL_ONLY = frozenset({"kv_bytes", "rows", "prefilling", "sequences", "saved_bytes", "saved_entries"})
 # calls that change caches without running the model: once the group is gone (broken, or stopped
 # while the engine still winds down) rank 0 runs them alone, so that the engine's cleanup (which
 # the executor promises always succeeds) still frees rank 0's caches and ends every request with
@@ -208,7 +208,8 @@ def _open_sequences(executor) -> int:
 
 def _saved_entries(executor) -> list[int]:
     """The ids of the saved states ``executor`` holds, sorted (none for an executor with no store)."""
-    return sorted(getattr(executor, "_saved", ()))
+    entries = getattr(executor, "saved_entries", None)
+    return entries() if callable(entries) else []
 
 
 class Leader:
