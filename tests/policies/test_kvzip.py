@@ -208,3 +208,33 @@ def test_bench_refuses_kvzip_on_a_model_without_a_tokenizer(capsys):
     assert main(["bench", "--model", "tiny:llama", "--policies", "kvzip", "--context", "64", "--json", "x.json"]) == 2
     err = capsys.readouterr().err
     assert "has no tokenizer" in err and err.count("\n") == 1
+
+
+def test_kernel_gives_each_token_its_best_neighbours_score_in_prompt_order():
+    """``kvzip:kernel=3``: a token takes the largest score among the tokens next to it *in the
+    prompt* (slots may hold them in any order), free slots stay 0, and kernel 1 is KVzip's own."""
+    from h2okv.policies import make_policy
+
+    ordinal = torch.tensor([[[3, 0, 4, 1, 2, 0]]])  # slot -> token position; the last slot is free
+    valid = torch.tensor([[[True, True, True, True, True, False]]])
+    scores = torch.tensor([[[0.0, 0.1, 0.0, 0.0, 0.9, 0.0]]])  # token 2 (slot 4) stands out
+    smoothed = make_policy("kvzip:kernel=3").smooth_probe(scores, ordinal, valid)
+    # tokens 1, 2, 3 (slots 3, 4, 0) take 0.9; token 0 (slot 1) keeps max(0.1, token 1's 0); token 4 stays 0
+    assert torch.equal(smoothed, torch.tensor([[[0.9, 0.1, 0.0, 0.9, 0.9, 0.0]]]))
+    assert make_policy("kvzip").smooth_probe(scores, ordinal, valid) is scores
+
+
+def test_a_planted_number_survives_whole_with_a_kernel():
+    """A value of several tokens, one of whose tokens the probe scores high: single-token ranking
+    keeps that token alone, ``kernel=5`` keeps the value's five tokens together."""
+    from h2okv.policies import make_policy
+
+    n = 40
+    ordinal = torch.arange(n).view(1, 1, n)
+    valid = torch.ones(1, 1, n, dtype=torch.bool)
+    scores = torch.rand(1, 1, n, generator=torch.Generator().manual_seed(0)) * 0.1
+    scores[0, 0, 22] = 1.0  # the middle digit of a number held by tokens 20..24
+    for spec, want in (("kvzip", {22}), ("kvzip:kernel=5", set(range(20, 25)))):
+        smoothed = make_policy(spec).smooth_probe(scores.clone(), ordinal, valid)
+        top = set(smoothed[0, 0].topk(len(want)).indices.tolist())
+        assert top == want, spec

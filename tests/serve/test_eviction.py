@@ -57,3 +57,5 @@ def test_a_recipes_head_split_reaches_the_caches_of_its_own_policy_only():
     assert EvictionDefaults.from_options(recipe="document", policy="h2o").cache_options() == {}
     assert EvictionDefaults.from_options(recipe="prompt").cache_options() == {}
     assert "head_budgets" not in EvictionDefaults().describe()
+    smoothed = EvictionDefaults.from_options(recipe="document", policy="kvzip:kernel=7")
+    assert smoothed.cache_options() == {"kvzip:kernel=7": {"head_budgets": "layers", "head_floor": 0.0}}

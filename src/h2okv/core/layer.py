@@ -340,7 +340,9 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         """The pass is over: every live slot's score becomes its reconstruction score
         (``rank_by_probe`` evicts)."""
         best, self.probe_best = self.probe_best, None
-        self.score.copy_(torch.where(self.valid, best, torch.zeros_like(best)))
+        best = self.config.policy.smooth_probe(torch.where(self.valid, best, torch.zeros_like(best)), self.ordinal,
+                                               self.valid)
+        self.score.copy_(best)
 
     def stop_probe(self) -> None:
         self.probe_best = None

@@ -98,6 +98,11 @@ class Policy:
     #: the "ordinal" (oldest first)
     rank: str | None = None
 
+    def smooth_probe(self, scores, ordinal, valid):
+        """A policy ranked by reconstruction may reshape the probe's per-slot scores before its
+        one eviction (``kvzip``'s ``kernel``); as they are by default."""
+        return scores
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls.options = {o.name: o.type for o in cls.declared} | ({"heads": str} if cls.ranks_heads else {})

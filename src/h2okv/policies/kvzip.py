@@ -10,10 +10,18 @@ group gives it (``core/reconstruction.py``), and each layer then evicts to its b
 probe costs about one more prefill of the prompt. Decode steps afterwards add their attention mass
 as in ``h2o``. The first four tokens are kept as attention sinks, as KVzip does.
 
+``kernel=K`` (odd, default 1: KVzip's own scores) gives each token the best score of the ``K``
+tokens centred on it, in prompt order, before the ranking: a token next to a chosen one ranks with
+it, so a value of many tokens (a number read digit by digit, a UUID) is kept whole or not at all.
+
 A cache with this policy must be ranked by ``h2okv.reconstruct`` before it decodes: a forward call
 after the prompt without one is a one-line error, never a silent full cache.
 """
 
+import torch
+import torch.nn.functional as F
+
+from h2okv.policies.base import Option
 from h2okv.policies.h2o import H2OPolicy
 
 SINKS = 4
@@ -24,3 +32,19 @@ class KVzipPolicy(H2OPolicy):
     ranks_by_reconstruction = True
     sink_tokens = SINKS
     ranks_heads = True
+    declared = (
+        Option("kernel", int, 1, lambda v: v >= 1 and v % 2 == 1, "an odd number >= 1", shown=False),
+    )
+
+    def smooth_probe(self, scores: torch.Tensor, ordinal: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """``scores`` ``[B, H, cap]`` (each live slot's reconstruction score), each the largest of the
+        ``kernel`` live tokens around it in prompt order (``ordinal``); free slots stay 0."""
+        if self.kernel == 1:
+            return scores
+        # prompt order: live slots by ordinal, free ones last (their 0 never raises a neighbour)
+        order = torch.argsort(torch.where(valid, ordinal, torch.iinfo(ordinal.dtype).max), dim=-1, stable=True)
+        ranked = scores.gather(-1, order)
+        b, h, n = ranked.shape
+        pooled = F.max_pool1d(ranked.reshape(b * h, 1, n), self.kernel, stride=1, padding=self.kernel // 2)
+        smoothed = torch.empty_like(scores).scatter_(-1, order, pooled.view(b, h, n))
+        return torch.where(valid, smoothed, torch.zeros_like(smoothed))

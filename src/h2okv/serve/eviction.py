@@ -53,8 +53,9 @@ class EvictionDefaults:
         if recipe and not any(value is not None for value in given.values()):
             given["budget"] = DEFAULT_RECIPE_BUDGET  # a recipe without a budget keeps its fifth
         chosen = policy or settings.get("policy", "h2o")
-        # the recipe's head split goes with the recipe's own policy only (another --policy gets none)
-        split = settings if chosen == settings.get("policy") else {}
+        # the recipe's head split goes with the recipe's own policy (any options of it) only
+        own = settings.get("policy")
+        split = settings if own and make_policy(chosen).name == make_policy(own).name else {}
         return cls(policy=chosen, prefill=prefill or settings.get("prefill", "chunked"),
                    recipe=recipe, recent_share=share,
                    budget_floor=DEFAULT_BUDGET_FLOOR if budget_floor is None else budget_floor,
@@ -75,7 +76,7 @@ class EvictionDefaults:
         split = {"head_budgets": self.head_budgets}
         if self.head_floor is not None:
             split["head_floor"] = self.head_floor
-        return {make_policy(self.policy).spec: split}
+        return {make_policy(self.policy).spec: split}  # the spec requests of this policy carry
 
     def budget_fields(self) -> dict:
         return {name: getattr(self, name) for name in BUDGET_FIELDS}
