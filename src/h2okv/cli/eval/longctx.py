@@ -56,7 +56,7 @@ def register(kinds) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=None, help="greedy tokens per answer (default: each task's own)")
     p.add_argument("--seed", type=int, default=0, help="seed of every generated prompt and of the random policy")
     add_threads_arg(p)
-    p.add_argument("--json", default=None, help="rows, one per sample, rewritten after each cell; rows already in "
+    p.add_argument("--json", default=None, help="rows, one per sample (and question), rewritten after each cell; rows already in "
                    "the file are kept and their cells skipped (resume, or a grid run in pieces)")
     p.add_argument("--plot", default=DEFAULT_PLOT, help=f"score vs budget PNG (default: {DEFAULT_PLOT}; '' for none)")
     p.add_argument("--merge", nargs="+", default=None, metavar="FILE",
