@@ -17,6 +17,7 @@ from h2okv.errors import H2OError
 from h2okv.eval.longctx.tasks import TASKS, parse_tasks
 
 DEFAULT_TASKS = "niah_single_2,niah_multikey_1,vt,fwe"
+DEFAULT_MANY_TASKS = "niah_single_2,niah_multikey_1,vt"  # the default's tasks that take several questions
 DEFAULT_POLICIES = "full,h2o"
 DEFAULT_BUDGETS = "0.2"
 DEFAULT_CONTEXTS = "1024"
@@ -26,7 +27,8 @@ DEFAULT_PLOT = "results/longctx.png"
 def register(kinds) -> None:
     p = kinds.add_parser("longctx", help="RULER-style long-context tasks (needles, variable tracking, word counts) under eviction")
     add_model_args(p)
-    p.add_argument("--tasks", default=DEFAULT_TASKS, help=f"comma-separated, of: {', '.join(TASKS)} (default: {DEFAULT_TASKS})")
+    p.add_argument("--tasks", default=None, help=f"comma-separated, of: {', '.join(TASKS)} (default: {DEFAULT_TASKS}; "
+                   f"with --questions-per-context > 1: {DEFAULT_MANY_TASKS})")
     p.add_argument("--contexts", type=int_list, default=DEFAULT_CONTEXTS, help=f"exact prompt lengths in tokens (default: {DEFAULT_CONTEXTS})")
     p.add_argument("--samples", type=positive_int, default=5, help="prompts per task and context (default: 5)")
     p.add_argument("--policies", default=None, help=f"comma-separated policy specs (default: {DEFAULT_POLICIES}; full with "
@@ -34,9 +36,16 @@ def register(kinds) -> None:
                    "head_budgets=layers for KVzip's own split)")
     add_recipe_arg(p, grid=True)
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"cache budgets as fractions of the prompt (default: {DEFAULT_BUDGETS})")
-    p.add_argument("--question", choices=("aware", "agnostic"), default="aware",
+    p.add_argument("--question", choices=("aware", "agnostic"), default=None,
                    help="aware: the question is read and compressed with the context; agnostic: the context is "
-                        "compressed alone, the question read after (default: aware)")
+                        "compressed alone, the question read after (default: aware; not with "
+                        "--questions-per-context > 1, which runs both)")
+    p.add_argument("--questions-per-context", type=positive_int, default=1, metavar="N",
+                   help="N > 1: each context holds N items, each asked in its own question, every answer graded; "
+                        "per configuration, reuse (the context read once question-agnostically, the N questions "
+                        "answered from copies of that state, h2okv.ask) vs fresh (each question read with its "
+                        f"context, question-aware); the table adds the prompt tokens each read. Tasks: "
+                        f"{', '.join(t for t in TASKS if TASKS[t].many_questions)} (default: 1)")
     p.add_argument("--cache-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an extra H2OCache keyword for every evicting --policies run (repeatable), e.g. "
                         "prefill=late; recipes keep their own")
@@ -47,7 +56,7 @@ def register(kinds) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=None, help="greedy tokens per answer (default: each task's own)")
     p.add_argument("--seed", type=int, default=0, help="seed of every generated prompt and of the random policy")
     add_threads_arg(p)
-    p.add_argument("--json", default=None, help="rows, one per sample, rewritten after each cell; rows already in "
+    p.add_argument("--json", default=None, help="rows, one per sample (and question), rewritten after each cell; rows already in "
                    "the file are kept and their cells skipped (resume, or a grid run in pieces)")
     p.add_argument("--plot", default=DEFAULT_PLOT, help=f"score vs budget PNG (default: {DEFAULT_PLOT}; '' for none)")
     p.add_argument("--merge", nargs="+", default=None, metavar="FILE",
@@ -97,12 +106,14 @@ def run(args) -> int:
 
     recipes = parse_recipes(args.recipe)
     args.policies = args.policies or ("full" if recipes else DEFAULT_POLICIES)
+    tasks = parse_tasks(args.tasks or (DEFAULT_MANY_TASKS if args.questions_per_context > 1 else DEFAULT_TASKS))
+    check_many_questions(args, tasks)
     spec = GridSpec(
-        tasks=parse_tasks(args.tasks), contexts=sorted(set(args.contexts)), samples=args.samples,
-        policies=parse_policies(args.policies, reconstruction=True), budgets=parse_budgets(args.budgets), question=args.question,
-        seed=args.seed, haystack=check_haystack(args.haystack), chunk_size=args.chunk_size or DEFAULT_CHUNK,
-        cache_options=parse_cache_options(args.cache_option), max_new_tokens=args.max_new_tokens,
-        chat=not args.no_chat, recipes=recipes,
+        tasks=tasks, contexts=sorted(set(args.contexts)), samples=args.samples,
+        policies=parse_policies(args.policies, reconstruction=True), budgets=parse_budgets(args.budgets),
+        question=args.question or "aware", seed=args.seed, haystack=check_haystack(args.haystack),
+        chunk_size=args.chunk_size or DEFAULT_CHUNK, cache_options=parse_cache_options(args.cache_option),
+        max_new_tokens=args.max_new_tokens, chat=not args.no_chat, recipes=recipes, questions=args.questions_per_context,
     )
     from h2okv.models import load_model
 
@@ -113,10 +124,23 @@ def run(args) -> int:
     return run_grid(args, model, tokenizer, spec)
 
 
+def check_many_questions(args, tasks: list[str]) -> None:
+    """One-line errors, before the model loads, for what several questions per context rule out."""
+    from h2okv.eval.longctx.tasks import check_questions
+
+    n = args.questions_per_context
+    check_questions(tasks, n)
+    if n > 1 and args.question:
+        raise H2OError(f"--questions-per-context {n} runs both modes itself (reuse: the context read once, "
+                       "question-agnostic; fresh: each question read with it, question-aware): leave out --question")
+    if n > 1 and args.export_prompts:
+        raise H2OError("--export-prompts exports one question per context: leave out --questions-per-context")
+
+
 def run_grid(args, model, tokenizer, spec) -> int:
     import time
 
-    from h2okv.eval.longctx.report import models_of, plot_scores, summary_table
+    from h2okv.eval.longctx.report import models_of, plot_scores, tables
     from h2okv.eval.longctx.rows import merge_rows, row_key, write_rows
     from h2okv.eval.longctx.runner import run_grid as grid
     from h2okv.generation import new_cache
@@ -136,8 +160,10 @@ def run_grid(args, model, tokenizer, spec) -> int:
     start = time.perf_counter()
     found = grid(model, tokenizer, spec, done={row_key(r) for r in kept}, on_rows=save,
                  meta={"model": model.name_or_path})
-    print(f"Long-context tasks, {spec.haystack} haystack, question {spec.question}, {spec.samples} samples per cell")
-    print(summary_table(rows) if rows else "(no rows)")
+    asked = (f"{spec.questions} questions per context, reuse vs fresh" if spec.questions > 1
+             else f"question {spec.question}")
+    print(f"Long-context tasks, {spec.haystack} haystack, {asked}, {spec.samples} samples per cell")
+    print(tables(rows))
     print(f"{len(found)} new rows in {time.perf_counter() - start:.1f} s")
     if args.json:
         print(f"wrote {args.json}")
@@ -159,7 +185,7 @@ def read_row_files(paths: list[str]) -> list[dict]:
 def merge(args) -> int:
     from pathlib import Path
 
-    from h2okv.eval.longctx.report import models_of, plot_scores, summary_table
+    from h2okv.eval.longctx.report import models_of, plot_scores, tables
     from h2okv.eval.longctx.rows import write_rows
 
     missing = [p for p in args.merge if not Path(p).is_file()]
@@ -168,7 +194,7 @@ def merge(args) -> int:
     rows = read_row_files(args.merge)
     if not rows:
         raise H2OError("--merge: the files hold no rows")
-    print(summary_table(rows))
+    print(tables(rows))
     if args.json:
         print(f"wrote {write_rows(rows, args.json)} ({len(rows)} rows)")
     if args.plot:

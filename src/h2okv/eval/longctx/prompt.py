@@ -26,6 +26,7 @@ class LongPrompt:
     metric: str
     max_new_tokens: int
     evidence: list[tuple[int, int]] = field(default_factory=list)  # [start, stop) of inserted needles
+    index: int = 0  # which question over this context (several per context: build_question_sets)
 
 
 class Frame:

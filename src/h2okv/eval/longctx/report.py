@@ -1,14 +1,16 @@
 """The long-context table and plot, from rows of any origin (h2okv or the kvpress adapter).
 
 Scores are RULER's: the mean of the samples' scores x 100, per task, and their plain average over
-the tasks of the group.
+the tasks of the group. Rows of several questions per context (``reuse.py``) get a table of their
+own (reuse vs fresh per task, and the prompt tokens each read); in the summary and the plot their
+question mode is named with N ("reuse, 4 per context").
 """
 
 from __future__ import annotations
 
 import re
 
-from h2okv.eval.longctx.rows import config_label
+from h2okv.eval.longctx.rows import config_label, questions_of
 from h2okv.eval.output import format_table
 from h2okv.eval.plots import policy_color, pyplot, save_figure
 
@@ -22,8 +24,17 @@ def models_of(rows: list[dict]) -> str:
     return ", ".join(sorted(re.sub(r"-\d+-transformers-[\w.]+-v\d+$", "", name) for name in names))
 
 
+def question_label(row: dict) -> str:
+    n = questions_of(row)
+    return row["question"] if n == 1 else f"{row['question']}, {n} per context"
+
+
+def label(row: dict) -> str:
+    return config_label(row["policy"], row.get("cache_options"), row.get("recipe"))
+
+
 def group_key(row: dict) -> tuple:
-    return row["question"], config_label(row["policy"], row.get("cache_options"), row.get("recipe")), float(row["budget"]), int(row["context"])
+    return question_label(row), label(row), float(row["budget"]), int(row["context"])
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -47,6 +58,57 @@ def summary_table(rows: list[dict]) -> str:
               *(f"{s['tasks'][t]:.1f}" if t in s["tasks"] else "-" for t in tasks), f"{s['average']:.1f}"]
              for s in summarize(rows)]
     return format_table(headers, table)
+
+
+def tables(rows: list[dict]) -> str:
+    """The summary of one-question rows and the reuse table of the others, each where there are rows."""
+    one = [r for r in rows if questions_of(r) == 1]
+    many = [r for r in rows if questions_of(r) > 1]
+    return "\n\n".join([*([summary_table(one)] if one else []), *([reuse_table(many)] if many else [])]) or "(no rows)"
+
+
+def reuse_table(rows: list[dict]) -> str:
+    """Several questions per context: per (context, configuration, budget, N) and task, the score of
+    reuse (one question-agnostic read) and of fresh (a question-aware read per question), and the
+    prompt tokens each read per context (mean over samples); an average line over several tasks."""
+    groups: dict[tuple, dict[str, dict[str, list[dict]]]] = {}
+    for row in rows:
+        key = (int(row["context"]), label(row), float(row["budget"]), questions_of(row))
+        groups.setdefault(key, {}).setdefault(row["task"], {}).setdefault(row["question"], []).append(row)
+    table = []
+    for key in sorted(groups, key=lambda k: (k[0], k[1] != "full", k[1], -k[2], k[3])):
+        names, lines = list(groups[key]), [reuse_line(by_mode) for by_mode in groups[key].values()]
+        if len(lines) > 1:
+            names, lines = [*names, "average"], [*lines, average_line(lines)]
+        table += [[*key, name, *(fmt.format(v) if v is not None else "-" for fmt, v in zip(REUSE_FORMATS, line))]
+                  for name, line in zip(names, lines, strict=True)]
+    headers = ["context", "config", "budget", "N", "task", "n", "reuse", "fresh", "tokens reuse", "tokens fresh"]
+    return format_table(headers, table)
+
+
+REUSE_FORMATS = ("{}", "{:.1f}", "{:.1f}", "{:.0f}", "{:.0f}")
+
+
+def reuse_line(by_mode: dict[str, list[dict]]) -> list:
+    """``[samples, reuse score, fresh score, reuse tokens, fresh tokens]``, None for a mode not run."""
+    def mean(mode: str, field: str):
+        found = by_mode.get(mode)
+        return sum(float(r[field]) for r in found) / len(found) if found else None
+
+    samples = max(len({r["sample"] for r in found}) for found in by_mode.values())
+    scores = [mean(mode, "score") for mode in ("reuse", "fresh")]
+    return [samples, *(None if s is None else 100 * s for s in scores), mean("reuse", "prefill_tokens"),
+            mean("fresh", "prefill_tokens")]
+
+
+def average_line(lines: list[list]) -> list:
+    """The tasks' plain average per column (over the tasks that have it); the fewest samples."""
+    def average(column):
+        values = [v for v in column if v is not None]
+        return sum(values) / len(values) if values else None
+
+    samples, *columns = zip(*lines)
+    return [min(samples), *(average(c) for c in columns)]
 
 
 # a peer's press -> the h2okv policy that ranks the same way (one colour per method, two line styles)

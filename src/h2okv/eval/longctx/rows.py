@@ -3,7 +3,8 @@ beyond the standard library: the kvpress adapter (``tools/peer/run_kvpress.py``)
 path and writes the same rows, so any mix of files merges into one table.
 
 A row is identified by ``row_key``: the question mode, the configuration (policy, budget, cache
-options), the task, the context length and the sample. A grid split across sessions writes
+options), the task, the context length, the sample and, for several questions over one context
+(``--questions-per-context N``: question mode ``reuse`` or ``fresh``), N and the question's index. A grid split across sessions writes
 several files; ``merge_rows`` joins them, a later file's row replacing an earlier one's with the
 same key.
 """
@@ -19,8 +20,9 @@ ROW_FIELDS = (
 )
 
 
-# optional: the recipe a row's policy and cache options were expanded from (h2okv.recipes)
-OPTIONAL_FIELDS = ("recipe",)
+# optional: the recipe a row's policy and cache options were expanded from (h2okv.recipes); with
+# several questions per context, N, which question, and the prompt tokens its mode read per context
+OPTIONAL_FIELDS = ("recipe", "questions", "question_index", "prefill_tokens")
 
 
 def config_label(policy: str, cache_options: dict | None, recipe: str | None = None) -> str:
@@ -47,7 +49,12 @@ def make_row(**fields) -> dict:
 def row_key(row: dict) -> tuple:
     options = tuple(sorted((row.get("cache_options") or {}).items()))
     return (row["question"], row["policy"], float(row["budget"]), options, row["task"], int(row["context"]),
-            int(row["sample"]))
+            int(row["sample"]), questions_of(row), int(row.get("question_index", 0)))
+
+
+def questions_of(row: dict) -> int:
+    """How many questions the row's context carried (1 for every row but ``--questions-per-context``'s)."""
+    return int(row.get("questions", 1))
 
 
 def merge_rows(*groups: list[dict]) -> list[dict]:

@@ -13,6 +13,9 @@ All prompts of one (task, context) have the same length; in ``aware`` mode they 
 with no padding. In ``agnostic`` mode prompts are batched when their question starts at the same
 position (the first call must have one length), else they run in smaller groups.
 
+Several questions over one context (``questions`` > 1) run in ``reuse.py`` instead: reuse of one
+question-agnostic read vs a fresh question-aware read per question.
+
 ``done`` keys (rows already in the output file) are skipped, so an interrupted grid resumes, and
 a grid split across sessions (``--tasks``/``--contexts``/``--policies`` pieces) merges later.
 """
@@ -55,6 +58,7 @@ class GridSpec:
     max_new_tokens: int | None = None  # None: each task's own
     chat: bool = True
     recipes: list[str] = field(default_factory=list)  # run beside the policies, each with its own settings
+    questions: int = 1  # questions per context: > 1 runs reuse vs fresh (reuse.py)
 
     def options_for(self, policy: str) -> dict:
         """The cache keywords of ``policy``'s runs: a policy ranked by reconstruction reads the
@@ -123,26 +127,33 @@ def batches(prompts: list[LongPrompt], question: str) -> list[list[LongPrompt]]:
     return list(groups.values())
 
 
+def config_cache(model, spec: GridSpec, config: Config):
+    return new_cache(model, config.policy, config.budget, chunk_size=spec.chunk_size, seed=spec.seed, **config.options)
+
+
 def run_config(model, tokenizer, prompts, spec: GridSpec, config: Config, meta: dict) -> list[dict]:
     """The rows of one configuration on one (task, context)'s prompts."""
-    policy, budget = config.policy, config.budget
     rows = []
     chat_head = len(Frame(tokenizer, spec.chat).head)
     for group in batches(prompts, spec.question):
         max_new = spec.max_new_tokens or group[0].max_new_tokens
-        cache = new_cache(model, policy, budget, chunk_size=spec.chunk_size, seed=spec.seed, **config.options)
+        cache = config_cache(model, spec, config)
         start = time.perf_counter()
         answers = generate_answers(model, tokenizer, group, cache, spec.question, max_new, chat_head)
         seconds = (time.perf_counter() - start) / len(group)
-        for p, answer in zip(group, answers, strict=True):
-            rows.append(make_row(
-                task=p.task, context=p.context, sample=p.sample, question=spec.question, policy=policy, budget=budget,
-                cache_options=config.options, recipe=config.recipe, chunk_size=spec.chunk_size, metric=p.metric,
-                score=score(p.metric, answer, p.references), answer=answer, references=p.references,
-                haystack=spec.haystack, seed=spec.seed, model=meta.get("model"), max_new_tokens=max_new,
-                seconds=round(seconds, 3),
-            ))
+        rows += [prompt_row(p, answer, spec, config, spec.question, meta, max_new_tokens=max_new,
+                            seconds=round(seconds, 3)) for p, answer in zip(group, answers, strict=True)]
     return sorted(rows, key=lambda r: r["sample"])
+
+
+def prompt_row(p: LongPrompt, answer: str, spec: GridSpec, config: Config, question: str, meta: dict, **fields) -> dict:
+    """The row of one prompt's answer, scored; ``fields``: the run's own (max_new_tokens, seconds, ...)."""
+    return make_row(
+        task=p.task, context=p.context, sample=p.sample, question=question, policy=config.policy, budget=config.budget,
+        cache_options=config.options, recipe=config.recipe, chunk_size=spec.chunk_size, metric=p.metric,
+        score=score(p.metric, answer, p.references), answer=answer, references=p.references,
+        haystack=spec.haystack, seed=spec.seed, model=meta.get("model"), **fields,
+    )
 
 
 def cell_keys(spec: GridSpec, task: str, context: int, config: Config) -> set[tuple]:
@@ -154,6 +165,10 @@ def cell_keys(spec: GridSpec, task: str, context: int, config: Config) -> set[tu
 def run_grid(model, tokenizer, spec: GridSpec, done: set[tuple] = frozenset(), on_rows=None, progress=True,
              meta: dict | None = None) -> list[dict]:
     """Every (task, context, configuration) cell not in ``done``; ``on_rows(rows)`` after each."""
+    if spec.questions > 1:  # several questions over one context: reuse vs fresh
+        from h2okv.eval.longctx.reuse import run_reuse_grid
+
+        return run_reuse_grid(model, tokenizer, spec, done, on_rows, progress, meta)
     prompts = grid_prompts(tokenizer, spec)
     todo = [(t, c, config) for (t, c) in prompts for config in spec.configs() if not cell_keys(spec, t, c, config) <= done]
     found = []

@@ -11,12 +11,19 @@ random offset per sample; the generation lengths are shorter (CPU) but cover eac
 
 Every draw comes from ``random.Random(f"{seed}/{task}/{context}/{sample}")``: a sample is the same
 whatever else the grid holds.
+
+Several questions over one context (``build_question_sets``, ``--questions-per-context N``): the
+needle families plant the items of N questions (each question's own keys, plus the family's
+distractors) and variable tracking N chains of distinct values; each question is then a prompt of
+its own with the one shared context. Their question parts are padded in front with line breaks to
+one length, so every prompt is still exactly ``context`` tokens. With N = 1 the draws and texts are
+those of ``build_prompts``. The word-count families ask one question of the whole list: no N form.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from h2okv.errors import H2OError
 from h2okv.eval.longctx.prompt import Frame, LongPrompt
@@ -69,6 +76,50 @@ def join_query(keys: list[str]) -> str:
 
 
 @dataclass(frozen=True)
+class Asked:
+    """One question over a context: its ids, the answer prefix's, what the answer must name."""
+
+    question: list[int]
+    prefix: list[int]
+    references: list[str]
+    max_new_tokens: int
+
+
+def even_questions(frame: Frame, asked: list[Asked]) -> list[Asked]:
+    """``asked`` with line breaks in front of the shorter questions: every question part the same
+    length, so each prompt over the shared context is exactly the context's length."""
+    longest = max(len(a.question) + len(a.prefix) for a in asked)
+    newline = frame.encode("\n")
+    return [replace(a, question=(newline * longest)[: longest - len(a.question) - len(a.prefix)] + a.question)
+            for a in asked]
+
+
+def hay_length(frame: Frame, context: int, instruction: list[int], asked: Asked, segments: list[list[int]]) -> int:
+    """Haystack tokens left once the frame, the (evened) question and the inserted segments fit."""
+    left = frame.body_length(context, instruction, asked.question, asked.prefix) - sum(map(len, segments))
+    if left < 32:
+        raise H2OError(f"context {context} is too short for {len(segments)} inserted needles or statements")
+    return left
+
+
+def over_one_context(name: str, frame: Frame, context: int, sample: int, metric: str, instruction: list[int],
+                     body: list[int], spans, asked: list[Asked]) -> list[LongPrompt]:
+    """One prompt per question, all over the same instruction and body."""
+    prompts = []
+    for index, a in enumerate(asked):
+        ids, q = frame.assemble(instruction, body, a.question, a.prefix)
+        shift = q - len(body)
+        prompts.append(LongPrompt(name, context, sample, ids, q, a.references, metric, a.max_new_tokens,
+                                  [(x + shift, y + shift) for x, y in spans], index))
+    return prompts
+
+
+def needle_depths(rng, count: int) -> list[float]:
+    # RULER's 40 depths, each used once; more needles than that (many questions) draw freely
+    return sorted(rng.sample(DEPTHS, count) if count <= len(DEPTHS) else [rng.random() for _ in range(count)])
+
+
+@dataclass(frozen=True)
 class Niah:
     """Needle(s) in a haystack: "One of the special magic numbers for KEY is: VALUE." Multi-key:
     distractor keys; multi-value: several values of the queried key; multi-query: several keys asked."""
@@ -81,29 +132,42 @@ class Niah:
     queries: int = 1
     metric: str = "string_match_all"
 
+    many_questions = True
+
     def build(self, name: str, frame: Frame, haystacks, context: int, sample: int, seed: int) -> LongPrompt:
+        return self.build_many(name, frame, haystacks, context, sample, seed, 1)[0]
+
+    def build_many(self, name: str, frame: Frame, haystacks, context: int, sample: int, seed: int,
+                   questions: int) -> list[LongPrompt]:
         rng = sample_rng(seed, name, context, sample)
-        keys = distinct(lambda: random_value(self.key, rng), max(self.keys, self.queries))
+        # each question's own keys, then the family's distractors (keys no question asks)
+        count = questions * self.queries + max(self.keys - self.queries, 0)
+        keys = distinct(lambda: random_value(self.key, rng), count)
         values = [distinct(lambda: random_value(self.value, rng), self.values) for _ in keys]
         needles = [f" One of the special magic {self.value} for {k} is: {v}. " for k, vs in zip(keys, values) for v in vs]
         rng.shuffle(needles)
-        asked = rng.sample(range(len(keys)), self.queries)
-        query, answers = join_query([keys[i] for i in asked]), [v for i in asked for v in values[i]]
-        single = len(answers) == 1
+        order = rng.sample(range(len(keys)), questions * self.queries)
+        groups = [order[i : i + self.queries] for i in range(0, len(order), self.queries)]
+        asked = even_questions(frame, [self.ask(frame, [keys[i] for i in g], [v for i in g for v in values[i]])
+                                       for g in groups])
+        instruction = self.instruction(frame, single=questions == 1 and len(asked[0].references) == 1)
+        segments = [frame.encode(n) for n in needles]
+        hay, breaks = haystack_stretch(rng, haystacks(self.haystack), hay_length(frame, context, instruction, asked[0], segments))
+        body, spans = insert_at_depths(hay, breaks, segments, needle_depths(rng, len(segments)))
+        return over_one_context(name, frame, context, sample, self.metric, instruction, body, spans, asked)
+
+    def instruction(self, frame: Frame, single: bool) -> list[int]:
         noun, be = (self.value[:-1], "is") if single else (self.value, "are")
-        instruction = frame.encode(f"{'A' if single else 'Some'} special magic {noun} {be} hidden within the following "
-                                   f"text. Make sure to memorize it. I will quiz you about the {noun} afterwards.\n")
+        return frame.encode(f"{'A' if single else 'Some'} special magic {noun} {be} hidden within the following "
+                            f"text. Make sure to memorize it. I will quiz you about the {noun} afterwards.\n")
+
+    def ask(self, frame: Frame, keys: list[str], answers: list[str]) -> Asked:
+        query, single = join_query(keys), len(answers) == 1
+        noun, be = (self.value[:-1], "is") if single else (self.value, "are")
         question = frame.encode(f"\nWhat {'is the' if single else 'are all the'} special magic {noun} for {query} "
                                 "mentioned in the provided text?")
         prefix = frame.encode(f" The special magic {noun} for {query} mentioned in the provided text {be}")
-        segments = [frame.encode(n) for n in needles]
-        hay_len = frame.body_length(context, instruction, question, prefix) - sum(map(len, segments))
-        hay, breaks = haystack_stretch(rng, haystacks(self.haystack), hay_len)
-        body, spans = insert_at_depths(hay, breaks, segments, sorted(rng.sample(DEPTHS, len(segments))))
-        ids, q = frame.assemble(instruction, body, question, prefix)
-        shift = q - len(body)
-        return LongPrompt(name, context, sample, ids, q, answers, self.metric, ANSWER_TOKENS[self.value] * len(answers),
-                          [(a + shift, b + shift) for a, b in spans])
+        return Asked(question, prefix, answers, ANSWER_TOKENS[self.value] * len(answers))
 
 
 @dataclass(frozen=True)
@@ -115,29 +179,36 @@ class VariableTracking:
     metric: str = "string_match_all"
     max_new_tokens: int = 30
 
+    many_questions = True
+
     def build(self, name: str, frame: Frame, haystacks, context: int, sample: int, seed: int) -> LongPrompt:
+        return self.build_many(name, frame, haystacks, context, sample, seed, 1)[0]
+
+    def build_many(self, name: str, frame: Frame, haystacks, context: int, sample: int, seed: int,
+                   questions: int) -> list[LongPrompt]:
+        """One chain per question (values distinct), then the family's other chains."""
         rng = sample_rng(seed, name, context, sample)
-        names = variable_names(rng, self.chains * (self.hops + 1))
+        names = variable_names(rng, (self.chains + questions - 1) * (self.hops + 1))
         chains = [names[i : i + self.hops + 1] for i in range(0, len(names), self.hops + 1)]
-        value = str(rng.randint(10000, 99999))
-        statements = []
-        for chain in chains:
-            first = value if chain is chains[0] else str(rng.randint(10000, 99999))
-            statements += [f"\nVAR {chain[0]} = {first}\n"] + [f"\nVAR {b} = VAR {a}\n" for a, b in zip(chain, chain[1:])]
+        values = distinct(lambda: str(rng.randint(10000, 99999)), questions)
+        values += [str(rng.randint(10000, 99999)) for _ in chains[questions:]]
+        per_chain = [[f"\nVAR {chain[0]} = {value}\n"] + [f"\nVAR {b} = VAR {a}\n" for a, b in zip(chain, chain[1:])]
+                     for chain, value in zip(chains, values, strict=True)]
+        # the chains interleaved, each in its own order: every chain spans the whole text
+        statements = [s for step in zip(*per_chain) for s in step]
         instruction = frame.encode("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n")
+        asked = even_questions(frame, [self.ask(frame, value, chain) for value, chain in zip(values, chains[:questions])])
+        segments = [frame.encode(s) for s in statements]
+        hay, breaks = haystack_stretch(rng, haystacks("filler"), hay_length(frame, context, instruction, asked[0], segments))
+        # statements in order go to increasing depths
+        body, spans = insert_at_depths(hay, breaks, segments, sorted(rng.random() for _ in segments))
+        return over_one_context(name, frame, context, sample, self.metric, instruction, body, spans, asked)
+
+    def ask(self, frame: Frame, value: str, chain: list[str]) -> Asked:
         question = frame.encode(f"\nQuestion: Find all variables that are assigned the value {value} in the text above.")
         prefix = frame.encode(f" Answer: According to the chain(s) of variable assignment in the text above, "
                               f"{self.hops + 1} variables are assigned the value {value}, they are:")
-        segments = [frame.encode(s) for s in statements]
-        hay_len = frame.body_length(context, instruction, question, prefix) - sum(map(len, segments))
-        hay, breaks = haystack_stretch(rng, haystacks("filler"), hay_len)
-        # each chain keeps its order: its statements go to increasing depths
-        depths = sorted(rng.random() for _ in segments)
-        body, spans = insert_at_depths(hay, breaks, segments, depths)
-        ids, q = frame.assemble(instruction, body, question, prefix)
-        shift = q - len(body)
-        return LongPrompt(name, context, sample, ids, q, list(chains[0]), self.metric, self.max_new_tokens,
-                          [(a + shift, b + shift) for a, b in spans])
+        return Asked(question, prefix, list(chain), self.max_new_tokens)
 
 
 @dataclass(frozen=True)
@@ -148,6 +219,7 @@ class CommonWords:
     common: int = 10
     metric: str = "string_match_all"
     max_new_tokens: int = 120
+    many_questions = False  # one question of the whole list
 
     def build(self, name: str, frame: Frame, haystacks, context: int, sample: int, seed: int) -> LongPrompt:
         rng = sample_rng(seed, name, context, sample)
@@ -193,6 +265,7 @@ class FrequentWords:
     alpha: float = 2.0
     metric: str = "string_match_all"
     max_new_tokens: int = 50
+    many_questions = False  # one question of the whole text
 
     def build(self, name: str, frame: Frame, haystacks, context: int, sample: int, seed: int) -> LongPrompt:
         rng = sample_rng(seed, name, context, sample)
@@ -245,7 +318,33 @@ def parse_tasks(text: str) -> list[str]:
 
 def build_prompts(frame: Frame, haystacks, task: str, context: int, samples: int, seed: int = 0) -> list[LongPrompt]:
     prompts = [TASKS[task].build(task, frame, haystacks, context, s, seed) for s in range(samples)]
+    check_lengths(prompts, context)
+    return prompts
+
+
+def build_question_sets(frame: Frame, haystacks, task: str, context: int, samples: int, seed: int = 0,
+                        questions: int = 1) -> list[list[LongPrompt]]:
+    """Per sample, ``questions`` prompts over one shared context (``ids[:question]`` equal)."""
+    check_questions([task], questions)
+    family = TASKS[task]
+    sets = [family.build_many(task, frame, haystacks, context, s, seed, questions) if questions > 1
+            else [family.build(task, frame, haystacks, context, s, seed)] for s in range(samples)]
+    check_lengths([p for prompts in sets for p in prompts], context)
+    return sets
+
+
+def check_lengths(prompts: list[LongPrompt], context: int) -> None:
     for p in prompts:
         if len(p.ids) != context:  # an internal error, never bad input: sizes are computed, not searched
-            raise AssertionError(f"{task}: a prompt of {len(p.ids)} tokens, {context} wanted")
-    return prompts
+            raise AssertionError(f"{p.task}: a prompt of {len(p.ids)} tokens, {context} wanted")
+
+
+def check_questions(tasks: list[str], questions: int) -> None:
+    """A one-line error for N < 1, or N > 1 with a task that asks one question of its whole text."""
+    if questions < 1:
+        raise H2OError(f"--questions-per-context must be >= 1, got {questions}")
+    single = [t for t in tasks if not TASKS[t].many_questions]
+    if questions > 1 and single:
+        many = ", ".join(t for t in TASKS if TASKS[t].many_questions)
+        raise H2OError(f"--questions-per-context {questions}: {', '.join(single)} ask(s) one question of the whole "
+                       f"text; several questions per context work for {many}")
