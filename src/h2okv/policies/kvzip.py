@@ -13,6 +13,9 @@ as in ``h2o``. The first four tokens are kept as attention sinks, as KVzip does.
 ``kernel=K`` (odd, default 1: KVzip's own scores) gives each token the best score of the ``K``
 tokens centred on it, in prompt order, before the ranking: a token next to a chosen one ranks with
 it, so a value of many tokens (a number read digit by digit, a UUID) is kept whole or not at all.
+Not a default: on the chat profile's 7-digit numbers (0.5B, 20%, through the prefix store) ``kernel=7``
+answered 13 of 24 where KVzip's own scores answered 18 (docs/results/serve/chat-8conv-*.json): the
+neighbours it keeps cost the budget other needles needed.
 
 A cache with this policy must be ranked by ``h2okv.reconstruct`` before it decodes: a forward call
 after the prompt without one is a one-line error, never a silent full cache.
