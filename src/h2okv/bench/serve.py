@@ -412,7 +412,7 @@ def run(args, run_chat=None) -> int:
     recipes = parse_recipes(args.recipe) if getattr(args, "recipe", None) else []
     for _, eviction in server_settings(policies, recipes, budget):  # validate before the slow model load
         eviction.validate()
-    kv_memory = args.kv_memory  # bytes: the command line parsed them (h2okv.cli.args.parse_bytes)
+    kv_memory = args.kv_memory  # bytes: the command line parsed them (h2okv.sizes.parse_bytes)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     if args.profile == "chat":  # bench/chat.py, which the command line sends here with its loaded pieces
         return run_chat(args, model, tokenizer, policies, budget, recipes)

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 
 from h2okv.corpus import DEFAULT_PLAY
 from h2okv.errors import H2OError
 from h2okv.parallel.launch import DEFAULT_TIMEOUT_S
 from h2okv.policy_names import POLICY_NAMES, RECONSTRUCTION_POLICIES
 from h2okv.recipes import recipe_help
+from h2okv.sizes import parse_bytes
 
 # H2OCache's prefill modes (core/cache.py PREFILL_MODES; kept here so --help loads no torch)
 PREFILL_CHOICES = ("chunked", "late")
@@ -77,21 +77,6 @@ def int_list(text: str) -> list[int]:
     if not values or min(values) <= 0:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
     return values
-
-
-_BYTE_SCALE = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_BYTE_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(?:([KMGT])(?:I?B)?|B)?")
-
-
-def parse_bytes(text: str) -> int:
-    """``2147483648``, ``2G``, ``2GB``, ``2GiB``, ``512M``, ``1.5M`` -> bytes (see the module doc)."""
-    match = _BYTE_SIZE.fullmatch(str(text).strip().upper())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"expected a byte size like 2147483648, 512M or 2G (binary units), got {text!r}")
-    value = int(float(match.group(1)) * _BYTE_SCALE[match.group(2) or ""])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive byte size, got {text!r}")
-    return value
 
 
 def memory_limit(text: str) -> int | None:

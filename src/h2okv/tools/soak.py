@@ -43,7 +43,7 @@ from pathlib import Path
 import httpx
 
 from h2okv.bench.serve import scrape
-from h2okv.cli.args import parse_bytes
+from h2okv.sizes import parse_bytes
 from h2okv.tools.process import ServerProcess, save_tiny_model
 
 NAME = "soak"

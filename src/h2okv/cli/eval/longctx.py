@@ -141,8 +141,9 @@ def run_grid(args, model, tokenizer, spec) -> int:
     import time
 
     from h2okv.eval.longctx.report import models_of, plot_scores, tables
+    from h2okv.eval.longctx.reuse import run_reuse_grid
     from h2okv.eval.longctx.rows import merge_rows, row_key, write_rows
-    from h2okv.eval.longctx.runner import run_grid as grid
+    from h2okv.eval.longctx.runner import run_grid as one_question_grid
     from h2okv.generation import new_cache
 
     for config in spec.configs():  # a bad --cache-option fails now, not after the first cell
@@ -158,6 +159,7 @@ def run_grid(args, model, tokenizer, spec) -> int:
             write_rows(rows, args.json)
 
     start = time.perf_counter()
+    grid = run_reuse_grid if spec.questions > 1 else one_question_grid  # several: reuse vs fresh
     found = grid(model, tokenizer, spec, done={row_key(r) for r in kept}, on_rows=save,
                  meta={"model": model.name_or_path})
     asked = (f"{spec.questions} questions per context, reuse vs fresh" if spec.questions > 1

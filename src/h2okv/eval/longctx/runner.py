@@ -164,11 +164,10 @@ def cell_keys(spec: GridSpec, task: str, context: int, config: Config) -> set[tu
 
 def run_grid(model, tokenizer, spec: GridSpec, done: set[tuple] = frozenset(), on_rows=None, progress=True,
              meta: dict | None = None) -> list[dict]:
-    """Every (task, context, configuration) cell not in ``done``; ``on_rows(rows)`` after each."""
-    if spec.questions > 1:  # several questions over one context: reuse vs fresh
-        from h2okv.eval.longctx.reuse import run_reuse_grid
-
-        return run_reuse_grid(model, tokenizer, spec, done, on_rows, progress, meta)
+    """Every (task, context, configuration) cell not in ``done``; ``on_rows(rows)`` after each. One
+    question per context (several: ``reuse.run_reuse_grid``, which builds on this module)."""
+    if spec.questions > 1:
+        raise ValueError("run_grid asks one question per context; run_reuse_grid asks several")
     prompts = grid_prompts(tokenizer, spec)
     todo = [(t, c, config) for (t, c) in prompts for config in spec.configs() if not cell_keys(spec, t, c, config) <= done]
     found = []
