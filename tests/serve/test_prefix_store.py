@@ -180,3 +180,20 @@ def test_chat_turns_over_http_resume_the_history(model_tok):
     assert metrics["h2okv_prefix_cache_hits_total"] == 2
     assert metrics["h2okv_prefix_cache_bytes"] > 0 and metrics["h2okv_prefix_cache_entries"] >= 3
     assert metrics["h2okv_prefix_cache_evictions_total"] == 0  # 64 MiB hold them all
+
+
+def test_resumed_turns_decoding_in_one_batch_equal_their_two_call_reads(model_tok, engine):
+    """Three conversations' next turns arrive together: each resumes its own saved state, they
+    decode as rows of one batch, and each answer is its own two-call read."""
+    model, _ = model_tok
+    firsts = [prompt(30 + 7 * i, 20 + i) for i in range(3)]
+    answers = [run(engine, first, "h2o", 5, 5, steps=6) for first in firsts]
+    follows = [first + answer + prompt(9 + i, 30 + i) for i, (first, answer) in enumerate(zip(firsts, answers))]
+    handles = [engine.submit(GenerationRequest(ids, 7, "h2o", 5, 5, temperature=0.0, ignore_eos=True))
+               for ids in follows]
+    seconds = [handle.result_blocking()[1].token_ids for handle in handles]
+    settle(engine)
+    assert engine.stats.prefix_hits == 3 and engine.stats.batch_size_max == 3  # one batch of the three
+    for first, follow, second in zip(firsts, follows, seconds, strict=True):
+        _, want_second = two_calls(model, first, 6, follow[len(first) + 6:], 7, "h2o", 5, 5)
+        assert second == want_second
