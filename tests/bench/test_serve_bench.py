@@ -132,3 +132,13 @@ def test_gsm8k_profile_grades_the_served_answers(tiny, tmp_path, monkeypatch):
         assert row["accuracy"] == round(row["correct"] / 3, 4)
     assert result["command"].startswith("h2okv serve-bench --profile gsm8k")
     assert "--prompt-tokens" not in result["command"]
+
+
+def test_an_unknown_recipe_is_refused_before_the_model_loads(capsys, monkeypatch):
+    import h2okv.models
+    from h2okv.cli import main
+
+    monkeypatch.setattr(h2okv.models, "load_model", lambda *a, **k: pytest.fail("refused before loading"))
+    assert main(["serve-bench", "--profile", "chat", "--recipe", "document,nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown recipe 'nope'" in err and err.count("\n") == 1
