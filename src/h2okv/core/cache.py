@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import torch
 from transformers.cache_utils import Cache
@@ -313,8 +314,10 @@ class H2OCache(Cache):
     def decode_capacity(self) -> int:
         """The slots per (row, head) a decode step needs: the largest budget of any layer's head
         (a cache-wide or adaptive split gives some heads more than the even share), plus the
-        token the step writes before it evicts."""
-        budgets = [int(layer.slot_budget().max()) for layer in self.layers if layer.is_initialized]
+        token the step writes before it evicts; 1 for a cache that keeps everything (no bound).
+        Each layer's ``max_budget`` is counted once per change of its budgets, not per call."""
+        budgets = [int(cap) for cap in (layer.max_budget for layer in self.layers if layer.is_initialized)
+                   if cap != math.inf]
         return max(budgets, default=0) + 1
 
     def reorder_cache(self, beam_idx):
