@@ -15,11 +15,11 @@ bytes and entries at the end (what the same store memory holds per conversation)
 
 import argparse
 import asyncio
-import json
 
 from h2okv import load_model
 from h2okv.bench.chat import conversations, drive_chats, per_turn
 from h2okv.bench.serve import scrape
+from h2okv.eval.output import write_json
 from h2okv.serve.api.app import create_app
 from h2okv.serve.api.server import running_server
 from h2okv.serve.eviction import EvictionDefaults
@@ -58,8 +58,7 @@ def main() -> None:
     result = {"settings": eviction.describe(), "args": vars(args), "turns": per_turn(rows, args.turns),
               "correct": sum(r["correct"] for r in rows), "answered": len(rows), "rows": rows,
               "prefix_bytes": after.get("h2okv_prefix_cache_bytes"), "entries": after.get("h2okv_prefix_cache_entries")}
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(result, args.json)
     print(f"{result['settings']}: {result['correct']}/{result['answered']} right; "
           f"{[(t['turn'], t['correct'], t['ttft_median_s']) for t in result['turns']]}; "
           f"store {result['prefix_bytes']} bytes in {result['entries']} entries")

@@ -17,6 +17,7 @@ import h2okv.core.decode as decode_mod
 import h2okv.core.step as step_mod
 from h2okv import H2OCache, load_model
 from h2okv.core.compat import cache_arg
+from h2okv.eval.output import write_json
 from h2okv.paths import models_dir
 
 
@@ -75,8 +76,7 @@ def main() -> None:
     }
     print(json.dumps({k: v for k, v in result.items() if k != "seconds"}, indent=1))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(result, args.json)
 
 
 if __name__ == "__main__":

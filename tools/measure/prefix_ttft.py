@@ -18,6 +18,7 @@ import torch
 
 from h2okv import load_model
 from h2okv.eval.haystack import essays_folder
+from h2okv.eval.output import write_json
 from h2okv.serve.engine import Engine, GenerationRequest
 
 
@@ -85,8 +86,7 @@ def main() -> None:
               "hits": engines["store"].prefixes.hits, "bytes_per_entry": rows[-2]["store_bytes"] / rows[-2]["store_entries"]}
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(result, args.json)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import httpx
 import torch
@@ -33,6 +32,7 @@ import torch
 from h2okv import load_model
 from h2okv.bench.memory import current_rss, release_free_heap
 from h2okv.eval.haystack import essays_folder
+from h2okv.eval.output import write_json
 from h2okv.serve import EvictionDefaults, create_app, running_server
 from h2okv.serve.memory import bytes_per_slot
 
@@ -229,8 +229,7 @@ def main() -> None:
               "summary": summary, "rows": rows}
     print(json.dumps(summary, indent=1))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        write_json(result, args.json)  # makes the folder
         print(f"wrote {args.json}")
     if args.plot:
         title = (f"{label}, {args.budget} slots, rolling positions, store {args.prefix_cache_memory // MIB} MiB"
