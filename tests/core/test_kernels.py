@@ -95,8 +95,9 @@ def run_tiny(policy, kernels_name, arch="qwen2", chunk=1, batch=2, device="cpu",
     return torch.cat(logits, dim=1), kept
 
 
-def counting(monkeypatch, module, name):
-    calls = []
+def counting(monkeypatch, module, name, calls=None):
+    """Spy on ``module.name``: its calls are appended to ``calls`` (a new list unless given)."""
+    calls = [] if calls is None else calls
     original = getattr(module, name)
 
     def spy(*args, **kwargs):
@@ -390,6 +391,11 @@ def test_triton_path_decodes_a_tiny_model_like_eager(interpreted, policy, monkey
     calls = counting(monkeypatch, triton_attention, "triton_slot_attention")
     if device == "cpu":  # selected on CUDA only: forced here, the rest of the core stays eager
         monkeypatch.setattr(attention, "triton_on", lambda device: True)
+    else:  # on CUDA a decode step at the budget is the fused Triton step; snapkv's prefill needs no mass
+        import h2okv.core.triton_step as triton_step
+
+        for name in ("decode_dense", "decode_general"):
+            counting(monkeypatch, triton_step, name, calls)
     got = run_tiny(policy, "triton" if device == "cuda" else "eager", **short)
     assert calls
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)

@@ -230,3 +230,11 @@ def test_readme_badges_inside_a_line_leave_no_link_syntax():
               "Plain ![logo](logo.svg) prose.")
     cleaned = S._clean_readme(readme)
     assert cleaned == "Intro text and then the docs end. Plain prose."
+
+
+def test_readme_badge_whose_alt_text_wraps_onto_the_next_line_leaves_no_link_syntax():
+    """A badge row wrapped inside an alt text ("[![PyPI" / "Version](img)](url)"): the first line is
+    dropped as a badge line, so images must go before the text is split into lines."""
+    readme = ("[![PyPI\nVersion](https://img.shields.io/v.svg)](https://pypi.org/p) [![Build\n"
+              "Status](https://ci/badge.svg)](https://ci/p)\n\nAbout it\n========\n\nProse [the docs](https://d.org).")
+    assert S._clean_readme(readme) == "About it Prose the docs."

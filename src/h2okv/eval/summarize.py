@@ -107,6 +107,10 @@ def _clean_readme(text: str) -> str:
     """Prose of a README: code blocks, badges, HTML, tables and link targets removed."""
     text = re.sub(r"```.*?```", " ", text, flags=re.S)
     text = re.sub(r"<!--.*?-->", " ", text, flags=re.S)
+    # images first, on the whole text: a badge's alt text may wrap onto the next line, and a badge
+    # inside a link, [![alt](img)](url), would otherwise leave "alt](" behind
+    text = re.sub(r"!\[[^\]]*\]\([^)]*\)", " ", text)
+    text = re.sub(r"\[\s*\]\([^)]*\)", " ", text)  # the link the badge sat in, now empty
     kept = []
     for line in text.splitlines():
         s = line.strip()
@@ -116,9 +120,6 @@ def _clean_readme(text: str) -> str:
             continue  # rst/markdown underlines
         kept.append(s.lstrip("#* ").strip())
     text = " ".join(kept)
-    # images first: a badge inside a link, [![alt](img)](url), would otherwise leave "alt](" behind
-    text = re.sub(r"!\[[^\]]*\]\([^)]*\)", " ", text)
-    text = re.sub(r"\[\s*\]\([^)]*\)", " ", text)  # the link the badge sat in, now empty
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)  # [text](url) -> text
     text = re.sub(r"`([^`<]*?)\s*<[^>]*>`_+", r"\1", text)  # `text <url>`_ -> text
     text = re.sub(r"https?://\S+", " ", text)

@@ -545,12 +545,21 @@ class Engine:
         if seq.done:
             return
         seq.done = True
+        self._count_evicted(seq)  # its last steps, fed since the last publish (a finished row is not active)
         if outcome == "completed" and self.prefixes is not None and seq.generated and self._decoding(seq):
             self._store(seq, seq.request.prompt_ids + seq.generated[:-1])
         if not self._decoding(seq):  # a decode row is dropped by _compact, with the rest of its batch
             self.executor.close(seq.uid)
         self.stats.finished[outcome] += 1
         seq.handle.push(event)
+
+    def _count_evicted(self, seq) -> None:
+        """Add what ``seq`` evicted since it was last counted: an evicting cache holds its budget, so
+        every token fed beyond it was evicted."""
+        budget = seq.request.budget
+        evicted = 0 if budget is None else max(0, seq.tokens_fed - budget)
+        self.stats.evicted_tokens += evicted - seq.evicted_counted
+        seq.evicted_counted = evicted
 
     def _publish(self) -> None:
         active = self._active()
@@ -561,11 +570,8 @@ class Engine:
             s.waiting = len(self._waiting)
         s.kv_bytes = kv
         s.kv_bytes_peak = max(s.kv_bytes_peak, kv)
-        for seq in active:  # an evicting cache holds its budget; every token fed beyond it was evicted
-            budget = seq.request.budget
-            evicted = 0 if budget is None else max(0, seq.tokens_fed - budget)
-            s.evicted_tokens += evicted - seq.evicted_counted
-            seq.evicted_counted = evicted
+        for seq in active:
+            self._count_evicted(seq)
         s.full_kv_bytes = sum(seq.tokens_fed for seq in active) * self.slot_bytes
         s.reserved_bytes = self.scheduler.footprint(self._scheduler_state()) * self.slot_bytes if active else 0
         if self.prefixes is not None:
