@@ -172,9 +172,10 @@ def test_policy_hooks_state_their_rule(policy):
     torch.testing.assert_close(folded, mass if policy == "tova" else score + mass)
 
 
-def snapkv_rule(q, k, kept, c0, c1, scale, window, kernel):
+def snapkv_rule(q, k, kept, c0, c1, scale, window, kernel, pool="avg", chunk=0):
     """SnapKV for one KV head in plain Python: the call's last ``window`` queries over the kept
-    tokens and the call up to themselves; the call's tokens averaged over ``kernel`` neighbours."""
+    tokens and the call up to themselves; the call's tokens averaged (or maxed) over ``kernel``
+    neighbours, then, with ``chunk``, each aligned block of the call given its mean."""
     mass = {}
     for i in range(max(c0, c1 - window), c1):
         visible = kept + list(range(c0, i + 1))
@@ -184,17 +185,23 @@ def snapkv_rule(q, k, kept, c0, c1, scale, window, kernel):
                 mass[j] = mass.get(j, 0.0) + float(p[a])
     new = [mass.get(j, 0.0) for j in range(c0, c1)]
     half = kernel // 2
-    smooth = [sum(new[max(0, a - half):a + half + 1]) / len(new[max(0, a - half):a + half + 1]) for a in range(len(new))]
+    around = [new[max(0, a - half):a + half + 1] for a in range(len(new))]
+    smooth = [max(near) if pool == "max" else sum(near) / len(near) for near in around]
+    if chunk > 1:
+        blocks = [smooth[a:a + chunk] for a in range(0, len(smooth), chunk)]
+        smooth = [sum(block) / len(block) + 1e-3 * own for block in blocks for own in block]
     return [mass.get(j, 0.0) for j in kept], smooth
 
 
+@pytest.mark.parametrize("spans", [{}, {"pool": "max"}, {"chunk": 5}, {"pool": "max", "chunk": 4}],
+                         ids=["avg", "max", "chunk", "max-chunk"])
 @pytest.mark.parametrize("kept", [[], [0, 2, 5, 7]])
-def test_snapkv_prefill_scores_state_its_rule(kept):
+def test_snapkv_prefill_scores_state_its_rule(kept, spans):
     q, k, _ = random_qkv(9, 3, 1, 20, 8)
-    policy = make_policy("snapkv:window=5,kernel=3")
+    policy = make_policy("snapkv:window=5,kernel=3" + "".join(f",{key}={value}" for key, value in spans.items()))
     old, new = policy.prefill_scores(q[:, :, 8:20], k[:, :, 8:20], k[:, :, kept], torch.ones(1, 1, len(kept), dtype=torch.bool),
                                      torch.tensor([12]), 8**-0.5)
-    want_old, want_new = snapkv_rule(q[0], k[0, 0], kept, 8, 20, 8**-0.5, window=5, kernel=3)
+    want_old, want_new = snapkv_rule(q[0], k[0, 0], kept, 8, 20, 8**-0.5, window=5, kernel=3, **spans)
     torch.testing.assert_close(old[0, 0].double(), torch.tensor(want_old, dtype=torch.float64), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(new[0, 0].double(), torch.tensor(want_new, dtype=torch.float64), atol=1e-5, rtol=1e-5)
 

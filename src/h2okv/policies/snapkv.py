@@ -10,6 +10,9 @@ fixed before the first chunk runs, so evicting the lowest chunk by chunk keeps t
 ranking once at the end. After the prompt, decode steps add their attention mass as in ``h2o``.
 ``pool=max`` smooths by the largest neighbour instead of the mean: a token next to a chosen one
 ranks with it, so a value of many tokens (a UUID) is kept whole rather than in pieces.
+``chunk=C`` (ChunkKV, Liu et al. 2025) then gives every token of each aligned block of ``C`` tokens
+(counted from the call's first token) the block's mean score: a block is kept or evicted as one
+span, as kvpress's ``ChunkKVPress`` keeps whole chunks.
 
 A forward call of a single token is a decode step. ``chunk_size=1`` (token-by-token scoring,
 ``eval ppl``) means "read as if decoded", so there is no prompt boundary and ``snapkv`` is ``h2o``
@@ -28,6 +31,7 @@ from h2okv.policies.h2o import H2OPolicy
 
 DEFAULT_WINDOW = 32
 DEFAULT_KERNEL = 7
+TIE_BREAK = 1e-3  # of a token's own score, added to its block's mean (``chunk``)
 
 
 class SnapKVPolicy(H2OPolicy):
@@ -39,6 +43,8 @@ class SnapKVPolicy(H2OPolicy):
         # max: a token takes its best neighbour's mass, so a chosen token keeps the whole span
         # around it (a value of many tokens, a UUID); avg (SnapKV's): smoothed
         Option("pool", str, "avg", lambda v: v in ("avg", "max"), "avg or max", attribute="pooling", shown=False),
+        # ChunkKV: whole blocks of this many tokens share one score (0: token by token)
+        Option("chunk", int, 0, lambda v: v >= 0, ">= 0", shown=False),
     )
 
     def prefill_scores(self, query, key_new, old_keys, old_valid, new_real, scaling, value_new=None, old_values=None):
@@ -66,7 +72,25 @@ class SnapKVPolicy(H2OPolicy):
         old, new = mass[..., :cap], mass[..., cap:]
         if self.kernel > 1 and n > 1:
             new = self.pool(new, new_real)
+        if self.chunk > 1 and n > 1:
+            new = self.chunk_mean(new, new_real)
         return old, new
+
+    def chunk_mean(self, new, new_real):
+        """Each aligned block of ``chunk`` real tokens takes its mean score (a row's last block may
+        be shorter: the mean of what it holds); pads stay 0, so a padded row is ranked as alone.
+        A thousandth of each token's own score breaks the ties inside a block (the block's weakest
+        token goes first when only part of it fits): equal keys would leave the choice to the
+        slot layout, and a padded batch would then keep other tokens than its rows alone."""
+        b, hkv, n = new.shape
+        c = self.chunk
+        real = torch.arange(n, device=new.device)[None, :] < new_real[:, None]  # [B, n]
+        blocks = -(-n // c)
+        padded = F.pad(new.masked_fill(~real[:, None], 0.0), (0, blocks * c - n)).view(b, hkv, blocks, c)
+        counts = F.pad(real.float(), (0, blocks * c - n)).view(b, 1, blocks, c).sum(-1, keepdim=True)
+        means = padded.sum(-1, keepdim=True) / counts.clamp(min=1.0)
+        shared = means.expand(b, hkv, blocks, c).reshape(b, hkv, blocks * c)[..., :n]
+        return (shared + TIE_BREAK * new).masked_fill(~real[:, None], 0.0)
 
     def pool(self, new, new_real):
         """Each new token's mass averaged with its neighbours' in token order (the call's tokens
