@@ -54,7 +54,8 @@ MODES = {"question-compressed": "", "question-out": "-qout"}
 QUESTION_OF_MODE = {"question-compressed": "aware", "question-out": "agnostic"}  # eval longctx's names
 MODE_OF_NAME = {**{m: m for m in MODES}, **{q: m for m, q in QUESTION_OF_MODE.items()}}
 LONGCTX_DIR = Path(__file__).resolve().parents[2] / "src" / "h2okv" / "eval" / "longctx"
-PRESSES = ["full", "knorm", "tova", "snapkv", "streaming", "observed", "expected", "adakv-snapkv", "kvzip"]
+PRESSES = ["full", "knorm", "tova", "snapkv", "streaming", "observed", "expected", "adakv-snapkv", "kvzip",
+           "chunkkv-snapkv"]
 
 
 def make_press(name: str, ratio: float):
@@ -73,6 +74,8 @@ def make_press(name: str, ratio: float):
         return kvpress.SnapKVPress(compression_ratio=ratio, window_size=32, kernel_size=7)
     if name == "adakv-snapkv":
         return kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio, window_size=32, kernel_size=7))
+    if name == "chunkkv-snapkv":  # whole chunks of 20 tokens (kvpress's default) ranked by SnapKV's scores
+        return kvpress.ChunkKVPress(kvpress.SnapKVPress(compression_ratio=ratio, window_size=32, kernel_size=7))
     raise SystemExit(f"run_kvpress: unknown press {name!r}; known: {', '.join(PRESSES)}")
 
 
