@@ -23,8 +23,8 @@ def gqa_model(seed=1, eager=False):
     return model
 
 
-def read_and_rank(model, ids, heavy, recent, start=0, chunk_size=2048, **options):
-    cache = H2OCache(model, policy="kvzip", heavy=heavy, recent=recent, prefill="late", **options)
+def read_and_rank(model, ids, heavy, recent, start=0, chunk_size=2048, policy="kvzip", **options):
+    cache = H2OCache(model, policy=policy, heavy=heavy, recent=recent, prefill="late", **options)
     with torch.inference_mode():
         model(input_ids=ids, **cache_arg(cache))
     reconstruct(model, cache, ids, Tok(), start=start, chunk_size=chunk_size)
@@ -93,11 +93,30 @@ def test_budget_kept_while_decoding_and_exact_when_nothing_is_evicted():
         roomy = read_and_rank(model, ids, heavy=100, recent=10)
         assert model.generate(input_ids=full_ids, **cache_arg(roomy), max_new_tokens=8,
                               do_sample=False).tolist() == plain.tolist()
-        tight = read_and_rank(model, ids, heavy=8, recent=4)
+        tight = read_and_rank(model, ids, heavy=8, recent=4, policy="kvzip:tail=0")
         assert tight.stats()["slots"] == [12, 12] and tight.stats()["peak_capacity"] == [50, 50]
         for _ in range(5):  # the question, then decode steps: h2o's rule on top of the probe's scores
             model(input_ids=question[:, :1], **cache_arg(tight))
             assert tight.stats()["slots"] == [12, 12]
+
+
+@pytest.mark.parametrize("one_call", [True, False])
+def test_tail_keeps_what_is_read_after_the_ranking_whole(one_call):
+    """tail=N: the ranked context stays as ranked while the first N tokens read after it (the
+    question, the answer) are all kept; past N, the budget (ranked + N) holds."""
+    torch.manual_seed(1)
+    model = gqa_model()
+    ids, question = torch.randint(2, 90, (1, 50)), torch.randint(2, 90, (1, 6))
+    with torch.inference_mode():
+        cache = read_and_rank(model, ids, heavy=8, recent=4, policy="kvzip:tail=6")
+        ranked = [kept(layer) for layer in cache.layers]
+        for ids_part in ([question] if one_call else question.split(1, dim=1)):
+            model(input_ids=ids_part, **cache_arg(cache))
+        assert cache.stats()["slots"] == [18, 18]
+        assert [kept(layer) for layer in cache.layers] == [[h + list(range(50, 56)) for h in layer] for layer in ranked]
+        model(input_ids=question[:, :1], **cache_arg(cache))
+        assert cache.stats()["slots"] == [18, 18]
+    assert H2OCache(model, policy="kvzip", budget=0.2, prefill="late").policy.tail == 256
 
 
 def test_batch_equals_batch_of_one():
@@ -123,7 +142,8 @@ def test_layers_share_the_whole_caches_slots_by_rank():
     sinks, the recent windows and the best ``layers x heads x (heavy - sinks)`` other tokens."""
     torch.manual_seed(4)
     ids, heavy, recent = torch.randint(2, 90, (1, 60)), 10, 4
-    cache = read_and_rank(gqa_model(), ids, heavy=heavy, recent=recent, head_budgets="layers", head_floor=0.0)
+    cache = read_and_rank(gqa_model(), ids, heavy=heavy, recent=recent, head_budgets="layers", head_floor=0.0,
+                          policy="kvzip:tail=0")  # no slots for what follows: capacity == budget + 1
     n, scores = 60, reference_scores(ids)
     free = scores.clone()
     free[..., :SINKS] = free[..., n - recent:] = -1.0  # not candidates

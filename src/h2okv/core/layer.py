@@ -361,6 +361,11 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
             self._share_out(self.score, self.ordinal, self.valid, self.n_real)
         evict(self, self.capacity)  # any m > 1: every row down to its budget at once
         self.shrink_to_budget()
+        # what is read after the ranking (question, answer) is kept whole for ``tail`` tokens: the
+        # recent window grows by that much, the slots as the tokens come (kvzip.py)
+        tail = getattr(self.config.policy, "tail", 0)
+        if tail:
+            self.recent = self.recent + tail
         self.refresh()
 
     # -- head-adaptive budgets (head_budget.py) --------------------------------------------------

@@ -10,6 +10,16 @@ group gives it (``core/reconstruction.py``), and each layer then evicts to its b
 probe costs about one more prefill of the prompt. Decode steps afterwards add their attention mass
 as in ``h2o``. The first four tokens are kept as attention sinks, as KVzip does.
 
+``tail=N`` (default 256): once ranked, every (layer, KV head) gets ``N`` more slots, and the tokens
+read after the ranking (the question, the answer) are kept whole until ``N`` of them have been read
+(they are the recent window's); past that, the usual eviction goes on at the larger budget. KVzip
+and kvpress compress the context only and keep the question and the answer whole. With
+``head_budgets=layers`` the split leaves many heads nothing but their sinks and recent window
+(Qwen2.5 0.5B, 2k prompt, 20%: 7-13 of 48 heads hold <= 8 slots), so with ``tail=0`` those heads
+lose the question while it is read and the list being answered while it is written: RULER's
+multi-value and multi-query needles then get one value of four (docs/RESULTS.md). The slots are
+grown as tokens arrive: a cache that reads nothing after the ranking holds only its budget.
+
 ``kernel=K`` (odd, default 1: KVzip's own scores) gives each token the best score of the ``K``
 tokens centred on it, in prompt order, before the ranking: a token next to a chosen one ranks with
 it, so a value of many tokens (a number read digit by digit, a UUID) is kept whole or not at all.
@@ -37,6 +47,7 @@ class KVzipPolicy(H2OPolicy):
     ranks_heads = True
     declared = (
         Option("kernel", int, 1, lambda v: v >= 1 and v % 2 == 1, "an odd number >= 1", shown=False),
+        Option("tail", int, 256, lambda v: v >= 0, "an integer >= 0", shown=False),
     )
 
     def smooth_probe(self, scores: torch.Tensor, ordinal: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
