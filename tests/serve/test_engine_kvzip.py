@@ -29,9 +29,9 @@ def chat_prompt(tok, n: int, seed: int) -> list[int]:
     return head + prompt(n, seed) + tail
 
 
-def kvzip_alone(model, tok, ids, heavy, recent, steps, start=0):
+def kvzip_alone(model, tok, ids, heavy, recent, steps, start=0, policy="kvzip"):
     """Reference: ``eval longctx``'s order (``generate_answers``), one sequence."""
-    cache = H2OCache(model, policy="kvzip", heavy=heavy, recent=recent, prefill="late")
+    cache = H2OCache(model, policy=policy, heavy=heavy, recent=recent, prefill="late")
     context = torch.tensor([ids[:-1]])
     with torch.inference_mode():
         model(input_ids=context, **cache_arg(cache), use_cache=True)
@@ -69,34 +69,41 @@ def test_served_kvzip_equals_eval_order_beside_other_policies(model_tok, schedul
     assert engine.stats.kv_bytes == 0
 
 
-def test_executor_ranks_then_keeps_the_budget(model_tok):
-    """The prompt is read whole, evicted to its budget by the probe, and stays there while decoding."""
+@pytest.mark.parametrize("tail", [0, 4])
+def test_executor_ranks_then_keeps_the_budget(model_tok, tail):
+    """The prompt is read whole, evicted to its budget by the probe, and stays there while decoding;
+    with a tail, the tokens read after the ranking are kept on top of it, up to the tail."""
     model, tok = model_tok
     ids, heavy, recent = prompt(48, 7), 6, 3
     executor = Executor(model, CHUNK)
     from h2okv.core.reconstruction import prompt_probes
 
-    executor.open(0, "kvzip", heavy, recent, 0, probe=prompt_probes(tok, ids))
+    policy = f"kvzip:tail={tail}"
+    executor.open(0, policy, heavy, recent, 0, probe=prompt_probes(tok, ids))
     with torch.inference_mode():
         logits = executor.prefill([(0, ids, 0)])[0]
         cache = executor._ranked[0]
         for layer in cache.layers:
             assert (layer.valid.sum(-1) <= heavy + recent + 1).all()
-        executor.join(0, heavy + recent + 1)
+        executor.join(0, heavy + recent + tail + 1)
         token = int(logits.argmax())
         for step in range(6):
-            out = executor.decode("kvzip", [0], [token], [len(ids) + step])
+            out = executor.decode(policy, [0], [token], [len(ids) + step])
             token = int(out[0].argmax())
-            for layer in executor._batches["kvzip"].cache.layers:
-                assert (layer.valid.sum(-1) <= heavy + recent + 1).all()
-    assert token == kvzip_alone(model, tok, ids, heavy, recent, 7)[-1]
+            for layer in executor._batches[policy].cache.layers:
+                # the last prompt token and the steps so far are read after the ranking
+                assert (layer.valid.sum(-1) <= heavy + recent + min(tail, step + 2)).all()
+    assert token == kvzip_alone(model, tok, ids, heavy, recent, 7, policy=policy)[-1]
 
 
 def test_reservation_counts_the_whole_prompt(model_tok):
     model, tok = model_tok
     engine = Engine(model, tok, prefill_chunk=CHUNK)
-    res = engine.reservation(GenerationRequest(prompt(200, 0), 10, "kvzip", 8, 8))
+    res = engine.reservation(GenerationRequest(prompt(200, 0), 10, "kvzip:tail=0", 8, 8))
     assert res.prefill_peak == 200 and res.slots == 17  # read whole; then budget + 1
+    # by default what is read after the ranking is kept on top, up to the tail: here the whole request
+    assert engine.reservation(GenerationRequest(prompt(200, 0), 10, "kvzip", 8, 8)).slots == 210
+    assert engine.reservation(GenerationRequest(prompt(200, 0), 10, "kvzip:tail=5", 8, 8)).slots == 22
 
 
 def test_kvzip_refusals_are_one_line(model_tok):

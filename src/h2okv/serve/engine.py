@@ -160,7 +160,10 @@ class Engine:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def reservation(self, request: GenerationRequest) -> Reservation:
-        return reservation(len(request.prompt_ids), request.max_tokens, request.budget, self.chunk_for(request))
+        budget = request.budget
+        if budget is not None:  # kvzip keeps up to ``tail`` tokens read after its ranking on top of it
+            budget += getattr(make_policy(request.policy), "tail", 0)
+        return reservation(len(request.prompt_ids), request.max_tokens, budget, self.chunk_for(request))
 
     def chunk_for(self, request: GenerationRequest) -> int:
         """The prefill chunk of ``request``: the whole prompt under late prefill or for a policy
