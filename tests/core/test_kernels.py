@@ -192,7 +192,7 @@ def test_native_decode_of_uneven_budgets_equals_eager(shape, monkeypatch):
                                  head_floor=0.0)
                 model(ids[:, :30], **cache_arg(cache))
             else:
-                cache = H2OCache(model, policy="kvzip", heavy=8, recent=3, prefill="late", head_budgets="layers",
+                cache = H2OCache(model, policy="kvzip:tail=0", heavy=8, recent=3, prefill="late", head_budgets="layers",
                                  head_floor=0.0)
                 model(ids[:, :30], **cache_arg(cache))
                 reconstruct(model, cache, ids[:, :30], Tok())
@@ -237,7 +237,7 @@ def test_a_head_that_keeps_every_token_goes_flat_once_the_layer_has_grown(monkey
 
     def run(name):
         with kernels.use_kernels(name), torch.inference_mode():
-            cache = H2OCache(model, policy="kvzip", heavy=8, recent=1, prefill="late", head_budgets="layers",
+            cache = H2OCache(model, policy="kvzip:tail=0", heavy=8, recent=1, prefill="late", head_budgets="layers",
                              head_floor=0.0)
             model(ids[:, :10], **cache_arg(cache))
             reconstruct(model, cache, ids[:, :10], Tok())
