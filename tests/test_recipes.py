@@ -15,8 +15,8 @@ from h2okv.tools.tiny import tiny_model
 
 # what each recipe must stand for: the configurations docs/RESULTS.md measured best for its use
 EXPECTED = {
-    "prompt": {"policy": "snapkv", "prefill": "late", "recent_share": 0.078},
-    "bounded": {"policy": "snapkv:window=1,kernel=7,heads=shared", "prefill": "chunked", "recent_share": 0.05},
+    "prompt": {"policy": "snapkv:kernel=63,pool=max", "prefill": "late", "recent_share": 0.078},
+    "bounded": {"policy": "snapkv:kernel=31,pool=max", "prefill": "chunked", "recent_share": 0.078},
     "document": {"policy": "kvzip", "prefill": "late", "head_budgets": "layers", "head_floor": 0.0,
                  "recent_share": 0.01},
     "generation": {"policy": "h2o", "prefill": "chunked", "recent_share": 0.5},
@@ -48,11 +48,11 @@ def test_each_recipe_expands_to_its_measured_configuration(llama, name):
 
 def test_a_recipe_is_the_same_cache_as_its_keywords_spelled_out(llama):
     by_name = H2OCache(llama, recipe="bounded", budget=0.5, budget_floor=0)
-    spelled = H2OCache(llama, policy="snapkv:window=1,kernel=7,heads=shared", budget=0.5, recent_share=0.05,
+    spelled = H2OCache(llama, policy="snapkv:window=32,kernel=31,pool=max", budget=0.5, recent_share=0.078,
                        prefill="chunked", budget_floor=0)
     out_a, out_b = run(llama, by_name, new=6), run(llama, spelled, new=6)
     assert torch.equal(out_a, out_b)
-    assert by_name.budget() == spelled.budget() == [20]  # 50% of 40 tokens
+    assert by_name.budget() == spelled.budget() == [19]  # 50% of 40 tokens: 18 ranked + 1 recent
     assert by_name.stats()["slots"] == spelled.stats()["slots"]
 
 
@@ -168,7 +168,7 @@ def test_summary_is_one_line_with_the_recipe_and_the_bytes(llama):
     line = cache.summary()
     stats = cache.stats()
     assert "\n" not in line
-    assert line.startswith("snapkv:window=1,kernel=7,heads=shared (recipe bounded): 43 tokens seen")
+    assert line.startswith("snapkv:window=32,kernel=31,pool=max (recipe bounded): 43 tokens seen")
     assert "budget 16 slots per layer and KV head" in line
     assert f"{stats['kv_bytes'] / 2**20:.2f} MiB vs {stats['full_kv_bytes'] / 2**20:.2f} MiB full" in line
     full = H2OCache(llama, policy="full")
@@ -178,7 +178,7 @@ def test_summary_is_one_line_with_the_recipe_and_the_bytes(llama):
 
 def test_recipe_runs_name_the_policy_and_its_settings():
     runs = recipe_runs(["bounded", "document"])
-    assert runs[0] == ("snapkv:window=1,kernel=7,heads=shared", {"prefill": "chunked", "recent_share": 0.05}, "bounded")
+    assert runs[0] == ("snapkv:kernel=31,pool=max", {"prefill": "chunked", "recent_share": 0.078}, "bounded")
     assert runs[1][0] == "kvzip" and runs[1][1]["head_budgets"] == "layers" and runs[1][2] == "document"
     assert set(RECIPE_NAMES) == set(RECIPES) == set(EXPECTED)
 

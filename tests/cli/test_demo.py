@@ -57,13 +57,16 @@ def test_the_full_line_is_what_a_full_cache_holds():
 
 
 def test_the_recipe_and_local_hold_the_same_fifth_of_full():
-    """The comparison is fair: the recipe and the sliding window keep the same number of slots (on
+    """The comparison is fair: the recipe and the sliding window keep the same slots, to rounding (on
     the demo's 1k-token prompts 20% is above the budget floor of short prompts)."""
     model, tok = tiny_model("llama", seed=3), CharTokenizer()
     case = retrieval_cases(tok)[0]
     got = {config: answer(model, tok, case, config, keywords, max_new_tokens=3) for config, keywords in RETRIEVAL_CONFIGS}
     assert set(got) == {"full", "recipe bounded", "local"}
-    assert got["recipe bounded"].kv_bytes == got["local"].kv_bytes
+    # each part of a fractional budget rounds down: the recipe's small recent share may leave it a
+    # slot or two below the window's, never above
+    assert got["recipe bounded"].kv_bytes <= got["local"].kv_bytes
+    assert got["recipe bounded"].kv_bytes == pytest.approx(got["local"].kv_bytes, rel=0.01)
     assert got["local"].kv_bytes / got["full"].kv_bytes == pytest.approx(RETRIEVAL_BUDGET, abs=0.01)
     assert "recipe bounded" in got["recipe bounded"].summary
 

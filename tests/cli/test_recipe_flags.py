@@ -44,7 +44,7 @@ def test_generate_with_a_recipe_and_a_slot_budget(capsys, tiny_dir):
                              "--max-new-tokens", "3")
     assert code == 0, err
     last = out.strip().splitlines()[-1]
-    assert last.startswith("[snapkv:window=1,kernel=7,heads=shared, recipe bounded] tokens seen")
+    assert last.startswith("[snapkv:window=32,kernel=31,pool=max, recipe bounded] tokens seen")
     assert "slots kept 20 per layer/head" in last
 
 
@@ -78,9 +78,9 @@ def test_retrieval_runs_a_recipe_beside_full(capsys, tmp_path, tiny_dir):
                              "--max-new-tokens", "2", "--json", str(rows), "--plot", "")
     assert code == 0, err
     cells = json.loads(rows.read_text())
-    assert [c["policy"] for c in cells] == ["full", "snapkv:window=1,kernel=7,heads=shared"]  # full by default
+    assert [c["policy"] for c in cells] == ["full", "snapkv:kernel=31,pool=max"]  # full by default
     recipe = cells[1]
-    assert (recipe["recipe"], recipe["recent_share"], recipe["prefill"], recipe["budget"]) == ("bounded", 0.05, "chunked", 0.5)
+    assert (recipe["recipe"], recipe["recent_share"], recipe["prefill"], recipe["budget"]) == ("bounded", 0.078, "chunked", 0.5)
     assert "recipe bounded" in out
 
 
@@ -114,7 +114,7 @@ def test_longctx_recipes_and_options_reach_only_their_runs():
     configs = spec.configs()
     assert configs[0] == Config("full", 1.0, {})  # full keeps everything: no option reaches it
     assert configs[1] == Config("kvzip", 0.2, {"prefill": "late", "head_budgets": "layers"})
-    assert configs[2] == Config("snapkv", 0.2, {"prefill": "late", "recent_share": 0.078}, "prompt")
+    assert configs[2] == Config("snapkv:kernel=63,pool=max", 0.2, {"prefill": "late", "recent_share": 0.078}, "prompt")
 
 
 def test_lm_eval_model_takes_a_recipe(tiny_dir):
@@ -124,8 +124,8 @@ def test_lm_eval_model_takes_a_recipe(tiny_dir):
 
     lm = H2OLM(pretrained=str(tiny_dir), recipe="bounded", budget="0.5")
     cache = lm._new_cache(4)
-    assert cache.recipe == "bounded" and cache.policy.spec == "snapkv:window=1,kernel=7,heads=shared"
-    assert cache.spec.recent_ratio == pytest.approx(0.5 * 0.05) and cache.spec.floor == 0
+    assert cache.recipe == "bounded" and cache.policy.spec == "snapkv:window=32,kernel=31,pool=max"
+    assert cache.spec.recent_ratio == pytest.approx(0.5 * 0.078) and cache.spec.floor == 0
     assert lm.get_model_info()["recipe"] == "bounded"
     with pytest.raises(H2OError, match="unknown recipe"):
         H2OLM(pretrained=str(tiny_dir), recipe="nope")

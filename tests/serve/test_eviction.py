@@ -17,12 +17,12 @@ def test_the_default_keeps_the_floor_for_a_short_chat_prompt():
 
 def test_a_server_recipe_sets_policy_prefill_and_share():
     prompt = EvictionDefaults.from_options(recipe="prompt", budget=0.2)
-    assert (prompt.policy, prompt.prefill, prompt.recent_share) == ("snapkv", "late", 0.078)
+    assert (prompt.policy, prompt.prefill, prompt.recent_share) == ("snapkv:kernel=63,pool=max", "late", 0.078)
     assert prompt.describe()["recipe"] == "prompt"
     # 20% of 2000 tokens, 7.8% of it recent; each part rounds down
-    assert prompt.resolve(2000) == ("snapkv:window=32,kernel=7", int(0.2 * 0.922 * 2000), int(0.2 * 0.078 * 2000))
+    assert prompt.resolve(2000) == ("snapkv:window=32,kernel=63,pool=max", int(0.2 * 0.922 * 2000), int(0.2 * 0.078 * 2000))
     bounded = EvictionDefaults.from_options(recipe="bounded")  # no budget: the recipe's 20%
-    assert bounded.resolve(1000) == ("snapkv:window=1,kernel=7,heads=shared", 190, 10)
+    assert bounded.resolve(1000) == ("snapkv:window=32,kernel=31,pool=max", 184, 15)
     # flags beside the recipe replace its parts
     chunked = EvictionDefaults.from_options(recipe="prompt", prefill="chunked", policy="h2o", budget=256)
     assert chunked.prefill == "chunked" and chunked.resolve(2000) == ("h2o", 236, 20)
@@ -30,9 +30,9 @@ def test_a_server_recipe_sets_policy_prefill_and_share():
 
 def test_a_request_recipe_uses_its_own_policy_and_share():
     server = EvictionDefaults.from_options(budget=0.2)
-    assert server.resolve(1000, recipe="bounded") == ("snapkv:window=1,kernel=7,heads=shared", 190, 10)
+    assert server.resolve(1000, recipe="bounded") == ("snapkv:window=32,kernel=31,pool=max", 184, 15)
     assert server.resolve(1000, recipe="bounded", budget={"budget": 100}) == (
-        "snapkv:window=1,kernel=7,heads=shared", 95, 5)
+        "snapkv:window=32,kernel=31,pool=max", 92, 8)
     assert server.resolve(1000, policy="local", recipe="bounded")[0] == "local"  # an explicit policy wins
     assert server.resolve(2000, budget={"budget": 0.1, "recent_share": 0.25}) == ("h2o", 150, 50)
     assert server.resolve(1000, policy="full") == ("full", None, None)
