@@ -176,3 +176,19 @@ def test_a_cacheable_prefix_is_ranked_before_the_question_and_resumed(model_tok,
             engine.stop()
         if store:  # the first read the document and stored it; the second resumed it
             assert (engine.prefixes.hits, engine.prefixes.misses) == (1, 1)
+
+
+@pytest.mark.parametrize("policy, evicted", [("kvzip", 60 - 12), ("kvzip:tail=0", 60 + 10 - 1 - 12)])
+def test_the_eviction_counter_counts_what_the_tail_keeps_as_kept(model_tok, policy, evicted):
+    """A 60-token prompt ranked down to 8 + 4 slots, then 10 tokens: with the tail, the 9 fed after
+    the ranking are kept on top, so only the prompt's 48 count as evicted; with tail=0, 57."""
+    model, tok = model_tok
+    engine = Engine(model, tok, prefill_chunk=CHUNK)
+    engine.start()
+    try:
+        _, done = engine.submit(GenerationRequest(prompt(60, 8), 10, policy, 8, 4, temperature=0.0,
+                                                  ignore_eos=True)).result_blocking()
+        assert done.kind == "done"
+    finally:
+        engine.stop()
+    assert engine.stats.evicted_tokens == evicted

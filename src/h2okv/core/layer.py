@@ -363,9 +363,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         self.shrink_to_budget()
         # what is read after the ranking (question, answer) is kept whole for ``tail`` tokens: the
         # recent window grows by that much, the slots as the tokens come (kvzip.py)
-        tail = getattr(self.config.policy, "tail", 0)
-        if tail:
-            self.recent = self.recent + tail
+        self.recent = self.recent + self.config.policy.tail
         self.refresh()
 
     # -- head-adaptive budgets (head_budget.py) --------------------------------------------------

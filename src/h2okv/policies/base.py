@@ -84,6 +84,9 @@ class Policy:
     #: the prompt is ranked by a reconstruction pass (``h2okv.reconstruct``, ``kvzip.py``), not by
     #: its own attention: the cache holds it whole until that pass has run
     ranks_by_reconstruction: bool = False
+    #: tokens read after that ranking (the question, the answer) kept whole on top of the budget
+    #: (``kvzip``'s ``tail`` option); 0: evicted back to the budget like any other
+    tail: int = 0
     #: ``prefill_scores`` ranks a whole multi-token call before it is chunked (``snapkv``, ``expected``)
     ranks_upfront: bool = False
     #: ``key_scores`` gives a written token a starting score from its key (``knorm``)

@@ -87,6 +87,7 @@ class Sequence:
         self.evicted_counted = 0  # tokens evicted so far, as already added to the engine's counter
         self.probe: list[list[int]] | None = None  # a policy ranked by reconstruction: its probe calls
         self.ranked = len(request.prompt_ids)  # ... and the prompt's first tokens they rank
+        self.tail = make_policy(request.policy).tail  # tokens read after the ranking kept on top
 
     @property
     def generated(self) -> list[int]:
@@ -162,7 +163,7 @@ class Engine:
     def reservation(self, request: GenerationRequest) -> Reservation:
         budget = request.budget
         if budget is not None:  # kvzip keeps up to ``tail`` tokens read after its ranking on top of it
-            budget += getattr(make_policy(request.policy), "tail", 0)
+            budget += make_policy(request.policy).tail
         return reservation(len(request.prompt_ids), request.max_tokens, budget, self.chunk_for(request))
 
     def chunk_for(self, request: GenerationRequest) -> int:
@@ -557,10 +558,13 @@ class Engine:
         seq.handle.push(event)
 
     def _count_evicted(self, seq) -> None:
-        """Add what ``seq`` evicted since it was last counted: an evicting cache holds its budget, so
-        every token fed beyond it was evicted."""
+        """Add what ``seq`` evicted since it was last counted: an evicting cache holds its budget (and
+        a kvzip row the first ``tail`` tokens read after its ranking), so every token fed beyond
+        that was evicted."""
         budget = seq.request.budget
-        evicted = 0 if budget is None else max(0, seq.tokens_fed - budget)
+        fed = seq.tokens_fed
+        held = None if budget is None else budget + min(seq.tail, max(0, fed - seq.ranked))
+        evicted = 0 if held is None else max(0, fed - held)
         self.stats.evicted_tokens += evicted - seq.evicted_counted
         seq.evicted_counted = evicted
 
