@@ -85,6 +85,8 @@ def rank(policy, score, j, seen):
 
 
 RULE_POLICIES = ["h2o", "tova", "h2o-sink", "h2o-mean", "snapkv", "local", "sink"]
+# decode-time re-ranking (h2o.py's decay): the same paths, the scores faded before each call's mass
+DECAY_POLICIES = ["h2o:decay=0.8", "snapkv:window=6,kernel=3,decay=0.9"]
 
 
 @settings(max_examples=12, deadline=None)
@@ -114,7 +116,7 @@ PATH_CASES = {
 
 
 @pytest.mark.parametrize("path", PATH_CASES)
-@pytest.mark.parametrize("policy", RULE_POLICIES)
+@pytest.mark.parametrize("policy", RULE_POLICIES + DECAY_POLICIES)
 def test_each_path_matches_the_reference(path, policy, monkeypatch):
     chunk, calls, runs = PATH_CASES[path]
     taken = []
@@ -172,6 +174,36 @@ def test_policy_hooks_state_their_rule(policy):
     torch.testing.assert_close(folded, mass if policy == "tova" else score + mass)
 
 
+@pytest.mark.parametrize("spec", DECAY_POLICIES)
+def test_decay_fades_the_score_before_each_call_adds_its_mass(spec):
+    """The rule written out: score <- decay * score + mass (Algorithm 1's sum when decay is 1);
+    a kernel that only adds cannot run it, so the policy declares no fold."""
+    p = make_policy(spec)
+    g = torch.Generator().manual_seed(5)
+    score, mass = torch.rand(2, 3, 9, generator=g), torch.rand(2, 3, 9, generator=g)
+    folded = score.clone()
+    p.accumulate(folded, mass)
+    torch.testing.assert_close(folded, p.decay * score + mass)
+    assert p.fold is None and p.decay < 1 and make_policy(spec.split(":")[0]).fold == "add"
+
+
+def test_decay_lets_a_token_the_latest_queries_ignore_go_before_an_old_heavy_hitter_would():
+    """Early queries read token 1, the later ones token 2, less sharply: with one heavy slot the
+    sum keeps the early favourite 1; with decay the latest queries decide and 2 stays."""
+    d, n = 4, 14
+    k = torch.zeros(1, n, d)
+    k[0, 1, 0] = k[0, 2, 1] = 6.0  # token 1 answers direction 0, token 2 direction 1
+    q = torch.zeros(1, n, d)
+    q[0, 2:5, 0] = 1.0  # three queries read token 1 hard
+    q[0, 5:n, 1] = 0.45  # nine read token 2, less sharply: 2's total stays below 1's
+    calls = [(t, t + 1) for t in range(n)]
+    v = torch.randn(1, n, d)
+    _, summed = reference(q, k, v, "h2o", 1, 6, calls)
+    _, faded = reference(q, k, v, "h2o:decay=0.5", 1, 6, calls)
+    assert summed[0] == [1, *range(8, n)]
+    assert faded[0] == [2, *range(8, n)]
+
+
 def snapkv_rule(q, k, kept, c0, c1, scale, window, kernel, pool="avg", chunk=0):
     """SnapKV for one KV head in plain Python: the call's last ``window`` queries over the kept
     tokens and the call up to themselves; the call's tokens averaged (or maxed) over ``kernel``
@@ -206,7 +238,7 @@ def test_snapkv_prefill_scores_state_its_rule(kept, spans):
     torch.testing.assert_close(new[0, 0].double(), torch.tensor(want_new, dtype=torch.float64), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("policy", RULE_POLICIES)
+@pytest.mark.parametrize("policy", RULE_POLICIES + DECAY_POLICIES)
 def test_every_policy_decodes_like_its_reference_rule(policy):
     """A chunked prompt in one call, then one token per call (generate's pattern)."""
     hq, hkv, n, d, heavy, recent, prompt = 6, 2, 36, 8, 5, 4, 20

@@ -183,7 +183,11 @@ def test_bad_options_are_one_line_errors(make, message):
 
 
 def test_policy_specs_name_their_options():
-    assert make_policy("h2o:shared").spec == "h2o:heads=shared"  # heads is the first option
+    # a heads choice names itself, even where the policy's first option is another (h2o's decay)
+    assert make_policy("h2o:shared").spec == "h2o:heads=shared"
+    assert make_policy("h2o-sink:own").spec == "h2o-sink"
+    assert make_policy("h2o:0.9").spec == "h2o:decay=0.9"
+    assert make_policy("h2o:decay=0.9,heads=shared").spec == "h2o:decay=0.9,heads=shared"
     assert make_policy("snapkv:16,heads=shared").spec == "snapkv:window=16,kernel=7,heads=shared"
     assert make_policy("knorm").spec == "knorm"
     assert make_policy("tova:heads=own").spec == "tova"

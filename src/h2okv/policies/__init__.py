@@ -7,7 +7,7 @@ option); the ranking policies take ``heads=shared`` (``tova:heads=shared``), one
 from __future__ import annotations
 
 from h2okv.errors import H2OError
-from h2okv.policies.base import Budget, Policy
+from h2okv.policies.base import HEADS_CHOICES, Budget, Policy
 from h2okv.policies.expected import ExpectedAttentionPolicy
 from h2okv.policies.full import FullPolicy
 from h2okv.policies.h2o import H2OPolicy
@@ -56,7 +56,9 @@ def parse_policy_spec(spec: str) -> tuple[type[Policy], dict]:
         if not eq:  # positional: the policy's first option
             if i or not cls.options:
                 raise H2OError(f"policy {name!r}: cannot read option {part!r}; write NAME=VALUE")
-            key, value = next(iter(cls.options)), part
+            # ``h2o:shared``: a heads choice names itself, whatever the policy declares first
+            key = "heads" if cls.ranks_heads and part in HEADS_CHOICES else next(iter(cls.options))
+            value = part
         key = key.strip()
         if key not in cls.options:
             raise H2OError(f"policy {name!r} has no option {key!r}" + (f"; it has {', '.join(cls.options)}" if cls.options else ""))

@@ -7,7 +7,8 @@ query over the kept old slots and the call's own tokens up to itself: one ``[win
 softmax per layer, never ``prompt x prompt``), smoothed over neighbouring positions with an
 average pool of ``kernel`` tokens as SnapKV does (a needle is several tokens). These scores are
 fixed before the first chunk runs, so evicting the lowest chunk by chunk keeps the same set as
-ranking once at the end. After the prompt, decode steps add their attention mass as in ``h2o``.
+ranking once at the end. After the prompt, decode steps add their attention mass as in ``h2o``
+(with ``decay`` below 1, older mass fades: the window keeps moving as the answer is written).
 ``pool=max`` smooths by the largest neighbour instead of the mean: a token next to a chosen one
 ranks with it, so a value of many tokens (a UUID) is kept whole rather than in pieces.
 ``chunk=C`` (ChunkKV, Liu et al. 2025) then gives every token of each aligned block of ``C`` tokens
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from h2okv.policies.base import Option
-from h2okv.policies.h2o import H2OPolicy
+from h2okv.policies.h2o import DECAY, H2OPolicy
 
 DEFAULT_WINDOW = 32
 DEFAULT_KERNEL = 7
@@ -45,6 +46,7 @@ class SnapKVPolicy(H2OPolicy):
         Option("pool", str, "avg", lambda v: v in ("avg", "max"), "avg or max", attribute="pooling", shown=False),
         # ChunkKV: whole blocks of this many tokens share one score (0: token by token)
         Option("chunk", int, 0, lambda v: v >= 0, ">= 0", shown=False),
+        DECAY,  # decode steps re-rank by the latest queries (h2o.py): SnapKV's window, kept moving
     )
 
     def prefill_scores(self, query, key_new, old_keys, old_valid, new_real, scaling, value_new=None, old_values=None):
