@@ -333,7 +333,7 @@ def test_snapkv_window_reaches_earlier_chunks():
     assert not any(needle in heads for heads in kept["h2o"])
 
 
-@pytest.mark.parametrize("policy", ["h2o", "tova", "h2o-sink", "h2o-mean", "snapkv", "local", "sink"])
+@pytest.mark.parametrize("policy", ["h2o", "tova", "h2o-sink", "h2o-mean", "snapkv", "local", "sink", "rkv"])
 def test_token_scan_equals_slot_by_slot_steps(policy, monkeypatch):
     """Per-token eviction over whole calls (core/scan.py) against the same calls run slot by slot
     (chunk_step per token): same logits and kept tokens, through a second call that starts with
