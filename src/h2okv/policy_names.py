@@ -6,7 +6,7 @@ fails on import when a policy class is missing from this list or the list names 
 """
 
 POLICY_NAMES = ("full", "h2o", "local", "sink", "random", "tova", "h2o-sink", "h2o-mean", "snapkv", "knorm",
-                "expected", "kvzip")
+                "rkv", "expected", "kvzip")
 
 # policies that rank a prompt by reconstructing it (``h2okv.reconstruct``): only the commands that
 # run that pass accept them

@@ -86,7 +86,7 @@ def rank(policy, score, j, seen):
 
 RULE_POLICIES = ["h2o", "tova", "h2o-sink", "h2o-mean", "snapkv", "local", "sink"]
 # decode-time re-ranking (h2o.py's decay): the same paths, the scores faded before each call's mass
-DECAY_POLICIES = ["h2o:decay=0.8", "snapkv:window=6,kernel=3,decay=0.9"]
+DECAY_POLICIES = ["h2o:decay=0.8", "snapkv:window=6,kernel=3,decay=0.9", "rkv:weight=0.5,decay=0.7"]
 
 
 @settings(max_examples=12, deadline=None)
@@ -365,7 +365,7 @@ def test_snapkv_window_reaches_earlier_chunks():
     assert not any(needle in heads for heads in kept["h2o"])
 
 
-@pytest.mark.parametrize("policy", ["h2o", "tova", "h2o-sink", "h2o-mean", "snapkv", "local", "sink"])
+@pytest.mark.parametrize("policy", ["h2o", "tova", "h2o-sink", "h2o-mean", "snapkv", "local", "sink", "rkv"])
 def test_token_scan_equals_slot_by_slot_steps(policy, monkeypatch):
     """Per-token eviction over whole calls (core/scan.py) against the same calls run slot by slot
     (chunk_step per token): same logits and kept tokens, through a second call that starts with

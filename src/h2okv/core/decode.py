@@ -166,7 +166,8 @@ class EagerStep:
         shielded = protected(layer.ordinal, state.recent_start, state.sinks)
         if not self.dense:
             shielded |= ~layer.valid
-        rank = eviction_rank(policy, layer.layer_idx, layer.score, layer.ordinal, state.n_real_key, shielded)
+        rank = eviction_rank(policy, layer.layer_idx, layer.score, layer.ordinal, state.n_real_key, shielded,
+                             layer.keys, layer.valid)
         victims = rank.argmin(dim=-1, keepdim=True)
         layer.valid.scatter_(2, victims, False)
         state.next_free = victims if self.dense else None

@@ -22,7 +22,7 @@ from h2okv.core.decode import choose_stepper
 from h2okv.core.head_budget import allocate
 from h2okv.core.reconstruction import check_probe_call, probe_attention
 from h2okv.core.scan import can_scan, token_scan
-from h2okv.core.step import chunk_step, evict, protected
+from h2okv.core.step import chunk_step, evict, policy_key, protected
 from h2okv.core.storage import SlotStorage
 from h2okv.errors import H2OError
 from h2okv.policies import Policy
@@ -315,7 +315,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
             return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
         if self.config.policy.evicts:
             if self.config.head_budgets == "adaptive":
-                self._share_out(self.score, self.ordinal, self.valid, self.n_real)
+                self._share_out(self.score, self.ordinal, self.valid, self.n_real, self.keys)
             evict(self, n)
         self.shrink_to_budget()
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
@@ -349,7 +349,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
 
     def ranking(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(key, candidate)`` ``[B, H, cap]`` of this layer's slots (``_rank``)."""
-        return self._rank(self.score, self.ordinal, self.valid, self.n_real)
+        return self._rank(self.score, self.ordinal, self.valid, self.n_real, self.keys)
 
     def rank_by_probe(self, head_heavy=None) -> None:
         """Evict to the budget once, by the probe's scores (``take_probe_scores``); ``head_heavy``
@@ -358,7 +358,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         if head_heavy is not None:
             self._set_head_heavy(head_heavy)
         elif self.config.head_budgets == "adaptive":
-            self._share_out(self.score, self.ordinal, self.valid, self.n_real)
+            self._share_out(self.score, self.ordinal, self.valid, self.n_real, self.keys)
         evict(self, self.capacity)  # any m > 1: every row down to its budget at once
         self.shrink_to_budget()
         # what is read after the ranking (question, answer) is kept whole for ``tail`` tokens: the
@@ -367,18 +367,18 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         self.refresh()
 
     # -- head-adaptive budgets (head_budget.py) --------------------------------------------------
-    def _rank(self, score, ordinal, live, n_real) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(key, candidate)`` ``[B, H, N]``: the policy's rank of ``score`` (with ``ordinal`` and
-        ``live``, once ``n_real`` tokens have been read) and which tokens it may choose from (live,
-        outside the recent window and the sinks)."""
+    def _rank(self, score, ordinal, live, n_real, keys) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(key, candidate)`` ``[B, H, N]``: the policy's rank of ``score`` (with ``ordinal``,
+        ``live`` and the tokens' ``keys`` ``[B, H, N, D]``, once ``n_real`` tokens have been read)
+        and which tokens it may choose from (live, outside the recent window and the sinks)."""
         rows = (-1, 1, 1)
-        key = self.config.policy.eviction_key(score, ordinal, n_real.view(rows), self.layer_idx)
+        key = policy_key(self.config.policy, self.layer_idx, score, ordinal, n_real.view(rows), keys, live)
         candidate = live & ~protected(ordinal, (n_real - self.recent).view(rows), self.sinks.view(rows))
         return key, candidate
 
-    def _share_out(self, score, ordinal, live, n_real) -> None:
+    def _share_out(self, score, ordinal, live, n_real, keys) -> None:
         """Share the layer's heavy slots out among its heads by the policy's rank (``_rank``)."""
-        key, candidate = self._rank(score, ordinal, live, n_real)
+        key, candidate = self._rank(score, ordinal, live, n_real, keys)
         self._set_head_heavy(allocate(key, candidate, self.heavy, self.sinks, self.config.head_floor))
 
     def _share_out_upfront(self, key_new, nonpad, init) -> None:
@@ -391,7 +391,8 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         n_end = self.n_real + real.sum(-1)
         ordinals = (self.n_real[:, None] + torch.arange(n, device=self.device))[:, None].expand(b, h, n)
         self._share_out(torch.cat([self.score, fresh.float()], -1), torch.cat([self.ordinal, ordinals], -1),
-                        torch.cat([self.valid, real[:, None].expand(b, h, n)], -1), n_end)
+                        torch.cat([self.valid, real[:, None].expand(b, h, n)], -1), n_end,
+                        torch.cat([self.keys, key_new], 2))
 
     def _prefill_scores(self, query, key_new, value_new, nonpad, scaling):
         """Let the policy rank a multi-token call before it is chunked (SnapKV); None for most.

@@ -27,7 +27,9 @@ What the cache adds, spelled out below:
   which the lowest candidate goes (``eviction_key``; for ``h2o`` the score itself), optionally
   the scores of a whole call before it is chunked (``prefill_scores``, SnapKV) and the score a
   token starts with (``key_scores``, Knorm), and whether the heads share one kept list
-  (``shared_heads``: the lowest mean key over the heads goes);
+  (``shared_heads``: the lowest mean key over the heads goes); a policy whose key reads every
+  kept token's key (``ranks_by_keys``, R-KV's redundancy) ranks once per eviction and frees the
+  lowest of that ranking together;
 - late prefill (``late=True``): a call of several tokens is read whole and ranked once at its end;
 - head-adaptive budgets (``adaptive=FLOOR``, Ada-KV): when a call has been ranked whole (late, or
   up front by ``prefill_scores``/``key_scores``), the heads' heavy slots are shared out anew:
@@ -72,7 +74,7 @@ def reference_heads(q, k, v, policy: str | Policy, heavy: int, recent: int, call
             ranks = [upfront[h] if upfront[h] is not None
                      else {**score[h], **{j: start_score(policy, k[h, j]) for j in range(c0, c1)}} for h in range(hkv)]
             tokens = [kept[h] + list(range(c0, c1)) for h in range(hkv)]
-            totals = share_out(policy, ranks, tokens, budget, sinks, c1, adaptive)
+            totals = share_out(policy, ranks, tokens, budget, sinks, c1, adaptive, k)
         step = (c1 - c0 if late else chunk) if c1 - c0 > 1 else 1
         for start in range(c0, c1, step):
             stop = min(start + step, c1)
@@ -85,9 +87,9 @@ def reference_heads(q, k, v, policy: str | Policy, heavy: int, recent: int, call
                 if policy.needs_scores and upfront[h] is None:
                     fold(policy, score[h], kept[h], mass)
             if adaptive is not None and late and c1 - c0 > 1 and stop == c1:
-                totals = share_out(policy, score, kept, budget, sinks, stop, adaptive)
+                totals = share_out(policy, score, kept, budget, sinks, stop, adaptive, k)
             if budget is not None and (stop == c1 or not late):
-                evict_lowest(policy, score, kept, budget, sinks, stop, totals)
+                evict_lowest(policy, score, kept, budget, sinks, stop, totals, k)
     return out, [sorted(heads) for heads in kept]
 
 
@@ -113,24 +115,40 @@ def start_score(policy: Policy, key) -> float:
 
 
 def evict_lowest(policy: Policy, score: list[dict], kept: list[list[int]], budget, sinks: int, seen: int,
-                 totals: list[int]) -> None:
+                 totals: list[int], k=None) -> None:
     """Free the lowest candidates until every head ``h`` holds ``totals[h]`` tokens (candidates:
-    kept tokens outside the sinks and the last ``recent`` of the ``seen``)."""
+    kept tokens outside the sinks and the last ``recent`` of the ``seen``; ``k`` ``[Hkv, n, D]``:
+    the keys, for a policy that ranks with them).
+
+    A policy whose key of a token depends only on that token frees the lowest one at a time. One
+    that ranks with the keys (``ranks_by_keys``, ``rkv``) gives a token a key that depends on every
+    token kept, so an eviction ranks once and frees the lowest of that one ranking, as many as the
+    head holds too many (R-KV selects its kept set in one ranking; so does the cache)."""
     for h in range(len(kept)):
         while len(kept[h]) > totals[h]:
             candidates = [j for j in kept[h] if sinks <= j < seen - budget.recent]
+            at_once = len(kept[h]) - totals[h] if policy.ranks_by_keys else 1
             if policy.shared_heads:
                 # one list for all heads: the lowest mean key goes from every head
-                keys = torch.stack([rank_keys(policy, score[x], candidates, seen) for x in range(len(kept))])
-                victim = candidates[int(keys.mean(0).argmin())]
-                for heads in kept:
-                    heads.remove(victim)
+                keys = torch.stack([rank_keys(policy, score[x], candidates, seen, kept[x], k[x] if k is not None else None)
+                                    for x in range(len(kept))])
+                for victim in lowest(keys.mean(0), candidates, at_once):
+                    for heads in kept:
+                        heads.remove(victim)
             else:
-                kept[h].remove(candidates[int(rank_keys(policy, score[h], candidates, seen).argmin())])
+                keys = rank_keys(policy, score[h], candidates, seen, kept[h], k[h] if k is not None else None)
+                for victim in lowest(keys, candidates, at_once):
+                    kept[h].remove(victim)
+
+
+def lowest(keys, candidates: list[int], count: int) -> list[int]:
+    """The ``count`` candidates of the lowest keys (of equal keys, the first listed)."""
+    order = sorted(range(len(candidates)), key=lambda a: float(keys[a]))
+    return [candidates[a] for a in order[:count]]
 
 
 def share_out(policy: Policy, score: list[dict], tokens: list[list[int]], budget, sinks: int, seen: int,
-              floor: float) -> list[int]:
+              floor: float, k=None) -> list[int]:
     """Ada-KV's shares once ``seen`` tokens are read: each head's slot total. A uniform head chooses
     ``heavy - sinks`` candidates; each head first takes its own best ``floor`` of that, then the
     best remaining candidates of all heads (ties: lower head first) until every head's choices add
@@ -141,7 +159,8 @@ def share_out(policy: Policy, score: list[dict], tokens: list[list[int]], budget
     picks, rest = [0] * heads, []
     for h in range(heads):
         candidates = [j for j in tokens[h] if sinks <= j < seen - budget.recent]
-        ranked = sorted(zip(rank_keys(policy, score[h], candidates, seen).tolist(), candidates, strict=True),
+        keys = rank_keys(policy, score[h], candidates, seen, tokens[h], k[h] if k is not None else None)
+        ranked = sorted(zip(keys.tolist(), candidates, strict=True),
                         key=lambda pair: -pair[0])
         picks[h] = min(first, len(ranked))
         rest += [(-value, h) for value, _ in ranked[picks[h]:]]
@@ -158,12 +177,24 @@ def fold(policy: Policy, score: dict, tokens: list[int], mass: dict) -> None:
     score.update(zip(tokens, folded.tolist(), strict=True))
 
 
-def rank_keys(policy: Policy, score: dict, candidates: list[int], seen: int) -> torch.Tensor:
-    """The policy's eviction key of each candidate once ``seen`` tokens have been read (lowest goes)."""
-    return policy.eviction_key(
-        torch.tensor([score[j] for j in candidates], dtype=torch.float64),
-        torch.tensor(candidates), torch.tensor(seen),
+def rank_keys(policy: Policy, score: dict, candidates: list[int], seen: int, live: list[int] | None = None,
+              k=None) -> torch.Tensor:
+    """The policy's eviction key of each candidate once ``seen`` tokens have been read (lowest goes).
+
+    A policy that ranks with the keys (``ranks_by_keys``, ``rkv``) keys a token by all the tokens
+    kept: it is handed every ``live`` token (its score, ordinal and key ``k[j]``), and each
+    candidate's key is then read from that one ranking."""
+    if not policy.ranks_by_keys:
+        return policy.eviction_key(
+            torch.tensor([score[j] for j in candidates], dtype=torch.float64),
+            torch.tensor(candidates), torch.tensor(seen),
+        )
+    everyone = policy.eviction_key(
+        torch.tensor([score[j] for j in live], dtype=torch.float64), torch.tensor(live), torch.tensor(seen),
+        keys=torch.stack([k[j].double() for j in live]), valid=torch.ones(len(live), dtype=torch.bool),
     )
+    key_of = {j: everyone[a] for a, j in enumerate(live)}
+    return torch.stack([key_of[j] for j in candidates]) if candidates else everyone[:0]
 
 
 def call_scores(policy: Policy, q, k, v, kept: list[int], c0: int, c1: int, scale: float) -> dict | None:

@@ -40,6 +40,9 @@ class ScanState:
     blocked: torch.Tensor  # bool: never a candidate in this call: a free old slot, an evicted key, a sink
     score: torch.Tensor  # float32: the policy's per-key score
     ordinal: torch.Tensor  # long: the key's ordinal among its sequence's real tokens
+    # [B, Hkv, keys, D], in the same layout: for a policy that ranks with the keys (``rkv``), whose
+    # live keys are those of bias 0
+    keys: torch.Tensor | None = None
 
 
 @dataclass
@@ -72,7 +75,9 @@ def scan_block(probs: torch.Tensor, state: ScanState, plan: ScanPlan, start: int
             # the rule's window moves every token; its sinks are in ``blocked``, fixed for the call.
             # Keys not yet written are shielded by the window (their ordinals lie ahead of it).
             shielded = protected(state.ordinal, plan.n0 + i + 1 - plan.recent) | blocked
-            victim = eviction_rank(policy, layer_idx, score, state.ordinal, n_real[t], shielded).argmin(-1, keepdim=True)
+            live = bias == 0 if policy.ranks_by_keys else None
+            victim = eviction_rank(policy, layer_idx, score, state.ordinal, n_real[t], shielded, state.keys,
+                                   live).argmin(-1, keepdim=True)
             bias.scatter_(-1, victim, -math.inf)
             blocked.scatter_(-1, victim, True)
 
@@ -125,7 +130,8 @@ def token_scan(layer, query, key_new, value_new, scaling) -> torch.Tensor:
         logits = torch.matmul(packed[:, :, :, start:stop], keys[:, :, None, :width].transpose(-1, -2))
         logits = logits.float() if logits.dtype != torch.float32 else logits
         logits.mul_(scaling)
-        sub = ScanState(bias[..., :width], blocked[..., :width], score[..., :width], ordinal[..., :width])
+        sub = ScanState(bias[..., :width], blocked[..., :width], score[..., :width], ordinal[..., :width],
+                        keys[:, :, :width])
         rule = native.scan_rule(policy, logits, sub) if use_native else None
         if rule is not None:
             native.scan_block(logits, sub, plan, start, policy, rule)  # the same recurrence in C

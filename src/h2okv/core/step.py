@@ -3,7 +3,7 @@ attention mass into the policy's scores, evict the lowest-ranked candidates.
 
 - ``protected`` and ``eviction_rank`` are the eviction rule, defined once: a row's candidates are
   its live slots outside its last ``recent`` real tokens and its first ``sinks`` tokens, ranked by
-  the policy's ``eviction_key``, lowest first. The general step, the decode steppers (``decode.py``) and
+  the policy's ``eviction_key`` (``policy_key``), lowest first. The general step, the decode steppers (``decode.py``) and
   the per-token scan (``scan.py``) all evict through them. ``sinks <= heavy`` guarantees that a
   step which writes ``m`` tokens into a row at its budget always finds ``m`` candidates.
 - ``chunk_step``: the general step, for any forward call that is not a plain decode step (those
@@ -36,14 +36,24 @@ def protected(ordinal, recent_start, sinks=None) -> torch.Tensor:
     return shielded
 
 
-def eviction_rank(policy, layer_idx: int, score, ordinal, n_real, shielded) -> torch.Tensor:
+def policy_key(policy, layer_idx: int, score, ordinal, n_real, keys=None, valid=None) -> torch.Tensor:
+    """The policy's ``eviction_key`` of every slot; a policy that ranks with the keys
+    (``ranks_by_keys``, ``rkv``) is also handed ``keys`` ``[B, H, cap, D]`` and the live slots
+    ``valid`` ``[B, H, cap]``, the others are asked as they always were."""
+    if policy.ranks_by_keys:
+        return policy.eviction_key(score, ordinal, n_real, layer_idx, keys=keys, valid=valid)
+    return policy.eviction_key(score, ordinal, n_real, layer_idx)
+
+
+def eviction_rank(policy, layer_idx: int, score, ordinal, n_real, shielded, keys=None, valid=None) -> torch.Tensor:
     """The policy's rank of every slot, ``+inf`` where ``shielded``: the lowest goes first.
 
     ``n_real`` is ``[B, 1, 1]``: real tokens of each sequence seen so far (this step's included).
+    ``keys`` and ``valid`` (the live slots) reach a policy that ranks with the keys (``policy_key``).
     A head-shared policy ranks by the mean over the layer's KV heads: every head then evicts the
     same slot, which keeps the heads' slot layouts aligned (``policies/base.py:heads_option``).
     """
-    key = policy.eviction_key(score, ordinal, n_real, layer_idx)
+    key = policy_key(policy, layer_idx, score, ordinal, n_real, keys, valid)
     if policy.shared_heads:
         key = key.mean(dim=1, keepdim=True).expand_as(key)
     return key.masked_fill(shielded, math.inf)
@@ -57,7 +67,7 @@ def evict(layer, m: int) -> None:
     shielded = ~layer.valid | protected(layer.ordinal, (layer.n_real - layer.recent).view(rows), layer.sinks.view(rows))
     # ranked before the early return below: a random policy draws the same numbers either way
     rank = eviction_rank(layer.config.policy, layer.layer_idx, layer.score, layer.ordinal, layer.n_real.view(rows),
-                         shielded)
+                         shielded, layer.keys, layer.valid)
     if m == 1:
         n_evict = 1
         victims = rank.argmin(dim=-1, keepdim=True)

@@ -23,6 +23,7 @@ POLICY_COLORS = {
     "h2o-mean": "tab:olive",
     "snapkv": "tab:brown",
     "knorm": "tab:cyan",
+    "rkv": "goldenrod",
     "expected": "tab:pink",
     "kvzip": "darkblue",
 }

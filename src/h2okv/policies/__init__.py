@@ -17,6 +17,7 @@ from h2okv.policies.knorm import KnormPolicy
 from h2okv.policies.kvzip import KVzipPolicy
 from h2okv.policies.local import LocalPolicy
 from h2okv.policies.random import RandomPolicy
+from h2okv.policies.rkv import RKVPolicy
 from h2okv.policies.sink import SinkPolicy
 from h2okv.policies.snapkv import SnapKVPolicy
 from h2okv.policies.tova import TOVAPolicy
@@ -26,7 +27,8 @@ _CLASSES = {
     cls.name: cls
     for cls in (
         FullPolicy, H2OPolicy, LocalPolicy, SinkPolicy, RandomPolicy,
-        TOVAPolicy, H2OSinkPolicy, H2OMeanPolicy, SnapKVPolicy, KnormPolicy, ExpectedAttentionPolicy, KVzipPolicy,
+        TOVAPolicy, H2OSinkPolicy, H2OMeanPolicy, SnapKVPolicy, KnormPolicy, RKVPolicy, ExpectedAttentionPolicy,
+        KVzipPolicy,
     )
 }
 if set(_CLASSES) != set(POLICY_NAMES):  # the torch-free name list the CLI's help shows must match

@@ -10,7 +10,8 @@ layer:
 - ``needs_scores`` / ``score_queries`` / ``accumulate``: whether attention must hand back the
   probability mass each slot received, which queries of a chunk count, and how that mass
   updates the per-slot score (summed, replaced by the last query's, ...);
-- ``eviction_key``: the rank of each slot (lower = evicted first);
+- ``eviction_key``: the rank of each slot (lower = evicted first); a policy that sets
+  ``ranks_by_keys`` is also handed the layer's keys and live slots (``rkv``: a key's redundancy);
 - ``prefill_scores``: optionally, scores for a whole prompt computed before it is chunked
   (SnapKV's look-back window, Expected Attention's query statistics);
 - ``key_scores``: optionally, the score a token starts with, from its key alone, when it is
@@ -91,6 +92,10 @@ class Policy:
     ranks_upfront: bool = False
     #: ``key_scores`` gives a written token a starting score from its key (``knorm``)
     scores_keys: bool = False
+    #: ``eviction_key`` also reads the layer's keys and which slots are live (``rkv``: how alike a
+    #: key is to the others kept): the core then passes ``keys`` ``[B, H, cap, D]`` and ``valid``
+    #: ``[B, H, cap]`` as keywords (the other policies' key is asked without them)
+    ranks_by_keys: bool = False
     # The rule, declared for the compiled kernels (native C, Triton: ``core/native/rules.py``),
     # which implement these and nothing else; a policy whose hooks compute something else says
     # None and runs the tensor-op step. tests/policies/test_declared_rules.py holds each policy's
@@ -160,6 +165,8 @@ class Policy:
         """Rank ``[B, H, cap]`` slots of one layer; the lowest candidates are evicted.
 
         ``n_real`` is ``[B, 1, 1]``: real tokens of each sequence seen so far (this step's included).
+        A policy with ``ranks_by_keys`` takes two keywords more: ``keys`` ``[B, H, cap, D]``, the
+        stored keys, and ``valid`` ``[B, H, cap]``, the live slots (free and pad slots are not).
         """
         raise NotImplementedError
 

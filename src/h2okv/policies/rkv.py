@@ -1,0 +1,83 @@
+"""``rkv``: redundancy-aware heavy hitters, after R-KV (Cai et al. 2025, arXiv 2505.24133).
+
+A long reasoning trace says the same thing many times, and the tokens that repeat draw attention
+as a heavy hitter does: ``h2o`` keeps every copy. R-KV ranks a token by its importance *and* by how
+alike its key is to the other keys kept, so that of several copies some go and a distinct token
+of the same importance stays. Our rule, per (row, KV head), over the live slots only (free slots
+and pads are never live):
+
+- importance: the accumulated attention mass exactly as ``h2o`` keeps it (``accumulate``
+  unchanged), normalised over the live slots: ``I_i = score_i / sum(score)`` (0 when the sum is 0);
+- redundancy: ``r_i`` = the mean cosine similarity of slot ``i``'s key to the *other* live keys
+  (itself excluded; 0 when it is the only one), and ``R = softmax(r)`` over the live slots;
+- eviction key: ``weight * I - (1 - weight) * R``, the lowest candidate evicted first. Option
+  ``weight`` in [0, 1] (R-KV's lambda, default 0.1): ``rkv:weight=1`` ranks as ``h2o``,
+  ``rkv:weight=0`` by redundancy alone. ``decay`` as ``h2o``'s: with it below 1 the importance is
+  what the latest queries read, as R-KV takes it from its last few queries.
+
+Because a token's key depends on every token kept, one eviction ranks once and frees the lowest of
+that ranking (a chunk's excess together, as R-KV selects its kept set); ``core/reference.py`` does
+the same. Keys are taken as stored (after RoPE), in float32 (the reference's float64), per KV
+head: K is never expanded to the query heads. ``sum_j cos(k_i, k_j)`` is ``u_i . sum_j u_j`` with
+``u`` the unit keys, so the key costs O(slots x head_dim), not O(slots^2), and a free slot's key
+(zeroed before it is normalised) takes no part in any sum. The C and Triton decode steps know no
+such rule: overriding ``eviction_key`` without declaring a ``rank`` (``base.py``) sends ``rkv``
+to the tensor-op steps (``EagerStep``, ``FillingStep``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from h2okv.policies.base import Option
+from h2okv.policies.h2o import DECAY, H2OPolicy
+
+DEFAULT_WEIGHT = 0.1  # R-KV's lambda: the importance's share of the key
+NORM_EPS = 1e-12  # a zero key has no direction: its unit key is zero, alike to nothing
+
+
+class RKVPolicy(H2OPolicy):
+    name = "rkv"
+    ranks_by_keys = True
+    # The per-token scan (core/scan.py) ranks in its own layout (old slots, then the call's
+    # tokens), which is safe for a key that depends only on its arguments. This one does: the live
+    # set (``valid``), its scores and its keys, summed over that set whatever the slots' order, and
+    # not on the calls before or the buffer's shape. The scan hands it its keys and live set
+    # (bias 0), so it stays True.
+    scan_safe = True
+    # decay (h2o.py): importance from the latest queries, as R-KV's observation window takes it
+    declared = (Option("weight", float, DEFAULT_WEIGHT, lambda v: 0.0 <= v <= 1.0, "in [0, 1]"), DECAY)
+
+    def eviction_key(self, score, ordinal, n_real, layer_idx=0, *, keys=None, valid=None):
+        """``weight * I - (1 - weight) * R`` of every slot ``[..., cap]`` (see the module docstring);
+        ``keys`` ``[..., cap, D]`` and the live slots ``valid`` ``[..., cap]`` are required. Slots
+        that are not live get 0 (the core shields them)."""
+        if keys is None or valid is None:
+            raise ValueError("rkv ranks with the layer's keys: eviction_key needs keys= and valid=")
+        dtype = torch.promote_types(score.dtype, torch.float32)  # float32, float64 in the reference
+        live = valid.to(torch.bool)
+        importance = self.importance(score.to(dtype), live)
+        redundancy = self.redundancy(keys.to(dtype), live)
+        key = self.weight * importance - (1.0 - self.weight) * redundancy
+        return key.masked_fill(~live, 0.0)
+
+    @staticmethod
+    def importance(score, live):
+        """``I``: each live slot's share of the live slots' score (0 where the sum is 0)."""
+        mass = score.masked_fill(~live, 0.0)
+        total = mass.sum(-1, keepdim=True)
+        return mass / total.clamp(min=torch.finfo(mass.dtype).tiny)
+
+    @staticmethod
+    def redundancy(keys, live):
+        """``R``: the softmax over the live slots of each one's mean cosine similarity to the
+        other live keys of its (row, head); 0 where not live."""
+        unit = keys.masked_fill(~live[..., None], 0.0)  # a select: a free slot's garbage never enters
+        unit = unit / torch.linalg.vector_norm(unit, dim=-1, keepdim=True).clamp(min=NORM_EPS)
+        together = unit.sum(-2, keepdim=True)  # [..., 1, D]: the live unit keys' sum
+        # sum over the other live keys j != i of cos(k_i, k_j) = u_i . (sum_j u_j) - u_i . u_i
+        others = (unit * together).sum(-1) - (unit * unit).sum(-1)
+        count = live.sum(-1, keepdim=True)
+        mean = others / (count - 1).clamp(min=1).to(others.dtype)
+        weights = torch.softmax(mean.masked_fill(~live, -torch.inf), dim=-1)
+        return torch.where(live, weights, 0.0)  # a (row, head) with no live slot: NaN -> 0

@@ -1,0 +1,226 @@
+"""``rkv`` (``policies/rkv.py``): R-KV's redundancy-aware key, ``weight * I - (1 - weight) * R``.
+
+Its hook against the rule written out in plain Python; every path of the cache (the general step,
+the per-token scan, the decode step, late prefill, head-adaptive shares) against the loop
+(``core/reference.py``); what the rule is for (of two equal keys one goes before a distinct key of
+the same importance); its option and where it is listed. The guarantees every policy keeps in a
+real model (budget, exactness, batch == batch-of-one, GQA) are in tests/core/test_cache_in_models.py.
+"""
+
+import argparse
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import h2okv.core.decode as decode_mod
+import h2okv.core.layer as layer_mod
+from core_cases import MODEL, leaning_qkv, random_qkv, run_calls
+from h2okv import H2OCache, H2OError
+from h2okv.cli.args import add_budget_args
+from h2okv.core.native.rules import native_rule
+from h2okv.core.reference import reference
+from h2okv.core.step import eviction_rank
+from h2okv.policies import make_policy
+
+SPECS = ["rkv", "rkv:weight=0.5", "rkv:heads=shared"]
+
+
+# -- the hook, against its rule ---------------------------------------------------------------------
+def rule(score, keys, valid, weight):
+    """The key of one (row, head)'s live slots, in plain Python: ``{slot: key}``."""
+    live = [i for i, ok in enumerate(valid) if ok]
+
+    def cos(a, b):
+        dot = sum(x * y for x, y in zip(a, b, strict=True))
+        na, nb = math.sqrt(sum(x * x for x in a)), math.sqrt(sum(y * y for y in b))
+        return dot / (na * nb)
+
+    total = sum(score[i] for i in live)
+    r = {}
+    for i in live:
+        others = [cos(keys[i], keys[j]) for j in live if j != i]
+        r[i] = sum(others) / len(others) if others else 0.0
+    z = sum(math.exp(r[j]) for j in live)
+    return {i: weight * (score[i] / total if total > 0 else 0.0) - (1 - weight) * math.exp(r[i]) / z for i in live}
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.1, 0.5, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_key_states_its_rule(weight, dtype):
+    """Rows and heads with different live sets (one live slot, none at all, a zero score sum);
+    what the free slots hold (NaN, huge keys and scores) changes nothing."""
+    g = torch.Generator().manual_seed(3)
+    b, h, cap, d = 2, 3, 9, 8
+    score = torch.rand(b, h, cap, generator=g, dtype=torch.float64)
+    keys = torch.randn(b, h, cap, d, generator=g, dtype=torch.float64)
+    valid = torch.rand(b, h, cap, generator=g) < 0.6
+    valid[0, 1] = False
+    valid[0, 1, 4] = True  # one live slot
+    valid[1, 2] = False  # none
+    score[1, 0] = 0.0  # a zero sum
+    garbage_keys = keys.clone()
+    garbage_keys[~valid] = torch.tensor([math.nan, 1e30, -1e30, 0.0, 1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    garbage_score = score.masked_fill(~valid, 1e30)
+    policy = make_policy(f"rkv:weight={weight}")
+    ordinal, n_real = torch.arange(cap).expand(b, h, cap), torch.full((b, 1, 1), cap)
+    key = policy.eviction_key(garbage_score.to(dtype), ordinal, n_real, keys=garbage_keys.to(dtype), valid=valid)
+    assert key.dtype == dtype and bool(key.isfinite().all())
+    tol = 1e-6 if dtype == torch.float32 else 1e-12
+    for bi in range(b):
+        for hi in range(h):
+            want = rule(score[bi, hi].tolist(), keys[bi, hi].tolist(), valid[bi, hi].tolist(), weight)
+            for slot, value in want.items():
+                assert abs(float(key[bi, hi, slot]) - value) <= tol, (bi, hi, slot)
+
+
+def test_the_key_needs_the_keys():
+    with pytest.raises(ValueError, match="keys= and valid="):
+        make_policy("rkv").eviction_key(torch.rand(1, 1, 4), torch.arange(4), torch.tensor(4))
+
+
+# -- what the rule is for -----------------------------------------------------------------------------
+def duplicates_and_a_distinct_key(weight):
+    """One (row, head): slot 0 a distinct key, slots 1 and 2 two copies of one key, all three of
+    equal score; slots 3-4 the recent window (protected). The slot of the rule's victim."""
+    basis = torch.eye(5)
+    keys = torch.stack([basis[1], basis[0], basis[0], basis[2], basis[3]])[None, None]
+    score = torch.tensor([[[0.2, 0.2, 0.2, 0.9, 0.5]]])
+    ordinal = torch.arange(5).view(1, 1, 5)
+    shielded = ordinal >= 3
+    valid = torch.ones(1, 1, 5, dtype=torch.bool)
+    rank = eviction_rank(make_policy(f"rkv:weight={weight}"), 0, score, ordinal, torch.full((1, 1, 1), 5), shielded,
+                         keys, valid)
+    return int(rank.argmin(-1)), rank
+
+
+def test_a_duplicate_goes_before_a_distinct_key_of_equal_importance():
+    """weight=0: ranked by redundancy alone, a copy goes (slot order alone would take slot 0)."""
+    victim, rank = duplicates_and_a_distinct_key(0.0)
+    assert victim in (1, 2)
+    assert float(rank[0, 0, 1]) == float(rank[0, 0, 2]) < float(rank[0, 0, 0])
+    # the default weight, equal importance: the same victim
+    assert duplicates_and_a_distinct_key(0.1)[0] in (1, 2)
+
+
+def test_weight_one_ranks_as_h2o():
+    g = torch.Generator().manual_seed(7)
+    score, keys = torch.rand(2, 3, 11, generator=g), torch.randn(2, 3, 11, 8, generator=g)
+    valid = torch.rand(2, 3, 11, generator=g) < 0.8
+    ordinal, n_real = torch.arange(11).expand(2, 3, 11), torch.full((2, 1, 1), 11)
+    shielded = ~valid
+    ranks = [eviction_rank(make_policy(spec), 0, score, ordinal, n_real, shielded, keys, valid).argsort(stable=True)
+             for spec in ("rkv:weight=1", "h2o")]
+    assert torch.equal(*ranks)
+    # and through the cache: the same kept tokens, prompt and decode steps
+    q, k, v = leaning_qkv(4)
+    calls = [(0, 18)] + [(t, t + 1) for t in range(18, 30)]
+    assert run_calls("rkv:weight=1", q, k, v, 5, 4, calls, 4)[1] == run_calls("h2o", q, k, v, 5, 4, calls, 4)[1]
+
+
+# -- every path of the cache against the loop ---------------------------------------------------------
+PATH_CASES = {
+    # path in layer.py: (chunk_size, forward calls, how many times it must run)
+    "chunk_step": (4, [(0, 30)], 8),
+    # per-token calls; the second and third start with old slots inside the recent window
+    "token_scan": (1, [(0, 13), (13, 20), (20, 30)], 3),
+    # a chunked prompt, then one token per call with every row at its budget (the tensor-op step)
+    "decode_step": (4, [(0, 12)] + [(t, t + 1) for t in range(12, 30)], 18),
+}
+
+
+@pytest.mark.parametrize("path", PATH_CASES)
+@pytest.mark.parametrize("spec", SPECS)
+def test_each_path_matches_the_reference(path, spec, monkeypatch):
+    """A spy proves the path ran; kept sets and outputs equal the loop's. Decode at the budget is
+    the tensor-op ``EagerStep``: no C or Triton step knows this rule."""
+    chunk, calls, runs = PATH_CASES[path]
+    taken = []
+
+    def spy_on(owner, name):
+        original = getattr(owner, name)
+
+        def spy(*args, **kwargs):
+            taken.append(path)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, spy)
+
+    spy_on(decode_mod.EagerStep, "decode") if path == "decode_step" else spy_on(layer_mod, path)
+    q, k, v = leaning_qkv(21)
+    out, kept, layer = run_calls(spec, q, k, v, 5, 4, calls, chunk)
+    assert len(taken) == runs
+    ref_out, ref_kept = reference(q[0], k[0], v[0], spec, 5, 4, calls, chunk=chunk, scale=k.shape[-1] ** -0.5)
+    assert kept == ref_kept
+    torch.testing.assert_close(out, ref_out.float(), atol=1e-5, rtol=1e-5)
+    if path == "decode_step":
+        assert native_rule(layer.config.policy) is None and isinstance(layer.stepper, decode_mod.EagerStep)
+
+
+@settings(max_examples=15, deadline=None)
+@given(prompt=st.integers(1, 20), steps=st.integers(0, 8), heavy=st.integers(1, 6), recent=st.integers(1, 5),
+       chunk=st.sampled_from([1, 2, 5, 64]), groups=st.sampled_from([1, 3]), weight=st.sampled_from([0.0, 0.1, 0.7]),
+       seed=st.integers(0, 10_000))
+def test_a_chunked_prompt_and_decode_steps_match_the_reference(prompt, steps, heavy, recent, chunk, groups, weight,
+                                                               seed):
+    spec = f"rkv:weight={weight}"
+    n = prompt + steps
+    q, k, v = random_qkv(seed, 2 * groups, 2, n, 8)
+    calls = [(0, prompt)] + [(t, t + 1) for t in range(prompt, n)]
+    out, kept, _ = run_calls(spec, q, k, v, heavy, recent, calls, chunk)
+    ref_out, ref_kept = reference(q[0], k[0], v[0], spec, heavy, recent, calls, chunk=chunk, scale=8**-0.5)
+    assert kept == ref_kept
+    torch.testing.assert_close(out, ref_out.float(), atol=1e-5, rtol=1e-5)
+
+
+LATE_CALLS = {
+    "prompt": [(0, 40)],
+    "prompt+decode": [(0, 28)] + [(t, t + 1) for t in range(28, 40)],
+    "two calls+decode": [(0, 16), (16, 30)] + [(t, t + 1) for t in range(30, 40)],
+}
+
+
+@pytest.mark.parametrize("calls", LATE_CALLS)
+@pytest.mark.parametrize("adaptive", [None, 0.2], ids=["uniform", "adaptive"])
+def test_late_prefill_and_head_shares_match_the_reference(calls, adaptive):
+    """Each call read whole and ranked once (its excess freed together), with uniform heads or
+    the heads' shares by the key (Ada-KV): the loop's kept sets and outputs."""
+    q, k, v = leaning_qkv(8, hq=8, hkv=4, n=40, d=8)
+    options = {} if adaptive is None else {"head_budgets": "adaptive", "head_floor": adaptive}
+    out, kept, _ = run_calls("rkv", q, k, v, 8, 3, LATE_CALLS[calls], 6, prefill="late", **options)
+    ref_out, ref_kept = reference(q[0], k[0], v[0], "rkv", 8, 3, LATE_CALLS[calls], chunk=6, scale=8**-0.5, late=True,
+                                  adaptive=adaptive)
+    assert kept == ref_kept
+    torch.testing.assert_close(out, ref_out.float(), atol=1e-5, rtol=1e-5)
+    if adaptive is not None:
+        assert len({len(heads) for heads in kept}) > 1  # the shares really differ
+
+
+# -- the option, and where rkv is listed ---------------------------------------------------------------
+def test_the_weight_option():
+    assert make_policy("rkv").weight == 0.1 and make_policy("rkv").spec == "rkv:weight=0.1"
+    assert make_policy("rkv:weight=0.3").weight == 0.3 and make_policy("rkv:0.5").weight == 0.5
+    assert make_policy("rkv:weight=0.3,heads=shared").shared_heads
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("rkv:weight=1.5", "rkv weight must be in [0, 1], got 1.5"),
+    ("rkv:weight=-0.1", "rkv weight must be in [0, 1], got -0.1"),
+    ("rkv:weight=nan", "rkv weight must be in [0, 1], got nan"),
+    ("rkv:weight=heavy", "policy 'rkv': option weight='heavy' is not a float"),
+    ("rkv:lambda=0.1", "policy 'rkv' has no option 'lambda'; it has weight, decay, heads"),
+])
+def test_bad_options_are_one_line_errors(spec, message):
+    for build in (lambda: make_policy(spec), lambda: H2OCache(MODEL, policy=spec, heavy=4, recent=4)):
+        with pytest.raises(H2OError) as caught:
+            build()
+        assert str(caught.value) == message and "\n" not in str(caught.value)
+
+
+def test_the_command_line_lists_rkv():
+    parser = argparse.ArgumentParser()
+    add_budget_args(parser)
+    assert "snapkv, knorm, rkv, expected" in " ".join(parser.format_help().split())
+    assert parser.parse_args(["--policy", "rkv:weight=0.3"]).policy == "rkv:weight=0.3"
