@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench-quick soak eval-data peer clean
+.PHONY: setup demo test lint bench-quick soak eval-data peer peer-kv clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -51,6 +51,22 @@ $(PEER_STAMP): tools/peer/requirements.txt
 
 peer: $(PEER_STAMP)
 
+# The other pip-installable H2O (awslabs keys_values, on LitGPT) in its own venv: litgpt and the
+# transformers keys_values imports cannot be resolved together, so its requirements are the whole
+# pinned closure, installed without resolving (see the file). tools/peer/run_keys_values.py runs it
+# on prompts exported by `h2okv eval reasoning --export-prompts`. Not needed by `make test`.
+PEER_KV_VENV := .venv-peer-kv
+PEER_KV_STAMP := $(PEER_KV_VENV)/.installed
+
+$(PEER_KV_STAMP): tools/peer/requirements-keys-values.txt
+	$(PY) -m venv $(PEER_KV_VENV)
+	$(PEER_KV_VENV)/bin/pip install -q --upgrade pip
+	$(PEER_KV_VENV)/bin/pip install -q torch==2.13.0
+	$(PEER_KV_VENV)/bin/pip install -q --no-deps -r tools/peer/requirements-keys-values.txt
+	touch $(PEER_KV_STAMP)
+
+peer-kv: $(PEER_KV_STAMP)
+
 bench-quick: setup
 	$(BIN)/h2okv bench --quick --json results/bench-quick.json
 
@@ -62,4 +78,4 @@ soak: setup
 	H2OKV_FUZZ_EXAMPLES=3000 $(BIN)/python -m pytest -q tests/serve/test_hardening.py -k fuzz
 
 clean:
-	rm -rf $(VENV) $(PEER_VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(PEER_VENV) $(PEER_KV_VENV) build *.egg-info src/*.egg-info
