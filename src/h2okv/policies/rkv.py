@@ -19,8 +19,8 @@ Because a token's key depends on every token kept, one eviction ranks once and f
 that ranking (a chunk's excess together, as R-KV selects its kept set); ``core/reference.py`` does
 the same. Keys are taken as stored (after RoPE), in float32 (the reference's float64), per KV
 head: K is never expanded to the query heads. ``sum_j cos(k_i, k_j)`` is ``u_i . sum_j u_j`` with
-``u`` the unit keys, so the key costs O(slots x head_dim), not O(slots^2), and a free slot's key
-(zeroed before it is normalised) takes no part in any sum. The C and Triton decode steps know no
+``u`` the unit keys, so the key costs two matrix-vector products, O(slots x head_dim), not
+O(slots^2), and a free slot's key (weighted 0) takes no part in any sum. The C and Triton decode steps know no
 such rule: overriding ``eviction_key`` without declaring a ``rank`` (``base.py``) sends ``rkv``
 to the tensor-op steps (``EagerStep``, ``FillingStep``).
 """
@@ -71,12 +71,16 @@ class RKVPolicy(H2OPolicy):
     @staticmethod
     def redundancy(keys, live):
         """``R``: the softmax over the live slots of each one's mean cosine similarity to the
-        other live keys of its (row, head); 0 where not live."""
-        unit = keys.masked_fill(~live[..., None], 0.0)  # a select: a free slot's garbage never enters
-        unit = unit / torch.linalg.vector_norm(unit, dim=-1, keepdim=True).clamp(min=NORM_EPS)
-        together = unit.sum(-2, keepdim=True)  # [..., 1, D]: the live unit keys' sum
+        other live keys of its (row, head); 0 where not live.
+
+        In matrix products, no ``[cap, D]`` temporary: a slot's unit key is ``k_i / |k_i|``, and
+        a slot that is not live weighs 0, so its stale key (finite: buffers start at zero and
+        hold only written keys) enters no sum."""
+        norm = torch.linalg.vector_norm(keys, dim=-1)  # [..., cap]
+        inverse = torch.where(live, 1.0 / norm.clamp(min=NORM_EPS), 0.0)
+        together = (inverse.unsqueeze(-2) @ keys).transpose(-1, -2)  # [..., D, 1]: sum of live unit keys
         # sum over the other live keys j != i of cos(k_i, k_j) = u_i . (sum_j u_j) - u_i . u_i
-        others = (unit * together).sum(-1) - (unit * unit).sum(-1)
+        others = (keys @ together).squeeze(-1) * inverse - (norm * inverse).square()
         count = live.sum(-1, keepdim=True)
         mean = others / (count - 1).clamp(min=1).to(others.dtype)
         weights = torch.softmax(mean.masked_fill(~live, -torch.inf), dim=-1)
