@@ -81,25 +81,33 @@ def decode_problem(model, tokenizer, press, problem: dict, max_new_tokens: int, 
     from transformers import DynamicCache
 
     cache, prompt, stop = DynamicCache(), problem["prompt_ids"], problem["stop"]
-    tokens, finish = [], "length"
     with torch.inference_mode(), (press(model) if press is not None else contextlib.nullcontext()):
         logits = model(input_ids=torch.tensor([prompt]), past_key_values=cache, logits_to_keep=1).logits[0, -1]
-        for step in range(max_new_tokens):
-            token = int(logits.argmax())
-            if token in eos_ids:
-                finish = "eos"
-                break
-            tokens.append(token)
-            if stop and any(s in tokenizer.decode(tokens, skip_special_tokens=True) for s in stop):
-                finish = "stop"
-                break
-            if len(tokens) >= max_new_tokens:
-                break
-            logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache,
-                           position_ids=torch.tensor([[len(prompt) + step]])).logits[0, -1]
+        tokens, finish = greedy_tokens(
+            logits, lambda token, step: model(input_ids=torch.tensor([[token]]), past_key_values=cache,
+                                              position_ids=torch.tensor([[len(prompt) + step]])).logits[0, -1],
+            tokenizer, stop, max_new_tokens, eos_ids)
     kv_bytes, kv_slots = cache_kv(cache)
     return {"token_ids": tokens, "finish": finish, "kv_bytes": kv_bytes, "kv_slots": kv_slots,
             "text": cut_at_stop(tokenizer.decode(tokens, skip_special_tokens=True), stop)}
+
+
+def greedy_tokens(logits, next_logits, tokenizer, stop, max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], str]:
+    """Greedy tokens from the prompt's last ``logits`` on: ``next_logits(token, step)`` feeds one
+    token; ends at an EOS (not kept), a stop string, or ``max_new_tokens``. Both peers' loop
+    (kvpress here, keys_values in run_keys_values.py), so they end exactly as h2okv does."""
+    tokens = []
+    for step in range(max_new_tokens):
+        token = int(logits.argmax())
+        if token in eos_ids:
+            return tokens, "eos"
+        tokens.append(token)
+        if stop and any(s in tokenizer.decode(tokens, skip_special_tokens=True) for s in stop):
+            return tokens, "stop"
+        if len(tokens) >= max_new_tokens:
+            break
+        logits = next_logits(token, step)
+    return tokens, "length"
 
 
 def reasoning_row(setup: dict, problem: dict, result: dict, policy: str, budget: int) -> dict:

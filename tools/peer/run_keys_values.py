@@ -235,28 +235,18 @@ def cache_kv(gpt) -> tuple[int, int]:
 
 
 def decode_problem(model, tokenizer, problem: dict, max_new_tokens: int, eos_ids: set[int], cut_at_stop) -> dict:
-    """Greedy answer of one problem: ``decoding_kvpress.decode_problem``'s loop on keys_values."""
+    """Greedy answer of one problem: ``decoding_kvpress.greedy_tokens`` on keys_values' model."""
     import torch
 
     gpt, prompt, stop = model.gpt_model, problem["prompt_ids"], problem["stop"]
     gpt.max_seq_length = len(prompt) + max_new_tokens  # as keys_values' generate_fn sets it
-    tokens, finish = [], "length"
+    greedy_tokens = load_beside("decoding_kvpress").greedy_tokens
     start = time.perf_counter()
     with torch.inference_mode():
         logits = prompt_logits(model, prompt)
         prefilled = time.perf_counter()
-        for _ in range(max_new_tokens):
-            token = int(logits.argmax())
-            if token in eos_ids:
-                finish = "eos"
-                break
-            tokens.append(token)
-            if stop and any(s in tokenizer.decode(tokens, skip_special_tokens=True) for s in stop):
-                finish = "stop"
-                break
-            if len(tokens) >= max_new_tokens:
-                break
-            logits = gpt(torch.tensor([[token]]))[0, -1]
+        tokens, finish = greedy_tokens(logits, lambda token, step: gpt(torch.tensor([[token]]))[0, -1],
+                                       tokenizer, stop, max_new_tokens, eos_ids)
     end = time.perf_counter()
     kv_bytes, kv_slots = cache_kv(gpt)
     return {"token_ids": tokens, "finish": finish, "kv_bytes": kv_bytes, "kv_slots": kv_slots,
