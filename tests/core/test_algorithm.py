@@ -12,11 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import h2okv.core.decode as decode_mod
 import h2okv.core.layer as layer_mod
-from core_cases import MODEL, random_qkv
+from core_cases import MODEL, PATH_CASES, leaning_qkv, random_qkv, spy_on_path
 from h2okv import H2OCache
+from h2okv.core import kernels
 from h2okv.core.compat import cache_arg
+from h2okv.core.native.build import library
+from h2okv.core.native.rules import c_decode_rule, native_rule
 from h2okv.core.reference import reference
 from h2okv.policies import make_policy
 from h2okv.tools.tiny import random_ids, tiny_model
@@ -105,51 +107,30 @@ def test_every_policy_matches_its_reference_rule(policy, n, heavy, recent, chunk
 
 
 # each path, named, with a spy that proves it ran: a divergence in any one of them fails here
-PATH_CASES = {
-    # path in layer.py: (chunk_size, forward calls, how many times it must run)
-    "chunk_step": (4, [(0, 30)], 8),
-    # per-token calls; the second and third start with old slots inside the recent window
-    "token_scan": (1, [(0, 13), (13, 20), (20, 30)], 3),
-    # a chunked prompt, then one token per call with every row at its budget (the fast state)
-    "decode_step": (4, [(0, 12)] + [(t, t + 1) for t in range(12, 30)], 18),
-}
-
-
+@pytest.mark.parametrize("kernels_name", ["eager", "native"])
 @pytest.mark.parametrize("path", PATH_CASES)
 @pytest.mark.parametrize("policy", RULE_POLICIES + DECAY_POLICIES)
-def test_each_path_matches_the_reference(path, policy, monkeypatch):
+def test_each_path_matches_the_reference(path, policy, kernels_name, monkeypatch):
+    """Under the tensor ops and under the C kernels (the scan and the decode step where they know
+    the policy's rule: the engine that ran is checked)."""
     chunk, calls, runs = PATH_CASES[path]
-    taken = []
-
-    def spy_on(owner, name):
-        original = getattr(owner, name)
-
-        def spy(*args, **kwargs):
-            taken.append(path)
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(owner, name, spy)
-
-    if path == "decode_step":  # the layer's stepper with every row at its budget, whichever engine
-        for stepper in (decode_mod.EagerStep, decode_mod.NativeStep, decode_mod.TritonStep):
-            spy_on(stepper, "decode")
-    else:
-        spy_on(layer_mod, path)
+    taken = spy_on_path(monkeypatch, path)
     hq, hkv, n, d, heavy, recent = 6, 2, 30, 8, 5, 4
-    q, k, v = random_qkv(21, hq, hkv, n, d)
     # the first tokens draw little attention, so whether a path protects the sinks shows
-    lean = torch.full((d,), 0.7)
-    q += lean
-    k[:, :, :4] = 0.1 * k[:, :, :4] - 2 * lean  # distinct keys: no ties in the ranks
+    q, k, v = leaning_qkv(21, hq, hkv, n, d)
     spec = "snapkv:window=6,kernel=3" if policy == "snapkv" else policy
-    cache = H2OCache(MODEL, policy=spec, heavy=heavy, recent=recent, chunk_size=chunk)
-    layer = cache.layers[0]
-    outs = []
-    for c0, c1 in calls:
-        sl = slice(c0, c1)
-        layer.update(k[:, :, sl], v[:, :, sl])
-        outs.append(layer.attend(q[:, :, sl], k[:, :, sl], v[:, :, sl], None, d**-0.5).transpose(1, 2))
+    with kernels.use_kernels(kernels_name):
+        cache = H2OCache(MODEL, policy=spec, heavy=heavy, recent=recent, chunk_size=chunk)
+        layer = cache.layers[0]
+        outs = []
+        for c0, c1 in calls:
+            sl = slice(c0, c1)
+            layer.update(k[:, :, sl], v[:, :, sl])
+            outs.append(layer.attend(q[:, :, sl], k[:, :, sl], v[:, :, sl], None, d**-0.5).transpose(1, 2))
     assert len(taken) == runs
+    if path == "decode_step":
+        in_c = kernels_name == "native" and library() is not None and c_decode_rule(make_policy(spec)) is not None
+        assert set(taken) == {"NativeStep" if in_c else "EagerStep"}
     ref_out, ref_kept = reference(q[0], k[0], v[0], spec, heavy, recent, calls, chunk=chunk, scale=d**-0.5)
     assert [sorted(layer.ordinal[0, h][layer.valid[0, h]].tolist()) for h in range(hkv)] == ref_kept
     torch.testing.assert_close(torch.cat(outs, dim=2)[0], ref_out.float(), atol=1e-5, rtol=1e-5)
@@ -177,14 +158,15 @@ def test_policy_hooks_state_their_rule(policy):
 @pytest.mark.parametrize("spec", DECAY_POLICIES)
 def test_decay_fades_the_score_before_each_call_adds_its_mass(spec):
     """The rule written out: score <- decay * score + mass (Algorithm 1's sum when decay is 1);
-    a kernel that only adds cannot run it, so the policy declares no fold."""
+    it declares the fold "decay", which only the C decode step knows (not the scan, not Triton)."""
     p = make_policy(spec)
     g = torch.Generator().manual_seed(5)
     score, mass = torch.rand(2, 3, 9, generator=g), torch.rand(2, 3, 9, generator=g)
     folded = score.clone()
     p.accumulate(folded, mass)
     torch.testing.assert_close(folded, p.decay * score + mass)
-    assert p.fold is None and p.decay < 1 and make_policy(spec.split(":")[0]).fold == "add"
+    assert p.fold == "decay" and p.decay < 1 and make_policy(spec.split(":")[0]).fold == "add"
+    assert native_rule(p) is None and c_decode_rule(p) is not None
 
 
 def test_decay_lets_a_token_the_latest_queries_ignore_go_before_an_old_heavy_hitter_would():

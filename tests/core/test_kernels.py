@@ -22,7 +22,7 @@ from h2okv.core.attention import slot_attention
 from h2okv.core.budget import H2OBudgetWarning
 from h2okv.core.compat import cache_arg
 from h2okv.core.native import build
-from h2okv.core.native.rules import native_rule
+from h2okv.core.native.rules import c_decode_rule, native_rule
 from h2okv.core.scan import ScanPlan, ScanState, scan_block
 from h2okv.core.step import last_real_query
 from h2okv.policies import H2OPolicy, make_policy
@@ -30,6 +30,8 @@ from h2okv.tools.tiny import random_ids, tiny_model
 
 SCORE_POLICIES = ["h2o", "tova", "h2o-sink", "h2o-mean", "snapkv"]
 NATIVE_POLICIES = [*SCORE_POLICIES, "local", "sink"]
+# rules only the C decode step knows: a decaying fold, rkv's rank from the keys
+C_DECODE_POLICIES = ["h2o:decay=0.8", "snapkv:decay=0.9", "rkv", "rkv:weight=0.5,decay=0.7", "rkv:weight=0"]
 
 
 def needs_native():
@@ -123,6 +125,23 @@ def test_native_paths_equal_eager_on_a_model(policy, monkeypatch):
     assert fast_kept == slow_kept
 
 
+@pytest.mark.parametrize("policy", C_DECODE_POLICIES)
+def test_rules_only_the_c_decode_step_knows_equal_eager_on_a_model(policy, monkeypatch):
+    """The per-token scan runs eager for these (no native scan), the decode steps at the budget in C:
+    same logits, kept sets and live scores as eager on every step."""
+    needs_native()
+    scans = counting(monkeypatch, native_calls, "scan_block")
+    decodes = counting(monkeypatch, native_calls, "decode_dense")
+    fast = run_tiny(policy, "native", scores=True)
+    assert not scans and len(decodes) == 2 * 10  # 2 layers x 10 decode steps
+    slow = run_tiny(policy, "eager", scores=True)
+    assert len(decodes) == 20
+    torch.testing.assert_close(fast[0], slow[0], atol=1e-5, rtol=1e-5)
+    assert fast[1] == slow[1]
+    for a, b in zip(fast[2], slow[2], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
 def test_native_decode_after_a_chunked_prefill_mha_and_sinks(monkeypatch):
     """MHA (gpt_neox), sinks, rows of different lengths' budgets alike: decode runs natively."""
     needs_native()
@@ -165,7 +184,7 @@ def cache_dense_bytes(budgets, head_dim):
     return sum(b.numel() * (int(b.max()) + 1) for b in budgets) * 2 * head_dim * 4
 
 
-@pytest.mark.parametrize("shape", ["adaptive", "layers", "rows"])
+@pytest.mark.parametrize("shape", ["adaptive", "layers", "rows", "rows-rkv"])
 def test_native_decode_of_uneven_budgets_equals_eager(shape, monkeypatch):
     """Heads (Ada-KV's split, kvzip's cache-wide split) or rows (two prompts, two budgets) of
     uneven budgets: the live slots are packed to the front once, and the C step then reads each
@@ -177,14 +196,15 @@ def test_native_decode_of_uneven_budgets_equals_eager(shape, monkeypatch):
     decodes = counting(monkeypatch, native_calls, "decode_dense")
     # a large init scale: peaked attention, so the heads' shares differ
     model = tiny_model("llama", num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3)
-    ids = random_ids(50, batch=2 if shape == "rows" else 1, seed=11)
+    ids = random_ids(50, batch=2 if shape.startswith("rows") else 1, seed=11)
 
     def run(name):
         with kernels.use_kernels(name), torch.inference_mode():
-            if shape == "rows":
-                cache = H2OCache(model, policy="h2o", heavy=6, recent=3, chunk_size=8)
+            if shape.startswith("rows"):
+                policy = "rkv:weight=0.3" if shape == "rows-rkv" else "h2o"  # rkv: each head's own keys only
+                cache = H2OCache(model, policy=policy, heavy=6, recent=3, chunk_size=8)
                 model(ids[:1, :30], **cache_arg(cache))
-                other = H2OCache(model, policy="h2o", heavy=9, recent=5, chunk_size=8)
+                other = H2OCache(model, policy=policy, heavy=9, recent=5, chunk_size=8)
                 model(ids[1:, :30], **cache_arg(other))
                 cache.append_rows(other)
             elif shape == "adaptive":
@@ -270,6 +290,10 @@ def test_a_rule_the_kernels_do_not_know_runs_eager():
     assert native_rule(make_policy("h2o:heads=shared")) is None
     assert native_rule(make_policy("tova:heads=shared")) is None
     assert native_rule(make_policy("knorm")) is None
+    # known to the C decode step only: the scan and Triton run them eager
+    for spec in C_DECODE_POLICIES:
+        assert native_rule(make_policy(spec)) is None and c_decode_rule(make_policy(spec)) is not None
+    assert c_decode_rule(make_policy("rkv:heads=shared")) is None
 
 
 @pytest.mark.parametrize("policy", ["knorm", "h2o:heads=shared"])

@@ -15,11 +15,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import h2okv.core.decode as decode_mod
-import h2okv.core.layer as layer_mod
-from core_cases import MODEL, leaning_qkv, random_qkv, run_calls
+from core_cases import MODEL, PATH_CASES, leaning_qkv, random_qkv, run_calls, spy_on_path
 from h2okv import H2OCache, H2OError
 from h2okv.cli.args import add_budget_args
+from h2okv.core import kernels
+from h2okv.core.native.build import library
 from h2okv.core.native.rules import native_rule
 from h2okv.core.reference import reference
 from h2okv.core.step import eviction_rank
@@ -122,42 +122,26 @@ def test_weight_one_ranks_as_h2o():
 
 
 # -- every path of the cache against the loop ---------------------------------------------------------
-PATH_CASES = {
-    # path in layer.py: (chunk_size, forward calls, how many times it must run)
-    "chunk_step": (4, [(0, 30)], 8),
-    # per-token calls; the second and third start with old slots inside the recent window
-    "token_scan": (1, [(0, 13), (13, 20), (20, 30)], 3),
-    # a chunked prompt, then one token per call with every row at its budget (the tensor-op step)
-    "decode_step": (4, [(0, 12)] + [(t, t + 1) for t in range(12, 30)], 18),
-}
-
-
+@pytest.mark.parametrize("kernels_name", ["eager", "native"])
 @pytest.mark.parametrize("path", PATH_CASES)
 @pytest.mark.parametrize("spec", SPECS)
-def test_each_path_matches_the_reference(path, spec, monkeypatch):
-    """A spy proves the path ran; kept sets and outputs equal the loop's. Decode at the budget is
-    the tensor-op ``EagerStep``: no C or Triton step knows this rule."""
+def test_each_path_matches_the_reference(path, spec, kernels_name, monkeypatch):
+    """A spy proves the path ran; kept sets and outputs equal the loop's. Decode at the budget runs
+    the tensor-op ``EagerStep``, or under the C kernels ``NativeStep`` (its own rkv ranks), except
+    for a rank shared over heads, which the C step does not know."""
     chunk, calls, runs = PATH_CASES[path]
-    taken = []
-
-    def spy_on(owner, name):
-        original = getattr(owner, name)
-
-        def spy(*args, **kwargs):
-            taken.append(path)
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(owner, name, spy)
-
-    spy_on(decode_mod.EagerStep, "decode") if path == "decode_step" else spy_on(layer_mod, path)
+    taken = spy_on_path(monkeypatch, path)
     q, k, v = leaning_qkv(21)
-    out, kept, layer = run_calls(spec, q, k, v, 5, 4, calls, chunk)
+    with kernels.use_kernels(kernels_name):
+        out, kept, layer = run_calls(spec, q, k, v, 5, 4, calls, chunk)
     assert len(taken) == runs
     ref_out, ref_kept = reference(q[0], k[0], v[0], spec, 5, 4, calls, chunk=chunk, scale=k.shape[-1] ** -0.5)
     assert kept == ref_kept
     torch.testing.assert_close(out, ref_out.float(), atol=1e-5, rtol=1e-5)
     if path == "decode_step":
-        assert native_rule(layer.config.policy) is None and isinstance(layer.stepper, decode_mod.EagerStep)
+        in_c = kernels_name == "native" and library() is not None and "shared" not in spec
+        assert set(taken) == {"NativeStep" if in_c else "EagerStep"}
+        assert native_rule(layer.config.policy) is None  # the scan and Triton: never
 
 
 @settings(max_examples=15, deadline=None)

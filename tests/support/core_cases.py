@@ -4,6 +4,8 @@ tests/core/test_late_prefill_knorm_shared_heads.py)."""
 
 import torch
 
+import h2okv.core.decode as decode_mod
+import h2okv.core.layer as layer_mod
 from h2okv import H2OCache
 from h2okv.policies import make_policy
 from h2okv.tools.tiny import tiny_model
@@ -44,3 +46,37 @@ def leaning_qkv(seed, hq=6, hkv=2, n=30, d=8):
     q += lean
     k[:, :, :4] = 0.1 * k[:, :, :4] - 2 * lean
     return q, k, v
+
+
+# each path of a layer, named: (chunk_size, forward calls, how many times it must run)
+PATH_CASES = {
+    # the general step of layer.py, one chunk at a time
+    "chunk_step": (4, [(0, 30)], 8),
+    # per-token calls; the second and third start with old slots inside the recent window
+    "token_scan": (1, [(0, 13), (13, 20), (20, 30)], 3),
+    # a chunked prompt, then one token per call with every row at its budget (the stepper's step)
+    "decode_step": (4, [(0, 12)] + [(t, t + 1) for t in range(12, 30)], 18),
+}
+STEPPERS = (decode_mod.EagerStep, decode_mod.NativeStep, decode_mod.TritonStep)
+
+
+def spy_on_path(monkeypatch, path: str) -> list[str]:
+    """A list that records each run of ``path`` (``PATH_CASES``): the name of the layer.py function,
+    or for ``decode_step`` the stepper class that ran it, whichever engine was chosen."""
+    taken = []
+
+    def spy_on(owner, name, label):
+        original = getattr(owner, name)
+
+        def spy(*args, **kwargs):
+            taken.append(label)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, spy)
+
+    if path == "decode_step":
+        for stepper in STEPPERS:
+            spy_on(stepper, "decode", stepper.__name__)
+    else:
+        spy_on(layer_mod, path, path)
+    return taken

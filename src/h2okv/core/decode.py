@@ -196,7 +196,7 @@ def write_and_attend(layer, slot, ordinal, query, k_new, v_new, scaling, masked:
 class NativeStep:
     """At the budget, dense or flat, as one C call (``native/calls.py``)."""
 
-    def __init__(self, state: AtBudget, rule: tuple[int, int]):
+    def __init__(self, state: AtBudget, rule: native.DecodeRule):
         self.state, self.rule = state, rule
 
     def decode(self, layer, query, k_new, v_new, scaling):

@@ -6,8 +6,8 @@ adds its mass, so a token ranks by the attention of the recent queries, about th
 SnapKV's observation window (re-ranking by the latest queries; arXiv 2512.12008 finds it among
 the strongest for reasoning). A decode step is one call, one token; a prompt read in one call
 decays once. In long generation a token the reasoning no longer reads loses its rank and goes,
-however much the first steps gave it. The C and Triton kernels add mass only, so a decaying
-policy runs the tensor-op step.
+however much the first steps gave it. The C decode step knows this fold ("decay"); the per-token
+scan (a decay per call, not per token) and Triton do not, and run the tensor-op step.
 """
 
 from h2okv.policies.base import Option, Policy
@@ -28,7 +28,7 @@ class H2OPolicy(Policy):
     def __init__(self, seed: int = 0, **options):
         super().__init__(seed, **options)
         if self.decay < 1.0:
-            self.fold = None  # a rule the kernels do not know: the tensor-op step
+            self.fold = "decay"  # the C decode step's; the scan and Triton run the tensor-op step
 
     def accumulate(self, score, mass):
         if self.decay < 1.0:

@@ -20,9 +20,10 @@ that ranking (a chunk's excess together, as R-KV selects its kept set); ``core/r
 the same. Keys are taken as stored (after RoPE), in float32 (the reference's float64), per KV
 head: K is never expanded to the query heads. ``sum_j cos(k_i, k_j)`` is ``u_i . sum_j u_j`` with
 ``u`` the unit keys, so the key costs two matrix-vector products, O(slots x head_dim), not
-O(slots^2), and a free slot's key (weighted 0) takes no part in any sum. The C and Triton decode steps know no
-such rule: overriding ``eviction_key`` without declaring a ``rank`` (``base.py``) sends ``rkv``
-to the tensor-op steps (``EagerStep``, ``FillingStep``).
+O(slots^2), and a free slot's key (weighted 0) takes no part in any sum. The rank is declared
+("rkv"): the C decode step at the budget computes it in the same two passes
+(``core/native/kernels.c``: ``rkv_ranks``); the per-token scan and Triton do not know it and run
+the tensor-op steps.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ NORM_EPS = 1e-12  # a zero key has no direction: its unit key is zero, alike to 
 class RKVPolicy(H2OPolicy):
     name = "rkv"
     ranks_by_keys = True
+    rank = "rkv"  # the C decode step's rule (core/native/rules.py); tests/policies/test_declared_rules.py
     # The per-token scan (core/scan.py) ranks in its own layout (old slots, then the call's
     # tokens), which is safe for a key that depends only on its arguments. This one does: the live
     # set (``valid``), its scores and its keys, summed over that set whatever the slots' order, and

@@ -29,7 +29,7 @@ _I64, _F32P, _I64P, _U8P = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, cty
 SIGNATURES = {
     "scan_block": [_F32P, _F32P, _U8P, _F32P, _I64P] + [_I64] * 10 + [ctypes.c_int] * 3 + [_F32P],
     "decode_dense": [_F32P] * 6 + [_I64P, _U8P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _F32P] + [_I64] * 6
-    + [ctypes.c_float, ctypes.c_int, ctypes.c_int, _F32P],
+    + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_float, _F32P, _F32P],
 }
 
 

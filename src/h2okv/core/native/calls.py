@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from h2okv.core.native.build import library
-from h2okv.core.native.rules import native_rule
+from h2okv.core.native.rules import KEY_RKV, DecodeRule, c_decode_rule, native_rule
 
 _loaded = None
 
@@ -42,7 +42,7 @@ def scan_block(probs: torch.Tensor, state, plan, start: int, policy, rule: tuple
     )
 
 
-def decode_rule(layer) -> tuple[int, int] | None:
+def decode_rule(layer) -> DecodeRule | None:
     """The native rule for the at-budget decode steps of ``layer`` (dense or packed, not yet flat),
     or None when they must run eager. Asked once, when the layer's stepper is chosen
     (``core/decode.py``): the queries have the keys' dtype."""
@@ -50,10 +50,10 @@ def decode_rule(layer) -> tuple[int, int] | None:
         return None
     if not (layer.keys.is_contiguous() and layer.values.is_contiguous() and layer.n_real.is_contiguous()):
         return None
-    return native_rule(layer.config.policy)
+    return c_decode_rule(layer.config.policy)
 
 
-def decode_dense(layer, state, query, k_new, v_new, scaling: float, rule: tuple[int, int]) -> torch.Tensor:
+def decode_dense(layer, state, query, k_new, v_new, scaling: float, rule: DecodeRule) -> torch.Tensor:
     """``decode.EagerStep`` for a dense buffer, packed heads of uneven budgets (``state.widths``) or
     a flattened layer (``layer.ragged``: each head's own slots only), in C; returns ``[B, 1, Hq, Dv]``."""
     ragged = layer.ragged
@@ -64,8 +64,9 @@ def decode_dense(layer, state, query, k_new, v_new, scaling: float, rule: tuple[
     slot = state.next_free if ragged is not None else state.free_slot(layer.valid)
     query, k_new, v_new = query.contiguous(), k_new.contiguous(), v_new.contiguous()
     out = torch.empty((b, 1, hq, dv), dtype=torch.float32)
-    acc, key = rule
     probs = torch.empty((hq // hkv) * cap, dtype=torch.float32)  # scratch; held for the call
+    # rkv's scratch: each slot's norm and inverse norm, the sum of unit keys, the keys' ranks
+    work = torch.empty(3 * cap + d, dtype=torch.float32) if rule.key == KEY_RKV else None
     _kernels().decode_dense(
         query.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), held.keys.data_ptr(), held.values.data_ptr(),
         held.score.data_ptr(), held.ordinal.data_ptr(), held.valid.data_ptr(), slot.data_ptr(),
@@ -73,7 +74,8 @@ def decode_dense(layer, state, query, k_new, v_new, scaling: float, rule: tuple[
         None if state.sinks is None else state.sinks.data_ptr(),
         None if state.widths is None else state.widths.data_ptr(),
         None if ragged is None else ragged.base.data_ptr(), out.data_ptr(),
-        b * hkv, hkv, hq // hkv, cap, d, dv, scaling, acc, key, probs.data_ptr(),
+        b * hkv, hkv, hq // hkv, cap, d, dv, scaling, rule.acc, rule.key, rule.decay, rule.weight, probs.data_ptr(),
+        None if work is None else work.data_ptr(),
     )
     state.next_free = slot  # the kernel wrote each row's victim there
     return out

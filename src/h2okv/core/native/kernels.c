@@ -19,8 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { ACC_NONE = 0, ACC_ADD = 1, ACC_REPLACE = 2 };
-enum { KEY_SCORE = 0, KEY_MEAN = 1, KEY_ORDINAL = 2 };
+enum { ACC_NONE = 0, ACC_ADD = 1, ACC_REPLACE = 2, ACC_DECAY = 3 };
+enum { KEY_SCORE = 0, KEY_MEAN = 1, KEY_ORDINAL = 2, KEY_RKV = 3 };
 
 /* e^x for x <= 0 (a softmax after its max is subtracted), eight lanes at a time with GCC/Clang
  * vector extensions (plain loops around expf or floorf do not vectorise): range reduction to
@@ -189,6 +189,35 @@ static void attend_group(const float *q, const float *keys, const float *values,
     }
 }
 
+/* rkv's key (policies/rkv.py) of n live slots (keys [n, d]) into work[2n .. 3n): weight * I -
+ * (1 - weight) * R, with I each slot's share of the summed score and R the softmax of each key's
+ * mean cosine similarity to the other n - 1 keys, computed as u_i . sum_j u_j - u_i . u_i (u the
+ * unit keys): two passes over the keys. work: 3n + d floats (norms, inverse norms, ranks, the
+ * sum of unit keys), in the order of the tensor ops so the ranks agree with them. */
+static const float *rkv_ranks(const float *sc, const float *keys, int64_t n, int64_t d, float weight, float *work) {
+    float *norm = work, *inverse = work + n, *rank = work + 2 * n, *together = work + 3 * n;
+    float total = 0.0f;
+    for (int64_t c = 0; c < n; c++) total += sc[c];
+    total = total > 1.17549435e-38f ? total : 1.17549435e-38f; /* torch.finfo(float32).tiny */
+    memset(together, 0, (size_t)d * sizeof(float));
+    for (int64_t c = 0; c < n; c++) {
+        const float *kc = keys + c * d;
+        norm[c] = sqrtf(dot(kc, kc, d));
+        inverse[c] = 1.0f / (norm[c] > 1e-12f ? norm[c] : 1e-12f);
+        #pragma omp simd
+        for (int64_t j = 0; j < d; j++) together[j] += inverse[c] * kc[j];
+    }
+    float others = (float)(n - 1 < 1 ? 1 : n - 1), m = -INFINITY;
+    for (int64_t c = 0; c < n; c++) {
+        float self = norm[c] * inverse[c];
+        rank[c] = (dot(keys + c * d, together, d) * inverse[c] - self * self) / others;
+        m = rank[c] > m ? rank[c] : m;
+    }
+    float inv = 1.0f / exp_shifted(rank, m, n);
+    for (int64_t c = 0; c < n; c++) rank[c] = weight * (sc[c] / total) - (1.0f - weight) * (rank[c] * inv);
+    return rank;
+}
+
 /* The dense at-budget decode step for rows = B * Hkv (sequence, KV head) pairs with g query
  * heads each. Per pair: write the new key/value/ordinal/score into `slot` (the only free slot),
  * attend over its n slots (n = width[pair], or cap when width is NULL; the slots past n are free
@@ -196,12 +225,14 @@ static void attend_group(const float *q, const float *keys, const float *values,
  * (q [rows, g, d]; out [rows, g, dv]), fold the mass into the score,
  * advance the row's window (recent_start) and n_real by one, evict one, and store the victim
  * as the next step's slot. Per-sequence values (n_real, recent_start, sinks) are indexed by
- * pair / heads. p: scratch of g * cap floats. */
+ * pair / heads. p: scratch of g * cap floats; work: rkv's scratch (3 * cap + d floats), else NULL.
+ * decay and weight are the policy's numbers for ACC_DECAY and KEY_RKV (unused otherwise). */
 void decode_dense(const float *q, const float *k_new, const float *v_new,
                   float *keys, float *values, float *score, int64_t *ordinal, uint8_t *valid,
                   int64_t *slot, int64_t *n_real, int64_t *recent_start, const int64_t *sinks,
                   const int64_t *width, const int64_t *base, float *out, int64_t rows, int64_t heads, int64_t g, int64_t cap,
-                  int64_t d, int64_t dv, float scaling, int acc, int key, float *p) {
+                  int64_t d, int64_t dv, float scaling, int acc, int key, float decay, float weight, float *p,
+                  float *work) {
     for (int64_t r = 0; r < rows; r++) {
         int64_t seq = r / heads, s = slot[r], n = width ? width[r] : cap, off = base ? base[r] : r * cap;
         float *kr = keys + off * d, *vr = values + off * dv, *sc = score + off;
@@ -217,12 +248,16 @@ void decode_dense(const float *q, const float *k_new, const float *v_new,
             for (int64_t c = 0; c < n; c++) {
                 float m = 0.0f;
                 for (int64_t h = 0; h < g; h++) m += p[h * n + c];
-                sc[c] = acc == ACC_ADD ? sc[c] + m : m;
+                /* decay: older mass fades first (mul, then add: two roundings, as eager's mul_ and add_) */
+                float kept = acc == ACC_DECAY ? sc[c] * decay : sc[c];
+                sc[c] = acc == ACC_REPLACE ? m : kept + m;
             }
         }
         /* n_real and the window advance once per sequence: after its last KV head */
         int64_t nr = n_real[seq] + 1, ws = recent_start[seq] + 1;
-        int64_t v = victim(sc, od, NULL, n, ws, sinks ? sinks[seq] : INT64_MIN, nr, key);
+        int64_t v = key == KEY_RKV
+            ? victim(rkv_ranks(sc, kr, n, d, weight, work), od, NULL, n, ws, sinks ? sinks[seq] : INT64_MIN, nr, KEY_SCORE)
+            : victim(sc, od, NULL, n, ws, sinks ? sinks[seq] : INT64_MIN, nr, key);
         valid[off + v] = 0;
         slot[r] = v;
         if (r % heads == heads - 1) {

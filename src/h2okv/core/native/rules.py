@@ -4,22 +4,39 @@ The kernels know two ways to fold attention mass into a score (add it, or replac
 it) and three ranks (the score, the score per query that saw the key, the ordinal). A policy
 declares which it follows (``Policy.fold`` and ``Policy.rank``); one that declares something else
 (None) runs the tensor-op step, so the kernels never compute a rule they do not know.
+The C decode step knows two rules more (``c_decode_rule``): a fold that fades the old score
+first (``h2o:decay``: "decay") and ``rkv``'s rank from the keys ("rkv"). The per-token scan does
+not (a decay applies once per forward call, not per token; its keys are not at hand there), nor
+does Triton.
 tests/policies/test_declared_rules.py holds every policy's hooks to its declaration.
 """
 
 from __future__ import annotations
 
-ACC_NONE, ACC_ADD, ACC_REPLACE = 0, 1, 2
-KEY_SCORE, KEY_MEAN, KEY_ORDINAL = 0, 1, 2
+from typing import NamedTuple
+
+ACC_NONE, ACC_ADD, ACC_REPLACE, ACC_DECAY = 0, 1, 2, 3
+KEY_SCORE, KEY_MEAN, KEY_ORDINAL, KEY_RKV = 0, 1, 2, 3
 
 FOLDS = {"add": ACC_ADD, "replace": ACC_REPLACE}
 RANKS = {"score": KEY_SCORE, "mean": KEY_MEAN, "ordinal": KEY_ORDINAL}
+C_DECODE_FOLDS = {**FOLDS, "decay": ACC_DECAY}
+C_DECODE_RANKS = {**RANKS, "rkv": KEY_RKV}
 
 
-def native_rule(policy) -> tuple[int, int] | None:
+class DecodeRule(NamedTuple):
+    """The C decode step's rule: the codes, and the policy's numbers they read."""
+
+    acc: int
+    key: int
+    decay: float = 1.0  # ACC_DECAY: score <- decay * score + mass
+    weight: float = 0.0  # KEY_RKV: weight * importance - (1 - weight) * redundancy
+
+
+def native_rule(policy, folds=FOLDS, ranks=RANKS) -> tuple[int, int] | None:
     """``(accumulate code, key code)`` for ``policy``, or None when the kernels do not know its rule."""
-    acc = FOLDS.get(policy.fold) if policy.needs_scores else ACC_NONE
-    key = RANKS.get(policy.rank)
+    acc = folds.get(policy.fold) if policy.needs_scores else ACC_NONE
+    key = ranks.get(policy.rank)
     if acc is None or key is None or not policy.evicts:
         return None
     # the C loops rank each head alone and start every new slot at score 0: a rank shared over
@@ -27,3 +44,11 @@ def native_rule(policy) -> tuple[int, int] | None:
     if policy.shared_heads or policy.scores_keys:
         return None
     return acc, key
+
+
+def c_decode_rule(policy) -> DecodeRule | None:
+    """``native_rule`` for the C decode step, which also knows "decay" and "rkv"."""
+    rule = native_rule(policy, C_DECODE_FOLDS, C_DECODE_RANKS)
+    if rule is None:
+        return None
+    return DecodeRule(*rule, decay=float(getattr(policy, "decay", 1.0)), weight=float(getattr(policy, "weight", 0.0)))
