@@ -162,6 +162,9 @@ def test_pieces_merge_into_one_report(tiny_chat, tmp_path, capsys):
                for s in summaries)
     assert summaries[0]["agreement"] == 1.0
     assert plot.stat().st_size > 0
+    by_kv = tmp_path / "kv.png"
+    assert main(["eval", "reasoning-report", str(full), str(h2o), "--plot", str(by_kv), "--x", "kv"]) == 0
+    assert by_kv.stat().st_size > 0
     assert "agree w/ full" in capsys.readouterr().out
 
 
@@ -169,6 +172,30 @@ def _row(policy, budget, id, correct, task="gsm8k"):
     return {"model": "m", "task": task, "style": "chat", "policy": policy, "budget": budget, "id": id,
             "predicted": "1" if correct else "2", "gold": "1", "correct": correct, "new_tokens": 10,
             "prompt_tokens": 5, "finish": "eos", "kv_bytes": 0}
+
+
+def test_accuracy_against_kv_bytes_puts_every_budget_on_one_axis(tmp_path):
+    """x="kv": slots and fractions in one panel, each line sorted by the MiB it holds, full as a
+    point at its own; x="budget": a panel per kind of budget, full in each; a bad axis: one line."""
+    from h2okv.errors import H2OError
+    from h2okv.eval.reasoning_report import accuracy_lines, plot_accuracy, summarize
+
+    def rows(policy, budget, mib, correct):
+        return [{**_row(policy, budget, i, i < correct), "kv_bytes": mib * 2**20} for i in range(4)]
+
+    summaries = summarize([*rows("full", None, 8, 4), *rows("h2o", 256, 3, 2), *rows("h2o", 128, 1.5, 1),
+                           *rows("rkv", 128, 1.5, 3), *rows("h2o", 0.5, 4, 3)], [])
+    (key, lines), = accuracy_lines(summaries, "kv").items()
+    assert key == ("m", "gsm8k", "chat")
+    assert lines["h2o"] == [(1.5, 0.25, lines["h2o"][0][2]), (3.0, 0.5, lines["h2o"][1][2]), (4.0, 0.75, lines["h2o"][2][2])]
+    assert [p[:2] for p in lines["rkv"]] == [(1.5, 0.75)] and [p[:2] for p in lines["full"]] == [(8.0, 1.0)]
+    by_budget = accuracy_lines(summaries, "budget")
+    assert sorted(by_budget) == [("m", "gsm8k", "chat", False), ("m", "gsm8k", "chat", True)]
+    assert [p[0] for p in by_budget["m", "gsm8k", "chat", True]["h2o"]] == [128, 256]
+    assert all("full" in lines for lines in by_budget.values())
+    assert plot_accuracy(summaries, tmp_path / "kv.png", "kv").stat().st_size > 0
+    with pytest.raises(H2OError, match="x axis must be one of budget, kv"):
+        accuracy_lines(summaries, "bytes")
 
 
 def test_common_keeps_the_problems_every_policy_ran():

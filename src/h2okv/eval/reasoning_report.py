@@ -146,36 +146,66 @@ def markdown_table(summaries: list[dict]) -> str:
 VARIANT_MARKERS = ("s", "^", "D", "v")
 
 
-def plot_accuracy(summaries: list[dict], path) -> Path:
-    """Accuracy vs budget, one line per policy (error bars: one standard error), full as a
-    horizontal band (its accuracy ± one standard error); one panel per (model, task, style, kind
-    of budget)."""
-    panels = defaultdict(list)
+AXES = ("budget", "kv")  # what ``plot_accuracy`` puts on x: the budget asked, or the KV bytes held
+MIB = 2**20
+
+
+def accuracy_lines(summaries: list[dict], x: str = "budget") -> dict:
+    """What ``plot_accuracy`` draws: ``{panel: {policy: [(x, accuracy, stderr), ...]}}`` sorted by
+    x, with ``"full"`` (no budget) in each panel as one point. ``x="budget"``: the budget, one panel
+    per (model, task, style, budgets in slots or not), full drawn as a band; ``x="kv"``: the mean KV
+    MiB held at the end of the answers, one panel per (model, task, style), so budgets given in
+    slots, as fractions or as protected prompts plus slots compare at the bytes they cost."""
+    if x not in AXES:
+        raise H2OError(f"x axis must be one of {', '.join(AXES)}, not {x!r}")
+    panels = defaultdict(lambda: defaultdict(list))
     for s in summaries:
-        if s["budget"] is not None:
-            panels[tuple(s[k] for k in GROUP) + (isinstance(s["budget"], int),)].append(s)
+        if s["budget"] is None:
+            continue
+        key = tuple(s[k] for k in GROUP) + ((isinstance(s["budget"], int),) if x == "budget" else ())
+        at = s["budget"] if x == "budget" else s["mean_kv_bytes"] / MIB
+        panels[key][s["policy"]].append((at, s["accuracy"], s["stderr"] or 0.0))
     if not panels:
         raise H2OError("nothing to plot: the pieces hold no evicting policy's rows")
-    fig, axes = new_figure(ncols=len(panels), width=6.0, height=4.2)
-    for ax, (key, group) in zip(axes[0], panels.items(), strict=True):
+    for key, lines in panels.items():
         for f in (s for s in summaries if tuple(s[k] for k in GROUP) == key[:3] and s["budget"] is None):
-            low, high = f["accuracy"] - (f["stderr"] or 0), f["accuracy"] + (f["stderr"] or 0)
-            ax.axhspan(low, high, color="black", alpha=0.12, lw=0)
-            ax.axhline(f["accuracy"], color="black", lw=1.2, label=f"full ({f['accuracy']:.1%}, n={f['n']})")
+            lines["full"] = [(f["mean_kv_bytes"] / MIB, f["accuracy"], f["stderr"] or 0.0)]
+        for points in lines.values():
+            points.sort()
+    return {key: dict(lines) for key, lines in panels.items()}
+
+
+def plot_accuracy(summaries: list[dict], path, x: str = "budget") -> Path:
+    """Accuracy vs budget (or vs KV bytes held: ``x="kv"``), one line per policy (error bars: one
+    standard error), full as a horizontal band (its accuracy ± one standard error), and with
+    ``x="kv"`` also a point at the bytes it holds; one panel per ``accuracy_lines`` panel."""
+    panels = accuracy_lines(summaries, x)
+    fig, axes = new_figure(ncols=len(panels), width=6.0, height=4.2)
+    for ax, (key, lines) in zip(axes[0], panels.items(), strict=True):
+        full = lines.pop("full", None)
+        if full:
+            (kv, acc, se), n = full[0], next(s["n"] for s in summaries
+                                             if tuple(s[k] for k in GROUP) == key[:3] and s["budget"] is None)
+            ax.axhspan(acc - se, acc + se, color="black", alpha=0.12, lw=0)
+            ax.axhline(acc, color="black", lw=1.2, label=f"full ({acc:.1%}, n={n})")
+            if x == "kv":
+                ax.plot([kv], [acc], marker="*", ms=10, color="black", ls="none")
         variants = 0
-        for policy in dict.fromkeys(s["policy"] for s in group):
-            line = sorted((s for s in group if s["policy"] == policy), key=lambda s: s["budget"])
+        for policy, line in lines.items():
             # a variant ("h2o recent=0.25") takes its policy's colour, hollow, in a marker of its own
             base, variant = split_label(policy)
             style = {"marker": "o"}
             if variant:
                 style = {"marker": VARIANT_MARKERS[variants % len(VARIANT_MARKERS)], "mfc": "none", "ls": "--"}
                 variants += 1
-            ax.errorbar([s["budget"] for s in line], [s["accuracy"] for s in line], yerr=[s["stderr"] or 0 for s in line],
-                        ms=5, capsize=2, label=policy, color=policy_color(base), **style)
-        if key[3]:
+            xs, ys, es = zip(*line, strict=True)
+            ax.errorbar(xs, ys, yerr=es, ms=5, capsize=2, label=policy, color=policy_color(base), **style)
+        if x == "kv":
+            ax.set_xlabel("KV cache at the end of the answer (MiB, mean over problems)")
+            ax.set_xlim(left=0)
+        elif key[3]:
             ax.set_xscale("log", base=2)
-            ticks = sorted({s["budget"] for s in group})
+            ticks = sorted({p[0] for line in lines.values() for p in line})
             ax.set_xticks(ticks, labels=[str(t) for t in ticks])
             ax.set_xlabel("KV budget (slots per layer and KV head)")
         else:
