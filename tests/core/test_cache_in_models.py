@@ -33,7 +33,7 @@ def test_exact_when_budget_covers_everything(arch_model, chunk):
 
 # snapkv with spans: the max pool and ChunkKV's blocks keep every guarantee of the plain ranking
 NEW_POLICIES = ["tova", "h2o-sink", "h2o-mean", "snapkv", "expected", "snapkv:kernel=5,pool=max", "snapkv:kernel=1,chunk=4",
-                "h2o:decay=0.9", "rkv", "rkv:weight=0.5"]
+                "h2o:decay=0.9", "rkv", "rkv:weight=0.5", "rkv:kernel=3"]
 
 
 @pytest.mark.parametrize("policy", ["full", "local", "sink", "random", *NEW_POLICIES])

@@ -16,7 +16,8 @@ RANK_RULES = {"score": lambda score, ordinal, n, keys, p: score,
               "ordinal": lambda score, ordinal, n, keys, p: ordinal.float(),
               "rkv": lambda score, ordinal, n, keys, p: rkv_rule(score, keys, p.weight)}
 # every policy, and the options that change its declared rule
-SPECS = [*sorted(POLICIES), "h2o:decay=0.8", "snapkv:decay=0.9", "rkv:weight=0.5,decay=0.7", "rkv:heads=shared"]
+SPECS = [*sorted(POLICIES), "h2o:decay=0.8", "snapkv:decay=0.9", "rkv:weight=0.5,decay=0.7", "rkv:heads=shared",
+         "rkv:kernel=3"]
 
 
 def rkv_rule(score, keys, weight):

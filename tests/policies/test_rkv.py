@@ -20,12 +20,12 @@ from h2okv import H2OCache, H2OError
 from h2okv.cli.args import add_budget_args
 from h2okv.core import kernels
 from h2okv.core.native.build import library
-from h2okv.core.native.rules import native_rule
+from h2okv.core.native.rules import c_decode_rule, native_rule
 from h2okv.core.reference import reference
 from h2okv.core.step import eviction_rank
 from h2okv.policies import make_policy
 
-SPECS = ["rkv", "rkv:weight=0.5", "rkv:heads=shared"]
+SPECS = ["rkv", "rkv:weight=0.5", "rkv:heads=shared", "rkv:kernel=3"]
 
 
 # -- the hook, against its rule ---------------------------------------------------------------------
@@ -75,6 +75,57 @@ def test_the_key_states_its_rule(weight, dtype):
             want = rule(score[bi, hi].tolist(), keys[bi, hi].tolist(), valid[bi, hi].tolist(), weight)
             for slot, value in want.items():
                 assert abs(float(key[bi, hi, slot]) - value) <= tol, (bi, hi, slot)
+
+
+def pooled(importance: dict, ordinal: list[int], kernel: int) -> dict:
+    """Each live slot's largest importance among the ``kernel`` live slots nearest it in token order."""
+    in_order = sorted(importance, key=lambda slot: ordinal[slot])
+    half = kernel // 2
+    return {slot: max(importance[s] for s in in_order[max(0, a - half):a + half + 1])
+            for a, slot in enumerate(in_order)}
+
+
+@pytest.mark.parametrize("kernel", [3, 5])
+def test_the_kernel_takes_the_largest_importance_of_the_nearest_live_slots_in_token_order(kernel):
+    """Slots out of token order (slot order is not token order once slots are reused), free slots
+    between them: a slot takes the largest importance of its kernel's live neighbours in token
+    order; the redundancy is unchanged."""
+    g = torch.Generator().manual_seed(8)
+    cap, d = 10, 4
+    score = torch.rand(1, 1, cap, generator=g, dtype=torch.float64)
+    keys = torch.randn(1, 1, cap, d, generator=g, dtype=torch.float64)
+    ordinal = torch.randperm(cap, generator=g).view(1, 1, cap)
+    valid = torch.rand(1, 1, cap, generator=g) < 0.7
+    valid[0, 0, :2] = True
+    n_real = torch.full((1, 1, 1), cap)
+    plain = make_policy("rkv:weight=1").eviction_key(score, ordinal, n_real, keys=keys, valid=valid)[0, 0]
+    smooth = make_policy(f"rkv:weight=1,kernel={kernel}").eviction_key(score, ordinal, n_real, keys=keys, valid=valid)[0, 0]
+    live = [i for i in range(cap) if valid[0, 0, i]]
+    want = pooled({i: float(plain[i]) for i in live}, ordinal[0, 0].tolist(), kernel)
+    assert {i: float(smooth[i]) for i in live} == pytest.approx(want, abs=1e-12)
+    assert all(float(smooth[i]) == 0.0 for i in range(cap) if not valid[0, 0, i])
+    # weight 0: redundancy alone, which the kernel does not touch
+    redundancy = [make_policy(f"rkv:weight=0{k}").eviction_key(score, ordinal, n_real, keys=keys, valid=valid)
+                  for k in ("", f",kernel={kernel}")]
+    torch.testing.assert_close(*redundancy)
+
+
+def test_a_digit_between_two_heavy_digits_stays_with_the_kernel():
+    """A number of three tokens (ordinals 3-5) whose middle digit is read little, after three
+    tokens read a little more; slots in another order than the tokens. Token by token the middle
+    digit goes; with the kernel it ranks with its neighbours and one of the first tokens goes."""
+    # slots:      d2    a     d3    b     d1    c     recent window
+    ordinal = torch.tensor([[[4, 0, 5, 1, 3, 2, 6, 7]]])
+    score = torch.tensor([[[0.02, 0.06, 0.30, 0.05, 0.30, 0.06, 0.4, 0.4]]], dtype=torch.float64)
+    keys = torch.eye(8, dtype=torch.float64)[None, None]  # orthogonal: every key equally redundant
+    valid = torch.ones(1, 1, 8, dtype=torch.bool)
+
+    def victim(spec):
+        rank = eviction_rank(make_policy(spec), 0, score, ordinal, torch.full((1, 1, 1), 8), ordinal >= 6, keys, valid)
+        return int(rank.argmin(-1))
+
+    assert victim("rkv") == 0  # d2
+    assert victim("rkv:kernel=3") in (1, 3)  # a or b (0.06 each after pooling), not the number
 
 
 def test_the_key_needs_the_keys():
@@ -128,7 +179,7 @@ def test_weight_one_ranks_as_h2o():
 def test_each_path_matches_the_reference(path, spec, kernels_name, monkeypatch):
     """A spy proves the path ran; kept sets and outputs equal the loop's. Decode at the budget runs
     the tensor-op ``EagerStep``, or under the C kernels ``NativeStep`` (its own rkv ranks), except
-    for a rank shared over heads, which the C step does not know."""
+    for a rank shared over heads or pooled over token order, which the C step does not know."""
     chunk, calls, runs = PATH_CASES[path]
     taken = spy_on_path(monkeypatch, path)
     q, k, v = leaning_qkv(21)
@@ -139,7 +190,7 @@ def test_each_path_matches_the_reference(path, spec, kernels_name, monkeypatch):
     assert kept == ref_kept
     torch.testing.assert_close(out, ref_out.float(), atol=1e-5, rtol=1e-5)
     if path == "decode_step":
-        in_c = kernels_name == "native" and library() is not None and "shared" not in spec
+        in_c = kernels_name == "native" and library() is not None and c_decode_rule(make_policy(spec)) is not None
         assert set(taken) == {"NativeStep" if in_c else "EagerStep"}
         assert native_rule(layer.config.policy) is None  # the scan and Triton: never
 
@@ -190,12 +241,18 @@ def test_the_weight_option():
     assert make_policy("rkv:weight=0.3,heads=shared").shared_heads
 
 
+def test_the_c_step_knows_rkv_but_not_its_kernel_nor_shared_heads():
+    assert c_decode_rule(make_policy("rkv:weight=0.3,decay=0.9")) is not None
+    assert c_decode_rule(make_policy("rkv:kernel=3")) is None and c_decode_rule(make_policy("rkv:heads=shared")) is None
+
+
 @pytest.mark.parametrize("spec, message", [
     ("rkv:weight=1.5", "rkv weight must be in [0, 1], got 1.5"),
     ("rkv:weight=-0.1", "rkv weight must be in [0, 1], got -0.1"),
     ("rkv:weight=nan", "rkv weight must be in [0, 1], got nan"),
     ("rkv:weight=heavy", "policy 'rkv': option weight='heavy' is not a float"),
-    ("rkv:lambda=0.1", "policy 'rkv' has no option 'lambda'; it has weight, decay, heads"),
+    ("rkv:lambda=0.1", "policy 'rkv' has no option 'lambda'; it has weight, decay, kernel, heads"),
+    ("rkv:kernel=4", "rkv kernel must be an odd number >= 1, got 4"),
 ])
 def test_bad_options_are_one_line_errors(spec, message):
     for build in (lambda: make_policy(spec), lambda: H2OCache(MODEL, policy=spec, heavy=4, recent=4)):

@@ -13,7 +13,10 @@ and pads are never live):
 - eviction key: ``weight * I - (1 - weight) * R``, the lowest candidate evicted first. Option
   ``weight`` in [0, 1] (R-KV's lambda, default 0.1): ``rkv:weight=1`` ranks as ``h2o``,
   ``rkv:weight=0`` by redundancy alone. ``decay`` as ``h2o``'s: with it below 1 the importance is
-  what the latest queries read, as R-KV takes it from its last few queries.
+  what the latest queries read, as R-KV takes it from its last few queries. ``kernel=K`` (odd,
+  default 1: none) smooths the importance as R-KV does, by the largest ``I`` among the ``K``
+  nearest live slots in token order (a slot between kept neighbours ranks with them, so a number
+  of several digit tokens is kept or dropped whole); the C step does not know it.
 
 Because a token's key depends on every token kept, one eviction ranks once and frees the lowest of
 that ranking (a chunk's excess together, as R-KV selects its kept set); ``core/reference.py`` does
@@ -48,7 +51,14 @@ class RKVPolicy(H2OPolicy):
     # (bias 0), so it stays True.
     scan_safe = True
     # decay (h2o.py): importance from the latest queries, as R-KV's observation window takes it
-    declared = (Option("weight", float, DEFAULT_WEIGHT, lambda v: 0.0 <= v <= 1.0, "in [0, 1]"), DECAY)
+    declared = (Option("weight", float, DEFAULT_WEIGHT, lambda v: 0.0 <= v <= 1.0, "in [0, 1]"), DECAY,
+                # R-KV's max pooling of the importance over neighbouring kept tokens (1: none)
+                Option("kernel", int, 1, lambda v: v >= 1 and v % 2 == 1, "an odd number >= 1", shown=False))
+
+    def __init__(self, seed: int = 0, **options):
+        super().__init__(seed, **options)
+        if self.kernel > 1:
+            self.rank = None  # pooling over token order: a rule the C step does not know
 
     def eviction_key(self, score, ordinal, n_real, layer_idx=0, *, keys=None, valid=None):
         """``weight * I - (1 - weight) * R`` of every slot ``[..., cap]`` (see the module docstring);
@@ -59,6 +69,8 @@ class RKVPolicy(H2OPolicy):
         dtype = torch.promote_types(score.dtype, torch.float32)  # float32, float64 in the reference
         live = valid.to(torch.bool)
         importance = self.importance(score.to(dtype), live)
+        if self.kernel > 1:
+            importance = pool_neighbours(importance, ordinal, live, self.kernel)
         redundancy = self.redundancy(keys.to(dtype), live)
         key = self.weight * importance - (1.0 - self.weight) * redundancy
         return key.masked_fill(~live, 0.0)
@@ -87,3 +99,17 @@ class RKVPolicy(H2OPolicy):
         mean = others / (count - 1).clamp(min=1).to(others.dtype)
         weights = torch.softmax(mean.masked_fill(~live, -torch.inf), dim=-1)
         return torch.where(live, weights, 0.0)  # a (row, head) with no live slot: NaN -> 0
+
+
+def pool_neighbours(values, ordinal, live, kernel: int):
+    """Each live slot's largest value among the ``kernel`` live slots nearest it in token order
+    (itself in the middle; fewer at either end); 0 where not live. ``ordinal`` broadcasts against
+    ``values`` ``[..., cap]``."""
+    ordinal = ordinal.expand_as(values)
+    # live slots in token order first, the rest after them (never a live slot's neighbour: -inf)
+    order = ordinal.masked_fill(~live, torch.iinfo(ordinal.dtype).max).argsort(dim=-1, stable=True)
+    ranked = values.gather(-1, order).masked_fill(~live.gather(-1, order), -torch.inf)
+    shape = ranked.shape
+    pooled = torch.nn.functional.max_pool1d(ranked.reshape(-1, 1, shape[-1]), kernel, stride=1, padding=kernel // 2)
+    out = torch.empty_like(values).scatter_(-1, order, pooled.reshape(shape))
+    return out.masked_fill(~live, 0.0)
