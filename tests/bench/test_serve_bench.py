@@ -52,6 +52,20 @@ def test_bench_compares_policies_at_the_same_kv_memory(tiny, tmp_path, capsys):
     assert "max batch" in capsys.readouterr().out
 
 
+def test_every_evicting_policy_is_compared_with_full_in_the_same_run():
+    from h2okv.bench.serve import ratios
+
+    def row(policy, tokens, correct):
+        return {"schedule": "budget", "policy": policy, "tokens_per_s": tokens, "itl_p95_s": 1.0 / tokens,
+                "ttft_p95_s": 1.0, "accuracy": correct / 32, "accuracy_stderr": 0.07 if policy == "full" else 0.05}
+
+    summary = ratios([row("full", 5.0, 7), row("h2o", 17.0, 2), row("rkv:weight=0.3", 16.0, 6)])
+    assert summary["h2o_vs_full_tokens_per_s"] == 3.4 and summary["rkv:weight=0.3_vs_full_tokens_per_s"] == 3.2
+    assert summary["budget/full_vs_rkv:weight=0.3_itl_p95"] == 3.2
+    assert summary["budget/rkv:weight=0.3_minus_full_accuracy_in_stderr"] == round(-1 / 32 / 0.07, 3)
+    assert "full_vs_full_tokens_per_s" not in summary
+
+
 def test_poisson_arrivals_and_profiles():
     from h2okv.bench.serve import PROFILES, apply_profile, poisson_arrivals
     from h2okv.cli.serve import register  # noqa: F401 - the profiles live with the bench

@@ -308,22 +308,26 @@ def bench(model, tokenizer, *, policies: list[str], kv_memory: int, requests: in
 
 
 def ratios(rows: list[dict]) -> dict:
-    """The comparisons the targets are stated in, from rows of the same run: h2o against full per
-    schedule (first schedule also as the top-level ``h2o_vs_full_tokens_per_s``), and per policy
-    the serial schedule's TTFT p95 over the budget schedule's."""
+    """The comparisons the targets are stated in, from rows of the same run: each evicting policy
+    against full per schedule (``{schedule}/{policy}_vs_full_tokens_per_s``; the first schedule's
+    also as the top-level ``{policy}_vs_full_tokens_per_s``), and per policy the serial schedule's
+    TTFT p95 over the budget schedule's."""
     by = {(r["schedule"], r["policy"]): r for r in rows}
     out: dict = {}
     for schedule in dict.fromkeys(r["schedule"] for r in rows):
-        h2o, full = by.get((schedule, "h2o")), by.get((schedule, "full"))
-        if h2o and full and full["tokens_per_s"] and h2o["tokens_per_s"]:
-            tokens = round(h2o["tokens_per_s"] / full["tokens_per_s"], 3)
-            out.setdefault("h2o_vs_full_tokens_per_s", tokens)
-            out[f"{schedule}/h2o_vs_full_tokens_per_s"] = tokens
-            if h2o["itl_p95_s"] and full["itl_p95_s"]:
-                out[f"{schedule}/full_vs_h2o_itl_p95"] = round(full["itl_p95_s"] / h2o["itl_p95_s"], 3)
-            if full.get("accuracy_stderr"):  # served answers graded: h2o's accuracy in full's standard errors
-                gap = (h2o["accuracy"] - full["accuracy"]) / full["accuracy_stderr"]
-                out[f"{schedule}/h2o_minus_full_accuracy_in_stderr"] = round(gap, 3)
+        full = by.get((schedule, "full"))
+        for policy in dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"):
+            evicting = by.get((schedule, policy))
+            if not (evicting and full and full["tokens_per_s"] and evicting["tokens_per_s"]):
+                continue
+            tokens = round(evicting["tokens_per_s"] / full["tokens_per_s"], 3)
+            out.setdefault(f"{policy}_vs_full_tokens_per_s", tokens)
+            out[f"{schedule}/{policy}_vs_full_tokens_per_s"] = tokens
+            if evicting["itl_p95_s"] and full["itl_p95_s"]:
+                out[f"{schedule}/full_vs_{policy}_itl_p95"] = round(full["itl_p95_s"] / evicting["itl_p95_s"], 3)
+            if full.get("accuracy_stderr"):  # served answers graded: the accuracy gap in full's standard errors
+                gap = (evicting["accuracy"] - full["accuracy"]) / full["accuracy_stderr"]
+                out[f"{schedule}/{policy}_minus_full_accuracy_in_stderr"] = round(gap, 3)
     for policy in dict.fromkeys(r["policy"] for r in rows):
         serial, budget = by.get(("serial", policy)), by.get(("budget", policy))
         if serial and budget and serial["ttft_p95_s"] and budget["ttft_p95_s"]:
