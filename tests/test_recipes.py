@@ -19,7 +19,7 @@ EXPECTED = {
     "bounded": {"policy": "snapkv:kernel=31,pool=max", "prefill": "chunked", "recent_share": 0.078},
     "document": {"policy": "kvzip", "prefill": "late", "head_budgets": "layers", "head_floor": 0.0,
                  "recent_share": 0.01},
-    "generation": {"policy": "h2o", "prefill": "chunked", "recent_share": 0.5},
+    "generation": {"policy": "rkv", "prefill": "chunked", "recent_share": 0.5},
     "stream": {"policy": "h2o-mean", "prefill": "chunked", "recent_share": 0.5, "positions": "rolling"},
 }
 
