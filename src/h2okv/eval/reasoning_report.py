@@ -150,6 +150,11 @@ AXES = ("budget", "kv")  # what ``plot_accuracy`` puts on x: the budget asked, o
 MIB = 2**20
 
 
+def full_summaries(summaries: list[dict]) -> dict:
+    """Full's summary of each (model, task, style)."""
+    return {tuple(s[k] for k in GROUP): s for s in summaries if s["budget"] is None}
+
+
 def accuracy_lines(summaries: list[dict], x: str = "budget") -> dict:
     """What ``plot_accuracy`` draws: ``{panel: {policy: [(x, accuracy, stderr), ...]}}`` sorted by
     x, with ``"full"`` (no budget) in each panel as one point. ``x="budget"``: the budget, one panel
@@ -167,8 +172,9 @@ def accuracy_lines(summaries: list[dict], x: str = "budget") -> dict:
         panels[key][s["policy"]].append((at, s["accuracy"], s["stderr"] or 0.0))
     if not panels:
         raise H2OError("nothing to plot: the pieces hold no evicting policy's rows")
+    fulls = full_summaries(summaries)
     for key, lines in panels.items():
-        for f in (s for s in summaries if tuple(s[k] for k in GROUP) == key[:3] and s["budget"] is None):
+        if (f := fulls.get(key[:3])) is not None:
             lines["full"] = [(f["mean_kv_bytes"] / MIB, f["accuracy"], f["stderr"] or 0.0)]
         for points in lines.values():
             points.sort()
@@ -180,12 +186,12 @@ def plot_accuracy(summaries: list[dict], path, x: str = "budget") -> Path:
     standard error), full as a horizontal band (its accuracy ± one standard error), and with
     ``x="kv"`` also a point at the bytes it holds; one panel per ``accuracy_lines`` panel."""
     panels = accuracy_lines(summaries, x)
+    fulls = full_summaries(summaries)
     fig, axes = new_figure(ncols=len(panels), width=6.0, height=4.2)
     for ax, (key, lines) in zip(axes[0], panels.items(), strict=True):
         full = lines.pop("full", None)
         if full:
-            (kv, acc, se), n = full[0], next(s["n"] for s in summaries
-                                             if tuple(s[k] for k in GROUP) == key[:3] and s["budget"] is None)
+            (kv, acc, se), n = full[0], fulls[key[:3]]["n"]
             ax.axhspan(acc - se, acc + se, color="black", alpha=0.12, lw=0)
             ax.axhline(acc, color="black", lw=1.2, label=f"full ({acc:.1%}, n={n})")
             if x == "kv":

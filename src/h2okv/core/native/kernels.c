@@ -255,9 +255,9 @@ void decode_dense(const float *q, const float *k_new, const float *v_new,
         }
         /* n_real and the window advance once per sequence: after its last KV head */
         int64_t nr = n_real[seq] + 1, ws = recent_start[seq] + 1;
-        int64_t v = key == KEY_RKV
-            ? victim(rkv_ranks(sc, kr, n, d, weight, work), od, NULL, n, ws, sinks ? sinks[seq] : INT64_MIN, nr, KEY_SCORE)
-            : victim(sc, od, NULL, n, ws, sinks ? sinks[seq] : INT64_MIN, nr, key);
+        /* rkv ranks by a key computed from the keys, then as a score */
+        const float *ranked = key == KEY_RKV ? rkv_ranks(sc, kr, n, d, weight, work) : sc;
+        int64_t v = victim(ranked, od, NULL, n, ws, sinks ? sinks[seq] : INT64_MIN, nr, key == KEY_RKV ? KEY_SCORE : key);
         valid[off + v] = 0;
         slot[r] = v;
         if (r % heads == heads - 1) {
