@@ -36,23 +36,25 @@ def kept(layer, row=0):
     return [sorted(layer.ordinal[row, h][layer.valid[row, h]].tolist()) for h in range(layer.valid.shape[1])]
 
 
-def reference_scores(ids, start=0, chunk_size=2048):
+def reference_scores(ids, start=0, chunk_size=2048, question=0):
     """``[layers, KV heads, n]``: each probe read after the prompt by a plain full-cache forward
     (eager attention, every probability returned); a token's score is its largest probability from
-    any probe query of its KV head's group, over all probes."""
+    any probe query of its KV head's group, over all probes, and with ``question=W`` from any of
+    the prompt's own last ``W`` queries too."""
     model, n = gqa_model(eager=True), ids.shape[1]
     best = None
     for probe in probes(Tok(), ids, start, chunk_size):
         with torch.inference_mode():
             attentions = model(input_ids=torch.cat([ids, probe], 1), output_attentions=True).attentions
-        scores = torch.stack([a[0, :, n:, :n].amax(dim=1).view(2, 2, n).amax(1) for a in attentions])
+        readers = slice(n - question, None) if question else slice(n, None)
+        scores = torch.stack([a[0, :, readers, :n].amax(dim=1).view(2, 2, n).amax(1) for a in attentions])
         best = scores if best is None else torch.maximum(best, scores)
     return best
 
 
-def reference_kept(ids, heavy, recent, start=0, chunk_size=2048):
+def reference_kept(ids, heavy, recent, start=0, chunk_size=2048, question=0):
     """Sinks and the recent window are kept, then each head's top scores."""
-    n, best = ids.shape[1], reference_scores(ids, start, chunk_size)
+    n, best = ids.shape[1], reference_scores(ids, start, chunk_size, question)
     out = []
     for layer_scores in best:
         heads = []
@@ -72,6 +74,19 @@ def test_kept_tokens_equal_the_reference(start, chunk_size):
     assert [kept(layer) for layer in cache.layers] == reference_kept(ids, 10, 4, start, chunk_size)
     assert cache.get_seq_length() == 60  # the probe is read, never kept: positions go on from the prompt
     assert all(layer.keys.shape[1] == 2 for layer in cache.layers)  # KV heads, not query heads
+
+
+@pytest.mark.parametrize("question", [1, 6])
+def test_question_attention_joins_the_probe(question):
+    """``kvzip:question=W``: a token's score is the larger of the probe's and the prompt's last
+    ``W`` queries' attention, and the kept sets follow that rule written out; the question's
+    attention changes what is kept (else the option would do nothing)."""
+    torch.manual_seed(0)
+    ids = torch.randint(2, 90, (1, 60))
+    cache = read_and_rank(gqa_model(), ids, heavy=10, recent=4, policy=f"kvzip:question={question}")
+    want = reference_kept(ids, 10, 4, question=question)
+    assert [kept(layer) for layer in cache.layers] == want
+    assert want != reference_kept(ids, 10, 4)
 
 
 def test_probes_quote_the_previous_chunk():
@@ -119,13 +134,14 @@ def test_tail_keeps_what_is_read_after_the_ranking_whole(one_call):
     assert H2OCache(model, policy="kvzip", budget=0.2, prefill="late").policy.tail == 256
 
 
-def test_batch_equals_batch_of_one():
+@pytest.mark.parametrize("policy", ["kvzip", "kvzip:question=4"])
+def test_batch_equals_batch_of_one(policy):
     torch.manual_seed(2)
     model = gqa_model()
     ids = torch.randint(2, 90, (2, 40))
-    both = read_and_rank(model, ids, heavy=8, recent=3, start=2)
+    both = read_and_rank(model, ids, heavy=8, recent=3, start=2, policy=policy)
     for row in range(2):
-        alone = read_and_rank(model, ids[row:row + 1], heavy=8, recent=3, start=2)
+        alone = read_and_rank(model, ids[row:row + 1], heavy=8, recent=3, start=2, policy=policy)
         assert [kept(layer, row) for layer in both.layers] == [kept(layer) for layer in alone.layers]
 
 

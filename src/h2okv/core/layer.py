@@ -299,8 +299,11 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         block = config.chunk_size if config.chunk_size > 1 else LATE_BLOCK
         init = self._prefill_scores(query, key_new, value_new, nonpad, scaling)
         if init is None and config.policy.ranks_by_reconstruction and not self.probed:
-            # the probe will rank this call: its attention mass is not needed (fused attention)
-            init = torch.zeros(key_new.shape[:3], dtype=torch.float32, device=self.device)
+            # the probe will rank this call: its attention mass is not needed (fused attention);
+            # kvzip:question=W starts the scores at the question's attention instead
+            init = self._prefill_scores(query, key_new, value_new, nonpad, scaling, config.policy.question_scores)
+            if init is None:
+                init = torch.zeros(key_new.shape[:3], dtype=torch.float32, device=self.device)
         self.ensure_free(n)
         outputs = []
         for start in range(0, n, block):
@@ -340,6 +343,8 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         """The pass is over: every live slot's score becomes its reconstruction score
         (``rank_by_probe`` evicts)."""
         best, self.probe_best = self.probe_best, None
+        if self.config.policy.question:  # the question's attention, set by _attend_late
+            best = torch.maximum(best, self.score)
         best = self.config.policy.smooth_probe(torch.where(self.valid, best, torch.zeros_like(best)), self.ordinal,
                                                self.valid)
         self.score.copy_(best)
@@ -394,8 +399,10 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
                         torch.cat([self.valid, real[:, None].expand(b, h, n)], -1), n_end,
                         torch.cat([self.keys, key_new], 2))
 
-    def _prefill_scores(self, query, key_new, value_new, nonpad, scaling):
+    def _prefill_scores(self, query, key_new, value_new, nonpad, scaling, hook=None):
         """Let the policy rank a multi-token call before it is chunked (SnapKV); None for most.
+        ``hook``: another of the policy's rankers of a whole call, same arguments (kvzip's
+        ``question_scores``).
 
         Replaces the scores of the live old slots; returns the new tokens' ``[B, Hkv, n]``."""
         policy = self.config.policy
@@ -403,8 +410,11 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
             return None
         n = query.shape[2]
         real = nonpad.sum(-1) if nonpad is not None else torch.full((query.shape[0],), n, device=self.device)
-        ranked = policy.prefill_scores(query, key_new, self.keys, self.valid, real, scaling, value_new=value_new,
-                                       old_values=self.values)
+        if hook is not None:
+            ranked = hook(query, key_new, self.keys, self.valid, real, scaling)
+        else:
+            ranked = policy.prefill_scores(query, key_new, self.keys, self.valid, real, scaling,
+                                           value_new=value_new, old_values=self.values)
         if ranked is None:
             return None
         old, new = ranked

@@ -88,6 +88,9 @@ class Policy:
     #: tokens read after that ranking (the question, the answer) kept whole on top of the budget
     #: (``kvzip``'s ``tail`` option); 0: evicted back to the budget like any other
     tail: int = 0
+    #: the prompt's last queries whose attention joins that ranking (``kvzip``'s ``question``
+    #: option, ``question_scores``); 0: the reconstruction alone ranks
+    question: int = 0
     #: ``prefill_scores`` ranks a whole multi-token call before it is chunked (``snapkv``, ``expected``)
     ranks_upfront: bool = False
     #: ``key_scores`` gives a written token a starting score from its key (``knorm``)
@@ -110,6 +113,11 @@ class Policy:
         """A policy ranked by reconstruction may reshape the probe's per-slot scores before its
         one eviction (``kvzip``'s ``kernel``); as they are by default."""
         return scores
+
+    def question_scores(self, query, key_new, old_keys, old_valid, new_real, scaling):
+        """A policy ranked by reconstruction may start the prompt's scores at its question's
+        attention (``kvzip:question=W``): ``(old, new)`` as ``prefill_scores``; None by default."""
+        return None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -27,6 +27,12 @@ Not a default: on the chat profile's 7-digit numbers (0.5B, 20%, through the pre
 answered 13 of 24 where KVzip's own scores answered 18 (docs/results/serve/chat-8conv-*.json): the
 neighbours it keeps cost the budget other needles needed.
 
+``question=W`` (default 0) is for a prompt that ends with its question (question aware): the
+call's last ``W`` queries (the question) join the probe, so each token's score is the largest
+probability the probe's queries *or the question's* give it. Reconstruction keeps what the model
+needs to repeat the context (a whole UUID, a list it must count over); the question's attention
+keeps what it asks about, and the question itself.
+
 A cache with this policy must be ranked by ``h2okv.reconstruct`` before it decodes: a forward call
 after the prompt without one is a one-line error, never a silent full cache.
 """
@@ -36,6 +42,7 @@ import torch.nn.functional as F
 
 from h2okv.policies.base import Option
 from h2okv.policies.h2o import H2OPolicy
+from h2okv.policies.window import window_probs
 
 SINKS = 4
 
@@ -48,7 +55,20 @@ class KVzipPolicy(H2OPolicy):
     declared = (
         Option("kernel", int, 1, lambda v: v >= 1 and v % 2 == 1, "an odd number >= 1", shown=False),
         Option("tail", int, 256, lambda v: v >= 0, "an integer >= 0", shown=False),
+        Option("question", int, 0, lambda v: v >= 0, "an integer >= 0", shown=False),
     )
+
+    def question_scores(self, query, key_new, old_keys, old_valid, new_real, scaling):
+        """``(old [B, Hkv, cap], new [B, Hkv, n])`` for the call the probe will rank (``question=W``):
+        each token's largest attention probability from the call's last ``W`` queries (any query
+        head of its KV head's group), on the probe's scale; the ranking takes the larger of the two.
+        None with ``question=0``: the probe alone ranks."""
+        if self.question == 0:
+            return None
+        probs, counts = window_probs(query, key_new, old_keys, old_valid, new_real, scaling, self.question)
+        best = (probs * counts[:, None, None, :, None]).amax(dim=(2, 3))  # [B, Hkv, cap + n]
+        cap = old_keys.shape[2]
+        return best[..., :cap], best[..., cap:]
 
     def smooth_probe(self, scores: torch.Tensor, ordinal: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """``scores`` ``[B, H, cap]`` (each live slot's reconstruction score), each the largest of the

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from h2okv.policies.base import Option
 from h2okv.policies.h2o import DECAY, H2OPolicy
+from h2okv.policies.window import window_probs
 
 DEFAULT_WINDOW = 32
 DEFAULT_KERNEL = 7
@@ -55,21 +56,8 @@ class SnapKVPolicy(H2OPolicy):
         ``query`` ``[B, Hq, n, D]`` and ``key_new`` ``[B, Hkv, n, D]`` hold each row's real tokens
         first; ``new_real`` ``[B]`` counts them; ``old_valid`` ``[B, Hkv, cap]`` marks live old slots.
         """
-        b, hq, n, d = query.shape
-        hkv, cap = key_new.shape[1], old_keys.shape[2]
-        g = hq // hkv
-        w = min(self.window, n)
-        pos = new_real[:, None] - w + torch.arange(w, device=query.device)  # [B, w] query index
-        counts = pos >= 0  # rows shorter than the window have fewer window queries
-        pos = pos.clamp(min=0)
-        q = query.gather(2, pos[:, None, :, None].expand(b, hq, w, d)).reshape(b, hkv, g * w, d)
-        logits = torch.cat([q @ old_keys.transpose(-1, -2), q @ key_new.transpose(-1, -2)], dim=-1).float()
-        logits.mul_(scaling)
-        # old live slots, and the call's own tokens up to the query (causal; pads sit after it)
-        sees_new = torch.arange(n, device=query.device) <= pos[:, :, None]  # [B, w, n]
-        allowed = torch.cat([old_valid[:, :, None, :].expand(b, hkv, w, cap), sees_new[:, None].expand(b, hkv, w, n)], -1)
-        logits.view(b, hkv, g, w, cap + n).masked_fill_(~allowed[:, :, None], float("-inf"))
-        probs = torch.softmax(logits, dim=-1).view(b, hkv, g, w, cap + n)
+        n, cap = query.shape[2], old_keys.shape[2]
+        probs, counts = window_probs(query, key_new, old_keys, old_valid, new_real, scaling, self.window)
         mass = (probs * counts[:, None, None, :, None]).sum(dim=(2, 3))  # [B, Hkv, cap + n]
         old, new = mass[..., :cap], mass[..., cap:]
         if self.kernel > 1 and n > 1:
