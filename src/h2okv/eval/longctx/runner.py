@@ -17,7 +17,8 @@ Several questions over one context (``questions`` > 1) run in ``reuse.py`` inste
 question-agnostic read vs a fresh question-aware read per question.
 
 ``done`` keys (rows already in the output file) are skipped, so an interrupted grid resumes, and
-a grid split across sessions (``--tasks``/``--contexts``/``--policies`` pieces) merges later.
+a grid split across sessions (``--tasks``/``--contexts``/``--policies`` pieces) merges later; a
+cell with some of its samples in the file runs only the others (``--samples 5`` after 3).
 """
 
 from __future__ import annotations
@@ -156,10 +157,13 @@ def prompt_row(p: LongPrompt, answer: str, spec: GridSpec, config: Config, quest
     )
 
 
+def sample_key(spec: GridSpec, task: str, context: int, config: Config, sample: int) -> tuple:
+    return row_key({"question": spec.question, "policy": config.policy, "budget": config.budget,
+                    "cache_options": config.options, "task": task, "context": context, "sample": sample})
+
+
 def cell_keys(spec: GridSpec, task: str, context: int, config: Config) -> set[tuple]:
-    return {row_key({"question": spec.question, "policy": config.policy, "budget": config.budget,
-                     "cache_options": config.options, "task": task, "context": context, "sample": s})
-            for s in range(spec.samples)}
+    return {sample_key(spec, task, context, config, s) for s in range(spec.samples)}
 
 
 def run_grid(model, tokenizer, spec: GridSpec, done: set[tuple] = frozenset(), on_rows=None, progress=True,
@@ -174,7 +178,9 @@ def run_grid(model, tokenizer, spec: GridSpec, done: set[tuple] = frozenset(), o
     with tqdm(total=len(todo), desc=f"longctx ({spec.question})", unit="cell", disable=not progress) as bar:
         for task, context, config in todo:
             bar.set_postfix_str(f"{task} {context} {config.name}")
-            rows = run_config(model, tokenizer, prompts[task, context], spec, config, meta or {})
+            # only the samples not in the file: a cell cut short, or grown by a larger --samples, runs the rest
+            missing = [p for p in prompts[task, context] if sample_key(spec, task, context, config, p.sample) not in done]
+            rows = run_config(model, tokenizer, missing, spec, config, meta or {})
             found += rows
             if on_rows is not None:
                 on_rows(rows)
