@@ -15,7 +15,8 @@ from h2okv.tools.tiny import tiny_model
 
 # what each recipe must stand for: the configurations docs/RESULTS.md measured best for its use
 EXPECTED = {
-    "prompt": {"policy": "snapkv:kernel=63,pool=max", "prefill": "late", "recent_share": 0.078},
+    "prompt": {"policy": "kvzip:question=32", "prefill": "late", "head_budgets": "layers", "head_floor": 0.0,
+               "recent_share": 0.01},
     "bounded": {"policy": "snapkv:kernel=31,pool=max", "prefill": "chunked", "recent_share": 0.078},
     "document": {"policy": "kvzip", "prefill": "late", "head_budgets": "layers", "head_floor": 0.0,
                  "recent_share": 0.01},
@@ -59,10 +60,13 @@ def test_a_recipe_is_the_same_cache_as_its_keywords_spelled_out(llama):
 def test_keywords_beside_a_recipe_replace_its_parts(llama):
     cache = H2OCache(llama, recipe="prompt", budget=0.2, prefill="chunked", policy="h2o")
     assert cache.policy.spec == "h2o" and cache.prefill == "chunked" and cache.recipe == "prompt"
-    assert cache.spec.recent_ratio == pytest.approx(0.2 * 0.078)  # the recipe's share still splits the budget
+    assert cache.spec.recent_ratio == pytest.approx(0.2 * 0.01)  # the recipe's share still splits the budget
     # the older spelling of a budget beside a recipe: its parts as given, no share applied
     assert H2OCache(llama, recipe="bounded", heavy=7, recent=3).spec == BudgetSpec(heavy=7, recent=3)
     assert expand("stream", positions="true")["positions"] == "true"
+    # the recipe's head split goes with its own policy: h2o beside `prompt` keeps the uniform split
+    assert cache.head_budgets == "uniform" and "head_budgets" not in expand("document", policy="h2o")
+    assert expand("document", policy="kvzip")["head_budgets"] == "layers"
     assert expand(None, policy="h2o", prefill=None) == {"policy": "h2o"}
 
 

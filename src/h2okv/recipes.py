@@ -39,12 +39,13 @@ RECIPES: dict[str, Recipe] = {
         Recipe(
             "prompt",
             "the question is in the prompt and the prompt may be read whole",
-            # SnapKV read with exact attention, then the last 32 queries rank the prompt once; each
-            # token takes the best score within 31 tokens on either side, so a needle of many
-            # tokens (a UUID, a list of values) is kept whole; the recent share keeps the 32 window
-            # tokens at 20% of a 2k prompt
-            {"policy": "snapkv:kernel=63,pool=max", "prefill": "late", "recent_share": 0.078},
-            "RULER's ten families, 0.5B, 2k, 20%: 84.0 (full 90.9; SnapKV's avg pool of 7: 58.9)",
+            # KVzip's reconstruction with the question in view: a token scores the larger of the
+            # attention the model pays it while repeating the prompt (a whole UUID, every word of a
+            # list it must count) and the attention of the question's last 32 queries (what is
+            # asked); the whole cache's slots shared out by that score. Costs one more prefill.
+            {"policy": "kvzip:question=32", "prefill": "late", "head_budgets": "layers", "head_floor": 0.0,
+             "recent_share": 0.01},
+            "RULER's ten families, 0.5B, 2k, 20%: 88.2 (full 90.9; SnapKV with a max pool of 63: 84.0)",
         ),
         Recipe(
             "bounded",
@@ -93,13 +94,21 @@ def get_recipe(name: str) -> Recipe:
     return recipe
 
 
+HEAD_SPLIT = ("head_budgets", "head_floor")  # how a recipe shares its slots among heads
+
+
 def expand(recipe: str | None, **given) -> dict:
     """The recipe's keywords overlaid with the ``given`` ones that are not None (what the user
-    spelled out wins); with no recipe, just the given keywords."""
+    spelled out wins); with no recipe, just the given keywords. A recipe's head split
+    (``head_budgets``, ``head_floor``) belongs to its own policy: another policy given beside it
+    keeps the default split (as the server gives it to the recipe's policy only)."""
     explicit = {key: value for key, value in given.items() if value is not None}
     if recipe is None:
         return explicit
-    return {**get_recipe(recipe).settings, **explicit}
+    settings = dict(get_recipe(recipe).settings)
+    if "policy" in explicit and explicit["policy"] != settings["policy"]:
+        settings = {key: value for key, value in settings.items() if key not in HEAD_SPLIT}
+    return {**settings, **explicit}
 
 
 def recipe_runs(names: list[str]) -> list[tuple[str, dict, str]]:

@@ -110,11 +110,12 @@ def test_longctx_recipes_and_options_reach_only_their_runs():
     from h2okv.eval.longctx.runner import Config, GridSpec
 
     spec = GridSpec(tasks=["vt"], contexts=[256], samples=1, policies=["full", "kvzip"], budgets=[0.2],
-                    cache_options={"head_budgets": "layers"}, recipes=["prompt"])
+                    cache_options={"head_budgets": "layers"}, recipes=["bounded"])
     configs = spec.configs()
     assert configs[0] == Config("full", 1.0, {})  # full keeps everything: no option reaches it
     assert configs[1] == Config("kvzip", 0.2, {"prefill": "late", "head_budgets": "layers"})
-    assert configs[2] == Config("snapkv:kernel=63,pool=max", 0.2, {"prefill": "late", "recent_share": 0.078}, "prompt")
+    # the grid's --cache-option does not reach the recipe's run: it keeps its own configuration
+    assert configs[2] == Config("snapkv:kernel=31,pool=max", 0.2, {"prefill": "chunked", "recent_share": 0.078}, "bounded")
 
 
 def test_lm_eval_model_takes_a_recipe(tiny_dir):
