@@ -67,6 +67,7 @@ def test_keywords_beside_a_recipe_replace_its_parts(llama):
     # the recipe's head split goes with its own policy: h2o beside `prompt` keeps the uniform split
     assert cache.head_budgets == "uniform" and "head_budgets" not in expand("document", policy="h2o")
     assert expand("document", policy="kvzip")["head_budgets"] == "layers"
+    assert expand("document", policy="kvzip:kernel=7")["head_budgets"] == "layers"  # its own policy, other options
     assert expand(None, policy="h2o", prefill=None) == {"policy": "h2o"}
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from h2okv.errors import H2OError
+from h2okv.policies import make_policy
 
 # the budget a recipe keeps when none is given: the paper's "20% KV cache"
 DEFAULT_RECIPE_BUDGET = 0.2
@@ -106,9 +107,15 @@ def expand(recipe: str | None, **given) -> dict:
     if recipe is None:
         return explicit
     settings = dict(get_recipe(recipe).settings)
-    if "policy" in explicit and explicit["policy"] != settings["policy"]:
+    if "policy" in explicit and not owns_head_split(settings["policy"], explicit["policy"]):
         settings = {key: value for key, value in settings.items() if key not in HEAD_SPLIT}
     return {**settings, **explicit}
+
+
+def owns_head_split(recipe_policy: str, policy) -> bool:
+    """Whether a recipe's head split reaches ``policy`` (a spec or a ``Policy``): only the recipe's
+    own policy, with any options of it (``kvzip:kernel=7`` beside ``document``), takes it."""
+    return make_policy(policy).name == make_policy(recipe_policy).name
 
 
 def recipe_runs(names: list[str]) -> list[tuple[str, dict, str]]:

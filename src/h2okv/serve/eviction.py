@@ -10,7 +10,7 @@ from h2okv.core.budget import DEFAULT_BUDGET_FLOOR, DEFAULT_RECENT_SHARE, Budget
 from h2okv.core.cache import PREFILL_MODES
 from h2okv.errors import H2OError
 from h2okv.policies import make_policy
-from h2okv.recipes import DEFAULT_RECIPE_BUDGET, get_recipe
+from h2okv.recipes import DEFAULT_RECIPE_BUDGET, get_recipe, owns_head_split
 
 # the older spelling of a budget, and the one-argument spelling (budget + its recent share)
 PART_FIELDS = ("heavy", "recent", "heavy_ratio", "recent_ratio")
@@ -55,7 +55,7 @@ class EvictionDefaults:
         chosen = policy or settings.get("policy", "h2o")
         # the recipe's head split goes with the recipe's own policy (any options of it) only
         own = settings.get("policy")
-        split = settings if own and make_policy(chosen).name == make_policy(own).name else {}
+        split = settings if own and owns_head_split(own, chosen) else {}
         return cls(policy=chosen, prefill=prefill or settings.get("prefill", "chunked"),
                    recipe=recipe, recent_share=share,
                    budget_floor=DEFAULT_BUDGET_FLOOR if budget_floor is None else budget_floor,
