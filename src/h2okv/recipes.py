@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from h2okv.errors import H2OError
-from h2okv.policies import make_policy
 
 # the budget a recipe keeps when none is given: the paper's "20% KV cache"
 DEFAULT_RECIPE_BUDGET = 0.2
@@ -115,6 +114,8 @@ def expand(recipe: str | None, **given) -> dict:
 def owns_head_split(recipe_policy: str, policy) -> bool:
     """Whether a recipe's head split reaches ``policy`` (a spec or a ``Policy``): only the recipe's
     own policy, with any options of it (``kvzip:kernel=7`` beside ``document``), takes it."""
+    from h2okv.policies import make_policy  # here, not at the top: `h2okv --help` must not import torch
+
     return make_policy(policy).name == make_policy(recipe_policy).name
 
 
