@@ -13,11 +13,13 @@
 #                                    the corpus and the default model; -n 8: 3.5 min on an H200)
 #   stage rest    (nothing)          eval ppl, serve-bench (both profiles), bench --kernels
 #   stage compile (nothing)          bench --compile inductor:reduce-overhead at batch 8, 2048
-#   stage piece M N  carry .qMM/N    piece N of the Qwen GGUF M (0.5b: 10 pieces, 1.5b: 23)
+#   stage piece M N  carry .qMM/N    piece N of the Qwen GGUF M (0.5b: 11 pieces, 1.5b: 25 with a 20 MB tree)
 #   stage join M  (nothing)          assemble model M into the cache, check its size and sha256
 #   stage cli ...  (nothing)         any h2okv command in this environment, e.g.
 #                 cli eval reasoning --model qwen2.5-0.5b --device cuda --json \$OUT/x.json ...
-# The first lease (H100): env+unit 6.4 min, model 2.3 min, rest 5.7 min, 50 MB pieces ~6 s each
+# The first lease (H100): env+unit 6.4 min, model 2.3 min, rest 5.7 min, 50 MB pieces ~6 s each. The third (H100, 15
+# min): env 45 s with the start, model 3.3 min (integration 193 s), unit -n 16 ran 74% in 200 s, a piece ~5 s, GSM8K on
+# the 0.5B 300 problems x 4 policies at batch 300: 117 s
 # (several `run` calls in one message run one after another, so the machine stays warm).
 set -u
 stage=${1:?stage: env, part2, model, unit, rest, piece M N, join M or cli ...}

