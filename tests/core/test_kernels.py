@@ -290,7 +290,7 @@ def test_a_rule_the_kernels_do_not_know_runs_eager():
     assert native_rule(make_policy("h2o:heads=shared")) is None
     assert native_rule(make_policy("tova:heads=shared")) is None
     assert native_rule(make_policy("knorm")) is None
-    # known to the C decode step only: the scan and Triton run them eager
+    # known to the C decode step (and the fused Triton step) only: the per-token scan runs them eager
     for spec in C_DECODE_POLICIES:
         assert native_rule(make_policy(spec)) is None and c_decode_rule(make_policy(spec)) is not None
     assert c_decode_rule(make_policy("rkv:heads=shared")) is None
@@ -434,12 +434,16 @@ def test_triton_path_decodes_a_tiny_model_like_eager(interpreted, policy, monkey
      ("h2o", (70, 11), (84, 88, 100)), ("h2o-mean", (70, 11), (84, 88, 100)), ("sink", (40, 40), (84, 88, 93)),
      # a budget of 20 over a 12-token prompt: rows fill up during decode (the general step: first
      # free slot, no eviction), then evict at their budget
-     *[(p, (10, 10), (8, 12, 30)) for p in ("h2o", "tova", "h2o-mean", "sink")]],
+     *[(p, (10, 10), (8, 12, 30)) for p in ("h2o", "tova", "h2o-mean", "sink")],
+     # the C decode step's rules: a decaying fold, rkv's key from the live keys (its sums over
+     # every live key span two key blocks at 82 slots; while filling up, over the live ones only)
+     *[(p, (6, 5), (12, 16, 21)) for p in C_DECODE_POLICIES],
+     ("rkv", (70, 11), (84, 88, 100)), ("rkv:decay=0.97", (10, 10), (8, 12, 30))],
 )
 def test_triton_fused_decode_step_equals_eager(interpreted, policy, budget, cuts, monkeypatch):
     """The at-budget decode step as one launch (core/triton_step.py): every rule the kernels know
-    (add / replace the mass; rank by score, score per query, ordinal; sinks) gives eager's logits
-    and kept sets, for a batch of two."""
+    (add / replace / fade-and-add the mass; rank by score, score per query, ordinal, rkv's key;
+    sinks) gives eager's logits and kept sets, for a batch of two."""
     import h2okv.core.decode as decode
     import h2okv.core.triton_step as triton_step
 

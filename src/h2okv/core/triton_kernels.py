@@ -191,18 +191,98 @@ def _group_logits(q, k_base, s_kn, n, key_ok, od, d_ok, slot, k_new, scaling, IE
 
 
 @triton.jit
+def _fold(sc, mass, decay, ACC: tl.constexpr):
+    """The score after this step's mass: 1 add, 2 replace, 3 fade by ``decay`` then add (eager's
+    ``mul_`` then ``add_``)."""
+    if ACC == 1:
+        sc = sc + mass
+    elif ACC == 2:
+        sc = mass
+    else:
+        sc = sc * decay + mass
+    return sc
+
+
+@triton.jit
+def _live_keys(k_base, s_kn, n, key_ok, od, d_ok, slot, k_new):
+    """The key block ``n`` in float32 (the slot written this step from registers), its norms and
+    inverse norms (0 for a slot that is not live: it enters no sum), as ``policies/rkv.py``."""
+    k = tl.load(k_base + n[:, None] * s_kn + od[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    k = tl.where((n == slot)[:, None], k_new[None, :], k).to(tl.float32)
+    norm = tl.sqrt(tl.sum(k * k, 1))
+    inverse = tl.where(key_ok, 1.0 / tl.maximum(norm, 1e-12), 0.0)
+    return k, norm, inverse
+
+
+@triton.jit
+def _rkv_similarity(k_base, s_kn, n, key_ok, od, d_ok, slot, k_new, together, others):
+    """Each live key's mean cosine similarity to the other live keys, ``(k_i . sum_j u_j) / |k_i| -
+    u_i . u_i`` over ``others`` (= live - 1, at least 1); -inf where not live (out of the softmax)."""
+    k, norm, inverse = _live_keys(k_base, s_kn, n, key_ok, od, d_ok, slot, k_new)
+    self_sim = norm * inverse
+    r = (tl.sum(k * together[None, :], 1) * inverse - self_sim * self_sim) / others
+    return tl.where(key_ok, r, float("-inf"))
+
+
+@triton.jit
+def _rkv_sums(q, k_base, s_kn, SCORE, VALID, row, slot, k_new, lse, n_live, cap, scaling, decay,
+              od, d_ok, g_ok, GENERAL: tl.constexpr, ACC: tl.constexpr, IEEE: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """What ``rkv``'s key needs over every live slot before any slot can be ranked: the folded
+    scores' sum, the sum of the unit keys, and the softmax's max and denominator of the
+    similarities. Three passes over the keys; the folded scores are recomputed, not stored here,
+    so the rank pass reads no value this one wrote (another thread's store may not be visible)."""
+    total_lanes = tl.zeros([BLOCK_N], tl.float32)
+    together = tl.zeros([BLOCK_D], tl.float32)
+    for start in range(0, cap, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        key_ok = n < cap
+        if GENERAL:
+            key_ok = key_ok & ((tl.load(VALID + row + n, mask=n < cap, other=0) != 0) | (n == slot))
+        sc = tl.load(SCORE + row + n, mask=n < cap, other=0.0)
+        sc = tl.where(n == slot, 0.0, sc)
+        if ACC != 0:
+            s = _group_logits(q, k_base, s_kn, n, key_ok, od, d_ok, slot, k_new, scaling, IEEE)
+            p = tl.where(key_ok[None, :] & g_ok[:, None], tl.exp(s - lse[:, None]), 0.0)
+            sc = _fold(sc, tl.sum(p, 0), decay, ACC)
+        total_lanes += tl.where(key_ok, sc, 0.0)
+        k, norm, inverse = _live_keys(k_base, s_kn, n, key_ok, od, d_ok, slot, k_new)
+        together += tl.sum(inverse[:, None] * k, 0)
+    total = tl.maximum(tl.sum(total_lanes, 0), 1.17549435e-38)  # torch.finfo(float32).tiny, as eager's clamp
+    others = tl.maximum(n_live - 1, 1).to(tl.float32)
+    max_lanes = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    for start in range(0, cap, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        key_ok = n < cap
+        if GENERAL:
+            key_ok = key_ok & ((tl.load(VALID + row + n, mask=n < cap, other=0) != 0) | (n == slot))
+        max_lanes = tl.maximum(max_lanes, _rkv_similarity(k_base, s_kn, n, key_ok, od, d_ok, slot, k_new, together, others))
+    r_max = tl.max(max_lanes, 0)
+    sum_lanes = tl.zeros([BLOCK_N], tl.float32)
+    for start in range(0, cap, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        key_ok = n < cap
+        if GENERAL:
+            key_ok = key_ok & ((tl.load(VALID + row + n, mask=n < cap, other=0) != 0) | (n == slot))
+        r = _rkv_similarity(k_base, s_kn, n, key_ok, od, d_ok, slot, k_new, together, others)
+        sum_lanes += tl.where(key_ok, tl.exp(r - r_max), 0.0)
+    return total, together, r_max, tl.sum(sum_lanes, 0), others
+
+
+@triton.jit
 def decode_step_kernel(
     Q, K_NEW, V_NEW, KEYS, VALUES, SCORE, ORDINAL, VALID, SLOT, VICTIM, N_REAL, RECENT_START, SINKS, HEAVY, RECENT,
     OUT,
     s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_sb, s_sh,
-    hkv, g, cap, d, dv, scaling,
+    hkv, g, cap, d, dv, scaling, decay, weight,
     GENERAL: tl.constexpr, ACC: tl.constexpr, KEY: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """The decode step of ``core/step.py`` for one (sequence, KV head): write the new key, value
     and ordinal into a free slot, attend (the output), fold the group's mass into the score (ACC:
-    0 none, 1 add, 2 replace), rank the candidates (KEY: 0 the score, 1 the score per query that
-    saw the key, 2 the ordinal; the row's recent window and sinks shielded) and evict the lowest.
+    0 none, 1 add, 2 replace, 3 fade by ``decay`` first), rank the candidates (KEY: 0 the score, 1
+    the score per query that saw the key, 2 the ordinal, 3 ``rkv``'s key from the live keys; the
+    row's recent window and sinks shielded) and evict the lowest.
 
     Dense (``GENERAL`` False): every slot is live but ``SLOT``, the one free slot; the victim goes
     to ``VICTIM``, the next step's slot, and the window is ``RECENT_START`` + 1. General: the
@@ -227,6 +307,7 @@ def decode_step_kernel(
         n_live = tl.sum(live, 0) + 1
     else:
         slot = tl.load(SLOT + bh)
+        n_live = cap  # every slot is live once the free one takes the token
     q = tl.load(Q + (bh * g + gi)[:, None] * d + od[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     k_new = tl.load(K_NEW + bh * d + od, mask=d_ok, other=0.0)
     v_new = tl.load(V_NEW + bh * dv + odv, mask=dv_ok, other=0.0)
@@ -259,6 +340,10 @@ def decode_step_kernel(
         window = n_new - tl.load(RECENT + b)
     else:
         window = tl.load(RECENT_START + b) + 1
+    if KEY == 3:
+        total, together, r_max, r_sum, others = _rkv_sums(
+            q, k_base, s_kn, SCORE, VALID, row, slot, k_new, lse, n_live, cap, scaling, decay,
+            od, d_ok, g_ok, GENERAL, ACC, IEEE, BLOCK_N, BLOCK_D)
     # per lane, the lowest rank so far and its first slot (lane j sees slots j, j + BLOCK_N, ...)
     best = tl.full([BLOCK_N], float("inf"), tl.float32)
     best_at = tl.zeros([BLOCK_N], tl.int32)
@@ -275,17 +360,18 @@ def decode_step_kernel(
             s = _group_logits(q, k_base, s_kn, n, key_ok, od, d_ok, slot, k_new, scaling, IEEE)
             p = tl.where(key_ok[None, :] & g_ok[:, None], tl.exp(s - lse[:, None]), 0.0)
             mass = tl.sum(p, 0)  # the group's mass first, then folded in: eager's order
-            if ACC == 1:
-                sc = sc + mass
-            else:
-                sc = mass
+            sc = _fold(sc, mass, decay, ACC)
             tl.store(SCORE + row + n, sc, mask=n < cap)
         if KEY == 0:
             rank = sc
         elif KEY == 1:
             rank = sc / tl.maximum(n_new - o, 1).to(tl.float32)
-        else:
+        elif KEY == 2:
             rank = o.to(tl.float32)
+        else:
+            r = _rkv_similarity(k_base, s_kn, n, key_ok, od, d_ok, slot, k_new, together, others)
+            redundancy = tl.exp(r - r_max) / r_sum
+            rank = weight * (sc / total) - (1.0 - weight) * redundancy
         shielded = (o >= window) | (n >= cap)
         if GENERAL:
             shielded = shielded | ~key_ok

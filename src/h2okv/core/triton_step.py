@@ -7,9 +7,11 @@ cache of its size, and while rows still filled up to their budget the eager step
 the live slots, a sync, in every layer. Here the step is one launch plus one or two in-place adds
 (``n_real``, and at the budget the window, once per sequence rather than per head):
 ``decode_dense`` for a layer at its budget (the one free slot is known), ``decode_general`` for a
-layer with free slots and one budget per row. It knows the rules of the native C step
-(``native/rules.py``: add or replace the mass; rank by the score, the score per query, or the
-ordinal) and nothing else: any other policy stays eager.
+layer with free slots and one budget per row. It knows the rules of the native C decode step
+(``native/rules.py``: add, replace or fade-and-add the mass; rank by the score, the score per
+query, the ordinal, or ``rkv``'s key from the live keys) and nothing else: any other policy stays
+eager. ``rkv`` costs three more passes over the layer's keys (its key needs the sums over every
+live key first); on the third lease's H100 its eager step was ~2x h2o's fused one.
 If the kernel cannot be compiled on this GPU (it was written after the only lease, tested under
 Triton's interpreter), the first step says so in one warning and every later one runs eager.
 """
@@ -20,17 +22,19 @@ import warnings
 
 import torch
 
-from h2okv.core.native.rules import native_rule
+from h2okv.core.native.rules import DecodeRule, c_decode_rule
 from h2okv.core.triton_attention import BLOCK_N, _block, _kernels
 from h2okv.errors import first_line
 
 _failed: str | None = None  # why the kernel could not run here: then every step stays eager
 
 
-def decode_rule(layer, general: bool = False) -> tuple[int, int] | None:
+def decode_rule(layer, general: bool = False) -> DecodeRule | None:
     """The rule to run ``layer``'s decode step with, or None when it must stay eager (an unknown
-    rule; for the ``general`` step also a budget per head, which it does not know)."""
-    rule = native_rule(layer.config.policy) if _failed is None and layer.has_budget else None
+    rule; for the ``general`` step also a budget per head, which it does not know). The kernel
+    knows the C decode step's rules (``native/rules.py``: ``c_decode_rule``), decay and ``rkv``
+    included."""
+    rule = c_decode_rule(layer.config.policy) if _failed is None and layer.has_budget else None
     if rule is None or (general and layer.head_heavy is not None):
         return None
     tensors = (layer.score, layer.ordinal, layer.valid, layer.n_real, layer.heavy, layer.recent, layer.sinks)
@@ -39,7 +43,7 @@ def decode_rule(layer, general: bool = False) -> tuple[int, int] | None:
     return rule
 
 
-def decode_dense(layer, state, query, k_new, v_new, scaling: float, rule: tuple[int, int]) -> torch.Tensor | None:
+def decode_dense(layer, state, query, k_new, v_new, scaling: float, rule: DecodeRule) -> torch.Tensor | None:
     """``decode.EagerStep`` for a dense layer at its budget (``state``: ``decode.AtBudget``); returns
     ``[B, 1, Hq, Dv]``, or None (nothing written) when the kernel cannot run here: the caller then
     runs the eager step."""
@@ -56,7 +60,7 @@ def decode_dense(layer, state, query, k_new, v_new, scaling: float, rule: tuple[
     return out
 
 
-def decode_general(layer, query, k_new, v_new, scaling: float, rule: tuple[int, int]) -> torch.Tensor | None:
+def decode_general(layer, query, k_new, v_new, scaling: float, rule: DecodeRule) -> torch.Tensor | None:
     """The decode step of a layer with free slots (rows still filling up to their budget, or a
     capacity above it), one budget per row: the first free slot takes the token, and a row loses
     a slot only when it is then over its budget. No device sync: no live-slot count
@@ -72,7 +76,6 @@ def _launch(layer, query, k_new, v_new, scaling, rule, general, slot, victim, re
     hq, dv = query.shape[1], layer.values.shape[-1]
     query, k_new, v_new = query.contiguous(), k_new.contiguous(), v_new.contiguous()
     out = torch.empty((b, 1, hq, dv), dtype=layer.values.dtype, device=query.device)
-    acc, key = rule
     keys, values = layer.keys, layer.values
     try:  # a kernel that cannot compile (or get its resources) fails here, before it writes anything
         _kernels().decode_step_kernel[(b * hkv,)](
@@ -80,8 +83,8 @@ def _launch(layer, query, k_new, v_new, scaling, rule, general, slot, victim, re
             victim, layer.n_real, recent_start, sinks, layer.heavy, layer.recent, out,
             keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
             layer.score.stride(0), layer.score.stride(1),
-            hkv, hq // hkv, cap, d, dv, scaling,
-            GENERAL=general, ACC=acc, KEY=key, HAS_SINKS=has_sinks, IEEE=query.dtype == torch.float32,
+            hkv, hq // hkv, cap, d, dv, scaling, rule.decay, rule.weight,
+            GENERAL=general, ACC=rule.acc, KEY=rule.key, HAS_SINKS=has_sinks, IEEE=query.dtype == torch.float32,
             BLOCK_G=_block(hq // hkv), BLOCK_N=BLOCK_N, BLOCK_D=_block(d), BLOCK_DV=_block(dv),
         )
     except Exception as exc:  # noqa: BLE001 - whatever Triton raises, the eager step is the answer

@@ -5,9 +5,9 @@ it) and three ranks (the score, the score per query that saw the key, the ordina
 declares which it follows (``Policy.fold`` and ``Policy.rank``); one that declares something else
 (None) runs the tensor-op step, so the kernels never compute a rule they do not know.
 The C decode step knows two rules more (``c_decode_rule``): a fold that fades the old score
-first (``h2o:decay``: "decay") and ``rkv``'s rank from the keys ("rkv"). The per-token scan does
-not (a decay applies once per forward call, not per token; its keys are not at hand there), nor
-does Triton.
+first (``h2o:decay``: "decay") and ``rkv``'s rank from the keys ("rkv"), and so does the fused
+Triton decode step (``core/triton_step.py``). The per-token scan does not (a decay applies once
+per forward call, not per token; its keys are not at hand there).
 tests/policies/test_declared_rules.py holds every policy's hooks to its declaration.
 """
 
