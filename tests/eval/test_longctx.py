@@ -200,6 +200,7 @@ def test_cache_options_pass_through_and_bad_ones_fail(monkeypatch):
         (["--policies", "h2o,lru"], "unknown policy 'lru'"),
         (["--merge", "/no/such.json"], "no such file"),
         (["--question", "maybe"], "invalid choice"),
+        (["--policies", "none"], "--policies none runs the recipes alone: give --recipe"),
     ],
 )
 def test_cli_bad_input_is_one_line_exit_2(argv, message, capsys):
@@ -265,6 +266,18 @@ def test_cli_end_to_end_resume_merge_and_export(tmp_path, tiny_run, capsys):
     for p in data["prompts"]:
         assert len(p["context_ids"]) + len(p["question_ids"]) == 800
         assert p["references"] == by_key[p["task"], p["sample"]]["references"]
+
+
+def test_cli_recipes_alone_run_no_full_rows(tmp_path, tiny_run):
+    """``--policies none``: a piece of recipe rows for a grid whose full rows another run holds."""
+    model, fed, grid = tiny_run
+    out = tmp_path / "r.json"
+    assert main(["eval", "longctx", *grid, "--policies", "none", "--recipe", "bounded", "--budgets", "0.3",
+                 "--json", str(out), "--plot", ""]) == 0
+    rows = json.loads(out.read_text())
+    assert len(rows) == 2 * 2 and {r["policy"] for r in rows} == {"snapkv:kernel=31,pool=max"}
+    assert {r.get("recipe") for r in rows} == {"bounded"}
+    assert len(fed) == 4  # one generate per prompt: no full run beside the recipe's
 
 
 def test_grid_prompts_are_what_the_export_holds(essay):
