@@ -204,6 +204,30 @@ def _fold(sc, mass, decay, ACC: tl.constexpr):
 
 
 @triton.jit
+def _live_block(VALID, row, n, cap, slot, GENERAL: tl.constexpr):
+    """Which slots of the block ``n`` hold a token this step: every one below ``cap`` when dense;
+    in the general layout the valid ones and the slot written now (its flag may not be visible)."""
+    key_ok = n < cap
+    if GENERAL:
+        key_ok = key_ok & ((tl.load(VALID + row + n, mask=n < cap, other=0) != 0) | (n == slot))
+    return key_ok
+
+
+@triton.jit
+def _folded_scores(q, k_base, s_kn, SCORE, row, n, key_ok, g_ok, od, d_ok, slot, k_new, lse, cap, scaling, decay,
+                   ACC: tl.constexpr, IEEE: tl.constexpr):
+    """The block's scores with this step's mass folded in (ACC 0: as stored); the slot written
+    now starts from 0. The group's mass is summed first, then folded: eager's order."""
+    sc = tl.load(SCORE + row + n, mask=n < cap, other=0.0)
+    sc = tl.where(n == slot, 0.0, sc)
+    if ACC != 0:
+        s = _group_logits(q, k_base, s_kn, n, key_ok, od, d_ok, slot, k_new, scaling, IEEE)
+        p = tl.where(key_ok[None, :] & g_ok[:, None], tl.exp(s - lse[:, None]), 0.0)
+        sc = _fold(sc, tl.sum(p, 0), decay, ACC)
+    return sc
+
+
+@triton.jit
 def _live_keys(k_base, s_kn, n, key_ok, od, d_ok, slot, k_new):
     """The key block ``n`` in float32 (the slot written this step from registers), its norms and
     inverse norms (0 for a slot that is not live: it enters no sum), as ``policies/rkv.py``."""
@@ -236,15 +260,9 @@ def _rkv_sums(q, k_base, s_kn, SCORE, VALID, row, slot, k_new, lse, n_live, cap,
     together = tl.zeros([BLOCK_D], tl.float32)
     for start in range(0, cap, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        key_ok = n < cap
-        if GENERAL:
-            key_ok = key_ok & ((tl.load(VALID + row + n, mask=n < cap, other=0) != 0) | (n == slot))
-        sc = tl.load(SCORE + row + n, mask=n < cap, other=0.0)
-        sc = tl.where(n == slot, 0.0, sc)
-        if ACC != 0:
-            s = _group_logits(q, k_base, s_kn, n, key_ok, od, d_ok, slot, k_new, scaling, IEEE)
-            p = tl.where(key_ok[None, :] & g_ok[:, None], tl.exp(s - lse[:, None]), 0.0)
-            sc = _fold(sc, tl.sum(p, 0), decay, ACC)
+        key_ok = _live_block(VALID, row, n, cap, slot, GENERAL)
+        sc = _folded_scores(q, k_base, s_kn, SCORE, row, n, key_ok, g_ok, od, d_ok, slot, k_new, lse, cap, scaling,
+                            decay, ACC, IEEE)
         total_lanes += tl.where(key_ok, sc, 0.0)
         k, norm, inverse = _live_keys(k_base, s_kn, n, key_ok, od, d_ok, slot, k_new)
         together += tl.sum(inverse[:, None] * k, 0)
@@ -253,17 +271,13 @@ def _rkv_sums(q, k_base, s_kn, SCORE, VALID, row, slot, k_new, lse, n_live, cap,
     max_lanes = tl.full([BLOCK_N], float("-inf"), tl.float32)
     for start in range(0, cap, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        key_ok = n < cap
-        if GENERAL:
-            key_ok = key_ok & ((tl.load(VALID + row + n, mask=n < cap, other=0) != 0) | (n == slot))
+        key_ok = _live_block(VALID, row, n, cap, slot, GENERAL)
         max_lanes = tl.maximum(max_lanes, _rkv_similarity(k_base, s_kn, n, key_ok, od, d_ok, slot, k_new, together, others))
     r_max = tl.max(max_lanes, 0)
     sum_lanes = tl.zeros([BLOCK_N], tl.float32)
     for start in range(0, cap, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        key_ok = n < cap
-        if GENERAL:
-            key_ok = key_ok & ((tl.load(VALID + row + n, mask=n < cap, other=0) != 0) | (n == slot))
+        key_ok = _live_block(VALID, row, n, cap, slot, GENERAL)
         r = _rkv_similarity(k_base, s_kn, n, key_ok, od, d_ok, slot, k_new, together, others)
         sum_lanes += tl.where(key_ok, tl.exp(r - r_max), 0.0)
     return total, together, r_max, tl.sum(sum_lanes, 0), others
@@ -323,9 +337,7 @@ def decode_step_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
     for start in range(0, cap, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        key_ok = n < cap
-        if GENERAL:
-            key_ok = key_ok & ((tl.load(VALID + row + n, mask=n < cap, other=0) != 0) | (n == slot))
+        key_ok = _live_block(VALID, row, n, cap, slot, GENERAL)
         s = _group_logits(q, k_base, s_kn, n, key_ok, od, d_ok, slot, k_new, scaling, IEEE)
         s = tl.where(key_ok[None, :] & g_ok[:, None], s, float("-inf"))
         v = tl.load(v_base + n[:, None] * s_vn + odv[None, :], mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
@@ -349,18 +361,12 @@ def decode_step_kernel(
     best_at = tl.zeros([BLOCK_N], tl.int32)
     for start in range(0, cap, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        key_ok = n < cap
-        if GENERAL:
-            key_ok = key_ok & ((tl.load(VALID + row + n, mask=n < cap, other=0) != 0) | (n == slot))
+        key_ok = _live_block(VALID, row, n, cap, slot, GENERAL)
         o = tl.load(ORDINAL + row + n, mask=n < cap, other=0)
         o = tl.where(n == slot, n_old, o)
-        sc = tl.load(SCORE + row + n, mask=n < cap, other=0.0)
-        sc = tl.where(n == slot, 0.0, sc)
+        sc = _folded_scores(q, k_base, s_kn, SCORE, row, n, key_ok, g_ok, od, d_ok, slot, k_new, lse, cap, scaling,
+                            decay, ACC, IEEE)
         if ACC != 0:
-            s = _group_logits(q, k_base, s_kn, n, key_ok, od, d_ok, slot, k_new, scaling, IEEE)
-            p = tl.where(key_ok[None, :] & g_ok[:, None], tl.exp(s - lse[:, None]), 0.0)
-            mass = tl.sum(p, 0)  # the group's mass first, then folded in: eager's order
-            sc = _fold(sc, mass, decay, ACC)
             tl.store(SCORE + row + n, sc, mask=n < cap)
         if KEY == 0:
             rank = sc
