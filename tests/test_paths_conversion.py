@@ -5,6 +5,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,11 @@ def conversions(monkeypatch):
     monkeypatch.setattr(conversion, "write_plain_checkpoint", fake)
     monkeypatch.setattr(conversion, "transformers_version", lambda: "5.23.0")
     return calls
+
+
+def entries(cache):
+    """What the cache folder holds, less the conversions' lock files (kept: removing one races)."""
+    return sorted(p.name for p in cache.iterdir() if not p.name.startswith(".lock-"))
 
 
 def made_by(folder):
@@ -79,7 +86,7 @@ def test_first_use_converts_once_then_reuses(cache, gguf, conversions, capsys):
                                "transformers": "5.23.0"}
     assert conversion.ensure_converted(gguf) == folder
     assert len(conversions) == 1 and capsys.readouterr().err == ""
-    assert [p.name for p in cache.iterdir()] == [folder.name]  # no temporary folder left behind
+    assert entries(cache) == [folder.name]  # no temporary folder left behind
 
 
 def test_another_transformers_version_gets_its_own_folder(cache, gguf, conversions, monkeypatch):
@@ -101,7 +108,7 @@ def test_manifest_from_another_version_is_converted_again(gguf, cache, conversio
     assert len(conversions) == 2 and made_by(folder) == 2
     assert "replacing" in capsys.readouterr().err
     assert conversion.trusted_folder(gguf) == folder
-    assert [p.name for p in cache.iterdir()] == [folder.name]
+    assert entries(cache) == [folder.name]
 
 
 @pytest.mark.parametrize("manifest", [None, "{not json", '["a list"]'])
@@ -123,11 +130,10 @@ def test_interrupted_conversion_leaves_nothing_trusted(gguf, cache, conversions,
     monkeypatch.setattr(conversion, "write_plain_checkpoint", interrupted)
     with pytest.raises(KeyboardInterrupt):
         conversion.ensure_converted(gguf)
-    assert list(cache.iterdir()) == []
+    assert entries(cache) == []
 
 
-def test_folders_of_a_killed_conversion_are_removed_when_old(gguf, cache, conversions):
-    folder = conversion.converted_folder(gguf)
+def killed_leftovers(cache, folder):
     cache.mkdir()
     old, recent = cache / f".convert-{folder.name}-old", cache / f".convert-{folder.name}-live"
     for leftover in (old, recent):
@@ -135,8 +141,52 @@ def test_folders_of_a_killed_conversion_are_removed_when_old(gguf, cache, conver
         (leftover / "model.safetensors").write_bytes(b"part")
     hours_ago = os.stat(old).st_mtime - conversion.ABANDONED_AFTER_S - 60
     os.utime(old, (hours_ago, hours_ago))
+    return recent
+
+
+def test_folders_of_a_killed_conversion_are_removed(gguf, cache, conversions):
+    """The lock is ours, so no other conversion of the folder runs: every leftover is a killed one's."""
+    folder = conversion.converted_folder(gguf)
+    killed_leftovers(cache, folder)
     conversion.ensure_converted(gguf)
-    assert sorted(p.name for p in cache.iterdir()) == sorted([folder.name, recent.name])
+    assert entries(cache) == [folder.name]
+
+
+def test_without_a_lock_only_old_leftovers_are_removed(gguf, cache, conversions, monkeypatch):
+    """No fcntl (Windows): a recent temporary folder may be another process's live conversion."""
+    monkeypatch.setitem(sys.modules, "fcntl", None)  # `import fcntl` raises ImportError
+    folder = conversion.converted_folder(gguf)
+    recent = killed_leftovers(cache, folder)
+    conversion.ensure_converted(gguf)
+    assert entries(cache) == sorted([folder.name, recent.name])
+
+
+def test_processes_convert_one_at_a_time(gguf, cache, conversions, monkeypatch, capsys):
+    """A second conversion of the same folder waits for the first and then reuses its folder:
+    two 1.5B conversions at once (~14 GB each) were killed for memory on a 24 GB machine."""
+    fake, release = conversion.write_plain_checkpoint, threading.Event()
+
+    def slow(gguf_path, tmp):
+        fake(gguf_path, tmp)
+        assert release.wait(30)
+
+    monkeypatch.setattr(conversion, "write_plain_checkpoint", slow)
+    folders = []
+    first = threading.Thread(target=lambda: folders.append(conversion.ensure_converted(gguf)))
+    second = threading.Thread(target=lambda: folders.append(conversion.ensure_converted(gguf)))
+    first.start()
+    deadline = time.monotonic() + 30
+    while not conversions and time.monotonic() < deadline:
+        time.sleep(0.01)
+    second.start()  # a file lock: two open()s of it conflict within one process as across two
+    said = ""
+    while "waiting for another process" not in said and time.monotonic() < deadline:
+        time.sleep(0.01)
+        said += capsys.readouterr().err
+    release.set()
+    first.join(30), second.join(30)
+    assert "waiting for another process converting Tiny-Model.Q4_0.gguf" in said
+    assert len(conversions) == 1 and folders == [conversion.converted_folder(gguf)] * 2
 
 
 def test_a_finished_conversion_from_another_process_is_kept(gguf, cache, conversions, monkeypatch):
@@ -147,11 +197,12 @@ def test_a_finished_conversion_from_another_process_is_kept(gguf, cache, convers
     def racing(gguf_path, tmp):
         real(gguf_path, tmp)
         monkeypatch.setattr(conversion, "write_plain_checkpoint", real)
-        conversion.ensure_converted(gguf_path)  # the other process, finishing first
+        # the other process (an h2okv without the lock), finishing first
+        conversion._convert(gguf_path, folder, conversion.conversion_key(gguf_path), "none yet")
 
     monkeypatch.setattr(conversion, "write_plain_checkpoint", racing)
     assert conversion.ensure_converted(gguf) == folder
-    assert made_by(folder) == 2 and [p.name for p in cache.iterdir()] == [folder.name]
+    assert made_by(folder) == 2 and entries(cache) == [folder.name]
 
 
 def test_config_source_reads_the_gguf_until_converted(gguf, cache, conversions, monkeypatch):
@@ -220,7 +271,7 @@ def test_a_users_gguf_is_converted_once_and_again_when_the_file_changes(cache, g
     rewrite(gguf, b"GGUF" + bytes(200))  # another size: another folder, the stale one removed
     bigger = Path(models._source(str(gguf))[0])
     assert bigger != folder and made_by(bigger) == 3
-    assert [p.name for p in bigger.parent.iterdir()] == [bigger.name]
+    assert entries(bigger.parent) == [bigger.name]
 
 
 def test_same_named_user_ggufs_in_two_places_get_their_own_folders(cache, tmp_path, conversions):

@@ -7,7 +7,8 @@ the transformers version and our conversion format (h2okv.paths.converted_dir), 
 written last, inside the temporary folder, records the same key. A folder whose manifest is missing
 or differs (left by an older h2okv, copied, renamed or half-written by hand) is converted again.
 The finished folder appears in one rename, so an interrupted conversion never leaves a folder that
-is later trusted.
+is later trusted. Processes that need the same folder convert one at a time (a lock file beside it):
+dequantizing the 1.5B model takes ~14 GB, and two at once were seen killed for memory on 24 GB.
 
 A user's own GGUF (``--model my.gguf``, ``user=True`` here) is cached the same way, in a folder of
 its own per resolved path, and its key adds that path and the file's modification time: a file
@@ -17,6 +18,7 @@ Its conversion for an older size of the file is removed then.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -32,8 +34,8 @@ from h2okv import paths
 # converted again instead of trusted (1 was the unversioned ``<stem>-<size>`` layout)
 FORMAT_VERSION = 2
 MANIFEST = "h2okv-conversion.json"
-# a temporary folder this old was abandoned (a killed process); a live conversion writes into its
-# folder within minutes (the 0.5B Qwen takes ~200 s in all)
+# without the lock (no fcntl), a temporary folder this old was abandoned (a killed process); a live
+# conversion writes into its folder within minutes (the 0.5B Qwen takes ~200 s in all)
 ABANDONED_AFTER_S = 6 * 3600
 
 
@@ -85,10 +87,45 @@ def ensure_converted(gguf: Path, user: bool = False) -> Path:
     reason = untrusted_reason(folder, key)
     if reason is None:
         return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _one_at_a_time(folder, gguf.name) as exclusive:
+        reason = untrusted_reason(folder, key)
+        if reason is None:  # another process finished it while this one waited
+            return folder
+        _convert(gguf, folder, key, reason, exclusive)
+    if user:
+        _remove_older_sizes(folder)
+    return folder
+
+
+@contextlib.contextmanager
+def _one_at_a_time(folder: Path, name: str):
+    """Hold the lock of ``folder``'s conversion (a file beside it); say so when waiting for it.
+    Yields whether the lock is held: without ``fcntl`` (Windows) conversions are not serialized,
+    and the rename alone keeps them safe."""
+    try:
+        import fcntl
+    except ImportError:
+        yield False
+        return
+    with open(folder.with_name(f".lock-{folder.name}"), "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"h2okv: waiting for another process converting {name}", file=sys.stderr)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _convert(gguf: Path, folder: Path, key: dict, reason: str, exclusive: bool = False) -> None:
+    """Dequantize ``gguf`` into a temporary folder and publish it as ``folder``; ``exclusive``: this
+    process holds the conversion's lock, so any temporary folder of it is a killed one's."""
     why = f"replacing {folder}: {reason}" if folder.exists() else f"saving it in {folder}"
     print(f"h2okv: converting {gguf.name} once for transformers {key['transformers']} ({why})", file=sys.stderr)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned(folder)
+    _remove_abandoned(folder, every=exclusive)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".convert-{folder.name}-"))
     try:
         write_plain_checkpoint(gguf, tmp)
@@ -97,9 +134,6 @@ def ensure_converted(gguf: Path, user: bool = False) -> Path:
         _publish(tmp, folder, key)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
-    if user:
-        _remove_older_sizes(folder)
-    return folder
 
 
 def _remove_older_sizes(folder: Path) -> None:
@@ -111,9 +145,10 @@ def _remove_older_sizes(folder: Path) -> None:
             shutil.rmtree(other, ignore_errors=True)
 
 
-def _remove_abandoned(folder: Path) -> None:
-    """Delete temporary folders that a killed conversion of ``folder`` left (never trusted, but large)."""
-    cutoff = time.time() - ABANDONED_AFTER_S
+def _remove_abandoned(folder: Path, every: bool = False) -> None:
+    """Delete temporary folders that a killed conversion of ``folder`` left (never trusted, but large):
+    the old ones, or ``every`` one when no other conversion of it can be running (the lock is ours)."""
+    cutoff = time.time() + 1 if every else time.time() - ABANDONED_AFTER_S
     for prefix in (".convert-", ".stale-"):
         for leftover in folder.parent.glob(f"{prefix}{folder.name}-*"):
             try:
