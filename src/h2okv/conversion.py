@@ -148,11 +148,11 @@ def _remove_older_sizes(folder: Path) -> None:
 def _remove_abandoned(folder: Path, every: bool = False) -> None:
     """Delete temporary folders that a killed conversion of ``folder`` left (never trusted, but large):
     the old ones, or ``every`` one when no other conversion of it can be running (the lock is ours)."""
-    cutoff = time.time() + 1 if every else time.time() - ABANDONED_AFTER_S
+    cutoff = time.time() - ABANDONED_AFTER_S
     for prefix in (".convert-", ".stale-"):
         for leftover in folder.parent.glob(f"{prefix}{folder.name}-*"):
             try:
-                if leftover.stat().st_mtime < cutoff:
+                if every or leftover.stat().st_mtime < cutoff:
                     shutil.rmtree(leftover, ignore_errors=True)
             except OSError:  # another process removed it first
                 pass

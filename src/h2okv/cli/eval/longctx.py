@@ -32,8 +32,9 @@ def register(kinds) -> None:
     p.add_argument("--contexts", type=int_list, default=DEFAULT_CONTEXTS, help=f"exact prompt lengths in tokens (default: {DEFAULT_CONTEXTS})")
     p.add_argument("--samples", type=positive_int, default=5, help="prompts per task and context (default: 5)")
     p.add_argument("--policies", default=None, help=f"comma-separated policy specs (default: {DEFAULT_POLICIES}; full with "
-                   "--recipe; none: the recipes alone, e.g. a piece whose full rows another run has); kvzip ranks by reconstruction (late prefill implied; add --cache-option "
-                   "head_budgets=layers for KVzip's own split)")
+                   "--recipe; none: the recipes alone, e.g. a piece whose full rows another run has); kvzip ranks "
+                   "by reconstruction (late prefill implied; add --cache-option head_budgets=layers for KVzip's "
+                   "own split)")
     add_recipe_arg(p, grid=True)
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"cache budgets as fractions of the prompt (default: {DEFAULT_BUDGETS})")
     p.add_argument("--question", choices=("aware", "agnostic"), default=None,
@@ -108,11 +109,12 @@ def run(args) -> int:
     args.policies = args.policies or ("full" if recipes else DEFAULT_POLICIES)
     if args.policies == "none" and not recipes:
         raise H2OError("--policies none runs the recipes alone: give --recipe")
+    policies = [] if args.policies == "none" else parse_policies(args.policies, reconstruction=True)
     tasks = parse_tasks(args.tasks or (DEFAULT_MANY_TASKS if args.questions_per_context > 1 else DEFAULT_TASKS))
     check_many_questions(args, tasks)
     spec = GridSpec(
         tasks=tasks, contexts=sorted(set(args.contexts)), samples=args.samples,
-        policies=[] if args.policies == "none" else parse_policies(args.policies, reconstruction=True), budgets=parse_budgets(args.budgets),
+        policies=policies, budgets=parse_budgets(args.budgets),
         question=args.question or "aware", seed=args.seed, haystack=check_haystack(args.haystack),
         chunk_size=args.chunk_size or DEFAULT_CHUNK, cache_options=parse_cache_options(args.cache_option),
         max_new_tokens=args.max_new_tokens, chat=not args.no_chat, recipes=recipes, questions=args.questions_per_context,
