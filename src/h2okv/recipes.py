@@ -29,8 +29,6 @@ class Recipe:
     use: str
     #: the ``H2OCache`` keywords it stands for
     settings: dict = field(default_factory=dict)
-    #: what it scored, in one line, with where the command is (docs/RESULTS.md)
-    measured: str = ""
 
 
 RECIPES: dict[str, Recipe] = {
@@ -45,7 +43,6 @@ RECIPES: dict[str, Recipe] = {
             # asked); the whole cache's slots shared out by that score. Costs one more prefill.
             {"policy": "kvzip:question=32", "prefill": "late", "head_budgets": "layers", "head_floor": 0.0,
              "recent_share": 0.01},
-            "RULER's ten families, 0.5B, 2k, 20%: 88.2 (full 90.9; SnapKV with a max pool of 63: 84.0); 1.5B: 82.2 (full 82.7)",
         ),
         Recipe(
             "bounded",
@@ -54,7 +51,6 @@ RECIPES: dict[str, Recipe] = {
             # evicted, each token taking the best score within 15 on either side (a value of many
             # tokens stays whole)
             {"policy": "snapkv:kernel=31,pool=max", "prefill": "chunked", "recent_share": 0.078},
-            "RULER's ten families, 0.5B, 2k, 20%: 80.3 (full 90.9; the look-ahead of one query: 59.9); passkeys, 135M: 16/20",
         ),
         Recipe(
             "document",
@@ -63,7 +59,6 @@ RECIPES: dict[str, Recipe] = {
             # out among every layer and KV head; h2okv.read_context runs the reconstruction pass
             {"policy": "kvzip", "prefill": "late", "head_budgets": "layers", "head_floor": 0.0,
              "recent_share": 0.01},
-            "RULER's ten families, question after compression, 0.5B, 2k, 20%: 86.5 (full 90.9); 1.5B: 83.2 (full 82.7)",
         ),
         Recipe(
             "generation",
@@ -71,7 +66,6 @@ RECIPES: dict[str, Recipe] = {
             # R-KV: h2o's attention share less redundancy, so a trace that repeats itself keeps one
             # copy and room for the rest; as good as h2o with room, far better without
             {"policy": "rkv", "prefill": "chunked", "recent_share": 0.5},
-            "GSM8K: 1.5B, 128 slots (a third of the length) 39.0% vs h2o 21.0% (full 57.0%); 0.5B, 256 slots 28.0% = full",
         ),
         Recipe(
             "stream",
@@ -79,7 +73,6 @@ RECIPES: dict[str, Recipe] = {
             # the accumulated mass divided by the number of queries that saw a token: old tokens
             # do not win by age alone over a long stream
             {"policy": "h2o-mean", "prefill": "chunked", "recent_share": 0.5, "positions": "rolling"},
-            "64k-token stream, 512 slots: per-window perplexity 1.04-1.15x full attention's",
         ),
     )
 }
