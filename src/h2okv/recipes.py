@@ -39,9 +39,9 @@ RECIPES: dict[str, Recipe] = {
             "the question is in the prompt and the prompt may be read whole",
             # KVzip's reconstruction with the question in view: a token scores the larger of the
             # attention the model pays it while repeating the prompt (a whole UUID, every word of a
-            # list it must count) and the attention of the question's last 64 queries (what is
+            # list it must count) and the attention of the question's last 32 queries (what is
             # asked); the whole cache's slots shared out by that score. Costs one more prefill.
-            {"policy": "kvzip:question=64", "prefill": "late", "head_budgets": "layers", "head_floor": 0.0,
+            {"policy": "kvzip:question=32", "prefill": "late", "head_budgets": "layers", "head_floor": 0.0,
              "recent_share": 0.01},
         ),
         Recipe(
