@@ -188,7 +188,7 @@ def test_stuck_rank_times_out_instead_of_hanging(tmp_path, capsys):
     # three other jobs (rank 1 could not reach rank 0's store in time), so 20 s, still far from
     # rank 1's 600 s sleep
     code = launch.run(Namespace(tp=2, tp_timeout=20, device="cpu", dir=str(tmp_path)), hang_on_rank_1)
-    assert _seconds_since_waiting(tmp_path) < 120  # the 20 s timeout, not rank 1's 600 s sleep
+    assert _seconds_since_waiting(tmp_path) < 60  # the 20 s timeout, not rank 1's 600 s sleep
     assert code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
