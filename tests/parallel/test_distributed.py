@@ -184,16 +184,36 @@ def test_failing_rank_ends_every_rank_with_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_stuck_rank_times_out_instead_of_hanging(tmp_path, capsys):
-    # the timeout also bounds the ranks' rendezvous: 3 s failed it on a 2-core machine running
-    # three other jobs (rank 1 could not reach rank 0's store in time), so 20 s, still far from
-    # rank 1's 600 s sleep
-    code = launch.run(Namespace(tp=2, tp_timeout=20, device="cpu", dir=str(tmp_path)), hang_on_rank_1)
-    assert _seconds_since_waiting(tmp_path) < 60  # the 20 s timeout, not rank 1's 600 s sleep
+    # 3 s bounds the collective only: the rendezvous has launch.RENDEZVOUS_MIN_S, so a rank that
+    # starts late on a loaded machine does not fail the run before rank 1 is stuck
+    code = launch.run(Namespace(tp=2, tp_timeout=3, device="cpu", dir=str(tmp_path)), hang_on_rank_1)
+    assert _seconds_since_waiting(tmp_path) < 60  # the 3 s timeout, not rank 1's 600 s sleep
     assert code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert err[0].startswith("h2okv: error: rank 0 of 2 failed:")
-    assert "--tp-timeout 20 s" in err[0]
+    assert "--tp-timeout 3 s" in err[0]
+
+
+def test_short_tp_timeout_bounds_the_collectives_not_the_rendezvous(monkeypatch):
+    """A one-rank group built as the ranks build theirs: its store (which the ranks meet at) waits
+    RENDEZVOUS_MIN_S, its collectives --tp-timeout."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from h2okv.parallel.ranks import RankInfo
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(launch._free_port()))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.setenv(name, "0")  # _init_group sets them: recorded here, so the test's end unsets them
+    launch._init_group(RankInfo(0, 1, 0), "cpu", 3.0)
+    try:
+        backend = distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        assert backend.options._timeout.total_seconds() == 3.0
+        assert distributed_c10d._get_default_store().timeout.total_seconds() == launch.RENDEZVOUS_MIN_S
+    finally:
+        dist.destroy_process_group()
 
 
 def _config_dir(tmp_path, arch, **overrides):

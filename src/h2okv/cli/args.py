@@ -283,7 +283,8 @@ def add_tp_args(parser: argparse.ArgumentParser) -> None:
                         help="tensor-parallel ranks: this command starts N processes, each with a slice of every "
                         "layer and its own cache (default 1; under torchrun: its world size)")
     parser.add_argument("--tp-timeout", type=positive_seconds, default=DEFAULT_TIMEOUT_S,
-                        help=f"seconds a rank waits for the others before the run fails (default {DEFAULT_TIMEOUT_S:g})")
+                        help=f"seconds a rank waits for the others in a collective before the run fails (default "
+                        f"{DEFAULT_TIMEOUT_S:g}; joining the group at start-up waits at least 120)")
 
 
 def add_threads_arg(parser, default: int = 1) -> None:

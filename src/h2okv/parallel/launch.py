@@ -16,7 +16,8 @@ A command runs in one of three ways:
   ``MASTER_PORT``), so the same command spans several machines.
 
 Every collective has a timeout (``--tp-timeout``): a rank that stops answering fails the run
-instead of hanging it.
+instead of hanging it. The ranks' rendezvous has its own, longer bound (``RENDEZVOUS_MIN_S``): on a
+busy machine the ranks may start seconds apart, which a short collective timeout should not fail.
 """
 
 from __future__ import annotations
@@ -104,9 +105,15 @@ def run(args, body, signals_to_rank0: bool = False) -> int:
     return _spawn(args, body, tp, timeout, signals_to_rank0)
 
 
+# the least time the ranks wait for each other to join the group: a short --tp-timeout (3 s) failed
+# the rendezvous on a 2-core machine running three other jobs (a rank reached the store late)
+RENDEZVOUS_MIN_S = 120.0
+
+
 def _init_group(info: RankInfo, device: str, timeout: float) -> None:
     import torch
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
     os.environ.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank))
     cuda = device.startswith("cuda")
@@ -114,9 +121,11 @@ def _init_group(info: RankInfo, device: str, timeout: float) -> None:
         torch.cuda.set_device(info.local_rank)
     dist.init_process_group(
         backend="nccl" if cuda else "gloo", rank=info.rank, world_size=info.world_size,
-        timeout=datetime.timedelta(seconds=timeout),
+        timeout=datetime.timedelta(seconds=max(timeout, RENDEZVOUS_MIN_S)),
         device_id=torch.device("cuda", info.local_rank) if cuda else None,
     )
+    if timeout < RENDEZVOUS_MIN_S:  # the group is up: its collectives get --tp-timeout
+        distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout))
 
 
 def _silence_output() -> None:
