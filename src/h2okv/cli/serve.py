@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from h2okv.cli.args import (
     PREFILL_CHOICES,
@@ -14,9 +15,11 @@ from h2okv.cli.args import (
     budget_from_args,
     check_policy,
     memory_limit,
+    non_negative_float,
     parse_bytes,
     positive_float,
     positive_int,
+    probability,
 )
 from h2okv.errors import H2OError
 
@@ -68,6 +71,11 @@ def register(sub) -> None:
                         "positions inside the context window, so max_tokens may exceed the context length")
     p.add_argument("--drain-timeout", type=positive_float, default=30.0,
                    help="on SIGTERM, seconds running requests get to finish before they are ended (default: 30)")
+    p.add_argument("--temperature", type=non_negative_float, default=None,
+                   help="temperature of requests that give none (default: the model's generation config; "
+                   "the embedded smollm2: 0, greedy; qwen2.5-*: 0.7; else OpenAI's 1)")
+    p.add_argument("--top-p", type=probability, default=None,
+                   help="top_p of requests that give none (default: as --temperature's; qwen2.5-*: 0.8)")
     p.add_argument("--max-n", type=positive_int, default=8,
                    help="most choices (n) one request may ask for; each is a running sequence of --max-batch, "
                         "so this caps the share of the batch one request takes; larger n gets HTTP 400 "
@@ -151,6 +159,8 @@ def run_serve(args) -> int:
     if api_key is not None and not api_key.strip():
         raise H2OError(f"--api-key / {API_KEY_ENV} must not be empty")
     args.eviction, args.kv_memory_bytes, args.api_key = eviction, args.kv_memory, api_key
+    if args.temperature is not None and args.temperature > 2:
+        raise H2OError(f"--temperature must be at most 2 (as a request's), got {args.temperature:g}")
     launch.prepare(args)  # --tp: the model must shard (a config read, before any rank starts)
     return launch.run(args, serve_on_rank, signals_to_rank0=True)
 
@@ -158,14 +168,21 @@ def run_serve(args) -> int:
 def serve_on_rank(args) -> int:
     """The server in this process, or one rank of ``serve --tp N``: rank 0 serves HTTP and drives
     the others, which run its executor calls (``serve/tp.py``)."""
-    from h2okv.models import load_model
+    from h2okv.models import DEFAULT_MODEL, load_model
     from h2okv.parallel.ranks import is_distributed, is_main_rank
     from h2okv.serve import serve_forever
+    from h2okv.serve.api.sampling_defaults import SamplingDefaults
     from h2okv.serve.executor import Executor
     from h2okv.serve.heap import pin_mmap_threshold
 
     pin_mmap_threshold()  # a long-running process: freed large buffers go back to the OS (serve/heap.py)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
+    args.sampling = SamplingDefaults.resolve(args.model or DEFAULT_MODEL, model.generation_config,
+                                             args.temperature, args.top_p)
+    if is_main_rank():
+        s = args.sampling
+        print(f"h2okv: requests that give no temperature / top_p sample at {s.temperature:g} / {s.top_p:g} "
+              f"({s.source}; --temperature, --top-p set them)", file=sys.stderr, flush=True)
     if not is_distributed():
         app = _create_app(args, model, tokenizer, None)
         serve_forever(app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout=args.drain_timeout)
@@ -212,7 +229,7 @@ def _create_app(args, model, tokenizer, executor):
                       request_timeout=args.request_timeout, max_prompt_tokens=args.max_prompt_tokens,
                       schedule=args.schedule, step_tokens=args.step_tokens, executor=executor,
                       max_n=args.max_n, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
-                      positions=args.positions, prefix_memory=args.prefix_cache_memory)
+                      positions=args.positions, prefix_memory=args.prefix_cache_memory, sampling=args.sampling)
 
 
 def run_bench(args) -> int:

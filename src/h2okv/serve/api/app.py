@@ -21,6 +21,7 @@ from h2okv.serve.api.auth import RequireAPIKey
 from h2okv.serve.api.errors import APIError, install_error_handlers
 from h2okv.serve.api.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit
 from h2okv.serve.api.metrics import ServeMetrics
+from h2okv.serve.api.sampling_defaults import SamplingDefaults
 from h2okv.serve.api.schemas import ChatCompletionRequest, CompletionRequest
 from h2okv.serve.api.serving import Limits, Serving, model_context_limit
 from h2okv.serve.engine import Engine
@@ -49,6 +50,7 @@ def create_app(
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
     positions: str = "true",
     prefix_memory: int = 0,
+    sampling: SamplingDefaults | None = None,
 ) -> FastAPI:
     """An app serving ``model``/``tokenizer`` (injectable: tests pass tiny models). The engine thread
     starts and stops with the app's lifespan; ``app.state.engine`` and ``app.state.metrics`` are
@@ -57,7 +59,9 @@ def create_app(
     ``tp.Leader``). ``max_n``: the most choices one request may ask for (each is a running sequence
     of the batch, as vLLM counts them; never more than ``max_batch``). ``positions="rolling"``: evicting
     requests roll their positions (``H2OCache(positions=...)``), so ``max_tokens`` and, read with
-    eviction, prompts may exceed the context length (``--max-prompt-tokens``)."""
+    eviction, prompts may exceed the context length (``--max-prompt-tokens``). ``sampling``: the
+    temperature / top_p of requests that give none (default: the model's generation config, else
+    OpenAI's 1 and 1; ``h2okv serve`` adds the built-in models' own)."""
     eviction = eviction or EvictionDefaults()
     eviction.validate()
     if request_timeout is not None and not request_timeout > 0:
@@ -78,7 +82,8 @@ def create_app(
     def count_error(status: int) -> None:
         metrics.http_errors.labels(str(status)).inc()
 
-    serving = Serving(engine, tokenizer, model_name, eviction, limits, count_error)
+    sampling = sampling or SamplingDefaults.resolve(generation_config=getattr(model, "generation_config", None))
+    serving = Serving(engine, tokenizer, model_name, eviction, limits, count_error, sampling)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

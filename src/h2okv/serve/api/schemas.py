@@ -78,8 +78,9 @@ class _Common(BaseModel):
 
     model: Text
     max_tokens: int | None = Field(default=None, gt=0)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # None: the server's default (serve/api/sampling_defaults.py: the model's, else OpenAI's 1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1)  # at most the server's --max-n (serving.py)
     stream: bool = False
     stream_options: StreamOptions | None = None

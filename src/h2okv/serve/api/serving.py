@@ -39,6 +39,7 @@ from h2okv.policies import make_policy, policy_class
 from h2okv.recipes import get_recipe
 from h2okv.serve.api.errors import APIError
 from h2okv.serve.api.formatting import CompletionLogprobs, chat_logprobs, merge_completion_logprobs
+from h2okv.serve.api.sampling_defaults import SamplingDefaults
 from h2okv.serve.api.schemas import ChatCompletionRequest, CompletionRequest
 from h2okv.serve.api.sse import sse_response
 from h2okv.serve.engine import Engine
@@ -127,9 +128,10 @@ class Serving:
     """One server's request path: ``await serving.respond(body, request)`` answers either endpoint."""
 
     def __init__(self, engine: Engine, tokenizer, model_name: str, eviction: EvictionDefaults, limits: Limits,
-                 count_error):
+                 count_error, sampling: SamplingDefaults | None = None):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.eviction, self.limits = eviction, limits
+        self.sampling = sampling or SamplingDefaults()  # for requests that give no temperature / top_p
         self.count_error = count_error  # count_error(status): an error answer, for /metrics
         self.vocab = len(tokenizer)
         self.encoder = copy.deepcopy(tokenizer)  # prompts are tokenised with this one, off the engine's lock
@@ -180,7 +182,8 @@ class Serving:
             raise APIError(400, f"h2o: {exc}", param="h2o") from None
         return [GenerationRequest(
             prompt_ids=prompt_ids, max_tokens=max_tokens, policy=policy, heavy=heavy, recent=recent,
-            temperature=body.temperature, top_p=body.top_p, stops=stops,
+            temperature=self.sampling.temperature if body.temperature is None else body.temperature,
+            top_p=self.sampling.top_p if body.top_p is None else body.top_p, stops=stops,
             seed=None if body.seed is None else (body.seed + i) % (1 << 63), ignore_eos=body.ignore_eos,
             top_logprobs=body.top_logprobs_wanted(), timeout=self.limits.request_timeout,
             budget_label=budget_label(body), cache_prefix=self.cacheable_prefix(body, prompt_ids, policy),
@@ -287,7 +290,8 @@ class Serving:
         settings = {**self.eviction.describe(), "kv_memory": e.kv_memory, "max_batch": e.max_batch,
                     "prefill_chunk": e.prefill_chunk, "schedule": e.schedule, "step_tokens": e.step_tokens,
                     "max_context": self.limits.context, "max_prompt_tokens": self.limits.prompt,
-                    "request_timeout": self.limits.request_timeout, "max_n": self.limits.max_n}
+                    "request_timeout": self.limits.request_timeout, "max_n": self.limits.max_n,
+                    **self.sampling.describe()}
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "h2okv", "h2o": settings}]}
 
