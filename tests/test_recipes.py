@@ -174,8 +174,11 @@ def test_summary_is_one_line_with_the_recipe_and_the_bytes(llama):
     stats = cache.stats()
     assert "\n" not in line
     assert line.startswith("snapkv:window=32,kernel=31,pool=max (recipe bounded): 43 tokens seen")
-    assert "budget 16 slots per layer and KV head" in line
+    assert "budget 16 slots per layer and KV head" in line and "nothing evicted" not in line
     assert f"{stats['kv_bytes'] / 2**20:.2f} MiB vs {stats['full_kv_bytes'] / 2**20:.2f} MiB full" in line
+    short = H2OCache(llama, recipe="bounded", budget=0.2)  # the floor (128 slots) keeps 11 tokens whole
+    run(llama, short, length=10, new=2)
+    assert "budget 128 slots per layer and KV head (more than the tokens seen: nothing evicted)" in short.summary()
     full = H2OCache(llama, policy="full")
     run(llama, full, length=10, new=2)
     assert full.summary().startswith("full: 11 tokens seen, every token kept")

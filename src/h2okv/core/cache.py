@@ -385,6 +385,8 @@ class H2OCache(Cache):
         else:
             low, high = min(budget), max(budget)
             kept = f"budget {low if low == high else f'{low}-{high}'} slots per layer and KV head"
+            if stats["tokens_seen"] <= low:  # a short chat: say why it costs what a full cache costs
+                kept += " (more than the tokens seen: nothing evicted)"
         ratio = stats["kv_bytes"] / stats["full_kv_bytes"] if stats["full_kv_bytes"] else 1.0
         mib = 1024 * 1024
         return (f"{name}: {stats['tokens_seen']} tokens seen, {kept}, KV {stats['kv_bytes'] / mib:.2f} MiB "
