@@ -58,7 +58,7 @@ class SamplingDefaults:
                 chosen[name], sources[name] = built_in[index], built_in[2]
             else:
                 chosen[name], sources[name] = OPENAI[index], "OpenAI's defaults"
-        if sources.keys() == chosen.keys() and all(v.endswith(" flag") for v in sources.values()):
+        if all(source.endswith(" flag") for source in sources.values()):
             source = "the server's flags"
         elif sources["temperature"] == sources["top_p"]:
             source = sources["temperature"]
