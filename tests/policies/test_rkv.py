@@ -25,12 +25,14 @@ from h2okv.core.reference import reference
 from h2okv.core.step import eviction_rank
 from h2okv.policies import make_policy
 
-SPECS = ["rkv", "rkv:weight=0.5", "rkv:heads=shared", "rkv:kernel=3"]
+SPECS = ["rkv", "rkv:weight=0.5", "rkv:heads=shared", "rkv:kernel=3", "rkv:copies=0.5"]
 
 
 # -- the hook, against its rule ---------------------------------------------------------------------
-def rule(score, keys, valid, weight):
-    """The key of one (row, head)'s live slots, in plain Python: ``{slot: key}``."""
+def rule(score, keys, valid, weight, copies=0.0, ordinal=None):
+    """The key of one (row, head)'s live slots, in plain Python: ``{slot: key}``. With ``copies``,
+    each live key ``i`` finds its latest copy (the other live key of the largest ordinal whose
+    cosine to it is above ``copies``), and that copy's sum leaves out ``cos(i, copy)``."""
     live = [i for i, ok in enumerate(valid) if ok]
 
     def cos(a, b):
@@ -39,9 +41,15 @@ def rule(score, keys, valid, weight):
         return dot / (na * nb)
 
     total = sum(score[i] for i in live)
+    spared = set()  # (i, j): j is i's latest copy
+    if copies > 0:
+        for i in live:
+            alike = [j for j in live if j != i and cos(keys[i], keys[j]) > copies]
+            if alike:
+                spared.add((i, max(alike, key=lambda j: ordinal[j])))
     r = {}
     for i in live:
-        others = [cos(keys[i], keys[j]) for j in live if j != i]
+        others = [0.0 if (j, i) in spared else cos(keys[i], keys[j]) for j in live if j != i]
         r[i] = sum(others) / len(others) if others else 0.0
     z = sum(math.exp(r[j]) for j in live)
     return {i: weight * (score[i] / total if total > 0 else 0.0) - (1 - weight) * math.exp(r[i]) / z for i in live}
@@ -49,14 +57,16 @@ def rule(score, keys, valid, weight):
 
 @pytest.mark.parametrize("weight", [0.0, 0.1, 0.5, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_key_states_its_rule(weight, dtype):
+@pytest.mark.parametrize("copies", [0.0, 0.3, 0.6])
+def test_the_key_states_its_rule(weight, dtype, copies):
     """Rows and heads with different live sets (one live slot, none at all, a zero score sum);
     what the free slots hold (stale keys and scores, however large: the buffers start at zero and
-    hold only written keys, never NaN) changes nothing."""
+    hold only written keys, never NaN) changes nothing. Slots are not in token order (the latest
+    copy is found by ordinal), and the keys share a direction, so some pairs are copies."""
     g = torch.Generator().manual_seed(3)
     b, h, cap, d = 2, 3, 9, 8
     score = torch.rand(b, h, cap, generator=g, dtype=torch.float64)
-    keys = torch.randn(b, h, cap, d, generator=g, dtype=torch.float64)
+    keys = torch.randn(b, h, cap, d, generator=g, dtype=torch.float64) + torch.linspace(-1, 1, d, dtype=torch.float64)
     valid = torch.rand(b, h, cap, generator=g) < 0.6
     valid[0, 1] = False
     valid[0, 1, 4] = True  # one live slot
@@ -65,14 +75,16 @@ def test_the_key_states_its_rule(weight, dtype):
     garbage_keys = keys.clone()
     garbage_keys[~valid] = torch.tensor([1e30, -1e30, 1e15, 0.0, 1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
     garbage_score = score.masked_fill(~valid, 1e30)
-    policy = make_policy(f"rkv:weight={weight}")
-    ordinal, n_real = torch.arange(cap).expand(b, h, cap), torch.full((b, 1, 1), cap)
+    policy = make_policy(f"rkv:weight={weight},copies={copies}")
+    ordinal = torch.randperm(cap, generator=g).expand(b, h, cap)
+    n_real = torch.full((b, 1, 1), cap)
     key = policy.eviction_key(garbage_score.to(dtype), ordinal, n_real, keys=garbage_keys.to(dtype), valid=valid)
     assert key.dtype == dtype and bool(key.isfinite().all())
     tol = 1e-6 if dtype == torch.float32 else 1e-12
     for bi in range(b):
         for hi in range(h):
-            want = rule(score[bi, hi].tolist(), keys[bi, hi].tolist(), valid[bi, hi].tolist(), weight)
+            want = rule(score[bi, hi].tolist(), keys[bi, hi].tolist(), valid[bi, hi].tolist(), weight, copies,
+                        ordinal[bi, hi].tolist())
             for slot, value in want.items():
                 assert abs(float(key[bi, hi, slot]) - value) <= tol, (bi, hi, slot)
 
@@ -155,6 +167,24 @@ def test_a_duplicate_goes_before_a_distinct_key_of_equal_importance():
     assert float(rank[0, 0, 1]) == float(rank[0, 0, 2]) < float(rank[0, 0, 0])
     # the default weight, equal importance: the same victim
     assert duplicates_and_a_distinct_key(0.1)[0] in (1, 2)
+
+
+def test_copies_spare_the_latest_copy():
+    """Three copies of one key, written at ordinals 4, 0 and 2 (slot order is not token order),
+    beside two distinct keys, equal importance: without ``copies`` the copies tie; with it the
+    newest (ordinal 4, slot 0) is the latest copy of both others and is spared twice, the middle one
+    (ordinal 2) is the newest's latest copy and spared once, and the oldest goes first."""
+    basis = torch.eye(4, dtype=torch.float64)
+    keys = torch.stack([basis[0], basis[0], basis[0], basis[1], basis[2]])[None, None]
+    score = torch.full((1, 1, 5), 0.2, dtype=torch.float64)
+    ordinal = torch.tensor([[[4, 0, 2, 1, 3]]])
+    valid = torch.ones(1, 1, 5, dtype=torch.bool)
+    n_real = torch.full((1, 1, 1), 5)
+    plain = make_policy("rkv:weight=0").eviction_key(score, ordinal, n_real, keys=keys, valid=valid)[0, 0]
+    spared = make_policy("rkv:weight=0,copies=0.5").eviction_key(score, ordinal, n_real, keys=keys, valid=valid)[0, 0]
+    assert float(plain[0]) == float(plain[1]) == float(plain[2])
+    assert float(spared[1]) < float(spared[2]) < float(spared[0])
+    assert int(spared.argmin()) == 1
 
 
 def test_weight_one_ranks_as_h2o():
@@ -251,7 +281,7 @@ def test_the_c_step_knows_rkv_but_not_its_kernel_nor_shared_heads():
     ("rkv:weight=-0.1", "rkv weight must be in [0, 1], got -0.1"),
     ("rkv:weight=nan", "rkv weight must be in [0, 1], got nan"),
     ("rkv:weight=heavy", "policy 'rkv': option weight='heavy' is not a float"),
-    ("rkv:lambda=0.1", "policy 'rkv' has no option 'lambda'; it has weight, decay, kernel, heads"),
+    ("rkv:lambda=0.1", "policy 'rkv' has no option 'lambda'; it has weight, decay, kernel, copies, heads"),
     ("rkv:kernel=4", "rkv kernel must be an odd number >= 1, got 4"),
 ])
 def test_bad_options_are_one_line_errors(spec, message):

@@ -17,6 +17,12 @@ and pads are never live):
   default 1: none) smooths the importance as R-KV does, by the largest ``I`` among the ``K``
   nearest live slots in token order (a slot between kept neighbours ranks with them, so a number
   of several digit tokens is kept or dropped whole); the C step does not know it.
+- ``copies=T`` (in [0, 1), default 0: off), R-KV's "retain the last": a live key whose cosine to
+  key ``i`` is above ``T`` is a copy of ``i``, and the latest of ``i``'s copies (the largest
+  ordinal) does not count ``cos(i, latest)`` in its redundancy. Of a run of alike keys every copy
+  stays redundant but the newest, so a thought restated keeps its latest statement rather than
+  losing every copy together. It needs the ``[cap, cap]`` cosines (O(slots^2 x head_dim)); the C
+  step and Triton do not know it.
 
 Because a token's key depends on every token kept, one eviction ranks once and frees the lowest of
 that ranking (a chunk's excess together, as R-KV selects its kept set); ``core/reference.py`` does
@@ -53,12 +59,14 @@ class RKVPolicy(H2OPolicy):
     # decay (h2o.py): importance from the latest queries, as R-KV's observation window takes it
     declared = (Option("weight", float, DEFAULT_WEIGHT, lambda v: 0.0 <= v <= 1.0, "in [0, 1]"), DECAY,
                 # R-KV's max pooling of the importance over neighbouring kept tokens (1: none)
-                Option("kernel", int, 1, lambda v: v >= 1 and v % 2 == 1, "an odd number >= 1", shown=False))
+                Option("kernel", int, 1, lambda v: v >= 1 and v % 2 == 1, "an odd number >= 1", shown=False),
+                # R-KV's threshold (0.5) for "alike": each key's latest copy is spared (0: off)
+                Option("copies", float, 0.0, lambda v: 0.0 <= v < 1.0, "in [0, 1)", shown=False))
 
     def __init__(self, seed: int = 0, **options):
         super().__init__(seed, **options)
-        if self.kernel > 1:
-            self.rank = None  # pooling over token order: a rule the C step does not know
+        if self.kernel > 1 or self.copies > 0:
+            self.rank = None  # token order (pooling, the latest copy): rules the C step does not know
 
     def eviction_key(self, score, ordinal, n_real, layer_idx=0, *, keys=None, valid=None):
         """``weight * I - (1 - weight) * R`` of every slot ``[..., cap]`` (see the module docstring);
@@ -71,7 +79,7 @@ class RKVPolicy(H2OPolicy):
         importance = self.importance(score.to(dtype), live)
         if self.kernel > 1:
             importance = pool_neighbours(importance, ordinal, live, self.kernel)
-        redundancy = self.redundancy(keys.to(dtype), live)
+        redundancy = self.redundancy(keys.to(dtype), live, ordinal if self.copies > 0 else None, self.copies)
         key = self.weight * importance - (1.0 - self.weight) * redundancy
         return key.masked_fill(~live, 0.0)
 
@@ -83,9 +91,10 @@ class RKVPolicy(H2OPolicy):
         return mass / total.clamp(min=torch.finfo(mass.dtype).tiny)
 
     @staticmethod
-    def redundancy(keys, live):
+    def redundancy(keys, live, ordinal=None, copies: float = 0.0):
         """``R``: the softmax over the live slots of each one's mean cosine similarity to the
-        other live keys of its (row, head); 0 where not live.
+        other live keys of its (row, head); 0 where not live. With ``ordinal`` (``copies`` > 0),
+        the cosines that make a slot some key's latest copy are left out of its sum.
 
         In matrix products, no ``[cap, D]`` temporary: a slot's unit key is ``k_i / |k_i|``, and
         a slot that is not live weighs 0, so its stale key (finite: buffers start at zero and
@@ -95,6 +104,8 @@ class RKVPolicy(H2OPolicy):
         together = (inverse.unsqueeze(-2) @ keys).transpose(-1, -2)  # [..., D, 1]: sum of live unit keys
         # sum over the other live keys j != i of cos(k_i, k_j) = u_i . (sum_j u_j) - u_i . u_i
         others = (keys @ together).squeeze(-1) * inverse - (norm * inverse).square()
+        if ordinal is not None:
+            others = others - latest_copy_cosines(keys * inverse.unsqueeze(-1), live, ordinal, copies)
         count = live.sum(-1, keepdim=True)
         mean = others / (count - 1).clamp(min=1).to(others.dtype)
         weights = torch.softmax(mean.masked_fill(~live, -torch.inf), dim=-1)
@@ -113,3 +124,17 @@ def pool_neighbours(values, ordinal, live, kernel: int):
     pooled = torch.nn.functional.max_pool1d(ranked.reshape(-1, 1, shape[-1]), kernel, stride=1, padding=kernel // 2)
     out = torch.empty_like(values).scatter_(-1, order, pooled.reshape(shape))
     return out.masked_fill(~live, 0.0)
+
+
+def latest_copy_cosines(unit, live, ordinal, threshold: float):
+    """For each live slot ``j``, the sum of ``cos(i, j)`` over the live keys ``i`` whose latest
+    copy ``j`` is (the live ``j != i`` of the largest ordinal with ``cos(i, j) > threshold``);
+    ``unit`` ``[..., cap, D]`` holds the unit keys (zero where not live)."""
+    cos = unit @ unit.transpose(-1, -2)  # [..., i, j]
+    cap = cos.shape[-1]
+    alike = (cos > threshold) & live.unsqueeze(-1) & live.unsqueeze(-2)
+    alike &= ~torch.eye(cap, dtype=torch.bool, device=cos.device)
+    order = ordinal.expand_as(live).unsqueeze(-2).expand_as(alike)
+    latest = torch.where(alike, order, -1).argmax(-1, keepdim=True)  # [..., i, 1]: the slot j
+    spared = cos.gather(-1, latest).squeeze(-1) * alike.any(-1)  # cos(i, latest(i)), 0 without a copy
+    return torch.zeros_like(spared).scatter_add_(-1, latest.squeeze(-1), spared)
