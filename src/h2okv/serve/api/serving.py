@@ -128,10 +128,10 @@ class Serving:
     """One server's request path: ``await serving.respond(body, request)`` answers either endpoint."""
 
     def __init__(self, engine: Engine, tokenizer, model_name: str, eviction: EvictionDefaults, limits: Limits,
-                 count_error, sampling: SamplingDefaults | None = None):
+                 count_error, sampling: SamplingDefaults):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.eviction, self.limits = eviction, limits
-        self.sampling = sampling or SamplingDefaults()  # for requests that give no temperature / top_p
+        self.sampling = sampling  # for requests that give no temperature / top_p (create_app resolves it)
         self.count_error = count_error  # count_error(status): an error answer, for /metrics
         self.vocab = len(tokenizer)
         self.encoder = copy.deepcopy(tokenizer)  # prompts are tokenised with this one, off the engine's lock
