@@ -16,7 +16,7 @@ PROMPT, STEPS = 14, 14  # budget 10 + 10: 6 steps of room, then 8 at the budget
 def run(policy, ids, lengths, monkeypatch, room: bool):
     """Left-padded rows of ``lengths`` real prompt tokens, then ``STEPS`` decode steps."""
     if not room:
-        monkeypatch.setattr(decode_module, "filling_room", lambda layer: 0)
+        monkeypatch.setattr(decode_module, "filling_room", lambda layer, room: 0)
     model = tiny_model("llama")
     cache = H2OCache(model, policy=policy, heavy=10, recent=10, chunk_size=4)
     mask = torch.ones(ids.shape[0], PROMPT + STEPS, dtype=torch.long)

@@ -63,14 +63,20 @@ def first_free(valid: torch.Tensor) -> torch.Tensor:
     return valid.view(torch.uint8).argmin(dim=-1, keepdim=True)
 
 
-def at_budget(layer) -> AtBudget | None:
-    """Is every (row, head) of ``layer`` at exactly its budget (one device sync)? Then its state.
-    Uneven budgets also pack each head's live slots to the front."""
+def room_range(layer) -> tuple[int, int] | None:
+    """The fewest and the most slots any (row, head) of ``layer`` may still fill before it
+    exceeds its budget (one device sync); None for a layer that never evicts."""
     if not layer.config.policy.evicts or not layer.has_budget:
         return None
+    room = layer.slot_budget() - layer.valid.sum(-1)
+    fewest, most = torch.stack((room.min(), room.max())).tolist()
+    return int(fewest), int(most)
+
+
+def at_budget(layer) -> AtBudget:
+    """The decode state of ``layer``, every (row, head) of which is at exactly its budget
+    (``room_range`` is (0, 0)). Uneven budgets also pack each head's live slots to the front."""
     budget = layer.slot_budget()
-    if not bool((layer.valid.sum(-1) == budget).all()):
-        return None
     b, h = layer.valid.shape[:2]
     uniform = bool((budget == budget[0, 0]).all())
     widths, max_width = None, 0
@@ -100,13 +106,14 @@ def at_budget(layer) -> AtBudget | None:
 
 def choose_stepper(layer):
     """The stepper for ``layer``'s decode steps as its rows stand now (see the module docstring)."""
-    state = at_budget(layer)
+    room = room_range(layer)  # counted once: whether every row is at its budget, and how far below
     device = layer.device
     triton = triton_on(device) and not layer.config.compileable
     fused = fused_mass_on(device) and not layer.config.compileable
-    if state is None:
+    if room != (0, 0):
         rule = triton_step.decode_rule(layer, general=True) if triton else None
-        return TritonStep(None, rule) if rule is not None else FillingStep(fused=fused, room=filling_room(layer))
+        return TritonStep(None, rule) if rule is not None else FillingStep(fused=fused, room=filling_room(layer, room))
+    state = at_budget(layer)
     if layer.capacity <= layer.max_budget:  # a head holds its whole width: no slot for the next token
         return GrowFirst()
     dense = layer.capacity == state.dense_capacity
@@ -127,14 +134,14 @@ def choose_stepper(layer):
     return EagerStep(state, dense, fused=fused)
 
 
-def filling_room(layer) -> int:
-    """The steps every (row, head) of ``layer`` can take before any may exceed its budget (one
-    device sync): a step within them has nothing to evict. 0 for a policy whose ranking depends on
-    how many rankings came before (``random``'s draws: ``Policy.scan_safe``), which ranks every step."""
-    policy = layer.config.policy
-    if not policy.evicts or not layer.has_budget or not policy.scan_safe:
+def filling_room(layer, room: tuple[int, int] | None) -> int:
+    """The steps every (row, head) of ``layer`` can take before any may exceed its budget, from
+    its ``room_range``: a step within them has nothing to evict. 0 for a policy whose ranking
+    depends on how many rankings came before (``random``'s draws: ``Policy.scan_safe``), which
+    ranks every step."""
+    if room is None or not layer.config.policy.scan_safe:
         return 0
-    return max(0, int((layer.slot_budget() - layer.valid.sum(-1)).min()))
+    return max(0, room[0])
 
 
 class FillingStep:
