@@ -79,7 +79,7 @@ class RKVPolicy(H2OPolicy):
         importance = self.importance(score.to(dtype), live)
         if self.kernel > 1:
             importance = pool_neighbours(importance, ordinal, live, self.kernel)
-        redundancy = self.redundancy(keys.to(dtype), live, ordinal if self.copies > 0 else None, self.copies)
+        redundancy = self.redundancy(keys.to(dtype), live, ordinal, self.copies)
         key = self.weight * importance - (1.0 - self.weight) * redundancy
         return key.masked_fill(~live, 0.0)
 
@@ -93,8 +93,8 @@ class RKVPolicy(H2OPolicy):
     @staticmethod
     def redundancy(keys, live, ordinal=None, copies: float = 0.0):
         """``R``: the softmax over the live slots of each one's mean cosine similarity to the
-        other live keys of its (row, head); 0 where not live. With ``ordinal`` (``copies`` > 0),
-        the cosines that make a slot some key's latest copy are left out of its sum.
+        other live keys of its (row, head); 0 where not live. With ``copies`` > 0 (and the slots'
+        ``ordinal``), the cosines that make a slot some key's latest copy are left out of its sum.
 
         In matrix products, no ``[cap, D]`` temporary: a slot's unit key is ``k_i / |k_i|``, and
         a slot that is not live weighs 0, so its stale key (finite: buffers start at zero and
@@ -104,7 +104,7 @@ class RKVPolicy(H2OPolicy):
         together = (inverse.unsqueeze(-2) @ keys).transpose(-1, -2)  # [..., D, 1]: sum of live unit keys
         # sum over the other live keys j != i of cos(k_i, k_j) = u_i . (sum_j u_j) - u_i . u_i
         others = (keys @ together).squeeze(-1) * inverse - (norm * inverse).square()
-        if ordinal is not None:
+        if copies > 0:
             others = others - latest_copy_cosines(keys * inverse.unsqueeze(-1), live, ordinal, copies)
         count = live.sum(-1, keepdim=True)
         mean = others / (count - 1).clamp(min=1).to(others.dtype)
