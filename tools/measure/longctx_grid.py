@@ -1,0 +1,81 @@
+"""The long-length grid of issue 58 in resumable pieces: ``eval longctx`` on the test split, one
+JSON per piece under docs/results/longctx/test/, run one after another.
+
+Each piece is one ``h2okv eval longctx`` command; its ``--json`` keeps every finished cell, so a
+piece cut short (a session ends, the machine restarts) resumes where it stopped when this script
+runs again. Pieces are ordered by what they unlock: the full cache's rows first (they never change,
+whatever recipe is chosen later), then the recipes, then the long lengths.
+
+    .venv/bin/python tools/measure/longctx_grid.py                 # every piece, in order
+    .venv/bin/python tools/measure/longctx_grid.py --only full-2k  # one piece (prefix match)
+    .venv/bin/python tools/measure/longctx_grid.py --list          # the pieces and their commands
+
+Each job runs on one thread (``--threads 1``, ``--batch 1``: a row's peak memory is its own
+prompt's). Time on this machine's CPU, 0.5B, one thread: ~30 s a prompt at 2k, minutes at 8k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = ROOT / "docs" / "results" / "longctx" / "test"
+FAMILIES = "niah_single_1,niah_single_2,niah_single_3,niah_single_word,niah_multikey_1,niah_multivalue,niah_multiquery,vt,cwe,fwe"
+MEMORY_FAMILIES = "niah_single_2,niah_single_3,vt"  # 16k/32k: a few families, for memory, time and a look at accuracy
+RECIPES = ("prompt", "bounded", "document")
+
+
+def piece(name: str, *flags: str, model: str = "qwen2.5-0.5b") -> tuple[str, list[str]]:
+    argv = ["eval", "longctx", "--model", model, "--split", "test", "--budgets", "0.2", "--threads", "1",
+            "--batch", "1", "--plot", "", "--json", str(OUT / f"{name}.json"), *flags]
+    return name, argv
+
+
+def recipe(name: str, context: str, samples: str, tasks: str = FAMILIES) -> tuple[str, list[str]]:
+    mode = ["--question", "agnostic"] if name == "document" else []
+    return piece(f"{name}-{context}", "--policies", "none", "--recipe", name, "--contexts", context,
+                 "--samples", samples, "--tasks", tasks, *mode)
+
+
+PIECES = [
+    piece("full-2k", "--policies", "full", "--contexts", "2048", "--samples", "3", "--tasks", FAMILIES),
+    *(recipe(r, "2048", "3") for r in RECIPES),
+    piece("full-4k", "--policies", "full", "--contexts", "4096", "--samples", "2", "--tasks", FAMILIES),
+    piece("bounded-mem", "--policies", "none", "--recipe", "bounded", "--contexts", "16384,32768", "--samples", "1",
+          "--tasks", MEMORY_FAMILIES),
+    piece("full-mem", "--policies", "full", "--contexts", "16384,32768", "--samples", "1", "--tasks", MEMORY_FAMILIES),
+    *(recipe(r, "4096", "2") for r in RECIPES),
+    piece("full-8k", "--policies", "full", "--contexts", "8192", "--samples", "2", "--tasks", FAMILIES),
+    *(recipe(r, "8192", "2") for r in RECIPES),
+    piece("full-8k-1.5b", "--policies", "full", "--contexts", "8192", "--samples", "1", "--tasks", FAMILIES,
+          model="qwen2.5-1.5b"),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--only", default=None, help="run the pieces whose names start with this")
+    parser.add_argument("--list", action="store_true", help="print the pieces and their commands, run nothing")
+    args = parser.parse_args()
+    chosen = [(n, a) for n, a in PIECES if args.only is None or n.startswith(args.only)]
+    if not chosen:
+        parser.error(f"no piece starts with {args.only!r}; pieces: {', '.join(n for n, _ in PIECES)}")
+    h2okv = str(Path(sys.executable).parent / "h2okv")
+    for name, argv in chosen:
+        if args.list:
+            print(f"{name}: h2okv {shlex.join(argv)}")
+            continue
+        print(f"== {name}", flush=True)
+        code = subprocess.call([h2okv, *argv], cwd=ROOT)
+        if code != 0:
+            print(f"== {name} exited {code}; stopping (run again to resume)", flush=True)
+            return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
