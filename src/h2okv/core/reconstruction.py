@@ -38,6 +38,7 @@ import torch
 from h2okv.chat import chat_frame, encode_text
 from h2okv.core.compat import cache_arg
 from h2okv.core.head_budget import allocate_layers
+from h2okv.documents import read_arguments
 from h2okv.errors import H2OError
 
 FIRST = "\n\nRepeat the previous context exactly."
@@ -126,19 +127,20 @@ def rank_by_probes(model, cache, calls: list[torch.Tensor]) -> None:
             layer.stop_probe()
 
 
-def read_context(model, cache, context, tokenizer=None, start: int | None = None) -> None:
-    """Read ``context`` (``[rows, tokens]`` ids, or one list of ids) into ``cache`` before any
-    question exists, and leave it compressed to its budget: ready for questions read afterwards
-    (``model.generate(input_ids=context + question, cache=cache)`` feeds only what is new).
+def read_context(model, tokenizer, cache=None, context=None, start: int | None = None) -> None:
+    """Read ``context`` into ``cache`` before any question exists, and leave it compressed to its
+    budget: ready for questions read afterwards (``h2okv.ask``, or ``model.generate(input_ids=context
+    + question, cache=cache)``, which feeds only what is new). ``context`` is text or chat messages
+    (through the tokenizer's chat template, ``h2okv.documents``) or token ids (``[rows, tokens]``, or
+    one list).
 
     Any policy works; one that ranks by reconstruction (``kvzip``, the ``document`` recipe) is
-    ranked here by ``reconstruct``, which needs the ``tokenizer``. ``start`` leaves a chat
-    template's head out of the repeated text (default: found from the tokenizer's template)."""
-    ids = torch.as_tensor(context, dtype=torch.long)
-    ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
-    if ids.dim() != 2 or ids.shape[1] < 1:
-        raise H2OError(f"read_context needs token ids of shape [rows, tokens], got {tuple(ids.shape)}")
-    ids = ids.to(model.device)
+    ranked here by ``reconstruct``, which needs the ``tokenizer`` (None will do otherwise, for ids).
+    ``start`` leaves a chat template's head out of the repeated text (default: found from the
+    tokenizer's template). The order ``(model, cache, context, tokenizer)`` still works, with a
+    DeprecationWarning, for one release."""
+    tokenizer, cache, document = read_arguments(tokenizer, cache, context)
+    ids = document.ids.to(model.device)
     with torch.inference_mode():
         model(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_arg(cache), use_cache=True,
               logits_to_keep=1)
