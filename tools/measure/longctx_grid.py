@@ -10,6 +10,10 @@ whatever recipe is chosen later), then the recipes, then the long lengths.
     .venv/bin/python tools/measure/longctx_grid.py --only full-2k  # one piece (prefix match)
     .venv/bin/python tools/measure/longctx_grid.py --list          # the pieces and their commands
 
+A run from a frozen checkout (so edits in the working tree cannot change a piece half-way):
+``git worktree add /tmp/grid HEAD; PYTHONPATH=/tmp/grid/src .venv/bin/python
+/tmp/grid/tools/measure/longctx_grid.py --out docs/results/longctx/test``.
+
 Each job runs on one thread (``--threads 1``, ``--batch 1``: a row's peak memory is its own
 prompt's). Time on this machine's CPU, 0.5B, one thread: ~30 s a prompt at 2k, minutes at 8k.
 """
@@ -31,7 +35,7 @@ RECIPES = ("prompt", "bounded", "document")
 
 def piece(name: str, *flags: str, model: str = "qwen2.5-0.5b") -> tuple[str, list[str]]:
     argv = ["eval", "longctx", "--model", model, "--split", "test", "--budgets", "0.2", "--threads", "1",
-            "--batch", "1", "--plot", "", "--json", str(OUT / f"{name}.json"), *flags]
+            "--batch", "1", "--plot", "", "--json", f"{name}.json", *flags]
     return name, argv
 
 
@@ -60,17 +64,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--only", default=None, help="run the pieces whose names start with this")
     parser.add_argument("--list", action="store_true", help="print the pieces and their commands, run nothing")
+    parser.add_argument("--out", type=Path, default=OUT, help=f"the pieces' JSON folder (default: {OUT})")
     args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
     chosen = [(n, a) for n, a in PIECES if args.only is None or n.startswith(args.only)]
     if not chosen:
         parser.error(f"no piece starts with {args.only!r}; pieces: {', '.join(n for n, _ in PIECES)}")
     h2okv = str(Path(sys.executable).parent / "h2okv")
     for name, argv in chosen:
         if args.list:
-            print(f"{name}: h2okv {shlex.join(argv)}")
+            print(f"{name}: (in {args.out}) h2okv {shlex.join(argv)}")
             continue
         print(f"== {name}", flush=True)
-        code = subprocess.call([h2okv, *argv], cwd=ROOT)
+        code = subprocess.call([h2okv, *argv], cwd=args.out)  # --json NAME.json lands in --out
         if code != 0:
             print(f"== {name} exited {code}; stopping (run again to resume)", flush=True)
             return code
