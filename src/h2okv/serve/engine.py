@@ -47,7 +47,7 @@ from h2okv.serve.errors import ErrorKind, ServeError
 from h2okv.serve.executor import Executor
 from h2okv.serve.memory import Reservation, prefill_chunks, reservation
 from h2okv.serve.outputs import Output, eos_ids
-from h2okv.serve.prefix import Entry, PrefixIndex
+from h2okv.serve.prefix import Entry, PrefixIndex, block_checkpoints
 from h2okv.serve.scheduler import SCHEDULES, Scheduler, SchedulerState, SeqState
 from h2okv.serve.types import EngineStats, Event, GenerationRequest, Handle, Observer
 
@@ -77,7 +77,8 @@ class Sequence:
         self.chunks = prefill_chunks(len(request.prompt_ids), chunk)
         self.next_chunk = 0
         self.resume: int | None = None  # the prefix store's entry its prefill starts from
-        self.save_at: int | None = None  # the end of its cacheable prefix, where its state is saved
+        self.resume_length: int | None = None  # ... cut to its first tokens (a full state, see prefix.py)
+        self.checkpoints: frozenset[int] = frozenset()  # prompt lengths where its state is saved
         self.restarts = 0  # times its prefill started over after a shared forward failed
         self.uid = uid  # the executor's name for this sequence
         self.done = False
@@ -87,7 +88,9 @@ class Sequence:
         self.evicted_counted = 0  # tokens evicted so far, as already added to the engine's counter
         self.probe: list[list[int]] | None = None  # a policy ranked by reconstruction: its probe calls
         self.ranked = len(request.prompt_ids)  # ... and the prompt's first tokens they rank
-        self.tail = make_policy(request.policy).tail  # tokens read after the ranking kept on top
+        policy = make_policy(request.policy)
+        self.tail = policy.tail  # tokens read after the ranking kept on top
+        self.evicts = policy.evicts
 
     @property
     def generated(self) -> list[int]:
@@ -151,8 +154,9 @@ class Engine:
         self._draining = False
         self._busy = False
         self.stats = EngineStats()
-        # the prefix store: finished requests' states, resumed by prompts that start with their tokens
-        self.prefixes = PrefixIndex(prefix_memory) if prefix_memory else None
+        # the prefix store: saved states, resumed by prompts that start with their tokens; its
+        # blocks are the prefill's chunks, so a prompt resumed at a block reads the chunks a cold read does
+        self.prefixes = PrefixIndex(prefix_memory, block=prefill_chunk) if prefix_memory else None
         self.queue_times: deque[float] = deque(maxlen=10_000)  # seconds waited by the latest admissions
 
     # -- client side (any thread) ----------------------------------------------------------------
@@ -399,7 +403,8 @@ class Engine:
                 if seq.next_chunk == 0:
                     self._look_up(seq)
                     # positional, as every executor call: plain data a recorder or a TP follower replays
-                    self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0, seq.probe, seq.resume)
+                    self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0, seq.probe, seq.resume,
+                                       seq.resume_length)
                 start, stop = seq.chunks[seq.next_chunk]
                 parts.append((seq.uid, req.prompt_ids[start:stop], start))
             logits = self.executor.prefill(parts)
@@ -411,8 +416,9 @@ class Engine:
             return
         for seq in seqs:
             seq.next_chunk += 1
-            if seq.save_at is not None and seq.chunks[seq.next_chunk - 1][1] == seq.save_at:
-                self._store(seq, seq.request.prompt_ids[:seq.save_at])
+            fed = seq.chunks[seq.next_chunk - 1][1]
+            if fed in seq.checkpoints:
+                self._store(seq, seq.request.prompt_ids[:fed])
             if seq.next_chunk < len(seq.chunks):
                 continue
             self._prefilling.remove(seq)
@@ -445,7 +451,8 @@ class Engine:
     def _replays_alone(self, seq: Sequence) -> bool:
         req = seq.request
         try:
-            self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0, seq.probe, seq.resume)
+            self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0, seq.probe, seq.resume,
+                               seq.resume_length)
             for start, stop in seq.chunks[:seq.next_chunk + 1]:
                 self.executor.prefill([(seq.uid, req.prompt_ids[start:stop], start)])
             return True
@@ -510,36 +517,53 @@ class Engine:
         return request.cache_key, request.policy, budget
 
     def _look_up(self, seq: Sequence) -> None:
-        """At a prompt's first prefill: resume the longest saved state its prompt starts with, if
-        any, and read only the rest (in chunks, on its own copy); a chunk ends where the request's
-        cacheable prefix does, whose state is then saved (``_store``). A prompt ranked by
-        reconstruction reads its ranked part in one chunk (``Sequence.ranked``), the rest after."""
-        prompt = seq.request.prompt_ids
-        entry = None if self.prefixes is None else self.prefixes.match(self._namespace(seq.request), prompt)
+        """At a prompt's first prefill: resume the longest saved state the store holds for it, if
+        any (``PrefixIndex.lookup``), and read only the rest (in chunks, on its own copy). Its
+        state is saved at its checkpoints (``_store``): where its cacheable prefix ends (a chunk
+        ends there) and, for an evicting policy read in chunks, at block boundaries before that
+        (``block_checkpoints``): its state after a chunk depends on no later token. A late prefill
+        or a ranking by reconstruction reads the prompt (its ranked part) in one call, and so has
+        no state part-way through it; a full cache needs none (any prefix of its final state
+        resumes). A prompt ranked by reconstruction reads its ranked part in one chunk
+        (``Sequence.ranked``), the rest after."""
+        req, prompt = seq.request, seq.request.prompt_ids
+        hit = None if self.prefixes is None else self.prefixes.lookup(self._namespace(req), prompt, req.policy)
         done = 0
-        if entry is not None:
-            done = len(entry.ids)
-            seq.resume, seq.probe = entry.id, None  # its first part was ranked when it was saved
+        if hit is not None:
+            done = hit.length
+            seq.resume, seq.probe = hit.entry.id, None  # its first part was ranked when it was saved
+            seq.resume_length = done if done < len(hit.entry.ids) else None
             seq.output.cached_tokens = done
-        cut = seq.request.cache_prefix
+        cut = req.cache_prefix
         if seq.probe is not None:
             cut = seq.ranked
         elif cut is None or not done < cut < len(prompt):
             cut = len(prompt)
-        seq.save_at = cut if cut < len(prompt) and self.prefixes is not None else None
+        saves = set()
+        if self.prefixes is not None:
+            if cut < len(prompt):
+                saves.add(cut)
+            chunked = not self.whole_prompts and not policy_class(req.policy).ranks_by_reconstruction
+            if seq.evicts and chunked:
+                saves.update(block_checkpoints(done, cut, self.prefill_chunk))
+        seq.checkpoints = frozenset(saves)
         pieces = [(done, cut), (cut, len(prompt))] if cut < len(prompt) else [(done, len(prompt))]
         seq.chunks = [(lo + a, lo + b) for lo, hi in pieces for a, b in prefill_chunks(hi - lo, seq.chunk)]
 
     def _store(self, seq: Sequence, ids: list[int]) -> None:
-        """``seq``'s state now, having fed ``ids``, into the prefix store: at the end of its
-        cacheable prefix, or completed (its prompt and answer as fed)."""
+        """``seq``'s state now, having fed ``ids``, into the prefix store: at a checkpoint of its
+        prompt, or completed (its prompt and answer as fed). A state the store resumes already
+        (``PrefixIndex.holds``) is not copied again."""
+        namespace, ids = self._namespace(seq.request), tuple(ids)
+        if self.prefixes.holds(namespace, ids, truncatable=not seq.evicts):
+            return
         entry = self.prefixes.reserve()
         try:
             size = self.executor.save(entry, seq.uid)
         except Exception:  # the store is an optimisation: the request itself goes on
             log.exception("saving request %d's state failed", seq.uid)
             return
-        for gone in self.prefixes.add(Entry(entry, self._namespace(seq.request), tuple(ids), size)):
+        for gone in self.prefixes.add(Entry(entry, namespace, ids, size, truncatable=not seq.evicts)):
             self.executor.forget(gone)
 
     def _fail(self, seq: Sequence, message: str, kind: ErrorKind = ErrorKind.INTERNAL) -> None:

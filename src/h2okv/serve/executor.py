@@ -38,7 +38,9 @@ values live for one layer's call only: what stays is the prompt, then the budget
 state (the tokens it has fed) under an entry id the engine chose; ``open(..., resume=entry)`` starts
 a sequence from a copy of it, and that sequence's prefill then reads the rest of its prompt on its
 own batch-1 cache (never in a shared forward), as a ranked prompt does, before it joins its
-policy's batch; ``forget(entry)`` drops one. A resumed prompt is never ranked by reconstruction
+policy's batch; ``forget(entry)`` drops one. A state of a policy that never evicts resumes with
+``length`` too: its copy is cut to its first ``length`` tokens (``keep_first``), exactly what
+reading them gives. A resumed prompt is never ranked by reconstruction
 again: its first part was.
 
 A call that raises leaves the caches as they were before it, except ``prefill`` and ``decode``
@@ -95,6 +97,25 @@ class SequenceSpec:
     seed: int
     probe: tuple[tuple[int, ...], ...] | None = None  # the probe calls of a policy ranked by reconstruction
     resume: int | None = None  # the saved state it starts from (its prompt's first part is read)
+    length: int | None = None  # ... cut to its first tokens (a state of a policy that never evicts)
+
+
+def keep_first(cache: H2OCache, n: int) -> None:
+    """Cut a batch-1 cache of a policy that never evicts to its first ``n`` tokens: what reading
+    them gives (each slot keeps its token's K/V, written when it was read; a policy that keeps
+    everything ranks nothing, so no score depends on the tokens cut)."""
+    if cache.policy.evicts:
+        raise ValueError(f"a {cache.policy.spec!r} cache's state after n tokens is not its first n")
+    for layer in cache.layers:
+        if not layer.is_initialized:
+            continue
+        layer.to_dense()
+        if int(layer.n_real.min()) < n:
+            raise ValueError(f"cannot keep the first {n} tokens of a cache that read {int(layer.n_real.min())}")
+        layer.valid = layer.valid & (layer.ordinal < n)  # a new tensor: the live bound is counted again
+        layer.n_real = torch.full_like(layer.n_real, n)
+        layer.tokens_seen = n
+    cache.trim()  # the cut slots are the tail (a full cache writes in order); ends in every layer's refresh
 
 
 class Executor:
@@ -131,17 +152,23 @@ class Executor:
 
     # -- sequences -----------------------------------------------------------------------------
     def open(self, uid: int, policy: str, heavy: int | None, recent: int | None, seed: int,
-             probe: list[list[int]] | None = None, resume: int | None = None) -> None:
+             probe: list[list[int]] | None = None, resume: int | None = None, length: int | None = None) -> None:
         """Register a sequence; its cache is built by its first ``prefill``. ``probe``: the probe
         calls (id lists) of a policy that ranks by reconstruction, which needs them. ``resume``: a
-        saved entry it starts from (its cache is a copy of it; no probe)."""
+        saved entry it starts from (its cache is a copy of it; no probe), ``length``: its first
+        tokens only (a state of a policy that never evicts)."""
         if uid in self._specs:
             raise ValueError(f"sequence {uid} is already open")
         if resume is not None:
             if resume not in self._saved or probe is not None:
                 raise ValueError(f"sequence {uid}: no saved state {resume} to resume (or a probe with it)")
-            self._specs[uid] = SequenceSpec(policy, heavy, recent, int(seed), None, resume)
+            if length is not None and (length < 1 or self._saved[resume].policy.evicts):
+                raise ValueError(f"sequence {uid}: only a state that never evicts is cut, to >= 1 token")
+            self._specs[uid] = SequenceSpec(policy, heavy, recent, int(seed), None, resume,
+                                            None if length is None else int(length))
             return
+        if length is not None:
+            raise ValueError(f"sequence {uid}: a length goes with a saved state to resume")
         if policy_class(policy).ranks_by_reconstruction != (probe is not None):
             raise ValueError(f"sequence {uid}: probe calls go with a policy that ranks by reconstruction, "
                              f"and only with one ({policy!r})")
@@ -340,7 +367,10 @@ class Executor:
         copy of its saved state, made at its first part; a ranked one's cache), in one forward."""
         cache = own.get(uid)
         if cache is None:
-            cache = self._saved[self._specs[uid].resume].take_rows([0])
+            spec = self._specs[uid]
+            cache = self._saved[spec.resume].take_rows([0])
+            if spec.length is not None:
+                keep_first(cache, spec.length)
         try:
             out = self.model(input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
                              position_ids=torch.arange(start, start + len(ids), device=self.device)[None],

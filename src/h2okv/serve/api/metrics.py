@@ -68,6 +68,18 @@ class _EngineCollector:
         yield CounterMetricFamily("h2okv_prefix_cache_evictions", "Stored states dropped to stay under "
                                   "--prefix-cache-memory, least recently used first",
                                   value=0 if store is None else store.evicted)
+        # by policy spec: the unlabelled totals above stay (dashboards and serve-bench read them)
+        for name, doc, counts in (
+            ("h2okv_prefix_cache_hits_by_policy", "Prompts that resumed a stored state, by policy", "hits_by"),
+            ("h2okv_prefix_cache_misses_by_policy", "Prompts that found no stored state, by policy", "misses_by"),
+            ("h2okv_prefix_cache_cached_tokens", "Prompt tokens resumed from the store, not read again, by policy",
+             "tokens_by"),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["policy"])
+            # dict.copy: one C call, so the engine thread adding a policy cannot change it mid-read
+            for policy, count in sorted(dict.copy(getattr(store, counts)).items() if store is not None else ()):
+                family.add_metric([policy], count)
+            yield family
         finished = CounterMetricFamily("h2okv_requests_finished", "Requests that left the engine",
                                        labels=["outcome"])
         for outcome, count in sorted(s.finished.items()):
