@@ -19,7 +19,7 @@ SETTINGS = {
 def alone(model, tok, settings, context, question, new):
     """Reading the context, then the question, into a fresh cache: two calls."""
     cache = H2OCache(model, budget_floor=0, **settings)
-    read_context(model, cache, context, tok)
+    read_context(model, tok, cache, context)
     ids = torch.cat([context, torch.tensor([question])], dim=1)
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
@@ -33,7 +33,7 @@ def test_each_answer_is_the_two_call_answer_and_the_context_is_read_once(name):
     context = random_ids(48, seed=3)
     questions = [random_ids(n, seed=10 + n)[0].tolist() for n in (3, 9, 5)]
     cache = H2OCache(model, budget_floor=0, **SETTINGS[name])
-    read_context(model, cache, context, tok)
+    read_context(model, tok, cache, context)
     before = cache.stats()
     calls = []
     hook = model.register_forward_pre_hook(lambda m, a, k: calls.append(k["input_ids"].shape), with_kwargs=True)
@@ -51,7 +51,7 @@ def test_text_questions_and_clear_errors():
     cache = H2OCache(model, budget=10)
     with pytest.raises(H2OError, match="read_context first"):
         ask(model, tok, cache, context, ["w5 w6"])
-    read_context(model, cache, context, tok)
+    read_context(model, tok, cache, context)
     texts = ask(model, tok, cache, context, ["w5 w6", "w7"], max_new_tokens=3)
     assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
     with pytest.raises(H2OError, match="list of questions"):

@@ -94,11 +94,11 @@ def test_unknown_recipes_and_bad_budgets_are_one_line_errors(llama):
             H2OCache(llama, budget=budget)
     with pytest.raises(H2OError, match="not both"):
         H2OCache(llama, budget=0.2, heavy=4, recent=4)
-    with pytest.raises(H2OError, match="recent_share splits budget"):
+    with pytest.raises(H2OError, match="recent_share= splits budget="):
         H2OCache(llama, heavy=4, recent=4, recent_share=0.1)
     with pytest.raises(H2OError, match="keeps every token"):
         H2OCache(llama, policy="full", budget=0.2)
-    with pytest.raises(H2OError, match="recent share"):
+    with pytest.raises(H2OError, match="recent_share= must be a number in"):
         H2OCache(llama, budget=0.2, recent_share=1.5)
 
 
@@ -199,14 +199,14 @@ def test_read_context_ranks_a_document_before_any_question():
     tokenizer = word_tokenizer()
     context = torch.randint(3, model.config.vocab_size, (1, 60), generator=torch.Generator().manual_seed(1))
     cache = H2OCache(model, recipe="document", budget=0.25, budget_floor=0)
-    read_context(model, cache, context, tokenizer)
+    read_context(model, tokenizer, cache, context)
     assert cache.get_seq_length() == 60
     # ranked and evicted: the cache-wide split moves slots between the two layers, the total is kept
     slots = cache.stats()["slots"]
     assert cache.budget() == [15] and max(slots) < 60 and sum(slots) <= 2 * 15 + 2
     with pytest.raises(H2OError, match="needs the tokenizer"):
-        read_context(model, H2OCache(model, recipe="document"), context)
+        read_context(model, None, H2OCache(model, recipe="document"), context)
     # any other policy just reads the context
     plain = H2OCache(model, budget=0.25, budget_floor=0)
-    read_context(model, plain, context[0].tolist())
+    read_context(model, None, plain, context[0].tolist())
     assert plain.get_seq_length() == 60 and plain.budget() == [14]  # 7 + 7: each half rounds down

@@ -65,7 +65,7 @@ def read_ahead(model, tokenizer, cache, ids: torch.Tensor, end: int | None = Non
     ``torch.inference_mode``."""
     if end is None and not cache.policy.ranks_by_reconstruction:
         return
-    read_context(model, cache, ids[:, : ids.shape[1] - 1 if end is None else end], tokenizer, start=chat_head)
+    read_context(model, tokenizer, cache, ids[:, : ids.shape[1] - 1 if end is None else end], start=chat_head)
 
 
 def pad_rows(rows: list[list[int]], pad_id: int, device="cpu", side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +169,7 @@ def generate(
     if cache.policy.ranks_by_reconstruction:
         if inputs["input_ids"].shape[1] < 2:
             raise H2OError(f"policy {cache.policy.spec!r} ranks the prompt by repeating it: give at least 2 tokens")
-        read_context(model, cache, inputs["input_ids"][:, :-1], tokenizer)
+        read_context(model, tokenizer, cache, inputs["input_ids"][:, :-1])
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     watch = KVWatch(cache, kv_every, on_kv) if kv_every else None
     sampling = {"do_sample": False}

@@ -14,7 +14,7 @@ def test_a_compacted_state_costs_its_live_slots_and_resumes_the_same():
     model, tok = tiny_model("llama"), word_tokenizer()
     context = torch.randint(5, 60, (1, 80), generator=torch.Generator().manual_seed(3))
     cache = H2OCache(model, recipe="document", budget=0.2, budget_floor=0)
-    read_context(model, cache, context, tok, start=0)
+    read_context(model, tok, cache, context, start=0)
     live = sum(int(layer.live_slots().sum()) for layer in cache.layers)
     kept = cache.take_rows([0])  # dense, as a decode batch holds it
     kept.trim()

@@ -8,7 +8,7 @@ no question in sight: the same ranking then serves any question asked later (a c
 many questions reuse). Usage::
 
     cache = H2OCache(model, recipe="document", budget=0.2)   # kvzip, read whole, cache-wide split
-    read_context(model, cache, context, tokenizer)           # read, probe, rank, evict to the budget
+    read_context(model, tokenizer, cache, context)           # read, probe, rank, evict to the budget
     model.generate(input_ids=torch.cat([context, question], 1), cache=cache, ...)
 
 (``read_context`` is ``model(input_ids=context, cache=cache)`` then ``reconstruct``.)

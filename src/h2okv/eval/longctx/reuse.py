@@ -44,7 +44,7 @@ def reuse_answers(model, tokenizer, prompts: list[LongPrompt], cache, max_new_to
     """The shared context read once, compressed question-agnostically, then every question
     answered from its own copy of that state (``h2okv.ask``)."""
     context = prompts[0].ids[: prompts[0].question]
-    read_context(model, cache, context, tokenizer, start=chat_head)
+    read_context(model, tokenizer, cache, context, start=chat_head)
     return ask(model, tokenizer, cache, context, [p.ids[p.question :] for p in prompts], max_new_tokens=max_new_tokens)
 
 
