@@ -219,6 +219,14 @@ def cell_keys(spec: GridSpec, task: str, context: int, config: Config) -> set[tu
     return {sample_key(spec, task, context, config, s) for s in range(spec.samples)}
 
 
+def warm_up(model) -> None:
+    """One short forward before any cell is measured: weights loaded by memory-mapping become
+    resident on first touch, which the first cell's peak memory would otherwise count (measured:
+    2.6 GB above the baseline for a 2k prompt under full on the 0.5B, 1.5 GB for the 8k after it)."""
+    with torch.inference_mode():
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=model.device))
+
+
 def run_grid(model, tokenizer, spec: GridSpec, done: set[tuple] = frozenset(), on_rows=None, progress=True,
              meta: dict | None = None) -> list[dict]:
     """Every (task, context, configuration) cell not in ``done``; ``on_rows(rows)`` after each. One
@@ -227,6 +235,8 @@ def run_grid(model, tokenizer, spec: GridSpec, done: set[tuple] = frozenset(), o
         raise ValueError("run_grid asks one question per context; run_reuse_grid asks several")
     prompts = grid_prompts(tokenizer, spec)
     todo = [(t, c, config) for (t, c) in prompts for config in spec.configs() if not cell_keys(spec, t, c, config) <= done]
+    if todo:
+        warm_up(model)
     found = []
     with tqdm(total=len(todo), desc=f"longctx ({spec.question})", unit="cell", disable=not progress) as bar:
         for task, context, config in todo:
