@@ -16,8 +16,8 @@ def run_cli(capsys, *argv):
     [
         (["generate", "--prompt", "hi", "--policy", "bogus"], "unknown policy"),
         (["generate", "--prompt", "hi", "--policy", "snapkv:window=-1"], "window must be >= 1"),
-        (["generate", "--prompt", "hi", "--policy", "tova", "--heavy", "0", "--recent", "4"], "heavy > 0"),
-        (["generate", "--prompt", "hi", "--heavy", "0", "--recent", "4"], "heavy > 0"),
+        (["generate", "--prompt", "hi", "--policy", "tova", "--heavy", "0", "--recent", "4"], "each of --heavy and --recent"),
+        (["generate", "--prompt", "hi", "--heavy", "0", "--recent", "4"], "each of --heavy and --recent"),
         (["generate", "--prompt", "hi", "--heavy-ratio", "1.5", "--recent-ratio", "0.1"], "(0, 1]"),
         (["generate", "--prompt-file", "/nonexistent/prompt.txt"], "prompt file not found"),
         (["generate", "--prompt", "   "], "prompt is empty"),

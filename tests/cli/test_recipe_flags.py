@@ -17,14 +17,14 @@ def run_cli(capsys, *argv):
 
 @pytest.mark.parametrize("argv, fragment", [
     (["generate", "--prompt", "hi", "--recipe", "fastest"], "unknown recipe 'fastest'"),
-    (["generate", "--prompt", "hi", "--budget", "1.5"], "a fraction of the prompt with a point"),
-    (["generate", "--prompt", "hi", "--budget", "0"], "a fraction of the prompt with a point"),
+    (["generate", "--prompt", "hi", "--budget", "1.5"], "--budget must be a fraction of the prompt in (0, 1] (e.g. 0.2) or a whole number of slots >= 2 for h2o"),
+    (["generate", "--prompt", "hi", "--budget", "0"], "--budget must be a fraction of the prompt in (0, 1] (e.g. 0.2) or a whole number of slots >= 2 for h2o"),
     (["generate", "--prompt", "hi", "--budget", "0.2", "--heavy", "4"], "not both"),
     (["generate", "--prompt", "hi", "--recent-share", "2"], "must be a share in [0, 1]"),
-    (["generate", "--prompt", "hi", "--heavy", "3", "--recent", "3", "--recent-share", "0.1"], "recent_share splits"),
+    (["generate", "--prompt", "hi", "--heavy", "3", "--recent", "3", "--recent-share", "0.1"], "--recent-share splits --budget"),
     (["generate", "--prompt", "hi", "--policy", "full", "--budget", "0.2"], "keeps every token"),
     (["serve", "--recipe", "fastest"], "unknown recipe 'fastest'"),
-    (["serve", "--budget", "abc"], "a fraction of the prompt with a point"),
+    (["serve", "--budget", "abc"], "--budget must be a fraction of the prompt in (0, 1] (e.g. 0.2) or a whole number of slots >= 2 for h2o"),
     (["serve", "--budget", "0.2", "--heavy-ratio", "0.1"], "not both"),
     (["eval", "retrieval", "--recipe", "bounded,nope"], "unknown recipe 'nope'"),
     (["eval", "longctx", "--recipe", "nope"], "unknown recipe 'nope'"),

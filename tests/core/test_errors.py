@@ -12,7 +12,7 @@ from h2okv.core.compat import cache_arg
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"policy": "h2o", "heavy": 0, "recent": 5}, "heavy > 0"),
+        ({"policy": "h2o", "heavy": 0, "recent": 5}, "at least 1 slot in each of heavy= and recent="),
         ({"policy": "h2o", "heavy": -3, "recent": 5}, "positive"),
         ({"policy": "h2o", "heavy_ratio": 0.0, "recent_ratio": 0.1}, "(0, 1]"),
         ({"policy": "h2o", "heavy_ratio": 1.5, "recent_ratio": 0.1}, "(0, 1]"),
@@ -27,7 +27,7 @@ from h2okv.core.compat import cache_arg
         ({"policy": "snapkv:window=abc"}, "is not a int"),
         ({"policy": "snapkv:size=3"}, "has no option 'size'"),
         ({"policy": "h2o:window=3"}, "has no option 'window'"),
-        ({"policy": "tova", "heavy": 0, "recent": 5}, "heavy > 0"),
+        ({"policy": "tova", "heavy": 0, "recent": 5}, "at least 1 slot in each of heavy= and recent="),
         ({"policy": "h2o-mean", "heavy_ratio": 0.1, "recent_ratio": 0.0}, "(0, 1]"),
     ],
 )

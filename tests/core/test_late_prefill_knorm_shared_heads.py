@@ -171,9 +171,9 @@ def test_recent_share_splits_a_fraction():
         (lambda: make_policy("tova:heads=all"), "heads must be own or shared"),
         (lambda: make_policy("knorm:window=3"), "has no option 'window'"),
         (lambda: make_policy("local:heads=shared"), "has no option 'heads'"),
-        (lambda: BudgetSpec.from_fraction(0.2, 1.5), "recent share must be in [0, 1]"),
-        (lambda: BudgetSpec.from_fraction(0.2, float("nan")), "recent share must be in [0, 1]"),
-        (lambda: new_cache(MODEL, "h2o", 0.2, recent_share=0.0), "needs heavy_ratio and recent_ratio"),
+        (lambda: BudgetSpec.from_fraction(0.2, 1.5), "recent_share= must be a number in [0, 1]"),
+        (lambda: BudgetSpec.from_fraction(0.2, float("nan")), "recent_share= must be a number in [0, 1]"),
+        (lambda: new_cache(MODEL, "h2o", 0.2, recent_share=0.0), "recent_share= 0.0 leaves h2o no recent slots"),
     ],
 )
 def test_bad_options_are_one_line_errors(make, message):

@@ -174,8 +174,9 @@ def add_budget_args(parser: argparse.ArgumentParser, policy_default: str = "h2o"
     parser.add_argument("--policy", default=None, help=f"one of {', '.join(names)}, options after a colon, e.g. snapkv:window=16 (default: {policy_default}, or the recipe's)")
     add_recipe_arg(parser)
     parser.add_argument("--budget", type=parse_budget, default=None,
-                        help="the cache budget: a fraction of the prompt (0.2) or slots per layer and KV head (256) "
-                             "(default: 0.2, the paper's 10%% heavy + 10%% recent)")
+                        help="the cache budget: a fraction of the prompt in (0, 1] (0.2) or a whole number of slots "
+                             "per layer and KV head (256; h2o needs at least 2) (default: 0.2, the paper's 10%% heavy "
+                             "+ 10%% recent)")
     parser.add_argument("--recent-share", type=recent_share, default=None,
                         help="share of --budget kept for the most recent tokens (default: 0.5, or the recipe's)")
     parser.add_argument("--budget-floor", type=int, default=None,
@@ -228,14 +229,18 @@ def add_recipe_arg(parser: argparse.ArgumentParser, grid: bool = False) -> None:
                         help=f"{what}: {recipe_help()}")
 
 
-def parse_budget(text: str) -> float | int:
-    """``--budget``: a fraction of the prompt with a point (``0.2``) or slots per layer and KV head
-    (an integer: ``256``)."""
-    value = slots_or_fraction(str(text).strip(), min_slots=1)
-    if value is None:
-        raise argparse.ArgumentTypeError(f"expected a fraction of the prompt with a point (0.2) or a number of "
-                                         f"slots (256), got {text!r}")
-    return value
+def parse_budget(text: str) -> float | int | str:
+    """``--budget`` as typed: an integer (``256``) is slots per layer and KV head, any other number
+    (``0.2``) a fraction of the prompt. Its range is the policy's to judge (``check_settings``,
+    before any model loads), so anything else is handed on as text and refused there, in one
+    message that names the range."""
+    text = str(text).strip()
+    if text.isdigit():
+        return int(text)
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def add_budget_shape_args(parser: argparse.ArgumentParser, prefill: bool = True, layers: bool = False) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from h2okv import extras
 from h2okv.errors import H2OError, print_error
+from h2okv.vocabulary import as_flag, said
 
 
 def subcommand_modules() -> list[str]:
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         from h2okv.parallel.ranks import quiet_rank
 
         if not quiet_rank():  # under torchrun, an error every rank meets alike is printed once
-            print_error(exc)
+            print_error(said(exc, as_flag))  # a setting named as the flag that sets it (--budget)
         return 2
     except KeyboardInterrupt:
         print("h2okv: interrupted", file=sys.stderr)

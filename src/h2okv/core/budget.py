@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from h2okv.errors import H2OError
 from h2okv.policies import Budget, Policy, policy_class
+from h2okv.vocabulary import SettingError
 
 # the share of a budget fraction kept for the most recent tokens: the paper's half and half
 DEFAULT_RECENT_SHARE = 0.5
@@ -45,35 +45,40 @@ class BudgetSpec:
     @classmethod
     def build(cls, policy: Policy, heavy=None, recent=None, heavy_ratio=None, recent_ratio=None,
               floor: int = DEFAULT_BUDGET_FLOOR) -> BudgetSpec:
+        given = {"heavy": heavy, "recent": recent, "heavy_ratio": heavy_ratio, "recent_ratio": recent_ratio}
         absolute = heavy is not None or recent is not None
         ratio = heavy_ratio is not None or recent_ratio is not None
         if not policy.evicts:
             if absolute or ratio:
-                raise H2OError(f"policy {policy.name!r} keeps every token; do not give it a budget")
+                raise takes_no_budget(policy, [name for name, value in given.items() if value is not None])
             return cls()
         if absolute and ratio:
-            raise H2OError("give either --heavy/--recent or --heavy-ratio/--recent-ratio, not both")
+            raise SettingError("give either {heavy}/{recent} or {heavy_ratio}/{recent_ratio}, not both")
         if not absolute and not ratio:
             # the paper's setting: 10% heavy hitters + 10% recent of the prompt ("20% KV cache")
             heavy_ratio, recent_ratio = 0.1, 0.1
         elif absolute:
             heavy, recent = int(heavy or 0), int(recent or 0)
             if heavy < 0 or recent < 0 or heavy + recent <= 0:
-                raise H2OError(f"budget must be positive: heavy={heavy}, recent={recent}")
+                raise SettingError("{heavy} and {recent} must be slot counts >= 0 with a positive sum, got {h} and {r}",
+                                   h=heavy, r=recent)
             if policy.needs_scores and (heavy <= 0 or recent <= 0):
-                raise H2OError(f"{policy.name} needs heavy > 0 and recent > 0 (got heavy={heavy}, recent={recent})")
+                raise SettingError("{name} ranks heavy hitters and keeps recent tokens: it needs at least 1 slot "
+                                   "in each of {heavy} and {recent}, got {h} and {r}", name=policy.name, h=heavy,
+                                   r=recent)
             return cls(heavy=heavy, recent=recent)
         heavy_ratio = float(heavy_ratio or 0.0)
         recent_ratio = float(recent_ratio or 0.0)
         for name, value in (("heavy_ratio", heavy_ratio), ("recent_ratio", recent_ratio)):
             if not (0.0 <= value <= 1.0) or math.isnan(value):
-                raise H2OError(f"{name} must be in (0, 1], got {value}")
+                raise SettingError(f"{{{name}}} must be a fraction of the prompt in (0, 1] (or 0: no such part), "
+                                   f"got {{got}}", got=value)
         if heavy_ratio + recent_ratio <= 0:
-            raise H2OError("heavy_ratio + recent_ratio must be > 0")
+            raise SettingError("{heavy_ratio} + {recent_ratio} must be > 0")
         if policy.needs_scores and (heavy_ratio <= 0 or recent_ratio <= 0):
-            raise H2OError(
-                f"{policy.name} needs heavy_ratio and recent_ratio in (0, 1] (got {heavy_ratio}, {recent_ratio})"
-            )
+            raise SettingError("{name} ranks heavy hitters and keeps recent tokens: it needs {heavy_ratio} and "
+                               "{recent_ratio} both in (0, 1], got {h} and {r}", name=policy.name, h=heavy_ratio,
+                               r=recent_ratio)
         return cls(heavy_ratio=heavy_ratio, recent_ratio=recent_ratio, floor=check_floor(floor))
 
     @classmethod
@@ -117,26 +122,65 @@ class BudgetSpec:
 def check_floor(floor) -> int:
     """``floor`` as a slot count >= 0, else a one-line error."""
     if isinstance(floor, bool) or not isinstance(floor, int) or floor < 0:
-        raise H2OError(f"budget_floor must be a whole number of slots >= 0, got {floor!r}")
+        raise SettingError("{budget_floor} must be a whole number of slots >= 0, got {got}", got=repr(floor))
     return floor
 
 
-def budget_keywords(budget, recent_share: float = DEFAULT_RECENT_SHARE) -> dict:
+# what a budget may be, in every message about one (``least``: ``least_slots``)
+BUDGET_RULE = "a fraction of the prompt in (0, 1] (e.g. 0.2) or a whole number of slots >= {least}{policy} (e.g. 256)"
+
+
+def least_slots(policy: Policy | type[Policy], recent_share: float = DEFAULT_RECENT_SHARE) -> int:
+    """The fewest slots a budget given as a count may have under ``policy`` once ``recent_share``
+    splits it (``from_slots``): 1, or, for a policy that ranks by scores (``needs_scores``: h2o
+    needs a heavy and a recent slot), the least count whose heavy part is >= 1 (2 at the default
+    half and half); a share that leaves such a policy no heavy or no recent part is an error."""
+    share = check_recent_share(recent_share)
+    if not policy.needs_scores:
+        return 1
+    if not 0.0 < share < 1.0:
+        raise SettingError("{recent_share} {got} leaves {name} no {part} slots: it ranks heavy hitters and keeps "
+                           "recent tokens, so give a share in (0, 1)", got=share, name=policy.name,
+                           part="recent" if share == 0 else "heavy")
+    slots = max(2, math.ceil(1 / (1 - share)))
+    while BudgetSpec.from_slots(slots, share).heavy < 1:  # float rounding: a step or two at most
+        slots += 1
+    return slots
+
+
+def budget_keywords(budget, recent_share: float = DEFAULT_RECENT_SHARE, policy: Policy | None = None) -> dict:
     """``H2OCache``'s one ``budget`` argument as the heavy/recent keywords it stands for: a float
     in (0, 1] is a fraction of each prompt, an int (or a whole float above 1) slots per (layer, KV
-    head); ``recent_share`` of it is kept for the most recent tokens."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or math.isnan(budget):
-        raise H2OError(f"budget must be a fraction of the prompt in (0, 1] or a number of slots, got {budget!r}")
-    fraction = isinstance(budget, float) and (budget <= 1 or not budget.is_integer())
-    if fraction:
-        if not 0.0 < budget <= 1.0:
-            raise H2OError(f"budget {budget} is neither a fraction in (0, 1] nor a whole number of slots")
+    head), at least ``least_slots`` for ``policy``; ``recent_share`` of it is kept for the most
+    recent tokens."""
+    least = 1 if policy is None else least_slots(policy, recent_share)
+    number = not isinstance(budget, bool) and isinstance(budget, (int, float)) and not math.isnan(budget)
+    fraction = number and isinstance(budget, float) and (budget <= 1 or not budget.is_integer())
+    if fraction and 0.0 < budget <= 1.0:
         spec = BudgetSpec.from_fraction(budget, recent_share)
         return {"heavy_ratio": spec.heavy_ratio, "recent_ratio": spec.recent_ratio}
-    if budget < 1 or math.isinf(budget):
-        raise H2OError(f"budget must be a number of slots >= 1 or a fraction in (0, 1], got {budget!r}")
-    spec = BudgetSpec.from_slots(int(budget), recent_share)
-    return {"heavy": spec.heavy, "recent": spec.recent}
+    if number and not fraction and least <= budget < math.inf:
+        spec = BudgetSpec.from_slots(int(budget), recent_share)
+        return {"heavy": spec.heavy, "recent": spec.recent}
+    raise SettingError("{budget} must be " + BUDGET_RULE + ", got {got}", least=least,
+                       policy="" if policy is None else f" for {policy.name}", got=budget if number else repr(budget))
+
+
+def takes_no_budget(policy: Policy, names) -> SettingError:
+    """The error for a budget (``names``: the settings given) on a policy that keeps every token."""
+    return SettingError(f"policy {{name!r}} keeps every token; do not give it {' or '.join('{' + n + '}' for n in names)}",
+                        name=policy.name)
+
+
+def two_spellings(parts) -> SettingError:
+    """The error for ``budget`` given beside the older parts (``parts``: those given)."""
+    return SettingError(f"give either {{budget}} or {'/'.join('{' + p + '}' for p in parts)}, not both")
+
+
+def share_without_budget() -> SettingError:
+    """The error for a recent share beside a budget given in parts (it splits ``budget`` only)."""
+    return SettingError("{recent_share} splits {budget}; with {heavy}/{recent} or {heavy_ratio}/{recent_ratio} "
+                        "give both parts yourself")
 
 
 def check_recent_share(share: float) -> float:
@@ -144,9 +188,9 @@ def check_recent_share(share: float) -> float:
     try:
         value = float(share)
     except (TypeError, ValueError):
-        raise H2OError(f"recent share must be a number in [0, 1], got {share!r}") from None
+        value = math.nan
     if not 0.0 <= value <= 1.0:  # also refuses nan
-        raise H2OError(f"recent share must be in [0, 1], got {share!r}")
+        raise SettingError("{recent_share} must be a number in [0, 1], got {got}", got=repr(share))
     return value
 
 
@@ -155,6 +199,7 @@ def fraction_keywords(policy: str, fraction: float | None, recent_share: float =
     ``recent_share`` of it recent); none for a policy that keeps every token (it takes no budget)."""
     if not policy_class(policy).evicts:
         return {}
+    least_slots(policy_class(policy), recent_share)  # a share that leaves h2o no heavy or recent part
     spec = BudgetSpec.from_fraction(fraction, recent_share)
     return {"heavy_ratio": spec.heavy_ratio, "recent_ratio": spec.recent_ratio}
 
@@ -164,6 +209,7 @@ def slots_keywords(policy: str, slots: int | None, recent_share: float = DEFAULT
     (``from_slots``, ``recent_share`` of them recent); none for a policy that keeps every token."""
     if not policy_class(policy).evicts:
         return {}
+    least_slots(policy_class(policy), recent_share)
     spec = BudgetSpec.from_slots(slots, recent_share)
     return {"heavy": spec.heavy, "recent": spec.recent}
 

@@ -16,6 +16,9 @@ from h2okv.core.budget import (
     BudgetSpec,
     RowBudgets,
     budget_keywords,
+    share_without_budget,
+    takes_no_budget,
+    two_spellings,
 )
 from h2okv.core.head_budget import DEFAULT_FLOOR, HEAD_BUDGETS
 from h2okv.core.layer import LayerConfig, SlotLayer
@@ -54,15 +57,15 @@ def check_settings(policy=None, *, recipe=None, budget=None, recent_share=None, 
     # a recipe or a recent share without a budget: the default fifth of each prompt, split their way
     if budget is not None or ((recipe is not None or recent_share is not None) and chosen.evicts and not given_parts):
         if given_parts:
-            raise H2OError("give either budget= or heavy=/recent=/heavy_ratio=/recent_ratio=, not both")
+            raise two_spellings([name for name, value in parts.items() if value is not None])
         share = DEFAULT_RECENT_SHARE if settings["recent_share"] is None else settings["recent_share"]
         if chosen.evicts:
-            parts = budget_keywords(DEFAULT_RECIPE_BUDGET if budget is None else budget, share)
+            parts = budget_keywords(DEFAULT_RECIPE_BUDGET if budget is None else budget, share, chosen)
         elif budget is not None:
-            raise H2OError(f"policy {chosen.name!r} keeps every token; do not give it a budget")
+            raise takes_no_budget(chosen, ["budget"])
         settings["recent_share"] = share if chosen.evicts else None
     elif recent_share is not None and chosen.evicts:
-        raise H2OError("recent_share splits budget=; with heavy=/recent= or ratios give both parts yourself")
+        raise share_without_budget()
     else:
         settings["recent_share"] = None  # the budget is in parts (or the paper's default): no share split it
     return settings, chosen, BudgetSpec.build(chosen, floor=budget_floor, **parts)

@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from h2okv.core.budget import DEFAULT_BUDGET_FLOOR, DEFAULT_RECENT_SHARE, BudgetSpec, budget_keywords
+from h2okv.core.budget import (
+    DEFAULT_BUDGET_FLOOR,
+    DEFAULT_RECENT_SHARE,
+    BudgetSpec,
+    budget_keywords,
+    share_without_budget,
+    takes_no_budget,
+    two_spellings,
+)
 from h2okv.core.cache import PREFILL_MODES
 from h2okv.errors import H2OError
 from h2okv.policies import make_policy
@@ -82,8 +90,9 @@ class EvictionDefaults:
         return {name: getattr(self, name) for name in BUDGET_FIELDS}
 
     def validate(self) -> None:
-        if not make_policy(self.policy).evicts and any(getattr(self, name) is not None for name in (*PART_FIELDS, "budget")):
-            raise H2OError(f"policy {self.policy!r} keeps every token; do not give it a budget")
+        given = [name for name in ("budget", *PART_FIELDS) if getattr(self, name) is not None]
+        if given and not make_policy(self.policy).evicts:
+            raise takes_no_budget(make_policy(self.policy), given)
         self.resolve(0)
         if self.prefill not in PREFILL_MODES:
             raise H2OError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {self.prefill!r}")
@@ -113,13 +122,14 @@ class EvictionDefaults:
             share = settings.get("recent_share", DEFAULT_RECENT_SHARE)
         if fields["budget"] is not None or (recipe and not given_parts):
             if given_parts:
-                raise H2OError("give either budget or heavy/recent/heavy_ratio/recent_ratio, not both")
+                raise two_spellings([name for name, value in parts.items() if value is not None])
             if chosen.evicts:
-                parts = budget_keywords(DEFAULT_RECIPE_BUDGET if fields["budget"] is None else fields["budget"], share)
+                parts = budget_keywords(DEFAULT_RECIPE_BUDGET if fields["budget"] is None else fields["budget"],
+                                        share, chosen)
         elif fields["recent_share"] is not None and chosen.evicts:
-            raise H2OError("recent_share splits budget; with heavy/recent or ratios give both parts yourself")
+            raise share_without_budget()
         if not chosen.evicts and fields["budget"] is not None:
-            raise H2OError(f"policy {chosen.name!r} keeps every token; do not give it a budget")
+            raise takes_no_budget(chosen, ["budget"])
         spec = BudgetSpec.build(chosen, floor=self.budget_floor, **parts)
         if not chosen.evicts:
             return chosen.spec, None, None

@@ -14,7 +14,7 @@ and length (``MAX_STOPS``, ``MAX_STOP_CHARS``): each generated token is checked 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -47,7 +47,9 @@ class H2OSettings(BaseModel):
 
     policy: Text | None = None
     recipe: Text | None = None
-    budget: int | float | None = None
+    # any JSON value: the budget's range depends on the policy, so ``EvictionDefaults.resolve`` judges it and
+    # says the range (a type error here would say only "Input should be a valid integer" for "20%")
+    budget: Any = None
     recent_share: float | None = None
     heavy: int | None = None
     recent: int | None = None

@@ -46,18 +46,15 @@ from h2okv.serve.engine import Engine
 from h2okv.serve.errors import ServeError
 from h2okv.serve.eviction import EvictionDefaults
 from h2okv.serve.types import Event, GenerationRequest, Handle
+from h2okv.vocabulary import SettingError, as_field
+from h2okv.window import context_window
 
 PREPARE_THREADS = 2
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
 
 
 def model_context_limit(model) -> int:
-    config = model.config.get_text_config()
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 1 << 30
+    return context_window(model.config) or 1 << 30
 
 
 class Completions:
@@ -178,6 +175,9 @@ class Serving:
             policy, heavy, recent = self.eviction.resolve(
                 len(prompt_ids), policy=body.h2o.policy if body.h2o else None,
                 budget=body.h2o.budget_fields() if body.h2o else None, recipe=body.h2o.recipe if body.h2o else None)
+        except SettingError as exc:  # the settings named as the request's fields (h2o.budget)
+            named = [as_field(name) for name in exc.names]
+            raise APIError(400, exc.said(as_field), param=named[0] if len(named) == 1 else "h2o") from None
         except (H2OError, ValueError, OverflowError) as exc:
             raise APIError(400, f"h2o: {exc}", param="h2o") from None
         return [GenerationRequest(
@@ -194,8 +194,9 @@ class Serving:
         larger numbers (1e30) would only overflow the cache's integer tensors."""
         for name in ("heavy", "recent", "budget"):
             value = getattr(body.h2o, name, None) if body.h2o else None
-            if name == "budget" and isinstance(value, float) and value <= 1:
-                continue  # a fraction of the prompt
+            if name == "budget" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                     or isinstance(value, float) and value <= 1):
+                continue  # a fraction of the prompt, or no number: resolve() says what a budget may be
             if value is not None and not 0 <= value <= self.limits.context:
                 raise APIError(400, f"h2o.{name}={value} must be in [0, {self.limits.context}] (the model's "
                                f"context length)", param=f"h2o.{name}")
