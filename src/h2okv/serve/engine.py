@@ -91,6 +91,7 @@ class Sequence:
         policy = make_policy(request.policy)
         self.tail = policy.tail  # tokens read after the ranking kept on top
         self.evicts = policy.evicts
+        self.policy_name = policy.name  # the store's metrics label: names are few, specs with options are not
 
     @property
     def generated(self) -> list[int]:
@@ -527,7 +528,7 @@ class Engine:
         resumes). A prompt ranked by reconstruction reads its ranked part in one chunk
         (``Sequence.ranked``), the rest after."""
         req, prompt = seq.request, seq.request.prompt_ids
-        hit = None if self.prefixes is None else self.prefixes.lookup(self._namespace(req), prompt, req.policy)
+        hit = None if self.prefixes is None else self.prefixes.lookup(self._namespace(req), prompt, seq.policy_name)
         done = 0
         if hit is not None:
             done = hit.length

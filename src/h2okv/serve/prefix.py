@@ -93,7 +93,7 @@ class PrefixIndex:
         self._chains: dict[tuple, dict[int, None]] = {}  # (namespace, chain hash) -> truncatable entries
         self._ids = itertools.count()
         self.hits = self.misses = 0
-        # by the label ``lookup`` is given (the engine's: the policy spec); read by /metrics' thread
+        # by the label ``lookup`` is given (the engine's: the policy's name); read by /metrics' thread
         self.hits_by: Counter[str] = Counter()
         self.misses_by: Counter[str] = Counter()
         self.tokens_by: Counter[str] = Counter()  # prompt tokens resumed, not read again
@@ -114,11 +114,12 @@ class PrefixIndex:
         """The longest resumable state of ``namespace`` for prompt ``ids`` (see the module
         docstring), its entry marked as used; None: a miss. Counted under ``label``."""
         best: Hit | None = None
+        ids = tuple(ids)
         for entry in self._entries.values():  # whole entries, and the lengths truncatable ones replaced
             if entry.namespace != namespace:
                 continue
             for n in (len(entry.ids), *entry.marks):
-                if (best is None or n > best.length) and n < len(ids) and tuple(ids[:n]) == entry.ids[:n]:
+                if (best is None or n > best.length) and n < len(ids) and ids[:n] == entry.ids[:n]:
                     best = Hit(entry, n)
         depth, owners = 0, None
         for h in block_chain(ids, self.block, (len(ids) - 1) // self.block):  # a token is left to read
@@ -128,7 +129,7 @@ class PrefixIndex:
         t = depth * self.block
         if owners and (best is None or t > best.length):
             entry = self._entries[next(reversed(owners))]  # the latest saved of those that share it
-            if entry.ids[:t] == tuple(ids[:t]):  # a hash collision is a miss, never a wrong state
+            if entry.ids[:t] == ids[:t]:  # a hash collision is a miss, never a wrong state
                 best = Hit(entry, t)
         if best is None:
             self.misses += 1
