@@ -14,6 +14,7 @@ from h2okv.core.cache import DEFAULT_CHUNK, H2OCache
 from h2okv.core.compat import cache_arg
 from h2okv.core.reconstruction import read_context
 from h2okv.errors import H2OError
+from h2okv.window import check_fits, context_window
 
 
 @dataclass
@@ -66,6 +67,21 @@ def read_ahead(model, tokenizer, cache, ids: torch.Tensor, end: int | None = Non
     if end is None and not cache.policy.ranks_by_reconstruction:
         return
     read_context(model, tokenizer, cache, ids[:, : ids.shape[1] - 1 if end is None else end], start=chat_head)
+
+
+def read_in_pieces(model, cache, ids: torch.Tensor, window: int) -> None:
+    """Rolling positions take forward calls of at most ``window`` tokens, the kept ones included
+    (``core/positions.py``): all of a longer prompt but its last piece is read ahead in pieces
+    (``generate`` then reads the rest). The budget is fixed by the whole prompt first, so that a
+    fraction is of the prompt, not of its first piece."""
+    if ids.shape[1] <= window:
+        return
+    cache.row_budgets.for_call(torch.ones_like(ids, dtype=torch.bool), "cpu")
+    budget = cache.row_budgets.max_budget
+    piece = window - int(budget) if budget < window else window  # else the positions say what does not fit
+    with torch.inference_mode():
+        for start in range(0, (ids.shape[1] - 1) // piece * piece, piece):
+            model(input_ids=ids[:, start:start + piece], **cache_arg(cache), use_cache=True, logits_to_keep=1)
 
 
 def pad_rows(rows: list[list[int]], pad_id: int, device="cpu", side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,6 +182,10 @@ def generate(
                      compileable=compile is not None, protect_prompt=protect_prompt, **floor,
                      **budget_kwargs(**parts))
     inputs = encode_prompt(tokenizer, prompt, chat=chat, device=model.device)
+    if cache.rolling is None:  # before any forward pass: past the window true positions write garbage
+        check_fits(inputs["input_ids"].shape[1], max_new_tokens, context_window(model.config))
+    else:
+        read_in_pieces(model, cache, inputs["input_ids"], cache.rolling.window)
     if cache.policy.ranks_by_reconstruction:
         if inputs["input_ids"].shape[1] < 2:
             raise H2OError(f"policy {cache.policy.spec!r} ranks the prompt by repeating it: give at least 2 tokens")
