@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--policy", default=None, help="a policy, or options of the recipe's (kvzip:kernel=7)")
     parser.add_argument("--budget", type=float, default=0.2, help="fraction of each prompt (evicting runs)")
     parser.add_argument("--recent-share", type=float, default=None)
+    parser.add_argument("--prefill", choices=("chunked", "late"), default=None, help="(default: the recipe's, else chunked)")
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--doc-tokens", type=int, default=1024)
@@ -49,7 +50,7 @@ def main() -> None:
         eviction = EvictionDefaults(policy="full", budget_floor=0)
     else:
         eviction = EvictionDefaults.from_options(recipe=args.recipe, policy=args.policy, budget=args.budget,
-                                                 recent_share=args.recent_share, budget_floor=0)
+                                                 recent_share=args.recent_share, budget_floor=0, prefill=args.prefill)
     app = create_app(model, tok, model_name="m", eviction=eviction, kv_memory=args.kv_memory << 20,
                      prefill_chunk=128, prefix_memory=args.store << 20)
     with running_server(app) as url:
