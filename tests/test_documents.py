@@ -106,6 +106,7 @@ def test_wrong_arguments_are_one_line_errors_that_name_them():
         (lambda: read_context(model, tok, cache), "read_context needs the context"),
         (lambda: read_context(model, None, cache, "w5 w6"), "needs the tokenizer to read a context given as text"),
         (lambda: ask(model, cache, tok, context, ["w5"]), "the tokenizer and the cache are swapped"),
+        (lambda: ask(model, None, cache, context, ["w5"]), "ask needs the tokenizer"),
         (lambda: ask(model, tok, cache, 3.5, ["w5"]), "context must be text, chat messages or token ids, got float"),
         (lambda: ask(model, tok, cache, context, ["w5"]), "read_context first"),
     ]

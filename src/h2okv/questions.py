@@ -38,6 +38,8 @@ def ask(model, tokenizer, cache, context, questions, max_new_tokens: int = 64, *
 
 def ask_ids(model, tokenizer, cache, context, questions, max_new_tokens: int = 64, **generate_kwargs) -> list[list[int]]:
     """``ask``'s answers as token ids (up to the end-of-sequence token, which is kept)."""
+    if tokenizer is None:
+        raise H2OError(f"ask needs the tokenizer (it pads the questions and ends the answers): {ASK_USAGE}")
     check_arguments("ask", tokenizer, cache, ASK_USAGE)
     ids, mask = question_batch(tokenizer, cache, Document(tokenizer, context, "ask"), questions)
     copies = cache.take_rows([0] * ids.shape[0])  # the context's state, once per question
