@@ -10,6 +10,9 @@ dataset item (a passage or story, a question, the gold answers). Several request
   exams, news, Wikipedia, fiction): a conversation over a document;
 - SQuAD (``squad/bpb_5shot``, 1,000 questions over Wikipedia paragraphs);
 - DROP (``drop/bpb_5shot``, 1,000 questions over Wikipedia passages, numbers and dates).
+
+``squad_questions``, ``drop_questions`` and ``coqa_conversations`` read them as plain items (the
+text a question is asked of, the question, its gold answers) for ``eval longctx``'s QA families.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import functools
 import gzip
 import importlib.util
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from h2okv.errors import H2OError
@@ -63,3 +67,62 @@ def coqa_stories() -> list[str]:
     """CoQA's distinct stories, in file order: prose of five genres (the test split's haystack)."""
     stories = dict.fromkeys(doc["story"].strip() for doc in read_docs("coqa"))
     return list(stories)
+
+
+@dataclass(frozen=True)
+class Question:
+    """A question over one text and its gold answers (any of them is right)."""
+
+    text: str
+    question: str
+    answers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A turn of a CoQA conversation: the question, its gold answers (the first is the one the
+    conversation went on with) and the turns before it as (question, answer) pairs."""
+
+    question: str
+    answers: tuple[str, ...]
+    history: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Conversation:
+    story: str
+    turns: tuple[Turn, ...]  # in turn order
+
+
+def distinct(answers) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(a.strip() for a in answers if a.strip()))
+
+
+def squad_questions() -> list[Question]:
+    """SQuAD's questions; the text is the article's title on a line, then the paragraph (the
+    request's ``query`` is "Title: T\nBackground: P\nQuestion: Q\nAnswer:")."""
+    found = []
+    for doc in read_docs("squad"):
+        background = doc["query"].split("\nBackground: ", 1)[1]
+        paragraph, question = background.rsplit("\nQuestion: ", 1)
+        title = doc["title"].replace("_", " ")
+        found.append(Question(f"{title}\n{paragraph.strip()}", question.removesuffix("\nAnswer:").strip(),
+                              distinct(doc["answers_text"])))
+    return found
+
+
+def drop_questions() -> list[Question]:
+    """DROP's questions; an answer of several spans (``["Spain", "Italy"]``) reads "Spain, Italy"."""
+    return [Question(doc["passage"].strip(), doc["question"].strip(), distinct(", ".join(spans) for spans in doc["answers"]))
+            for doc in read_docs("drop")]
+
+
+def coqa_conversations() -> list[Conversation]:
+    """CoQA's stories, each with the turns the request files hold, in turn order."""
+    turns: dict[str, list] = {}
+    for doc in read_docs("coqa"):
+        index = int(doc["id"].rsplit("_turn", 1)[1])
+        history = tuple((qa["question"], qa["answer"]) for qa in doc["previous_qa"][:index])
+        turns.setdefault(doc["story"].strip(), []).append((index, Turn(doc["question"], distinct(doc["answers"]), history)))
+    return [Conversation(story, tuple(turn for _, turn in sorted(found, key=lambda pair: pair[0])))
+            for story, found in turns.items()]

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 from h2okv.errors import H2OError
 from h2okv.eval.longctx.prompt import Frame, LongPrompt
+from h2okv.eval.longctx.qa import QA_TASKS
 from h2okv.eval.longctx.words import coded_words, distinct, english_words, random_value, variable_names
 
 DEPTHS = [round(100 * i / 39) / 100 for i in range(40)]  # RULER's 40 needle depths
@@ -304,6 +305,7 @@ TASKS = {
     "vt": VariableTracking(),
     "cwe": CommonWords(),
     "fwe": FrequentWords(),
+    **QA_TASKS,  # real questions over real text (qa.py): SQuAD, DROP, CoQA, planted facts
 }
 
 
