@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import time
 
-from h2okv.cli.args import add_model_args, add_text_args, positive_int, text_from_args
+from h2okv.cli.args import add_model_args, add_text_args, examples, positive_int, text_from_args
 from h2okv.errors import H2OError
 
 DEFAULT_PLOT = "results/sparsity.png"
 DEFAULT_POWERLAW_PLOT = "results/powerlaw.png"
 
 
+EXAMPLES = examples(
+    "h2okv analyze --tokens 2048 --json analyze.json",
+)
+
+
 def register(sub) -> None:
-    p = sub.add_parser("analyze", help="attention sparsity per layer and the power law of accumulated attention")
+    p = sub.add_parser("analyze", help="attention sparsity per layer and the power law of accumulated attention",
+                       epilog=EXAMPLES)
     add_model_args(p)
     add_text_args(p)
     p.add_argument("--tokens", type=positive_int, default=2048, help="tokens of the text to analyse (default: 2048)")

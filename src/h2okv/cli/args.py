@@ -27,6 +27,19 @@ PREFILL_CHOICES = ("chunked", "late")
 BUDGET_FLOOR = 128
 
 
+# -- help -----------------------------------------------------------------------------------------
+def examples(*commands: str) -> str:
+    """A subcommand's epilog: real command lines, shown as written at the end of its ``--help``
+    (tests/cli/test_parsers.py parses each one)."""
+    return "examples:\n" + "\n".join(f"  {command}" for command in commands)
+
+
+def sort_subcommands(subparsers: argparse._SubParsersAction) -> None:
+    """List ``subparsers``' commands by name in ``--help`` (they register in module order)."""
+    subparsers._choices_actions.sort(key=lambda action: action.dest)
+    subparsers.choices = dict(sorted(subparsers.choices.items()))
+
+
 # -- types: a value or a one-line error ------------------------------------------------------------
 def _positive(text: str, convert, noun: str):
     try:

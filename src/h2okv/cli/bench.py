@@ -11,6 +11,7 @@ from h2okv.cli.args import (
     add_budget_shape_args,
     add_model_args,
     add_tp_args,
+    examples,
     int_list,
     parse_bytes,
     parse_policies,
@@ -23,12 +24,19 @@ from h2okv.errors import H2OError
 FULL_GRID = dict(batch=[1, 8], context=[2048, 4096], memory_contexts=[1024, 2048, 4096], steps=32, cap_steps=8)
 QUICK_GRID = dict(batch=[1, 4], context=[256, 512], memory_contexts=[256, 512], steps=8, cap_steps=4)
 
+EXAMPLES = examples(
+    "h2okv bench --quick",
+    "h2okv bench --batch 1,8 --context 2048,4096 --budget 0.2 --memory-cap 2G --json bench.json",
+)
+
+
 def register(sub) -> None:
     p = sub.add_parser(
         "bench",
         help="decode/prefill speed and memory: full cache vs H2O vs a plain cache of H2O's size",
         description="Interleaved benchmark of full (DynamicCache), h2o (H2OCache) and reference (a DynamicCache "
         "holding only H2O's number of tokens). Grid values given explicitly override --quick.",
+        epilog=EXAMPLES,
     )
     add_model_args(p)
     p.add_argument("--batch", type=int_list, default=None, help="batch sizes, e.g. 1,8 (default 1,8; quick 1,4)")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib.util
 import time
 
-from h2okv.cli.args import add_threads_arg, apply_threads, positive_int
+from h2okv.cli.args import add_threads_arg, apply_threads, examples, positive_int
 
 DEFAULT_PLOT = "results/demo.png"
 MIB = 1024 * 1024
@@ -23,9 +23,15 @@ MIB = 1024 * 1024
 COLORS = {"full": "black", "recipe bounded": "tab:green", "local": "tab:blue", "recipe generation": "tab:green"}
 
 
+EXAMPLES = examples(
+    "h2okv demo",
+    "h2okv demo --model qwen2.5-0.5b",
+)
+
+
 def register(sub) -> None:
     p = sub.add_parser("demo", help="in about a minute: a passkey the bounded recipe keeps at 20%% and a sliding "
-                                    "window loses, then a long generation in flat KV memory")
+                                    "window loses, then a long generation in flat KV memory", epilog=EXAMPLES)
     p.add_argument("--model", default=None,
                    help="the model (default: the embedded SmolLM2-135M-Instruct); e.g. qwen2.5-0.5b after `make eval-data`")
     p.add_argument("--new-tokens", type=positive_int, default=400,

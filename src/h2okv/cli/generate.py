@@ -12,6 +12,7 @@ from h2okv.cli.args import (
     add_model_args,
     add_tp_args,
     cache_keywords,
+    examples,
     non_negative_float,
     positive_float,
     positive_int,
@@ -19,12 +20,20 @@ from h2okv.cli.args import (
 )
 from h2okv.errors import H2OError
 
+EXAMPLES = examples(
+    'h2okv generate --prompt "What is the capital of France?" --chat --recipe bounded --budget 0.2',
+    "h2okv generate --prompt-file long.txt --recipe stream --max-new-tokens 256",
+)
+
 
 def register(sub) -> None:
-    p = sub.add_parser("generate", help="generate text with an H2O (or other policy) KV cache")
+    p = sub.add_parser("generate", help="generate text with an H2O (or other policy) KV cache",
+                       epilog=EXAMPLES)
     p.add_argument("--prompt", default=None, help="prompt text")
     p.add_argument("--prompt-file", default=None, help="read the prompt from this file")
-    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128,
+                   help="tokens to generate at most (default: 128); with true positions the prompt and these must "
+                        "fit the model's window")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     p.add_argument("--positions", default=None,

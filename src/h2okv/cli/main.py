@@ -12,7 +12,8 @@ import pkgutil
 import sys
 from pathlib import Path
 
-from h2okv import extras
+from h2okv import __version__, extras
+from h2okv.cli.args import examples, sort_subcommands
 from h2okv.errors import H2OError, print_error
 from h2okv.vocabulary import as_flag, said
 
@@ -26,17 +27,36 @@ def subcommand_modules() -> list[str]:
 
 
 class _Parser(argparse.ArgumentParser):
+    """Every parser of the command, subcommands included: no abbreviations (``--budget`` must never
+    be taken for ``--budgets``), epilogs and descriptions shown as written (their examples)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message):  # one line, exit 2 (argparse's default prints usage first)
         self.exit(2, f"h2okv: error: {message}\n")
 
 
+EXAMPLES = examples(
+    "h2okv demo",
+    'h2okv generate --prompt "What is the capital of France?" --chat --recipe bounded --budget 0.2',
+    "h2okv serve --recipe bounded --budget 0.2 --port 8000",
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="h2okv", description="H2O heavy-hitter KV-cache eviction for transformers")
+    parser = _Parser(prog="h2okv", description="H2O heavy-hitter KV-cache eviction for transformers",
+                     epilog=EXAMPLES + "\n\n`h2okv COMMAND --help` shows a command's options and examples.")
+    parser.add_argument("--version", action="version", version=f"h2okv {__version__}",
+                        help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in subcommand_modules():
         module = importlib.import_module(name)
         if hasattr(module, "register"):
             module.register(sub)
+    sort_subcommands(sub)
     return parser
 
 

@@ -14,6 +14,7 @@ from h2okv.cli.args import (
     add_tp_args,
     budget_from_args,
     check_policy,
+    examples,
     memory_limit,
     non_negative_float,
     parse_bytes,
@@ -42,8 +43,17 @@ def _add_schedule(p) -> None:
                         "most a decoding request waits between two tokens, in prefill work (default: 512)")
 
 
+SERVE_EXAMPLES = examples(
+    "h2okv serve --recipe bounded --budget 0.2 --kv-memory 2G --port 8000",
+)
+SERVE_BENCH_EXAMPLES = examples(
+    "h2okv serve-bench --profile decode-heavy --policies full,h2o --json serve-bench.json",
+)
+
+
 def register(sub) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching and H2O eviction")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching and H2O eviction",
+                       epilog=SERVE_EXAMPLES)
     add_model_args(p)
     add_budget_args(p, reconstruction=True)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
@@ -56,7 +66,8 @@ def register(sub) -> None:
                         "with the same tokens (a conversation's next turn): it then reads only the rest; least "
                         "recently used first out; apart from --kv-memory (default: 0, off)")
     p.add_argument("--max-queue", type=int, default=256, help="requests that may wait; more get HTTP 429")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="the server's log level (default: info)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on every route but /health (default: the "
                         f"{API_KEY_ENV} environment variable; neither: no key)")
@@ -97,7 +108,8 @@ def register(sub) -> None:
     chunk.default, chunk.help = 128, "prefill chunk length: one chunk per engine step (default: 128)"
     p.set_defaults(func=run_serve)
 
-    b = sub.add_parser("serve-bench", help="throughput and latency of `serve` per policy at the same KV memory")
+    b = sub.add_parser("serve-bench", help="throughput and latency of `serve` per policy at the same KV memory",
+                       epilog=SERVE_BENCH_EXAMPLES)
     add_model_args(b)
     b.add_argument("--profile", choices=["prefill-heavy", "decode-heavy", "gsm8k", "chat"], default="prefill-heavy",
                    help="workload whose settings fill the options not given: prefill-heavy (16 requests, "
@@ -122,10 +134,10 @@ def register(sub) -> None:
     b.add_argument("--heavy-ratio", type=float, default=None, help="heavy slots as a fraction of the prompt")
     b.add_argument("--recent-ratio", type=float, default=None, help="recent slots as a fraction of the prompt")
     b.add_argument("--chunk-size", type=positive_int, default=128, help="prefill chunk length: one chunk per engine step (default: 128)")
-    b.add_argument("--requests", type=positive_int, default=None)
+    b.add_argument("--requests", type=positive_int, default=None, help="requests sent (default: the profile's)")
     b.add_argument("--concurrency", type=positive_int, default=None, help="clients in flight at once")
-    b.add_argument("--prompt-tokens", type=positive_int, default=None)
-    b.add_argument("--max-tokens", type=positive_int, default=None)
+    b.add_argument("--prompt-tokens", type=positive_int, default=None, help="tokens per prompt (default: the profile's)")
+    b.add_argument("--max-tokens", type=positive_int, default=None, help="new tokens per request (default: the profile's)")
     b.add_argument("--json", default=None, help="write the results here")
     b.add_argument("--schedules", default="budget",
                    help="comma-separated prefill schedules to run for every policy: budget, serial (default: budget)")

@@ -8,6 +8,7 @@ from h2okv.cli.args import (
     add_recipe_arg,
     add_threads_arg,
     apply_threads,
+    examples,
     int_list,
     parse_budgets,
     parse_policies,
@@ -25,8 +26,15 @@ DEFAULT_CONTEXTS = "1024"
 DEFAULT_PLOT = "results/longctx.png"
 
 
+EXAMPLES = examples(
+    "h2okv eval longctx --model qwen2.5-0.5b --recipe prompt --budgets 0.2 --json rows.json",
+    "h2okv eval longctx --merge rows.json kvpress.json --plot longctx.png",
+)
+
+
 def register(kinds) -> None:
-    p = kinds.add_parser("longctx", help="RULER-style long-context tasks (needles, variable tracking, word counts) under eviction")
+    p = kinds.add_parser("longctx", help="RULER-style long-context tasks (needles, variable tracking, word counts) under eviction",
+                         epilog=EXAMPLES)
     add_model_args(p)
     p.add_argument("--tasks", default=None, help=f"comma-separated, of: {', '.join(TASKS)} (default: {DEFAULT_TASKS}; "
                    f"with --questions-per-context > 1: {DEFAULT_MANY_TASKS})")

@@ -8,6 +8,7 @@ from h2okv.cli.args import (
     add_threads_arg,
     add_tp_args,
     apply_threads,
+    examples,
     parse_budgets,
     parse_policies,
     positive_int,
@@ -21,8 +22,14 @@ DEFAULT_PLOT = "results/ppl_vs_budget.png"
 STREAM_PLOT = "results/ppl_stream.png"  # stream mode's default: the grid's figure is another plot
 
 
+EXAMPLES = examples(
+    "h2okv eval ppl --tokens 2048 --policies full,h2o,local,sink,random --budgets 0.05,0.1,0.2,0.5 --json ppl.json",
+    "h2okv eval ppl --window-tokens 2048 --slots 512,1024 --positions true,rolling --tokens 65536",
+)
+
+
 def register(kinds) -> None:
-    p = kinds.add_parser("ppl", help="streaming perplexity with the cache evicting as the text is read")
+    p = kinds.add_parser("ppl", help="streaming perplexity with the cache evicting as the text is read", epilog=EXAMPLES)
     add_model_args(p)
     add_text_args(p)
     p.add_argument("--tokens", type=positive_int, default=1024, help="tokens per segment (default: 1024)")

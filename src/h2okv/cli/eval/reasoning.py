@@ -8,6 +8,7 @@ from h2okv.cli.args import (
     add_model_args,
     add_threads_arg,
     apply_threads,
+    examples,
     parse_kv_budgets,
     parse_policies,
     positive_int,
@@ -19,8 +20,13 @@ DEFAULT_POLICIES = "full,h2o,h2o-mean,tova,snapkv,h2o-sink,sink,local"
 DEFAULT_BUDGETS = "64,128,256,512"
 
 
+EXAMPLES = examples(
+    "h2okv eval reasoning --model qwen2.5-0.5b --recipe generation --budgets 256 --limit 300 --json gsm8k-gen.json",
+)
+
+
 def register(kinds) -> None:
-    p = kinds.add_parser("reasoning", help="step-by-step math (GSM8K, MATH-500) generated under a KV budget")
+    p = kinds.add_parser("reasoning", help="step-by-step math (GSM8K, MATH-500) generated under a KV budget", epilog=EXAMPLES)
     add_model_args(p)
     p.add_argument("--task", choices=("gsm8k", "math500"), default="gsm8k", help="problem set (default: gsm8k)")
     p.add_argument("--prompt", choices=("chat", "fewshot"), default="chat",

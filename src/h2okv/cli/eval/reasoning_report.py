@@ -3,11 +3,16 @@
 
 from __future__ import annotations
 
+from h2okv.cli.args import examples
 from h2okv.errors import H2OError
+
+EXAMPLES = examples(
+    "h2okv eval reasoning-report gsm8k-*.json --plot accuracy.png --markdown",
+)
 
 
 def register(kinds) -> None:
-    p = kinds.add_parser("reasoning-report", help="merge `eval reasoning` JSON pieces into one table and plot")
+    p = kinds.add_parser("reasoning-report", help="merge `eval reasoning` JSON pieces into one table and plot", epilog=EXAMPLES)
     p.add_argument("pieces", nargs="+", help="JSON files written by `h2okv eval reasoning --json`")
     p.add_argument("--json", default=None, help="write the merged summaries here")
     p.add_argument("--plot", default=None, help="accuracy vs budget PNG (full as a horizontal band)")

@@ -9,6 +9,7 @@ from h2okv.cli.args import (
     add_recipe_arg,
     add_threads_arg,
     apply_threads,
+    examples,
     int_list,
     parse_budgets,
     parse_policies,
@@ -24,8 +25,14 @@ DEFAULT_DEPTHS = "0,0.5,1"
 DEFAULT_PLOT = "results/retrieval_heatmap.png"
 
 
+EXAMPLES = examples(
+    "h2okv eval retrieval --recipe bounded --budgets 0.2 --json retrieval.json",
+    "h2okv eval retrieval --contexts 512,1024 --budgets 0.2,0.5 --json retrieval.json",
+)
+
+
 def register(kinds) -> None:
-    p = kinds.add_parser("retrieval", help="passkey retrieval (needle in a haystack) under eviction")
+    p = kinds.add_parser("retrieval", help="passkey retrieval (needle in a haystack) under eviction", epilog=EXAMPLES)
     add_model_args(p)
     p.add_argument("--policies", default=None, help=f"comma-separated (default: {DEFAULT_POLICIES}; full with --recipe)")
     add_recipe_arg(p, grid=True)
@@ -37,7 +44,8 @@ def register(kinds) -> None:
     p.add_argument("--chunk-size", type=positive_int, default=None,
                    help="prefill chunk; 1 = evict after every prompt token (default: the cache's default chunk)")
     add_budget_shape_args(p, layers=True)
-    p.add_argument("--max-new-tokens", type=positive_int, default=8)
+    p.add_argument("--max-new-tokens", type=positive_int, default=8,
+                   help="tokens generated per answer (default: 8; a passkey is a few tokens)")
     p.add_argument("--seed", type=int, default=0, help="seed of the passkeys, haystack offsets and random policy")
     add_threads_arg(p)
     p.add_argument("--json", default=None, help="write one row per cell as JSON to this file")

@@ -3,21 +3,25 @@ time (``h2okv.eval.speed``)."""
 
 from __future__ import annotations
 
-from h2okv.cli.args import add_model_args, check_policy, positive_int
+from h2okv.cli.args import add_model_args, check_policy, examples, positive_int
 from h2okv.errors import H2OError
+
+EXAMPLES = examples(
+    "h2okv eval tasks-speed --tasks copa,piqa --limit 100 --json speed.json",
+)
 
 
 def register(kinds) -> None:
-    p = kinds.add_parser("tasks-speed", help="wall time of h2okv scoring with eviction vs lm-eval's own hf model")
+    p = kinds.add_parser("tasks-speed", help="wall time of h2okv scoring with eviction vs lm-eval's own hf model", epilog=EXAMPLES)
     p.add_argument("--tasks", default="copa,piqa", help="comma-separated lm-eval tasks (default: copa,piqa)")
     p.add_argument("--limit", type=positive_int, default=100, help="items per task (default 100)")
-    p.add_argument("--num-fewshot", type=int, default=5)
-    p.add_argument("--policy", default="h2o")
+    p.add_argument("--num-fewshot", type=int, default=5, help="few-shot examples (default 5, the paper's)")
+    p.add_argument("--policy", default="h2o", help="the eviction policy h2okv scores with (default h2o)")
     p.add_argument("--budget", type=float, default=0.2, help="KV budget as a fraction of each context (default 0.2)")
     p.add_argument("--batch-size", type=positive_int, default=16, help="h2okv: distinct contexts per batch")
     p.add_argument("--hf-batch-size", type=positive_int, default=32, help="hf: sequences per batch (default 32)")
-    p.add_argument("--threads", type=positive_int, default=1)
-    p.add_argument("--json", required=True)
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads for both (default 1)")
+    p.add_argument("--json", required=True, help="write the timings here")
     add_model_args(p, device=False)
     p.set_defaults(func=run)
 

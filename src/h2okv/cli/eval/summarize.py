@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
-from h2okv.cli.args import add_model_args, apply_threads, check_policy, positive_int
+from h2okv.cli.args import add_model_args, apply_threads, check_policy, examples, positive_int
 from h2okv.errors import H2OError
 from h2okv.eval.summarize import HUB_DATASETS, OFFLINE_DATASET  # light: no torch at import
 
+EXAMPLES = examples(
+    "h2okv eval summarize --data xsum_0shot.jsonl --shots 0 --limit 100 --policies full,h2o,local --budget 0.2 --json x.json",
+)
+
 
 def register(sub) -> None:
-    p = sub.add_parser("summarize", help="k-shot summarization (ROUGE-1/2/L) with each eviction policy")
+    p = sub.add_parser("summarize", help="k-shot summarization (ROUGE-1/2/L) with each eviction policy", epilog=EXAMPLES)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="JSONL with fields document, summary")
     src.add_argument("--dataset", choices=[*HUB_DATASETS, OFFLINE_DATASET],
@@ -23,7 +27,7 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=None,
                    help="default: the records' max_tokens (request format), else 64")
     p.add_argument("--max-doc-words", type=positive_int, default=None, help="truncate documents in prompts")
-    p.add_argument("--batch-size", type=positive_int, default=1)
+    p.add_argument("--batch-size", type=positive_int, default=1, help="records summarized together (default 1)")
     p.add_argument("--chunk-size", type=positive_int, default=512,
                    help="prompt tokens read between evictions (default 512; 1 = per-token)")
     p.add_argument("--seed", type=int, default=0, help="seed of the choice of examples")

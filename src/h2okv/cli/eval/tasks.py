@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from h2okv.cli.args import add_model_args, apply_threads, check_policy, positive_int
+from h2okv.cli.args import add_model_args, apply_threads, check_policy, examples, positive_int
 from h2okv.errors import H2OError
 from h2okv.eval.tasks import SHAKESPEARE_TASK  # light: the module loads lm-eval only when it runs
 
+EXAMPLES = examples(
+    "h2okv eval tasks --tasks copa,piqa --budget 0.2 --json t.json",
+)
+
 
 def register(kinds) -> None:
-    p = kinds.add_parser("tasks", help="lm-evaluation-harness tasks with each eviction policy (paper: copa, piqa, ...)")
+    p = kinds.add_parser("tasks", help="lm-evaluation-harness tasks with each eviction policy (paper: copa, piqa, ...)", epilog=EXAMPLES)
     p.add_argument("--tasks", required=True,
                    help=f"comma-separated lm-eval task names; built-in offline task: {SHAKESPEARE_TASK}")
     p.add_argument("--policies", default="full,h2o,local", help="comma-separated (default: full,h2o,local)")
@@ -17,7 +21,7 @@ def register(kinds) -> None:
     p.add_argument("--limit", type=positive_int, default=None, help="first N documents of each task")
     p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (paper: 5)")
     p.add_argument("--include-path", action="append", default=[], help="directory of extra task YAMLs (repeatable)")
-    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--batch-size", type=positive_int, default=8, help="requests scored together (default 8)")
     p.add_argument("--chunk-size", type=positive_int, default=1,
                    help="tokens read between evictions while scoring (default 1 = per-token Algorithm 1)")
     p.add_argument("--local-items", type=positive_int, default=160, help=f"items of {SHAKESPEARE_TASK} (default 160)")

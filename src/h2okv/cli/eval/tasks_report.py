@@ -3,11 +3,16 @@ paper's table and figures (``h2okv.eval.tasks_report``)."""
 
 from __future__ import annotations
 
+from h2okv.cli.args import examples
 from h2okv.errors import H2OError
+
+EXAMPLES = examples(
+    "h2okv eval tasks-report t1.json t2.json --json merged.json --png acc_vs_budget.png --markdown",
+)
 
 
 def register(kinds) -> None:
-    p = kinds.add_parser("tasks-report", help="merge `eval tasks` JSON pieces into the paper's table and figure")
+    p = kinds.add_parser("tasks-report", help="merge `eval tasks` JSON pieces into the paper's table and figure", epilog=EXAMPLES)
     p.add_argument("pieces", nargs="+", help="JSON files written by `h2okv eval tasks` or `h2okv eval summarize`")
     p.add_argument("--json", default=None, help="write the merged rows here")
     p.add_argument("--png", default=None, help="accuracy vs KV budget figure (one panel per task)")
