@@ -167,9 +167,9 @@ def test_generate_until_honours_until_and_max_gen_toks(tiny):
     "args, message",
     [
         ({"policy": "bogus"}, "unknown policy 'bogus'"),
-        ({"policy": "h2o", "heavy_ratio": 1.5, "recent_ratio": 0.1}, "heavy_ratio must be in"),
+        ({"policy": "h2o", "heavy_ratio": 1.5, "recent_ratio": 0.1}, "heavy_ratio= must be a fraction of the prompt in"),
         ({"policy": "h2o", "heavy_ratio": "lots"}, "heavy_ratio='lots' is not a valid float"),
-        ({"policy": "full", "heavy_ratio": 0.1}, "do not give it a budget"),
+        ({"policy": "full", "heavy_ratio": 0.1}, "keeps every token; do not give it heavy_ratio="),
         ({"policy": "h2o", "chunk_size": 0}, "chunk_size must be >= 1"),
         ({"policy": "h2o", "bogus_arg": 1}, "unknown model_args for h2okv: bogus_arg"),
     ],
