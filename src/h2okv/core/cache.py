@@ -9,6 +9,7 @@ import math
 import torch
 from transformers.cache_utils import Cache
 
+from h2okv.core import autorank
 from h2okv.core.attention import prepare_model
 from h2okv.core.budget import (
     DEFAULT_BUDGET_FLOOR,
@@ -122,6 +123,10 @@ class H2OCache(Cache):
 
     ``positions="rolling"`` keeps every position the model sees inside its context window so the
     cache reads and generates past it (``core/positions.py``); the default ``"true"`` does not.
+
+    A policy that ranks by reconstruction (``kvzip``: recipes ``prompt`` and ``document``) is
+    drop-in too: ``model.generate`` runs the pass before its first decode step
+    (``core/autorank.py``) with ``tokenizer`` (default: the one in the model's local folder).
     """
 
     def __init__(
@@ -145,6 +150,7 @@ class H2OCache(Cache):
         budget_floor: int = DEFAULT_BUDGET_FLOOR,
         compileable: bool = False,
         protect_prompt: bool = False,
+        tokenizer=None,
     ):
         self.recipe = recipe
         settings, self.policy, self.spec = check_settings(
@@ -173,6 +179,10 @@ class H2OCache(Cache):
             raise H2OError("compileable=True takes true positions only: the rolling positions' hook reads padding "
                            "from a 2D mask, and generate hands a compileable cache a 4D one")
         self.rolling = None if scheme is None else RollingPositions(model, scheme)
+        # kvzip: model.generate ranks the prompt by itself (core/autorank.py), with this tokenizer
+        self.tokenizer, self.prompt_ids = tokenizer, None
+        if self.policy.ranks_by_reconstruction:
+            autorank.install_hook(model)
 
     def _check_head_budgets(self, mode, floor) -> tuple[str, float]:
         """``(mode, floor)`` when the pair works with the policy and prefill, else a one-line error."""
@@ -352,9 +362,19 @@ class H2OCache(Cache):
         budget = layer.slot_budget()
         return [int(budget.min()), int(budget.max())]
 
+    @staticmethod
+    def _above_budget(layer) -> int:
+        """The most live tokens a (row, KV head) of ``layer`` holds above its budget (kvzip's tail)."""
+        if not layer.has_budget or not layer.config.policy.evicts:
+            return 0
+        return max(0, int((layer.live_slots() - (layer.slot_budget() - layer.tail_slots)).max()))
+
     def stats(self) -> dict:
         layers = [layer for layer in self.layers if layer.is_initialized]
         slots = [int(layer.live_slots().max()) for layer in layers]
+        kv, full = sum(layer.kv_bytes() for layer in layers), sum(layer.full_kv_bytes() for layer in layers)
+        live = sum(int(layer.live_slots().sum()) for layer in layers)
+        seen = sum(layer.tokens_seen * layer.live_slots().numel() for layer in layers)
         return {
             "policy": self.policy.name,
             "policy_spec": self.policy.spec,
@@ -373,8 +393,18 @@ class H2OCache(Cache):
             # the most slots per (sequence, KV head) each layer ever allocated: budget + chunk for
             # a chunked prefill, budget + the call for a late one
             "peak_capacity": [layer.peak_capacity for layer in layers],
-            "kv_bytes": sum(layer.kv_bytes() for layer in layers),
-            "full_kv_bytes": sum(layer.full_kv_bytes() for layer in layers),
+            "kv_bytes": kv,
+            "full_kv_bytes": full,
+            # the KV held as a share of a full cache's for the tokens seen, everything included; the
+            # live tokens' share (the rest is room: growth, or the widest head's width that a dense
+            # layer of uneven head budgets holds for every head)
+            "kv_share": kv / full if full else 1.0,
+            "live_share": live / seen if seen else 1.0,
+            # the most tokens a (row, layer, KV head) holds above its budget: kvzip's tail (what is
+            # read after its ranking, kept whole for ``tail`` tokens), 0 for every other policy
+            "above_budget_tokens": max((self._above_budget(layer) for layer in layers), default=0),
+            # kvzip: the prompt has been read and waits for the reconstruction pass (core/autorank.py)
+            "awaiting_ranking": bool(layers) and all(layer.awaiting_probe for layer in layers),
         }
 
     def summary(self) -> str:
@@ -390,7 +420,13 @@ class H2OCache(Cache):
             kept = f"budget {low if low == high else f'{low}-{high}'} slots per layer and KV head"
             if stats["tokens_seen"] <= low:  # a short chat: say why it costs what a full cache costs
                 kept += " (more than the tokens seen: nothing evicted)"
-        ratio = stats["kv_bytes"] / stats["full_kv_bytes"] if stats["full_kv_bytes"] else 1.0
+        if stats["awaiting_ranking"]:
+            kept += " (prompt read whole, not ranked yet: the next call or h2okv.reconstruct ranks it)"
         mib = 1024 * 1024
+        share = f"{stats['kv_share']:.0%}"
+        if stats["above_budget_tokens"]:
+            share += f"; up to {stats['above_budget_tokens']} tokens per head above the budget in kvzip's tail"
+        if stats["kv_share"] - stats["live_share"] >= 0.01:
+            share += f"; live tokens {stats['live_share']:.0%}, the rest free slots"
         return (f"{name}: {stats['tokens_seen']} tokens seen, {kept}, KV {stats['kv_bytes'] / mib:.2f} MiB "
-                f"vs {stats['full_kv_bytes'] / mib:.2f} MiB full ({ratio:.0%})")
+                f"vs {stats['full_kv_bytes'] / mib:.2f} MiB full ({share})")

@@ -76,6 +76,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         self.awaiting_probe = False
         self.probed = False
         self.probe_best: torch.Tensor | None = None  # while probing: each slot's best probe score
+        self.tail_slots = 0  # once ranked: the slots kvzip's tail adds above the budget (rank_by_probe)
 
     # -- transformers Cache layer protocol ---------------------------------------------------
     @property
@@ -128,6 +129,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         self.ragged = None
         self.awaiting_probe = self.probed = False
         self.probe_best = None
+        self.tail_slots = 0
 
     def reorder_cache(self, beam_idx):
         self.select_rows(torch.as_tensor(beam_idx))
@@ -363,6 +365,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         """Evict to the budget once, by the probe's scores (``take_probe_scores``); ``head_heavy``
         ``[B, H]``: this layer's share of a cache-wide allocation (``head_budgets="layers"``)."""
         self.awaiting_probe, self.probed = False, True
+        self.heavy = self.ranked_heavy()
         if head_heavy is not None:
             self._set_head_heavy(head_heavy)
         elif self.config.head_budgets == "adaptive":
@@ -370,9 +373,21 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         evict(self, self.capacity)  # any m > 1: every row down to its budget at once
         self.shrink_to_budget()
         # what is read after the ranking (question, answer) is kept whole for ``tail`` tokens: the
-        # recent window grows by that much, the slots as the tokens come (kvzip.py)
-        self.recent = self.recent + self.config.policy.tail
+        # recent window grows by that much, the slots as the tokens come (kvzip.py); above the
+        # budget, unless the ranking made room for them inside it (``ranked_heavy``)
+        policy = self.config.policy
+        self.recent = self.recent + policy.tail
+        self.tail_slots = 0 if getattr(policy, "tail_in_budget", 0) else policy.tail
         self.refresh()
+
+    def ranked_heavy(self) -> torch.Tensor:
+        """``[B]``: the heavy slots the reconstruction ranking keeps: the budget's, less kvzip's
+        tail where the tail counts inside the budget (``kvzip:tail_in_budget=1``), never fewer
+        than the sinks (the rule that always leaves a candidate to evict)."""
+        policy = self.config.policy
+        if not getattr(policy, "tail_in_budget", 0):
+            return self.heavy
+        return torch.maximum(self.heavy - policy.tail, self.sinks)
 
     # -- head-adaptive budgets (head_budget.py) --------------------------------------------------
     def _rank(self, score, ordinal, live, n_real, keys) -> tuple[torch.Tensor, torch.Tensor]:

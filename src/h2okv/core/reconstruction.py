@@ -119,7 +119,8 @@ def rank_by_probes(model, cache, calls: list[torch.Tensor]) -> None:
             if cache.head_budgets == "layers":  # KVzip's own split: the whole cache's slots by rank
                 keys, candidates = zip(*(layer.ranking() for layer in cache.layers), strict=True)
                 first = cache.layers[0]
-                shares = allocate_layers(list(keys), list(candidates), first.heavy, first.sinks, cache.head_floor)
+                shares = allocate_layers(list(keys), list(candidates), first.ranked_heavy(), first.sinks,
+                                         cache.head_floor)
             for layer, share in zip(cache.layers, shares, strict=True):
                 layer.rank_by_probe(share)
     finally:

@@ -20,6 +20,14 @@ lose the question while it is read and the list being answered while it is writt
 multi-value and multi-query needles then get one value of four (docs/RESULTS.md). The slots are
 grown as tokens arrive: a cache that reads nothing after the ranking holds only its budget.
 
+``tail_in_budget=1`` counts the tail inside the budget: the ranking keeps ``tail`` fewer heavy
+slots (never fewer than the sinks) and the tail fills them, so the live tokens never pass the budget.
+Not a default (recipes are chosen on measurements); at 20% of a 1,500-token prompt the ranking
+then keeps about 50 of each head's 300 slots for the context. The bytes a cache holds above its
+budget are mostly not the tail's, which grows token by token, but the dense layout: while its heads
+fill their tail, a layer whose heads have uneven budgets (``head_budgets=layers``) holds its widest
+head's width for every head; heads at their budget are packed (``H2OCache.stats``: ``live_share``).
+
 ``kernel=K`` (odd, default 1: KVzip's own scores) gives each token the best score of the ``K``
 tokens centred on it, in prompt order, before the ranking: a token next to a chosen one ranks with
 it, so a value of many tokens (a number read digit by digit, a UUID) is kept whole or not at all.
@@ -56,6 +64,7 @@ class KVzipPolicy(H2OPolicy):
         Option("kernel", int, 1, lambda v: v >= 1 and v % 2 == 1, "an odd number >= 1", shown=False),
         Option("tail", int, 256, lambda v: v >= 0, "an integer >= 0", shown=False),
         Option("question", int, 0, lambda v: v >= 0, "an integer >= 0", shown=False),
+        Option("tail_in_budget", int, 0, lambda v: v in (0, 1), "0 or 1", shown=False),
     )
 
     def question_scores(self, query, key_new, old_keys, old_valid, new_real, scaling):

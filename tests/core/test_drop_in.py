@@ -1,0 +1,112 @@
+"""Every recipe is drop-in: ``model.generate(ids, cache=H2OCache(model, recipe=R, budget=B))``.
+For the recipes ranked by reconstruction (``prompt``, ``document``: kvzip) the pass runs inside
+``generate`` (``core/autorank.py``): held to the explicit calls it replaces, never run twice, and
+refused in one line where it cannot run."""
+
+import pytest
+import torch
+
+from char_tokenizers import Tok
+from h2okv import H2OCache, reconstruct
+from h2okv.core.compat import cache_arg
+from h2okv.core.layer import SlotLayer
+from h2okv.core.reconstruction import read_context
+from h2okv.errors import H2OError
+from h2okv.recipes import RECIPE_NAMES
+from h2okv.tools.tiny import random_ids, tiny_model
+
+NEW = 6
+pytestmark = pytest.mark.filterwarnings("ignore:h2okv. a budget of")
+
+
+def greedy(model, ids, cache, new=NEW, **kwargs):
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_arg(cache), max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, pad_token_id=1, **kwargs)
+    return out[:, ids.shape[1]:]
+
+
+def held_above_budget(cache) -> int:
+    """The most live tokens any (row, layer, head) holds above its budget as ranked (kvzip's tail)."""
+    return max(int((layer.live_slots() - (layer.slot_budget() - layer.tail_slots)).max()) for layer in cache.layers)
+
+
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_every_recipe_runs_in_generate_within_its_budget(recipe):
+    model, ids = tiny_model(), random_ids(100, batch=2)
+    cache = H2OCache(model, recipe=recipe, budget=0.2, budget_floor=0, tokenizer=Tok())
+    new = greedy(model, ids, cache)
+    assert new.shape == (2, NEW)
+    assert cache.budget()[0] == cache.budget()[1] in (19, 20)  # a fifth of each prompt, rounded by its split
+    assert not any(layer.awaiting_probe for layer in cache.layers)  # ranked, not held whole
+    # the tokens read after a ranking by reconstruction are kvzip's tail, above the budget
+    assert held_above_budget(cache) <= (NEW - 1 if cache.policy.ranks_by_reconstruction else 0)
+    assert cache.stats()["above_budget_tokens"] == max(held_above_budget(cache), 0)
+
+
+@pytest.mark.parametrize("recipe", ["prompt", "document"])
+def test_reconstruction_in_generate_equals_the_explicit_pass(recipe):
+    """Drop-in ranks the whole prompt (its last token too) after the prompt's forward, whose logits
+    give the first token: the same as that forward, ``reconstruct`` on the whole prompt, then
+    greedy steps by hand."""
+    model, ids = tiny_model(seed=3), random_ids(60, seed=2)
+    dropped = greedy(model, ids, H2OCache(model, recipe=recipe, budget=0.2, budget_floor=0, tokenizer=Tok()))
+
+    cache = H2OCache(model, recipe=recipe, budget=0.2, budget_floor=0)
+    tokens = []
+    with torch.inference_mode():
+        logits = model(input_ids=ids, **cache_arg(cache), use_cache=True).logits
+        reconstruct(model, cache, ids, Tok())
+        for _ in range(NEW):
+            tokens.append(logits[:, -1].argmax(-1, keepdim=True))
+            logits = model(input_ids=tokens[-1], **cache_arg(cache), use_cache=True).logits
+    assert dropped.tolist() == torch.cat(tokens, 1).tolist()
+
+
+def test_an_explicit_ranking_is_not_repeated(monkeypatch):
+    """read_context (and the server's rank_by_probes) rank between the prompt's call and the next
+    one: the hook then finds the cache ranked, and ask's copies of it are never ranked again."""
+    model, ids = tiny_model(), random_ids(50)
+    passes, start_probe = [], SlotLayer.start_probe
+    monkeypatch.setattr(SlotLayer, "start_probe", lambda layer: (passes.append(layer.layer_idx), start_probe(layer)))
+    cache = H2OCache(model, recipe="document", budget=0.2, budget_floor=0)  # no tokenizer: none is needed
+    with torch.inference_mode():
+        read_context(model, cache, ids[:, :-1], Tok())
+    greedy(model, ids, cache)
+    twin = cache.take_rows([0])
+    greedy(model, torch.cat([ids, random_ids(5, seed=9)], 1), twin)
+    assert passes == [0, 1]  # one pass, both layers
+
+
+def test_a_prompt_of_one_call_is_ranked_before_the_next_call_only():
+    model, ids = tiny_model(), random_ids(40)
+    cache = H2OCache(model, recipe="document", budget=0.2, budget_floor=0, tokenizer=Tok())
+    greedy(model, ids, cache, new=1)  # one new token: no second call, the prompt stays whole
+    assert all(layer.awaiting_probe for layer in cache.layers)
+    assert "not ranked yet" in cache.summary()
+    with torch.inference_mode():
+        model(input_ids=ids[:, :1], **cache_arg(cache))  # the next call ranks it first
+    assert not any(layer.awaiting_probe for layer in cache.layers)
+    assert cache.get_seq_length() == 41
+
+
+def test_the_tokenizer_comes_from_the_models_folder(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    cache = H2OCache(model, recipe="document", budget=0.2, budget_floor=0)
+    greedy(model, random_ids(40), cache, new=3)
+    assert cache.tokenizer is not None and not cache.layers[0].awaiting_probe
+
+
+def test_errors_are_one_line():
+    model, ids = tiny_model(), random_ids(40, batch=2)
+    with pytest.raises(H2OError, match="pass H2OCache\\(model, ..., tokenizer=tokenizer\\)") as err:
+        greedy(model, ids, H2OCache(model, recipe="prompt", budget=0.2, budget_floor=0))
+    assert "\n" not in str(err.value)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # a left-padded row
+    cache = H2OCache(model, recipe="document", budget=0.2, budget_floor=0, tokenizer=Tok())
+    with pytest.raises(H2OError, match="takes no padding") as err, torch.inference_mode():
+        model.generate(ids, attention_mask=mask, **cache_arg(cache), max_new_tokens=2, pad_token_id=1)
+    assert "\n" not in str(err.value)
