@@ -27,6 +27,7 @@ QUICK_GRID = dict(batch=[1, 4], context=[256, 512], memory_contexts=[256, 512], 
 EXAMPLES = examples(
     "h2okv bench --quick",
     "h2okv bench --batch 1,8 --context 2048,4096 --budget 0.2 --memory-cap 2G --json bench.json",
+    "h2okv bench --model qwen2.5-0.5b --recipes prompt,bounded,document --context 2048,8192 --json costs.json",
 )
 
 
@@ -76,6 +77,11 @@ def register(sub) -> None:
                    help="instead of the grid: h2o's decode step under each kernel path (eager, native, triton, auto) vs "
                    "the same-size reference, and per-token scoring vs a plain forward; a path that cannot run here is "
                    "reported as unavailable (e.g. eager,native,triton)")
+    p.add_argument("--recipes", default=None, metavar="LIST",
+                   help="instead of the grid: what each recipe costs against the full cache on the same prompt "
+                   "(--context lengths, default 2048): prefill time, decode step, peak memory and the KV held "
+                   "(--budget, no floor; --steps, default 16; --prefill-repeats repeats, order alternating), "
+                   "e.g. prompt,bounded,document")
     p.add_argument("--scoring-tokens", type=positive_int, default=2048, help="tokens of the --policies scoring pass (default 2048)")
     p.add_argument("--scoring-repeats", type=positive_int, default=1, help="passes per policy in the --policies scoring study (default 1)")
     add_budget_shape_args(p, layers=True)  # how the --policies decode study spends --budget (its caches only)
@@ -197,6 +203,36 @@ def run_policies(args) -> int:
     return 0
 
 
+def run_recipes(args) -> int:
+    """The --recipes study (``bench/recipe_costs.py``)."""
+    from tqdm.auto import tqdm
+
+    from h2okv.bench.recipe_costs import markdown, recipe_costs, summary
+    from h2okv.bench.report import write_report
+    from h2okv.bench.runner import prompt_ids
+    from h2okv.recipes import parse_recipes
+
+    recipes = parse_recipes(args.recipes)
+    contexts, steps, repeats = sorted(set(args.context or [2048])), args.steps or 16, args.prefill_repeats
+    model, tokenizer, why = load_study(args)
+    if tokenizer is None:
+        raise H2OError(f"--recipes reads a real prompt, and {args.model!r} has no tokenizer: bench it on a real model")
+    prompts = {c: prompt_ids(tokenizer, args.play, c).to(model.device) for c in contexts}
+    import torch
+
+    with torch.inference_mode():  # weights memory-mapped at load become resident before any peak is measured
+        model(input_ids=prompts[contexts[0]][:, :4])
+    with tqdm(total=len(contexts) * repeats * (len(recipes) + 1), desc="recipes", unit="read",
+              disable=args.no_progress) as bar:
+        rows = recipe_costs(model, tokenizer, recipes, prompts, args.budget, steps, repeats, bar)
+    result = {"budget": args.budget, "steps": steps, "repeats": repeats, "threads": why, "contexts": contexts,
+              "rows": rows, "summary": summary(rows), "arguments": {k: v for k, v in vars(args).items() if k != "func"}}
+    report = markdown(result)
+    print(report)
+    print_written(write_report(result, report, args.json, args.markdown))
+    return 0
+
+
 def run_kernels(args) -> int:
     """The --kernels study (``bench/kernel_speed.py``)."""
     from h2okv.core.kernels import check_kernels
@@ -246,8 +282,10 @@ def default_shape() -> dict:
 def run(args) -> int:
     if args.serve is not None:
         return run_serve(args)
-    if (args.kernels or not args.policies) and shape_from_args(args) != default_shape():
+    if (args.kernels or args.recipes or not args.policies) and shape_from_args(args) != default_shape():
         raise H2OError("--recent-share, --prefill and --head-budgets shape the caches of the --policies study only")
+    if args.recipes:
+        return run_recipes(args)
     if args.kernels:
         return run_kernels(args)
     if args.policies:
