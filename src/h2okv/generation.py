@@ -173,23 +173,20 @@ def generate(
     each also handed to ``on_kv(seen, bytes, tokens since the first, seconds)`` as it happens
     (``KVWatch``). ``recipe``, ``budget`` and the rest are ``H2OCache``'s keywords (``parts``: the
     older ``heavy``/``recent``/``heavy_ratio``/``recent_ratio``); a policy ranked by reconstruction
-    (``kvzip``, the ``document`` recipe) first reads and ranks all of the prompt but its last token.
+    (``kvzip``, the ``prompt`` and ``document`` recipes) is ranked inside ``model.generate``, the
+    whole prompt before the first decode step, as any drop-in use is (``core/autorank.py``).
     ``compile``: a ``torch.compile`` backend ("inductor", or "inductor:MODE") for the decode steps at the budget
     (``H2OCache(compileable=True)``); steps while rows fill up may run eagerly."""
     floor = {} if budget_floor is None else {"budget_floor": budget_floor}
     cache = H2OCache(model, policy=policy, recipe=recipe, budget=budget, recent_share=recent_share, prefill=prefill,
                      chunk_size=chunk_size, positions=positions, head_budgets=head_budgets, head_floor=head_floor,
-                     compileable=compile is not None, protect_prompt=protect_prompt, **floor,
+                     compileable=compile is not None, protect_prompt=protect_prompt, tokenizer=tokenizer, **floor,
                      **budget_kwargs(**parts))
     inputs = encode_prompt(tokenizer, prompt, chat=chat, device=model.device)
     if cache.rolling is None:  # before any forward pass: past the window true positions write garbage
         check_fits(inputs["input_ids"].shape[1], max_new_tokens, context_window(model.config))
     else:
         read_in_pieces(model, cache, inputs["input_ids"], cache.rolling.window)
-    if cache.policy.ranks_by_reconstruction:
-        if inputs["input_ids"].shape[1] < 2:
-            raise H2OError(f"policy {cache.policy.spec!r} ranks the prompt by repeating it: give at least 2 tokens")
-        read_context(model, tokenizer, cache, inputs["input_ids"][:, :-1])
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     watch = KVWatch(cache, kv_every, on_kv) if kv_every else None
     sampling = {"do_sample": False}
