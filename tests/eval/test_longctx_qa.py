@@ -154,7 +154,7 @@ def test_coqa_questions_carry_their_last_three_turns_and_name_the_story(data):
             asked = [q for q, _ in TURNS if f"Question: {q}\n" in question or question.rstrip(" Answer:").endswith(q)]
             assert asked == [q for q, _ in TURNS[max(0, turn - 3) : turn + 1]]  # up to three turns before, in order
     assert QA_TASKS["qa_coqa"].many_questions
-    with pytest.raises(H2OError, match="no story of the data's half has 6 questions"):
+    with pytest.raises(H2OError, match="no story of the data.s half short enough for context 1400 has 6 questions"):
         built(data, "qa_coqa", 1400, samples=1, questions=6)
 
 
@@ -210,7 +210,7 @@ def test_drop_f1_and_exact_match_normalise_numbers(prediction, references, f1, e
 
 
 def test_missing_data_and_short_contexts_are_one_line_errors(data, monkeypatch):
-    with pytest.raises(H2OError, match="qa_drop: context 300 is too short for 3 planted text"):
+    with pytest.raises(H2OError, match=r"qa_drop: context 300 is too short for 3 question\(s\): 0 of the data's texts are short enough"):
         built(data, "qa_drop", 300, questions=3)
     with pytest.raises(H2OError, match=r"qa_squad: \d+ tokens of distractors wanted, the data.s half holds \d+; use a shorter context"):
         built(data, "qa_squad", 5200)

@@ -22,7 +22,9 @@ context (``--questions-per-context N``).
   where the answer is Y. Graded by F1 (``metric.qa_f1``).
 
 Every prompt asks for a few words after the answer prefix " Answer:"; the metric grades the
-answer's first line. Documents and stories are whole, the last distractor cut to fit the length.
+answer's first line. Documents and stories are whole, the last distractor cut to fit the length. A
+gold text is one of at most half the room the context leaves, over N (``short_enough``): the long
+DROP passages and CoQA stories are asked at longer contexts, and N gold texts always fit.
 
 Splits: a data set's texts (paragraphs, passages, stories) are halved in file order, every other
 one, and a run's seed picks a half by its parity, gold and distractors alike: dev (seed 0) and test
@@ -61,6 +63,13 @@ def documents(frame: Frame, texts: list[str], length: int, name: str) -> tuple[l
         raise H2OError(f"{name}: {length} tokens of distractors wanted, the data's half holds {len(ids)}; "
                        "use a shorter context")
     return ids[:length], [b for b in breaks if b < length] + [length]
+
+
+def short_enough(frame: Frame, context: int, instruction: str, texts: list[str], questions: int) -> list[str]:
+    """The ``texts`` that may be gold: at most half the room a context leaves, shared by ``questions``
+    (a long DROP passage or CoQA story goes to longer contexts; N of them always fit with room to spare)."""
+    room = frame.body_length(context, frame.encode(instruction), [], []) // (2 * questions)
+    return [t for t in texts if len(frame.encode(t)) <= room]
 
 
 def ask(frame: Frame, lead: str, question: str, answers, max_new_tokens: int):
@@ -109,16 +118,18 @@ class Passages:
         by_text: dict[str, list] = {}
         for item in items:
             by_text.setdefault(item.text, []).append(item)
-        if questions > len(by_text):
-            raise H2OError(f"{name}: {questions} questions per context, the data's half has {len(by_text)} texts")
-        gold = rng.sample(list(by_text), questions)
+        instruction = f"Answer the question based on the given documents. {FEW_WORDS}\n\nThe following are given documents.\n\n"
+        fitting = short_enough(frame, context, instruction, list(by_text), questions)
+        if questions > len(fitting):
+            raise H2OError(f"{name}: context {context} is too short for {questions} question(s): {len(fitting)} of the "
+                           "data's texts are short enough")
+        gold = rng.sample(fitting, questions)
         chosen = [rng.choice(by_text[text]) for text in gold]
         lead = f"\n\nAnswer the question based on the given documents. {FEW_WORDS}\n\n"
         asked = [ask(frame, lead, item.question, item.answers, self.max_new_tokens) for item in chosen]
         golden = set(gold)
         others = [document(t) for t in by_text if t not in golden]
         rng.shuffle(others)
-        instruction = f"Answer the question based on the given documents. {FEW_WORDS}\n\nThe following are given documents.\n\n"
         return planted(name, frame, context, sample, self.metric, rng, instruction, asked, [document(t) for t in gold],
                        lambda length: documents(frame, others, length, name))
 
@@ -150,17 +161,18 @@ class Conversations:
 
         rng = sample_rng(seed, name, context, sample)
         stories = half(qa_data.coqa_conversations(), seed, lambda c: c.story)
-        long_enough = [c for c in stories if len(c.turns) >= questions]
-        if not long_enough:
-            raise H2OError(f"{name}: no story of the data's half has {questions} questions")
-        gold = rng.choice(long_enough)
+        instruction = f"Read the following stories, each under its name. I will ask you about one of them. {FEW_WORDS}\n\n"
+        fitting = set(short_enough(frame, context, instruction, [c.story for c in stories], 1))
+        candidates = [c for c in stories if len(c.turns) >= questions and c.story in fitting]
+        if not candidates:
+            raise H2OError(f"{name}: no story of the data's half short enough for context {context} has {questions} questions")
+        gold = rng.choice(candidates)
         turns = [gold.turns[i] for i in sorted(rng.sample(range(len(gold.turns)), questions))]
         names = variable_names(rng, len(stories))
         lead = f"\n\nAnswer the question about story {names[0]}. {FEW_WORDS}\n\n"
         asked = [ask(frame, lead + self.before(turn), turn.question, turn.answers, self.max_new_tokens) for turn in turns]
         others = [story(n, c.story) for n, c in zip(names[1:], [c for c in stories if c is not gold], strict=True)]
         rng.shuffle(others)
-        instruction = f"Read the following stories, each under its name. I will ask you about one of them. {FEW_WORDS}\n\n"
         return planted(name, frame, context, sample, self.metric, rng, instruction, asked, [story(names[0], gold.story)],
                        lambda length: documents(frame, others, length, name))
 
