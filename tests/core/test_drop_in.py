@@ -110,3 +110,25 @@ def test_errors_are_one_line():
     with pytest.raises(H2OError, match="takes no padding") as err, torch.inference_mode():
         model.generate(ids, attention_mask=mask, **cache_arg(cache), max_new_tokens=2, pad_token_id=1)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("recipe", ["prompt", "document"])
+def test_a_tail_in_the_budget_keeps_the_live_tokens_within_it(recipe):
+    """``kvzip:tail_in_budget=1``: the ranking keeps ``tail`` fewer heavy slots and the tokens read
+    after it fill them, so the cache's live tokens stay within budget x heads x layers (with the
+    tail on top they pass it), and the tail's tokens are still kept whole."""
+    model, ids = tiny_model(), random_ids(100)
+    spec = "kvzip:tail=4" + (",question=32" if recipe == "prompt" else "")
+    live = {}
+    for inside in (0, 1):
+        cache = H2OCache(model, recipe=recipe, policy=f"{spec},tail_in_budget={inside}", budget=0.2, budget_floor=0,
+                         tokenizer=Tok())
+        greedy(model, ids, cache)
+        live[inside] = sum(int(layer.live_slots().sum()) for layer in cache.layers)
+        for layer in cache.layers:
+            layer.to_dense()  # a layer the C step holds flat is read in its dense layout
+        last = cache.get_seq_length() - 4  # the tail's 4 tokens: every head holds them
+        assert all(bool(((layer.ordinal >= last) & layer.valid).sum(-1).eq(4).all()) for layer in cache.layers)
+        assert cache.stats()["above_budget_tokens"] == (0 if inside else 4)
+    whole = cache.budget()[0] * len(cache.layers) * cache.layers[0].valid.shape[1]
+    assert live[1] <= whole < live[0]
