@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench-quick soak eval-data peer peer-kv clean
+.PHONY: setup demo test lint bench-quick soak eval-data peer peer-kv peer-openvino clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -67,6 +67,23 @@ $(PEER_KV_STAMP): tools/peer/requirements-keys-values.txt
 
 peer-kv: $(PEER_KV_STAMP)
 
+# OpenVINO GenAI's cache eviction (its H2O, SUM / NORM_SUM) in its own venv: openvino-genai 2026.4
+# and optimum-intel (our checkpoint exported to float32 IR). Its requirements are the whole pinned
+# closure, installed without resolving (optimum-intel's torchvision breaks the CPU torch: see the
+# file). tools/peer/run_openvino.py runs it on prompts exported by `h2okv eval longctx|reasoning
+# --export-prompts`. Not needed by `make test`.
+PEER_OV_VENV := .venv-peer-ov
+PEER_OV_STAMP := $(PEER_OV_VENV)/.installed
+
+$(PEER_OV_STAMP): tools/peer/requirements-openvino.txt
+	$(PY) -m venv $(PEER_OV_VENV)
+	$(PEER_OV_VENV)/bin/pip install -q --upgrade pip
+	$(PEER_OV_VENV)/bin/pip install -q torch==2.13.0
+	$(PEER_OV_VENV)/bin/pip install -q --no-deps -r tools/peer/requirements-openvino.txt
+	touch $(PEER_OV_STAMP)
+
+peer-openvino: $(PEER_OV_STAMP)
+
 bench-quick: setup
 	$(BIN)/h2okv bench --quick --json results/bench-quick.json
 
@@ -78,4 +95,4 @@ soak: setup
 	H2OKV_FUZZ_EXAMPLES=3000 $(BIN)/python -m pytest -q tests/serve/test_hardening.py -k fuzz
 
 clean:
-	rm -rf $(VENV) $(PEER_VENV) $(PEER_KV_VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(PEER_VENV) $(PEER_KV_VENV) $(PEER_OV_VENV) build *.egg-info src/*.egg-info
