@@ -171,6 +171,17 @@ class Engine:
             budget += make_policy(request.policy).tail
         return reservation(len(request.prompt_ids), request.max_tokens, budget, self.chunk_for(request))
 
+    def reads_question(self, request: GenerationRequest) -> bool:
+        """Does this request's policy rank its prompt with the question in view? A late prefill
+        (every query's attention, the question's among them) or a policy that ranks a call before
+        chunking it (``ranks_upfront``: ``snapkv``, the ``bounded`` recipe, by the call's last
+        queries). Such a prompt is read in one call and never cut where its cacheable prefix ends:
+        read in pieces, the document would be ranked before the question exists (measured, served
+        chat over a ~1,300-token document, 0.5B, 20%: 0/12 under both, full 12/12). ``kvzip``
+        ranks by reconstruction and is question-agnostic by design: it keeps its cut."""
+        cls = policy_class(request.policy)
+        return cls.evicts and not cls.ranks_by_reconstruction and (self.whole_prompts or cls.ranks_upfront)
+
     def chunk_for(self, request: GenerationRequest) -> int:
         """The prefill chunk of ``request``: the whole prompt under late prefill or for a policy
         ranked by reconstruction (its peak is then the prompt, as ``reservation`` counts it), else
@@ -246,7 +257,9 @@ class Engine:
 
     def _sequence(self, request: GenerationRequest, handle: Handle) -> Sequence:
         output = Output(request, self.decode, self.device)
-        seq = Sequence(request, handle, self.reservation(request), next(self.uids), self.chunk_for(request), output)
+        # a question-aware policy reads its prompt in one call (its cache still evicts chunk by chunk)
+        call = len(request.prompt_ids) if self.reads_question(request) else self.chunk_for(request)
+        seq = Sequence(request, handle, self.reservation(request), next(self.uids), max(1, call), output)
         if policy_class(request.policy).ranks_by_reconstruction:  # built here, where the tokenizer is
             seq.ranked = ranked_length(request)
             with self.tokenizer_lock:
@@ -538,13 +551,13 @@ class Engine:
         cut = req.cache_prefix
         if seq.probe is not None:
             cut = seq.ranked
-        elif cut is None or not done < cut < len(prompt):
+        elif cut is None or not done < cut < len(prompt) or self.reads_question(req):
             cut = len(prompt)
         saves = set()
         if self.prefixes is not None:
             if cut < len(prompt):
                 saves.add(cut)
-            chunked = not self.whole_prompts and not policy_class(req.policy).ranks_by_reconstruction
+            chunked = seq.chunk < len(prompt) and not policy_class(req.policy).ranks_by_reconstruction
             if seq.evicts and chunked:
                 saves.update(block_checkpoints(done, cut, self.prefill_chunk))
         seq.checkpoints = frozenset(saves)
