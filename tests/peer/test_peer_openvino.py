@@ -321,3 +321,17 @@ def test_bad_inputs_are_one_line_errors(runner, tmp_path, capsys):
     reasoning.write_text(json.dumps({"format": "h2okv-reasoning-prompts/1", "budgets": [64]}))
     assert "budget '64' is not a slot count >= 96" in exit_line(capsys, lambda: runner.main([str(reasoning), "--json", "o"]))
     assert "one of --model DIR or --prompts FILE" in exit_line(capsys, lambda: runner.main(["export"]))
+
+
+def test_speed_table_compares_each_engine_with_its_own_full():
+    speed = load(RUNNER.parent / "speed_openvino.py", "speed_openvino")
+    rows = [{"engine": e, "context": 1024, "policy": p, "budget": b, "prefill_s": t, "steps": 32, "decode_s": d,
+             "kv_fraction": k}
+            for e, p, b, t, d, k in [("h2okv", "full", 1.0, 4.0, 8.0, 1.0), ("h2okv", "h2o", 0.2, 5.0, 4.0, 0.2),
+                                     ("openvino", "openvino-full", 1.0, 2.0, 3.2, 1.0),
+                                     ("openvino", "openvino-h2o-sum", 0.2, 2.0, 3.2, 0.22)]]
+    rows = speed.with_ratios(rows)
+    assert [(r["ttft_vs_full"], r["decode_tok_s"], r["decode_vs_full"]) for r in rows] == [
+        (1.0, 4.0, 1.0), (1.25, 8.0, 2.0), (1.0, 10.0, 1.0), (1.0, 10.0, 1.0)]
+    assert speed.prompt_ids(64, 1000) == speed.prompt_ids(64, 1000) and max(speed.prompt_ids(64, 1000)) < 1000
+    assert "openvino-h2o-sum" in speed.table(rows)

@@ -227,13 +227,15 @@ class Engine:
         return self.pipe
 
     def answer(self, policy: str, sizes: dict | None, ids: list[int], max_new_tokens: int,
-               eos_ids: set[int] | None = None, stop: list[str] | None = None) -> dict:
+               eos_ids: set[int] | None = None, stop: list[str] | None = None, ignore_eos: bool = False) -> dict:
         import numpy as np
         import openvino
 
         pipe = self.pipeline(policy, sizes)
         config = pipe.get_config()
         config.do_sample, config.max_new_tokens = False, max_new_tokens
+        if ignore_eos:  # a speed run: exactly max_new_tokens steps
+            config.ignore_eos, eos_ids = True, set()
         if eos_ids:  # a reasoning export names its EOS ids; a longctx one uses the model's
             config.stop_token_ids = set(eos_ids)
         if stop:  # stop early; the answer is cut by our own rule below
@@ -247,7 +249,7 @@ class Engine:
         generated = handle.read_all()[0].generated_ids
         metrics = handle.get_perf_metrics()
         decode = lambda t: self.tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
-        tokens, finish = end_of_answer(generated, decode, eos, stop or [], max_new_tokens)
+        tokens, finish = end_of_answer(generated, decode, set() if ignore_eos else eos, stop or [], max_new_tokens)
         held = usage / 100 * kv_blocks(self.longest) * BLOCK  # tokens per layer
         ttft, tpot = metrics.get_ttft().mean / 1000, metrics.get_tpot().mean / 1000
         return {"token_ids": tokens, "finish": finish, "text": decode(tokens), "prefill_s": ttft,
@@ -429,6 +431,43 @@ def main_export(argv) -> int:
     return 0
 
 
+def main_speed(argv) -> int:
+    """``speed``: TTFT and decode time of ``full`` and ``h2o-sum`` on given prompt ids (a JSON list
+    of id lists), for ``speed_openvino.py``, which times h2okv on the same ids."""
+    parser = argparse.ArgumentParser(prog="run_openvino.py speed", description=main_speed.__doc__)
+    parser.add_argument("--model", required=True, help="HF checkpoint folder")
+    parser.add_argument("--ids", required=True, help="JSON: a list of prompts, each a list of token ids")
+    parser.add_argument("--steps", type=int, default=32, help="tokens decoded after the first")
+    parser.add_argument("--budget", type=float, default=0.2, help="h2o's fraction of each prompt")
+    parser.add_argument("--policies", default="full,h2o-sum")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args(argv)
+    policies = parse_policies(args.policies)
+    prompts = json.loads(Path(args.ids).read_text(encoding="utf-8"))
+    openvino_genai()
+    model_dir = Path(args.model)
+    longest = max(map(len, prompts)) + args.steps + 1 + BLOCK
+    from transformers import AutoTokenizer
+
+    engine = Engine(export_ir(model_dir), AutoTokenizer.from_pretrained(model_dir), args.threads, longest,
+                    kv_bytes_per_token(model_dir))
+    rows = []
+    for ids in prompts:
+        for policy in policies:
+            sizes = None if POLICIES[policy] is None else eviction_sizes(args.budget, len(ids))
+            engine.answer(policy, sizes, ids[:64], 2, ignore_eos=True)  # compile and warm up, not timed
+            result = engine.answer(policy, sizes, ids, args.steps + 1, ignore_eos=True)
+            rows.append({"engine": "openvino", "context": len(ids), "policy": policy_label(policy),
+                         "budget": 1.0 if sizes is None else args.budget, "openvino": sizes,
+                         "prefill_s": round(result["prefill_s"], 3), "steps": len(result["token_ids"]) - 1,
+                         "decode_s": round(result["decode_s"], 3), "kv_fraction": round(result["kv_fraction"], 4)})
+            print(json.dumps(rows[-1]), flush=True)
+    Path(args.json).write_text(json.dumps({"software": software(), "threads": args.threads, "rows": rows}, indent=1)
+                               + "\n")
+    return 0
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("prompts", help="JSON written by h2okv eval longctx/reasoning --export-prompts")
@@ -446,6 +485,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["export"]:
         return main_export(argv[1:])
+    if argv[:1] == ["speed"]:
+        return main_speed(argv[1:])
     args = parse_args(argv)
     exported = read_export(args.prompts)
     policies = parse_policies(args.policies)
