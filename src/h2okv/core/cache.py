@@ -316,8 +316,12 @@ class H2OCache(Cache):
         store) then costs its live tokens, not its widest head's count times every head. Any later
         use (``take_rows``, a forward call) brings a layer back to the dense layout."""
         for layer in self.layers:
-            if not layer.is_initialized or layer.ragged is not None:
+            if not layer.is_initialized:
                 continue
+            if layer.ragged is not None:
+                if not bool((layer.ragged.widths.view(layer.ragged.shape[:2]) > layer.live_slots() + 1).any()):
+                    continue  # flat at the budget: one free slot a head, the next token's
+                layer.to_dense()  # flat with room ahead (kvzip's tail filling, ``decode.TailFill``): cut it
             live = layer.live_slots()
             if bool((live == live.flatten()[0]).all()):
                 continue  # even counts: the dense layout, trimmed, is already tight

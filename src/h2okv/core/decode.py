@@ -18,6 +18,8 @@ and each stepper owns what it reuses between steps; a step asks nothing again.
   ``native/``); uneven budgets hold each head's own slots only (``storage.py``: ragged slots).
 - ``TritonStep``: the same step as one Triton launch (CUDA), at the budget or filling up
   (``triton_step.py``).
+- ``TailFill``: a ranked kvzip layer of uneven head budgets filling its tail: flat, each head
+  its live slots and a little room (``storage.py``: ragged slots), no eviction.
 - ``GrowFirst``: a (row, head) at its budget has no free slot for the next token yet: grow once,
   choose again.
 
@@ -36,6 +38,10 @@ from h2okv.core.attention import fused_mass_on, slot_attention
 from h2okv.core.kernels import native_on, triton_on
 from h2okv.core.native import calls as native
 from h2okv.core.step import evict, eviction_rank, protected
+
+# a kvzip layer filling its tail flat (``TailFill``): the free slots each head holds ahead (a
+# regrow, a copy of the layer, every this many steps)
+TAIL_GROWTH = 16
 
 
 @dataclass
@@ -111,6 +117,8 @@ def choose_stepper(layer):
     triton = triton_on(device) and not layer.config.compileable
     fused = fused_mass_on(device) and not layer.config.compileable
     if room != (0, 0):
+        if not triton and not layer.config.compileable and tail_fills_flat(layer, room):
+            return TailFill(layer, filling_room(layer, room))
         rule = triton_step.decode_rule(layer, general=True) if triton else None
         return TritonStep(None, rule) if rule is not None else FillingStep(fused=fused, room=filling_room(layer, room))
     state = at_budget(layer)
@@ -132,6 +140,15 @@ def choose_stepper(layer):
         if rule is not None:
             return TritonStep(state if dense else None, rule)
     return EagerStep(state, dense, fused=fused)
+
+
+def tail_fills_flat(layer, room: tuple[int, int] | None) -> bool:
+    """Whether ``layer`` is a ranked kvzip layer of uneven head budgets filling its tail with a
+    step or more to go before any head may evict: ``TailFill`` holds it flat meanwhile."""
+    if not getattr(layer, "probed", False) or filling_room(layer, room) < 1:
+        return False
+    budget = layer.slot_budget()
+    return bool((budget != budget.flatten()[0]).any())
 
 
 def filling_room(layer, room: tuple[int, int] | None) -> int:
@@ -164,6 +181,79 @@ class FillingStep:
             evict(layer, 1)
             layer.refresh()
         return out
+
+
+class TailFill:
+    """A ranked kvzip layer of uneven head budgets filling its tail (tokens read after the
+    ranking are kept whole, nothing is evicted for ``room`` steps): the dense layout would hold
+    the widest head's width for every head (issue 58: 39% of a full cache's KV at a 20% budget,
+    live tokens 21%), so the layer is flat meanwhile (``storage.py``: ragged slots), each head its
+    live slots packed in front and at most ``TAIL_GROWTH`` free ones, grown (``regrow``) when
+    they are used up. Once the room is used, the layer goes dense and the stepper is chosen again
+    (at the budget: the native step flattens it to budget + 1 a head). The step is
+    ``FillingStep``'s without an eviction; attention depends on no free slot, so the same."""
+
+    def __init__(self, layer, room: int):
+        self.room = room
+        live = layer.valid.sum(-1)  # [B, H]
+        self.budget = layer.slot_budget().expand_as(live).reshape(-1).to(torch.int64)
+        self.fill = live.reshape(-1).to(torch.int64)  # live slots per (row, head), packed in front
+        layer.pack_live()
+        layer.flatten(self.fill.clone())
+        self.grow(layer)
+
+    def grow(self, layer) -> None:
+        """Up to ``TAIL_GROWTH`` free slots a head, never past its budget; ``left``: the steps
+        until a head has none (every head takes one slot a step)."""
+        widths = (self.fill + (self.budget - self.fill).clamp(0, TAIL_GROWTH)).contiguous()
+        layer.regrow(widths)
+        self.left = int((widths - self.fill).min())
+        self.owner = torch.repeat_interleave(torch.arange(len(widths), device=widths.device), widths,
+                                             output_size=int(layer.ragged.keys.shape[0]))
+
+    def decode(self, layer, query, k_new, v_new, scaling):
+        if self.left < 1:
+            self.grow(layer)
+        policy, ragged = layer.config.policy, layer.ragged
+        b, hkv, _, d = k_new.shape
+        slot = ragged.base + self.fill
+        ragged.keys[slot] = k_new.reshape(b * hkv, d)
+        ragged.values[slot] = v_new.reshape(b * hkv, v_new.shape[-1])
+        ragged.ordinal[slot] = layer.n_real.repeat_interleave(hkv)
+        fresh = policy.key_scores(k_new)
+        ragged.score[slot] = 0.0 if fresh is None else fresh.reshape(-1).float()
+        ragged.valid[slot] = True
+        out, mass = flat_attention(query, ragged, self.owner, scaling, policy.needs_scores)
+        if mass is not None:
+            policy.accumulate(ragged.score, mass)
+        layer.n_real.add_(1)
+        self.fill += 1
+        self.left -= 1
+        self.room -= 1
+        if self.room == 0:  # a head may evict from the next step on: dense, and choose again
+            layer.to_dense()
+            layer.refresh()
+        return out
+
+
+def flat_attention(query, ragged, owner, scaling: float, need_mass: bool):
+    """One query per (row, query head) over a flat layer's live slots (``owner``: each flat slot's
+    (row, KV head)): ``([B, 1, Hq, Dv], mass [T] or None)``, the mass summed over each KV head's
+    group as ``slot_attention``'s."""
+    b, hq, _, d = query.shape
+    pairs = len(ragged.widths)
+    g = hq // (pairs // b)
+    q = query.reshape(pairs, g, d)[owner]  # [T, g, D]
+    logits = (q @ ragged.keys[:, :, None]).squeeze(-1).float().mul_(scaling)  # [T, g]
+    logits.masked_fill_(~ragged.valid[:, None], float("-inf"))
+    index = owner[:, None].expand_as(logits)
+    top = logits.new_full((pairs, g), float("-inf")).scatter_reduce_(0, index, logits, "amax")
+    probs = (logits - top[owner]).exp_()
+    probs.div_(logits.new_zeros((pairs, g)).index_add_(0, owner, probs)[owner])
+    values = ragged.values
+    out = values.new_zeros((pairs, g, values.shape[-1])).index_add_(
+        0, owner, probs.to(values.dtype)[:, :, None] * values[:, None, :])
+    return out.view(b, 1, hq, values.shape[-1]), probs.sum(-1) if need_mass else None
 
 
 class GrowFirst:
@@ -250,4 +340,4 @@ class TritonStep:
 
 
 #: the steppers that run a step themselves (``GrowFirst`` hands its step to one of them)
-STEPPERS = (FillingStep, EagerStep, NativeStep, TritonStep)
+STEPPERS = (FillingStep, EagerStep, NativeStep, TritonStep, TailFill)

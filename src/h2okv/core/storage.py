@@ -12,7 +12,9 @@ widest one for every head. Once every head is at its budget with its live slots 
 (``decode.at_budget``), the native decode stepper ``flatten``s the layer: each (row, head) keeps
 only its own ``budget + 1`` slots, in flat ``[T(, D)]`` tensors (``RaggedSlots``), and the dense
 ones are freed (the layer's slot tensors are None). Every other path calls ``to_dense`` first,
-which brings the dense layout back; the native step keeps the layer flat.
+which brings the dense layout back; the native step keeps the layer flat. A kvzip layer filling
+its tail is flat too (``decode.TailFill``): each head its live slots and a little room, grown by
+``regrow`` as the tail fills, so the bytes held follow the live tokens, not the widest head.
 """
 
 from __future__ import annotations
@@ -67,6 +69,27 @@ class SlotStorage:
         for name in SLOT_TENSORS:
             setattr(ragged, name, getattr(self, name)[kept].contiguous())
             setattr(self, name, None)
+        self.ragged = ragged
+
+    def regrow(self, widths: torch.Tensor) -> None:
+        """Re-cut a flat layer to ``widths`` ``[B * H]``, each at least the (row, head)'s present
+        width: its slots keep their place at the front, the new ones are free (kvzip's tail grows
+        each head's own slots as it fills, ``decode.TailFill``)."""
+        old = self.ragged
+        b, h, cap = old.shape
+        total = int(widths.sum())
+        base = torch.cumsum(widths, 0) - widths
+        owner = torch.repeat_interleave(torch.arange(len(widths), device=widths.device), widths, output_size=total)
+        offset = torch.arange(total, device=widths.device) - base[owner]
+        keep = offset < old.widths[owner]
+        source = (old.base[owner] + offset)[keep]
+        ragged = RaggedSlots(**dict.fromkeys(SLOT_TENSORS), base=base.contiguous(), widths=widths,
+                             shape=(b, h, max(cap, int(widths.max()))))
+        for name in SLOT_TENSORS:
+            flat = getattr(old, name)
+            grown = flat.new_zeros((total, *flat.shape[1:]))  # zeros: valid=False, free
+            grown[keep] = flat[source]
+            setattr(ragged, name, grown)
         self.ragged = ragged
 
     def to_dense(self) -> None:

@@ -23,10 +23,11 @@ grown as tokens arrive: a cache that reads nothing after the ranking holds only 
 ``tail_in_budget=1`` counts the tail inside the budget: the ranking keeps ``tail`` fewer heavy
 slots (never fewer than the sinks) and the tail fills them, so the live tokens never pass the budget.
 Not a default (recipes are chosen on measurements); at 20% of a 1,500-token prompt the ranking
-then keeps about 50 of each head's 300 slots for the context. The bytes a cache holds above its
-budget are mostly not the tail's, which grows token by token, but the dense layout: while its heads
-fill their tail, a layer whose heads have uneven budgets (``head_budgets=layers``) holds its widest
-head's width for every head; heads at their budget are packed (``H2OCache.stats``: ``live_share``).
+then keeps about 50 of each head's 300 slots for the context. While its heads fill their tail, a
+layer whose heads have uneven budgets (``head_budgets=layers``) is held flat, each head its own live
+slots and a little room (``core/decode.py``: ``TailFill``): the dense layout would hold its widest
+head's width for every head (issue 58: 39% of a full cache's KV at a 20% budget for 21% of its
+tokens); heads at their budget are packed (``H2OCache.stats``: ``kv_share``, ``live_share``).
 
 ``kernel=K`` (odd, default 1: KVzip's own scores) gives each token the best score of the ``K``
 tokens centred on it, in prompt order, before the ranking: a token next to a chosen one ranks with
