@@ -77,11 +77,13 @@ def test_requests_of_every_outcome_leave_no_cyclic_garbage(model_tok, no_collect
                    for i, (p, h, r) in enumerate(kinds)]
         for handle in handles:
             assert handle.result_blocking(60)[1].kind == "done"
-        cancelled = engine.submit(GenerationRequest(prompt_ids=list(range(30)), max_tokens=500, policy="h2o",
+        # 10**6 tokens: no machine ends these before the cancel or the 0.2 s timeout does (500 and
+        # 1,000 could, on a fast one)
+        cancelled = engine.submit(GenerationRequest(prompt_ids=list(range(30)), max_tokens=10**6, policy="h2o",
                                                     heavy=4, recent=4, ignore_eos=True))
         cancelled.next_blocking(60)
         cancelled.cancel()
-        expired = engine.submit(GenerationRequest(prompt_ids=list(range(30)), max_tokens=1000, policy="h2o",
+        expired = engine.submit(GenerationRequest(prompt_ids=list(range(30)), max_tokens=10**6, policy="h2o",
                                                   heavy=4, recent=4, ignore_eos=True, timeout=0.2))
         assert {cancelled.result_blocking(60)[1].kind, expired.result_blocking(60)[1].finish_reason} == \
             {"cancelled", "timeout"}

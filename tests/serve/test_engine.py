@@ -14,7 +14,11 @@ from h2okv.serve.engine import Engine, GenerationRequest
 from h2okv.serve.errors import ErrorKind, ServeError
 from h2okv.serve.memory import footprint_slots, prefill_chunks, reservation
 from h2okv.serve.text import TextStream
-from serve_cases import CHUNK, alone, prompt
+from serve_cases import CHUNK, alone, hold_at, prompt
+
+# a request of this many tokens ends only when cancelled (or timed out): no machine decodes 10**6
+# tokens while a test looks (1,500 could end early on a fast machine)
+NEVER_ENDS = 10**6
 
 
 @pytest.fixture
@@ -60,12 +64,18 @@ def test_batched_greedy_equals_alone(model_tok, schedule, step_tokens):
 
 
 def _check_batched_equals_alone(engine, model):
-    handles = []
-    for i, (n, policy, heavy, recent, steps) in enumerate(CASES):
-        req = GenerationRequest(prompt(n, i), steps, policy, heavy, recent, temperature=0.0, ignore_eos=True)
-        handles.append(engine.submit(req))
-        if i == 3:
-            time.sleep(0.05)  # later ones join while the first are mid-decode
+    requests = [GenerationRequest(prompt(n, i), steps, policy, heavy, recent, temperature=0.0, ignore_eos=True)
+                for i, (n, policy, heavy, recent, steps) in enumerate(CASES)]
+    # the first four arrive together; the later ones join while the first are mid-decode: submitted
+    # while the engine waits at its 4th decode step (the first rows hold at most 4 of their 12+ tokens).
+    # A sleep put them anywhere: after the first had finished on a fast machine
+    reached, release = hold_at(engine, "decode", calls=4)
+    try:
+        handles = engine.submit_many(requests[:4])
+        assert reached.wait(60)
+        handles += [engine.submit(req) for req in requests[4:]]
+    finally:
+        release()
     for (n, policy, heavy, recent, steps), handle, i in zip(CASES, handles, range(len(CASES)), strict=True):
         _, done = handle.result_blocking()
         assert done.kind == "done" and done.finish_reason == "length"
@@ -150,15 +160,20 @@ def test_shared_prefill_greedy_equals_alone(model_tok, policy, heavy, recent):
     # never 1 mod CHUNK: the engine's chunks are generate's; and greedy paths without EOS (the reference's
     # min_new_tokens forbids EOS while ignore_eos lets the engine pick it: tova on a 9-token prompt does)
     lengths = [70, 23, 52, 19, 40, 87, 30]
+    requests = [GenerationRequest(prompt(n, 40 + i), 10 + i, policy,
+                                  *((None, None) if heavy is None else (heavy + i % 3, recent + i % 2)),
+                                  temperature=0.0, ignore_eos=True) for i, n in enumerate(lengths)]
+    # the last three arrive while the first four are part-way through their prompts: submitted while
+    # the engine waits at its second prefill forward (not after a sleep, which a machine's speed moves)
+    reached, release = hold_at(engine, "prefill", calls=2)
     engine.start()
     try:
-        handles = []
-        for i, n in enumerate(lengths):
-            budget = (None, None) if heavy is None else (heavy + i % 3, recent + i % 2)
-            handles.append(engine.submit(GenerationRequest(prompt(n, 40 + i), 10 + i, policy, *budget,
-                                                           temperature=0.0, ignore_eos=True)))
-            if i == 3:
-                time.sleep(0.05)
+        try:
+            handles = engine.submit_many(requests[:4])
+            assert reached.wait(60)
+            handles += [engine.submit(req) for req in requests[4:]]
+        finally:
+            release()
         for i, (n, handle) in enumerate(zip(lengths, handles, strict=True)):
             done = handle.result_blocking()[1]
             budget = (None, None) if heavy is None else (heavy + i % 3, recent + i % 2)
@@ -230,7 +245,7 @@ def test_request_ended_mid_shared_prefill_frees_its_row(model_tok, how):
             if how == "cancel":
                 seq.handle.cancel()
             else:
-                seq.deadline = time.monotonic()
+                seq.deadline = time.monotonic() - 1  # past, whatever the clock's resolution
         return out
 
     engine.executor.prefill = record
@@ -330,8 +345,9 @@ def test_admission_by_kv_memory(model_tok):
         eng = Engine(model, tok, prefill_chunk=CHUNK, kv_memory=limit, max_batch=64)
         eng.start()
         try:
-            handles = [eng.submit(GenerationRequest(prompt(n, i), steps, policy, heavy, recent, temperature=0.0,
-                                                    ignore_eos=True)) for i in range(12)]
+            # all twelve wait at once (one by one, a slow submitter could see each end before the next)
+            handles = eng.submit_many([GenerationRequest(prompt(n, i), steps, policy, heavy, recent, temperature=0.0,
+                                                         ignore_eos=True) for i in range(12)])
             for h in handles:
                 assert h.result_blocking()[1].kind == "done"
             seen[policy] = eng.stats
@@ -356,14 +372,14 @@ def test_request_that_can_never_fit_is_rejected(model_tok):
 
 
 def test_cancel_frees_slots_and_others_continue(engine):
-    long = engine.submit(GenerationRequest(prompt(30, 1), 1500, "h2o", 4, 4, temperature=0.0, ignore_eos=True))
+    long = engine.submit(GenerationRequest(prompt(30, 1), NEVER_ENDS, "h2o", 4, 4, temperature=0.0, ignore_eos=True))
     short = engine.submit(GenerationRequest(prompt(30, 2), 20, "h2o", 4, 4, temperature=0.0, ignore_eos=True))
-    assert long.next_blocking(timeout=10).kind == "text"  # it is running
+    assert long.next_blocking(timeout=60).kind == "text"  # it is running
     long.cancel()
     _, last = long.result_blocking()
     assert last.kind == "cancelled"
     assert short.result_blocking()[1].finish_reason == "length"
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # a safety net: the stats are published at the iteration's end
     while engine.stats.running and time.monotonic() < deadline:
         time.sleep(0.01)
     assert engine.stats.running == 0 and engine.stats.kv_bytes == 0
@@ -414,15 +430,16 @@ def test_poisoned_row_in_a_shared_prefill_fails_alone(model_tok, monkeypatch):
         requests = [GenerationRequest(prompt(40 + 7 * i, 100 + i), 12, "h2o", 5, 5, temperature=0.0,
                                       ignore_eos=True) for i in range(3)]
         by_itself = [eng.submit(r).result_blocking()[1].token_ids for r in requests]
-        good = [eng.submit(r) for r in requests]
-        bad = eng.submit(GenerationRequest([POISON] * 45, 12, "h2o", 5, 5, temperature=0.0))
+        # queued at once, so the four start in one shared forward (one by one, the first three could
+        # finish their prompts before the poisoned one arrived)
+        *good, bad = eng.submit_many([*requests, GenerationRequest([POISON] * 45, 12, "h2o", 5, 5, temperature=0.0)])
         _, event = bad.result_blocking()
         assert event.kind == "error" and "poisoned row" in event.error.message
         for handle, expected in zip(good, by_itself, strict=True):
             _, done = handle.result_blocking()
             assert done.kind == "done" and done.token_ids == expected
         assert forwards["shared_failed"] >= 1  # the four did share the forward that failed
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60  # a safety net: the stats are published at the iteration's end
         while eng.stats.running and time.monotonic() < deadline:
             time.sleep(0.01)
         assert eng.stats.kv_bytes == 0 and eng.alive
@@ -497,5 +514,5 @@ def test_engine_survives_concurrent_submitters(engine):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(30)
+        t.join(120)  # a safety net, above result_blocking's own 60 s
     assert not errors and results == ["done"] * 12

@@ -1,8 +1,6 @@
 """``serve --prefill late`` and the policies of issue 16 in the engine: every sequence's tokens
 equal its tokens generated alone with a late-prefill cache; a late prompt is fed in one call."""
 
-import time
-
 import pytest
 import torch
 
@@ -10,7 +8,7 @@ from h2okv import H2OCache, H2OError
 from h2okv.core.compat import cache_arg
 from h2okv.serve.engine import Engine, GenerationRequest
 from h2okv.serve.eviction import EvictionDefaults
-from serve_cases import CHUNK, prompt
+from serve_cases import CHUNK, hold_at, prompt
 
 CASES = [  # (prompt length, policy, heavy, recent, new tokens)
     (40, "knorm", 6, 2, 14),
@@ -38,14 +36,19 @@ def test_late_prefill_engine_equals_alone(model_tok, schedule, monkeypatch):
     calls = []
     prefill = engine.executor.prefill
     monkeypatch.setattr(engine.executor, "prefill", lambda parts: calls.append(parts) or prefill(parts))
+    requests = [GenerationRequest(prompt(n, i), steps, policy, heavy, recent, temperature=0.0, ignore_eos=True)
+                for i, (n, policy, heavy, recent, steps) in enumerate(CASES)]
+    # the later ones join while the first decode: submitted while the engine waits at its 4th decode
+    # step (the first rows hold at most 4 of their 10+ tokens), not after a sleep a machine's speed moves
+    reached, release = hold_at(engine, "decode", calls=4)
     engine.start()
     try:
-        handles = []
-        for i, (n, policy, heavy, recent, steps) in enumerate(CASES):
-            req = GenerationRequest(prompt(n, i), steps, policy, heavy, recent, temperature=0.0, ignore_eos=True)
-            handles.append(engine.submit(req))
-            if i == 2:
-                time.sleep(0.05)  # later ones join while the first decode
+        try:
+            handles = engine.submit_many(requests[:3])
+            assert reached.wait(60)
+            handles += [engine.submit(req) for req in requests[3:]]
+        finally:
+            release()
         for (n, policy, heavy, recent, steps), handle, i in zip(CASES, handles, range(len(CASES)), strict=True):
             _, done = handle.result_blocking()
             assert done.kind == "done"

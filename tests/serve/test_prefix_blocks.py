@@ -3,15 +3,13 @@ to the prompt's longest shared block prefix, an evicting chunked prefill's block
 what it must never do: cross an API key, policy or budget, or resume a late prefill mid-prompt.
 Each resumed answer is checked against a cold read of the same prompt."""
 
-import time
-
 import pytest
 import torch
 
 from h2okv.serve.engine import Engine, GenerationRequest
 from h2okv.serve.executor import Executor
 from h2okv.serve.prefix import Entry, PrefixIndex, block_checkpoints
-from serve_cases import CHUNK, prompt
+from serve_cases import CHUNK, prompt, settle
 
 DOC = 300  # a document past CHECKPOINT_MIN (256): an evicting prefill saves a block checkpoint at 256
 
@@ -51,9 +49,7 @@ def answer(engine, ids, policy="full", heavy=None, recent=None, steps=8, key=Non
         if event.final:
             break
     assert event.kind == "done"
-    deadline = time.monotonic() + 10
-    while not engine.idle() and time.monotonic() < deadline:
-        time.sleep(0.005)
+    settle(engine)
     return event.token_ids, logprobs, event.usage["prompt_tokens_details"]["cached_tokens"]
 
 
@@ -148,14 +144,10 @@ def test_full_completions_sharing_1500_tokens_report_them_cached_over_http(model
             usages.append(reply.json()["usage"])
         assert usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
         assert usages[1]["prompt_tokens_details"]["cached_tokens"] >= 1000  # 1,488: the shared blocks
-        deadline = time.monotonic() + 10
-        while True:
-            text = httpx.get(url + "/metrics", timeout=10).text
-            samples = {(s.name, s.labels.get("policy")): s.value
-                       for family in text_string_to_metric_families(text) for s in family.samples}
-            if samples.get(("h2okv_prefix_cache_hits_by_policy_total", "full")) or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        settle(app.state.engine)  # the iteration that ended the second answer is published: /metrics counts it
+        text = httpx.get(url + "/metrics", timeout=30).text
+        samples = {(s.name, s.labels.get("policy")): s.value
+                   for family in text_string_to_metric_families(text) for s in family.samples}
     assert samples[("h2okv_prefix_cache_hits_by_policy_total", "full")] == 1
     assert samples[("h2okv_prefix_cache_misses_by_policy_total", "full")] == 1
     assert samples[("h2okv_prefix_cache_cached_tokens_total", "full")] == 1488

@@ -3,8 +3,6 @@ a finished request's compressed state is kept, and a later prompt that starts wi
 resumes from a copy and reads only the rest, with exactly the tokens of a cache that read the two
 pieces in two calls; namespaces, LRU under the byte budget, misses."""
 
-import time
-
 import pytest
 import torch
 
@@ -12,7 +10,7 @@ from h2okv import H2OCache
 from h2okv.core.compat import cache_arg
 from h2okv.serve.engine import Engine, GenerationRequest
 from h2okv.serve.prefix import Entry, PrefixIndex
-from serve_cases import CHUNK, prompt
+from serve_cases import CHUNK, prompt, settle
 
 
 @pytest.fixture
@@ -22,13 +20,6 @@ def engine(model_tok):
     eng.start()
     yield eng
     eng.stop()
-
-
-def settle(engine) -> None:
-    """Wait for the engine's iteration to be published (its stats count what just finished)."""
-    deadline = time.monotonic() + 10
-    while not engine.idle() and time.monotonic() < deadline:
-        time.sleep(0.005)
 
 
 def run(engine, ids, policy="h2o", heavy=6, recent=6, steps=10, key=None):
@@ -172,9 +163,7 @@ def test_chat_turns_over_http_resume_the_history(model_tok):
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         other = [system, {"role": "user", "content": "a question of another conversation"}]
         client.chat.completions.create(model="tiny", messages=other, max_tokens=4, temperature=0)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and scrape(url).get("h2okv_prefix_cache_hits_total", 0) < 2:
-            time.sleep(0.05)
+        settle(app.state.engine)  # the iteration that ended the last answer is published: /metrics counts it
         metrics = scrape(url)
     # turn 2 resumed turn 1's history (its system-message prefix, at least), the other conversation the system message
     assert metrics["h2okv_prefix_cache_hits_total"] == 2
@@ -189,8 +178,10 @@ def test_resumed_turns_decoding_in_one_batch_equal_their_two_call_reads(model_to
     firsts = [prompt(30 + 7 * i, 20 + i) for i in range(3)]
     answers = [run(engine, first, "h2o", 5, 5, steps=6) for first in firsts]
     follows = [first + answer + prompt(9 + i, 30 + i) for i, (first, answer) in enumerate(zip(firsts, answers))]
-    handles = [engine.submit(GenerationRequest(ids, 7, "h2o", 5, 5, temperature=0.0, ignore_eos=True))
-               for ids in follows]
+    # queued at once, so the three are admitted together (one by one, a slow submitter could see the
+    # first end before the last arrived: no batch of three)
+    handles = engine.submit_many([GenerationRequest(ids, 7, "h2o", 5, 5, temperature=0.0, ignore_eos=True)
+                                  for ids in follows])
     seconds = [handle.result_blocking()[1].token_ids for handle in handles]
     settle(engine)
     assert engine.stats.prefix_hits == 3 and engine.stats.batch_size_max == 3  # one batch of the three

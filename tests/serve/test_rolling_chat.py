@@ -3,13 +3,12 @@
 resumes the saved history, and the conversation's newest saved state stops growing once its
 budget fills, though the conversation outgrows the model's context."""
 
-import time
-
 import httpx
 import pytest
 
 from h2okv.serve import EvictionDefaults, create_app, running_server
 from h2okv.tools.tiny_chat import tiny_chat_model
+from serve_cases import settle
 
 NAME = "tiny"
 CONTEXT = 128
@@ -20,13 +19,6 @@ TURNS = 8
 @pytest.fixture(scope="module")
 def model_tok():
     return tiny_chat_model(layers=2, max_positions=CONTEXT, initializer_range=0.3)
-
-
-def settle(engine) -> None:
-    """Wait until the engine has finished the turn (its completed state is saved at the finish)."""
-    deadline = time.monotonic() + 10
-    while not engine.idle() and time.monotonic() < deadline:
-        time.sleep(0.005)
 
 
 def test_a_rolling_conversation_resumes_every_turn_and_its_state_stops_growing(model_tok):
@@ -42,7 +34,7 @@ def test_a_rolling_conversation_resumes_every_turn_and_its_state_stops_growing(m
             r = client.post(url + "/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 12,
                                                                 "temperature": 0, "ignore_eos": True})
             assert r.status_code == 200, r.text
-            settle(engine)
+            settle(engine)  # the turn's iteration is over (its completed state is saved at the finish)
             messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
             newest = max(engine.prefixes, key=lambda e: len(e.ids))  # the conversation's end
             rows.append((r.json()["usage"], len(newest.ids), newest.bytes))

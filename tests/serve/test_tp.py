@@ -34,7 +34,7 @@ from h2okv.serve.engine import Engine, GenerationRequest
 from h2okv.serve.executor import Executor
 from h2okv.tools.process import save_tiny_model
 from h2okv.tools.tiny_chat import tiny_chat_model
-from tp_group import SERVE_CHUNK, SERVE_HEAVY, SERVE_NAME, SERVE_PREFIX_MEMORY, SERVE_RECENT
+from tp_group import SERVE_CHUNK, SERVE_CONTEXT, SERVE_HEAVY, SERVE_NAME, SERVE_PREFIX_MEMORY, SERVE_RECENT
 
 NAME = SERVE_NAME
 PROMPTS = [f"prompt {i}: the quick brown fox jumps over {i * 7} lazy dogs" for i in range(8)]
@@ -176,13 +176,16 @@ def test_a_conversation_resumes_on_every_rank_and_every_rank_keeps_the_same_entr
 @pytest.mark.slow
 def test_every_rank_holds_kv_while_streaming_and_none_after_cancellations(tp2):
     """Streams closed early are cancelled on rank 0, and the followers drop the same rows: every
-    rank ends with no sequence and no KV bytes. While they run, both ranks hold the same bytes."""
+    rank ends with no sequence and no KV bytes. While they run, both ranks hold the same bytes.
+    The streams ask for more tokens than any machine decodes while the ranks are looked at (800
+    could end first on a fast machine), so all four are running then."""
     held: list[dict] = []
     started = threading.Barrier(5)
+    never_ends = SERVE_CONTEXT - 100  # (the served checkpoint's context: the prompts are shorter than 100)
 
     def read_then_close(i: int) -> None:
-        stream = client(tp2.url).completions.create(model=NAME, prompt=PROMPTS[i], max_tokens=800, temperature=0,
-                                                    stream=True, extra_body={"ignore_eos": True})
+        stream = client(tp2.url).completions.create(model=NAME, prompt=PROMPTS[i], max_tokens=never_ends,
+                                                    temperature=0, stream=True, extra_body={"ignore_eos": True})
         for n, _ in enumerate(stream):
             if n == 3:
                 started.wait(60)  # all four stream: look at the ranks

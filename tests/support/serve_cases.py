@@ -1,5 +1,9 @@
-"""The serving engine's tests share these: the prefill chunk, random prompts and the reference
-sequence generated alone (tests/serve/test_engine*.py)."""
+"""The serving engine's tests share these: the prefill chunk, random prompts, the reference
+sequence generated alone (tests/serve/test_engine*.py), and two ways to order a test's steps
+against the engine thread's without a sleep (``hold_at``, ``settle``)."""
+
+import threading
+import time
 
 import torch
 
@@ -21,3 +25,33 @@ def alone(model, ids, policy, heavy, recent, steps):
     out = model.generate(torch.tensor([ids]), **cache_arg(cache), max_new_tokens=steps, min_new_tokens=steps,
                          do_sample=False, pad_token_id=257)
     return out[0, len(ids):].tolist()
+
+
+def hold_at(engine, method: str, calls: int = 1):
+    """Hold the engine thread in its ``calls``-th call of ``engine.executor.<method>`` (before the
+    call runs) until the test releases it: returns ``(reached, release)``. ``reached`` (an Event) is
+    set once the engine waits there, so what the test does next lands between two known engine
+    steps on any machine (a sleep instead would land anywhere: late on an idle machine, early on a
+    loaded one). Release in a ``finally`` before stopping the engine."""
+    reached, go = threading.Event(), threading.Event()
+    real, seen = getattr(engine.executor, method), [0]
+
+    def held(*args):
+        seen[0] += 1
+        if seen[0] == calls:
+            reached.set()
+            assert go.wait(120), "the test never released the engine"
+        return real(*args)
+
+    setattr(engine.executor, method, held)
+    return reached, go.set
+
+
+def settle(engine, timeout: float = 60.0) -> None:
+    """Wait until the engine has published the iteration that ended the last request (``idle``: its
+    stats count what just finished). That is the rest of one iteration away; ``timeout`` is only a
+    safety net, and running out of it fails the test rather than let it go on with stale stats."""
+    deadline = time.monotonic() + timeout
+    while not engine.idle():
+        assert time.monotonic() < deadline, f"the engine was not idle within {timeout} s"
+        time.sleep(0.005)

@@ -54,6 +54,9 @@ SERVE_CHUNK = 16
 SERVE_PREFIX_MEMORY = 16 << 20  # the prefix store on: every rank saves, resumes and forgets the same states
 SERVE_SETTINGS = ["--policy", "h2o", "--heavy", str(SERVE_HEAVY), "--recent", str(SERVE_RECENT),
                   "--chunk-size", str(SERVE_CHUNK), "--prefix-cache-memory", str(SERVE_PREFIX_MEMORY)]
+# the served checkpoint's context: a stream that a test closes early asks for more tokens than any
+# machine decodes while the test looks (the 1,024 positions of the other checkpoints bound it to ~1,000)
+SERVE_CONTEXT = 1 << 20
 
 
 def greedy_new_tokens(model, cache, new_tokens: int) -> tuple[list[int], torch.Tensor]:
@@ -161,8 +164,18 @@ def channel_on_rank() -> dict:
     out: dict = {}
     if rank == 0:
         leader = tp.Leader(executor, channel)
+        pinged, send = threading.Semaphore(0), channel.send
+
+        def counting_send(kind, payload=None):
+            send(kind, payload)
+            if kind == tp.PING:
+                pinged.release()
+
+        channel.send = counting_send  # (the heartbeat thread sends through it)
         channel.start_heartbeat()
-        time.sleep(0.8)  # idle: only heartbeats go out
+        # idle: only heartbeats go out, two of them before the first call (a 0.8 s sleep left their
+        # count to the machine's speed: a loaded one could send fewer than two in it)
+        assert pinged.acquire(timeout=120) and pinged.acquire(timeout=120), "no heartbeats from an idle rank 0"
         leader.open(1, 10)
         out["doubled"] = leader.work(21)
         assert leader.kv_bytes() == 10
@@ -212,7 +225,7 @@ class TPGroup:
         word_tokenizer().save_pretrained(self.rolling_dir)
         # the served model: a tiny Qwen2 with 4 KV heads (2 per rank) and a byte-level chat tokenizer
         self.checkpoint = save_tiny_model(root / "chat_qwen2_kv4", arch="qwen2", num_key_value_heads=4,
-                                          max_positions=1024, initializer_range=0.3)
+                                          max_positions=SERVE_CONTEXT, initializer_range=0.3)
         self.out = root / "out"
         self.out.mkdir()
         text = self.out / "words.txt"
