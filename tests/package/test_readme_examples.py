@@ -63,9 +63,12 @@ def test_the_serve_example_and_the_server_default_answer_as_the_full_cache(defau
     from h2okv.serve import EvictionDefaults, create_app, running_server
 
     model, tokenizer = default_model
+    from h2okv.cli.serve import DEFAULT_RECIPE
+
     argv = command_line("serve")
     args = dict(zip(argv[1::2], argv[2::2], strict=False))
-    assert args["--recipe"] == "bounded" and args["--budget"] == "0.2"
+    # README's command gives no recipe: the server's default, the bounded recipe at 20%
+    assert "--recipe" not in args and "--policy" not in args and DEFAULT_RECIPE == "bounded"
     chat = {"model": "smollm2", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 24,
             "temperature": 0}
     for eviction in (EvictionDefaults.from_options(recipe="bounded", budget=0.2), EvictionDefaults()):
