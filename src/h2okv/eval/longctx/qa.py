@@ -38,6 +38,15 @@ from dataclasses import dataclass
 
 from h2okv.errors import H2OError
 from h2okv.eval import qa_data
+from h2okv.eval.longctx.parts import (
+    Asked,
+    even_questions,
+    haystack_stretch,
+    insert_at_depths,
+    needle_depths,
+    over_one_context,
+    sample_rng,
+)
 from h2okv.eval.longctx.prompt import Frame, LongPrompt
 from h2okv.eval.longctx.words import distinct, english_words, variable_names
 
@@ -72,8 +81,7 @@ def short_enough(frame: Frame, context: int, instruction: str, texts: list[str],
     return [t for t in texts if len(frame.encode(t)) <= room]
 
 
-def ask(frame: Frame, lead: str, question: str, answers, max_new_tokens: int):
-    from h2okv.eval.longctx.tasks import Asked  # tasks.py registers this module's families
+def ask(frame: Frame, lead: str, question: str, answers, max_new_tokens: int):# tasks.py registers this module's families
 
     return Asked(frame.encode(f"{lead}Question: {question}"), frame.encode(PREFIX), list(answers), max_new_tokens)
 
@@ -82,7 +90,6 @@ def planted(name: str, frame: Frame, context: int, sample: int, metric: str, rng
             segments: list[str], fill) -> list[LongPrompt]:
     """The prompts of ``asked`` over one context: ``segments`` at random depths in ``fill(length)``
     (``(ids, breaks)`` of the tokens the frame, the questions and the segments leave)."""
-    from h2okv.eval.longctx.tasks import even_questions, insert_at_depths, needle_depths, over_one_context
 
     asked = even_questions(frame, asked)
     instruction_ids, segment_ids = frame.encode(instruction), [frame.encode(s) for s in segments]
@@ -111,7 +118,6 @@ class Passages:
 
     def build_many(self, name: str, frame: Frame, haystacks, context: int, sample: int, seed: int,
                    questions: int) -> list[LongPrompt]:
-        from h2okv.eval.longctx.tasks import sample_rng
 
         rng = sample_rng(seed, name, context, sample)
         items = half(qa_data.squad_questions() if self.data == "squad" else qa_data.drop_questions(), seed)
@@ -157,7 +163,6 @@ class Conversations:
 
     def build_many(self, name: str, frame: Frame, haystacks, context: int, sample: int, seed: int,
                    questions: int) -> list[LongPrompt]:
-        from h2okv.eval.longctx.tasks import sample_rng
 
         rng = sample_rng(seed, name, context, sample)
         stories = half(qa_data.coqa_conversations(), seed, lambda c: c.story)
@@ -245,7 +250,6 @@ class Facts:
 
     def build_many(self, name: str, frame: Frame, haystacks, context: int, sample: int, seed: int,
                    questions: int) -> list[LongPrompt]:
-        from h2okv.eval.longctx.tasks import haystack_stretch, sample_rng
 
         rng = sample_rng(seed, name, context, sample)
         first = rng.randrange(len(FACT_FORMS))
