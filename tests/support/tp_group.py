@@ -91,12 +91,23 @@ def generate_rolling(model):
 
 # -- on every rank (module-level: the spawned ranks import them by name) --------------------------
 def group_on_rank(args) -> int:
+    import torch.distributed as dist
+
     results = equivalence_on_rank(args)
     if tp_ranks.is_main_rank():
         partial = Path(args.out).with_suffix(".partial")
         torch.save(results, partial)
         partial.rename(args.out)  # whole or absent: the tests wait for it
-    return cli.main(args.serve)
+    # The server's port is chosen now, right before it binds, not when the group was made: the
+    # minute of gloo traffic in between opens ephemeral ports, one of which once took the port
+    # chosen early, and the group's serve exited 1 before serving (a clean clone's full run).
+    port = [free_port() if tp_ranks.is_main_rank() else None]
+    dist.broadcast_object_list(port, src=0)
+    if tp_ranks.is_main_rank():
+        partial = Path(args.port_file).with_suffix(".partial")
+        partial.write_text(str(port[0]))
+        partial.rename(args.port_file)
+    return cli.main([*args.serve, "--port", str(port[0])])
 
 
 def equivalence_on_rank(args) -> dict:
@@ -237,12 +248,12 @@ class TPGroup:
             "bench": ["bench", "--model", model, "--context", "32", "--batch", "2", "--steps", "3", "--warmup", "1",
                       "--no-progress", "--json", str(self.out / "bench_tp2.json")],
         }
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port: int | None = None  # rank 0 chooses it right before serving (group_on_rank)
         serve = ["serve", "--model", str(self.checkpoint), "--served-model-name", SERVE_NAME, "--log-level", "warning",
-                 "--port", str(self.port), *SERVE_SETTINGS, "--tp", "2", "--tp-timeout", "60"]
+                 *SERVE_SETTINGS, "--tp", "2", "--tp-timeout", "60"]
         self.args = Namespace(tp=2, tp_timeout=600, device="cpu", dirs=self.dirs,
                               rolling_dir=str(self.rolling_dir), out=str(self.out / "tp.pt"),
+                              port_file=str(self.out / "serve.port"),
                               commands=[[*argv, "--tp", "2"] for argv in self.commands.values()],
                               generate=generate_command(self.dirs), serve=serve)
         self.code: int | None = None
@@ -269,6 +280,14 @@ class TPGroup:
     def serve(self, timeout: float = 300) -> TPGroup:
         """Step 2: waits until ``serve --tp 2`` is healthy; ``self.ranks`` = [rank 0, rank 1] pids."""
         deadline = time.monotonic() + timeout
+        port_file = Path(self.args.port_file)
+        while self.port is None:
+            assert self.thread.is_alive(), f"the TP group exited with {self.code} before choosing its port"
+            assert time.monotonic() < deadline, f"no serving port within {timeout} s"
+            if port_file.exists():
+                self.port = int(port_file.read_text())
+            else:
+                time.sleep(0.2)
         while not self._healthy():
             assert self.thread.is_alive(), f"the TP group exited with {self.code} before serving"
             assert time.monotonic() < deadline, f"serve --tp 2 was not healthy within {timeout} s"
@@ -278,6 +297,10 @@ class TPGroup:
             listening = _listening_pid(self.port, ranks)
             self.ranks = [listening, *(p for p in ranks if p != listening)]
         return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def _healthy(self) -> bool:
         try:
