@@ -99,3 +99,13 @@ def over_one_context(name: str, frame: Frame, context: int, sample: int, metric:
 def needle_depths(rng, count: int) -> list[float]:
     # RULER's 40 depths, each used once; more needles than that (many questions) draw freely
     return sorted(rng.sample(DEPTHS, count) if count <= len(DEPTHS) else [rng.random() for _ in range(count)])
+
+
+class ManyQuestions:
+    """A family that plants the items of N questions in one context (``build_many``); its one
+    question form is ``build_many``'s with N = 1, so both forms draw the same texts."""
+
+    many_questions = True
+
+    def build(self, name: str, frame: Frame, haystacks, context: int, sample: int, seed: int) -> LongPrompt:
+        return self.build_many(name, frame, haystacks, context, sample, seed, 1)[0]

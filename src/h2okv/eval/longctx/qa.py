@@ -40,6 +40,7 @@ from h2okv.errors import H2OError
 from h2okv.eval import qa_data
 from h2okv.eval.longctx.parts import (
     Asked,
+    ManyQuestions,
     even_questions,
     haystack_stretch,
     insert_at_depths,
@@ -104,21 +105,15 @@ def planted(name: str, frame: Frame, context: int, sample: int, metric: str, rng
 
 
 @dataclass(frozen=True)
-class Passages:
+class Passages(ManyQuestions):
     """Gold texts among the data's other texts, a question on each (``qa_squad``, ``qa_drop``)."""
 
     data: str  # "squad" | "drop"
     metric: str
     max_new_tokens: int = 16
 
-    many_questions = True
-
-    def build(self, name: str, frame: Frame, haystacks, context: int, sample: int, seed: int) -> LongPrompt:
-        return self.build_many(name, frame, haystacks, context, sample, seed, 1)[0]
-
     def build_many(self, name: str, frame: Frame, haystacks, context: int, sample: int, seed: int,
                    questions: int) -> list[LongPrompt]:
-
         rng = sample_rng(seed, name, context, sample)
         items = half(qa_data.squad_questions() if self.data == "squad" else qa_data.drop_questions(), seed)
         by_text: dict[str, list] = {}
@@ -149,21 +144,15 @@ def story(name: str, text: str) -> str:
 
 
 @dataclass(frozen=True)
-class Conversations:
+class Conversations(ManyQuestions):
     """One CoQA story among other stories, N turns of its conversation asked (``qa_coqa``)."""
 
     metric: str = "qa_f1"
     max_new_tokens: int = 16
     history: int = 3  # turns before each question given with it
 
-    many_questions = True
-
-    def build(self, name: str, frame: Frame, haystacks, context: int, sample: int, seed: int) -> LongPrompt:
-        return self.build_many(name, frame, haystacks, context, sample, seed, 1)[0]
-
     def build_many(self, name: str, frame: Frame, haystacks, context: int, sample: int, seed: int,
                    questions: int) -> list[LongPrompt]:
-
         rng = sample_rng(seed, name, context, sample)
         stories = half(qa_data.coqa_conversations(), seed, lambda c: c.story)
         instruction = f"Read the following stories, each under its name. I will ask you about one of them. {FEW_WORDS}\n\n"
@@ -237,20 +226,14 @@ FACT_FORMS = (name_fact, number_fact, date_fact, phrase_fact, corrected_fact)
 
 
 @dataclass(frozen=True)
-class Facts:
+class Facts(ManyQuestions):
     """N facts of the five forms, in turn from a random one, planted in the run's haystack (``facts``)."""
 
     metric: str = "qa_f1"
     max_new_tokens: int = 16
 
-    many_questions = True
-
-    def build(self, name: str, frame: Frame, haystacks, context: int, sample: int, seed: int) -> LongPrompt:
-        return self.build_many(name, frame, haystacks, context, sample, seed, 1)[0]
-
     def build_many(self, name: str, frame: Frame, haystacks, context: int, sample: int, seed: int,
                    questions: int) -> list[LongPrompt]:
-
         rng = sample_rng(seed, name, context, sample)
         first = rng.randrange(len(FACT_FORMS))
         places = distinct(lambda: rng.choice(PLACE_STARTS) + rng.choice(PLACE_ENDS), questions)

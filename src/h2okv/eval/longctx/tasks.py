@@ -29,6 +29,7 @@ from h2okv.eval.longctx.parts import (  # noqa: F401 - re-exported: tests and qa
     ANSWER_TOKENS,
     DEPTHS,
     Asked,
+    ManyQuestions,
     even_questions,
     hay_length,
     haystack_stretch,
@@ -46,7 +47,7 @@ from h2okv.eval.longctx.words import coded_words, distinct, english_words, rando
 
 
 @dataclass(frozen=True)
-class Niah:
+class Niah(ManyQuestions):
     """Needle(s) in a haystack: "One of the special magic numbers for KEY is: VALUE." Multi-key:
     distractor keys; multi-value: several values of the queried key; multi-query: several keys asked."""
 
@@ -57,11 +58,6 @@ class Niah:
     values: int = 1
     queries: int = 1
     metric: str = "string_match_all"
-
-    many_questions = True
-
-    def build(self, name: str, frame: Frame, haystacks, context: int, sample: int, seed: int) -> LongPrompt:
-        return self.build_many(name, frame, haystacks, context, sample, seed, 1)[0]
 
     def build_many(self, name: str, frame: Frame, haystacks, context: int, sample: int, seed: int,
                    questions: int) -> list[LongPrompt]:
@@ -97,18 +93,13 @@ class Niah:
 
 
 @dataclass(frozen=True)
-class VariableTracking:
+class VariableTracking(ManyQuestions):
     """Chains "VAR B = VAR A" hidden in the filler: which variables hold the first one's value?"""
 
     chains: int = 1
     hops: int = 4
     metric: str = "string_match_all"
     max_new_tokens: int = 30
-
-    many_questions = True
-
-    def build(self, name: str, frame: Frame, haystacks, context: int, sample: int, seed: int) -> LongPrompt:
-        return self.build_many(name, frame, haystacks, context, sample, seed, 1)[0]
 
     def build_many(self, name: str, frame: Frame, haystacks, context: int, sample: int, seed: int,
                    questions: int) -> list[LongPrompt]:
