@@ -14,7 +14,7 @@ from h2okv.serve.engine import Engine, GenerationRequest
 from h2okv.serve.errors import ErrorKind, ServeError
 from h2okv.serve.memory import footprint_slots, prefill_chunks, reservation
 from h2okv.serve.text import TextStream
-from serve_cases import CHUNK, alone, hold_at, prompt
+from serve_cases import CHUNK, alone, prompt, submit_in_two
 
 # a request of this many tokens ends only when cancelled (or timed out): no machine decodes 10**6
 # tokens while a test looks (1,500 could end early on a fast machine)
@@ -69,13 +69,7 @@ def _check_batched_equals_alone(engine, model):
     # the first four arrive together; the later ones join while the first are mid-decode: submitted
     # while the engine waits at its 4th decode step (the first rows hold at most 4 of their 12+ tokens).
     # A sleep put them anywhere: after the first had finished on a fast machine
-    reached, release = hold_at(engine, "decode", calls=4)
-    try:
-        handles = engine.submit_many(requests[:4])
-        assert reached.wait(60)
-        handles += [engine.submit(req) for req in requests[4:]]
-    finally:
-        release()
+    handles = submit_in_two(engine, requests, 4, "decode", calls=4)
     for (n, policy, heavy, recent, steps), handle, i in zip(CASES, handles, range(len(CASES)), strict=True):
         _, done = handle.result_blocking()
         assert done.kind == "done" and done.finish_reason == "length"
@@ -165,15 +159,9 @@ def test_shared_prefill_greedy_equals_alone(model_tok, policy, heavy, recent):
                                   temperature=0.0, ignore_eos=True) for i, n in enumerate(lengths)]
     # the last three arrive while the first four are part-way through their prompts: submitted while
     # the engine waits at its second prefill forward (not after a sleep, which a machine's speed moves)
-    reached, release = hold_at(engine, "prefill", calls=2)
     engine.start()
     try:
-        try:
-            handles = engine.submit_many(requests[:4])
-            assert reached.wait(60)
-            handles += [engine.submit(req) for req in requests[4:]]
-        finally:
-            release()
+        handles = submit_in_two(engine, requests, 4, "prefill", calls=2)
         for i, (n, handle) in enumerate(zip(lengths, handles, strict=True)):
             done = handle.result_blocking()[1]
             budget = (None, None) if heavy is None else (heavy + i % 3, recent + i % 2)

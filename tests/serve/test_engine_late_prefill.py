@@ -8,7 +8,7 @@ from h2okv import H2OCache, H2OError
 from h2okv.core.compat import cache_arg
 from h2okv.serve.engine import Engine, GenerationRequest
 from h2okv.serve.eviction import EvictionDefaults
-from serve_cases import CHUNK, hold_at, prompt
+from serve_cases import CHUNK, prompt, submit_in_two
 
 CASES = [  # (prompt length, policy, heavy, recent, new tokens)
     (40, "knorm", 6, 2, 14),
@@ -40,15 +40,9 @@ def test_late_prefill_engine_equals_alone(model_tok, schedule, monkeypatch):
                 for i, (n, policy, heavy, recent, steps) in enumerate(CASES)]
     # the later ones join while the first decode: submitted while the engine waits at its 4th decode
     # step (the first rows hold at most 4 of their 10+ tokens), not after a sleep a machine's speed moves
-    reached, release = hold_at(engine, "decode", calls=4)
     engine.start()
     try:
-        try:
-            handles = engine.submit_many(requests[:3])
-            assert reached.wait(60)
-            handles += [engine.submit(req) for req in requests[3:]]
-        finally:
-            release()
+        handles = submit_in_two(engine, requests, 3, "decode", calls=4)
         for (n, policy, heavy, recent, steps), handle, i in zip(CASES, handles, range(len(CASES)), strict=True):
             _, done = handle.result_blocking()
             assert done.kind == "done"

@@ -47,6 +47,19 @@ def hold_at(engine, method: str, calls: int = 1):
     return reached, go.set
 
 
+def submit_in_two(engine, requests: list, first: int, method: str, calls: int) -> list:
+    """Handles of ``requests``: the first ``first`` submitted together, the rest while the engine
+    thread is held in its ``calls``-th ``executor.<method>`` (``hold_at``), so they join at a known
+    step (mid-decode, mid-prefill) on any machine, where a sleep would put them anywhere."""
+    reached, release = hold_at(engine, method, calls)
+    try:
+        handles = engine.submit_many(requests[:first])
+        assert reached.wait(60), f"the engine never reached its call {calls} of {method}"
+        return handles + [engine.submit(request) for request in requests[first:]]
+    finally:
+        release()
+
+
 def settle(engine, timeout: float = 60.0) -> None:
     """Wait until the engine has published the iteration that ended the last request (``idle``: its
     stats count what just finished). That is the rest of one iteration away; ``timeout`` is only a
