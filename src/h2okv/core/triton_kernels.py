@@ -266,7 +266,9 @@ def _rkv_sums(q, k_base, s_kn, SCORE, VALID, row, slot, k_new, lse, n_live, cap,
         total_lanes += tl.where(key_ok, sc, 0.0)
         k, norm, inverse = _live_keys(k_base, s_kn, n, key_ok, od, d_ok, slot, k_new)
         together += tl.sum(inverse[:, None] * k, 0)
-    total = tl.maximum(tl.sum(total_lanes, 0), 1.17549435e-38)  # torch.finfo(float32).tiny, as eager's clamp
+    # torch.finfo(float32).tiny (2**-126), as eager's clamp. Written exactly: Triton types a float
+    # literal below 2**-126 as float64, and the rank loop then failed to compile on a GPU
+    total = tl.maximum(tl.sum(total_lanes, 0), 1.1754943508222875e-38)
     others = tl.maximum(n_live - 1, 1).to(tl.float32)
     max_lanes = tl.full([BLOCK_N], float("-inf"), tl.float32)
     for start in range(0, cap, BLOCK_N):
