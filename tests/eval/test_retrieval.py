@@ -11,6 +11,7 @@ from h2okv.cli.eval.retrieval import parse_depths
 from h2okv.core.compat import cache_arg
 from h2okv.core.reconstruction import reconstruct
 from h2okv.errors import H2OError
+from h2okv.eval.haystack import FILLER
 from h2okv.eval.retrieval import (
     INSTRUCTION,
     NEEDLE,
@@ -53,6 +54,17 @@ def test_prompt_has_exact_length_and_needle_where_asked(tok, filler):
         else:  # at a sentence boundary of the filler, within one filler sentence group of the middle
             assert text[start - 2 : start] == ". "
             assert abs((start - head) - hay_len / 2) <= 90
+
+
+def test_filler_has_no_end_and_keeps_its_sentence_breaks(tok):
+    """RULER's filler repeats to any length (a 32k prompt once found only its first 8k tokens)."""
+    hay = Haystack(tok, "filler")
+    unit = len(tok(FILLER, add_special_tokens=False)["input_ids"])
+    ids, breaks = hay.take(40_000, offset=5)
+    assert len(ids) == 40_000
+    assert tok.decode(ids[unit - 5 : 2 * unit - 5]) == FILLER  # offset 5: the second whole sentence group
+    assert [b for b in breaks if 0 < b < 40_000] == list(range(unit - 5, 40_000, unit))
+    assert len(build_prompt(tok, hay, 50_000, 0.5, "48213").ids) == 50_000
 
 
 def test_prompt_too_short_and_bad_depth(tok, filler):

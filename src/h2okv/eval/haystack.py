@@ -60,9 +60,9 @@ class Haystack:
     def __init__(self, tokenizer, spec: str = "filler"):
         self.spec = check_haystack(spec)
         if spec == "filler":
-            unit = tokenizer(FILLER, add_special_tokens=False)["input_ids"]
-            self.ids = unit * (8192 // len(unit) + 1)
-            self.breaks = set(range(0, len(self.ids) + 1, len(unit)))
+            self.unit = tokenizer(FILLER, add_special_tokens=False)["input_ids"]
+            self.ids, self.breaks = [], set()
+            self._repeat_filler(8192)
             return
         verse = spec.startswith("shakespeare:")
         if verse:
@@ -81,8 +81,17 @@ class Haystack:
         ends = {t for t in set(self.ids) if is_break(tokenizer.decode([t]), verse)}
         self.breaks = {i + 1 for i, t in enumerate(self.ids) if t in ends} | {0}
 
+    def _repeat_filler(self, tokens: int) -> None:
+        """Repeat RULER's filler sentences to at least ``tokens`` ids: it has no end (a 32k prompt once
+        found a fixed 8k of it)."""
+        unit = self.unit
+        self.ids = unit * (tokens // len(unit) + 1)
+        self.breaks = set(range(0, len(self.ids) + 1, len(unit)))
+
     def take(self, length: int, offset: int = 0) -> tuple[list[int], list[int]]:
         """``length`` ids starting at ``offset`` and the break positions inside them."""
+        if self.spec == "filler" and offset + length > len(self.ids):
+            self._repeat_filler(offset + length)
         if offset + length > len(self.ids):
             raise H2OError(f"the {self.spec} haystack has only {len(self.ids)} tokens, {offset + length} needed")
         ids = self.ids[offset : offset + length]
