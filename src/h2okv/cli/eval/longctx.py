@@ -29,6 +29,7 @@ DEFAULT_PLOT = "results/longctx.png"
 EXAMPLES = examples(
     "h2okv eval longctx --model qwen2.5-0.5b --recipe prompt --budgets 0.2 --json rows.json",
     "h2okv eval longctx --merge rows.json kvpress.json --plot longctx.png",
+    "h2okv eval longctx --merge docs/results/longctx/test/*.json --by-length --plot lengths.png",
 )
 
 
@@ -81,6 +82,11 @@ def register(kinds) -> None:
     p.add_argument("--merge", nargs="+", default=None, metavar="FILE",
                    help="run nothing: read these row files (h2okv and kvpress), print the table, write --plot "
                         "and, with --json, the merged rows")
+    p.add_argument("--by-length", action="store_true",
+                   help="with --merge: per configuration and prompt length, the average beside full's on the same "
+                        "prompts, the lowest family, peak memory, KV held and time to the first token; --plot draws "
+                        "them against the length")
+    p.add_argument("--markdown", action="store_true", help="with --by-length: the table as Markdown")
     p.add_argument("--export-prompts", default=None, metavar="FILE",
                    help="write the grid's prompts (token ids, references, model folder) as JSON for "
                         "tools/peer/run_kvpress.py, and run nothing")
@@ -117,6 +123,10 @@ def run(args) -> int:
 
     check_output_paths(args.json, args.plot)
     check_output_paths(args.export_prompts, None)
+    if (args.by_length or args.markdown) and not args.merge:
+        raise H2OError("--by-length and --markdown read row files: give --merge FILE ...")
+    if args.markdown and not args.by_length:
+        raise H2OError("--markdown is the --by-length table's form: add --by-length")
     if args.merge:
         return merge(args)
     from h2okv.core.cache import DEFAULT_CHUNK
@@ -196,7 +206,7 @@ def run_grid(args, model, tokenizer, spec) -> int:
     start = time.perf_counter()
     grid = run_reuse_grid if spec.questions > 1 else one_question_grid  # several: reuse vs fresh
     found = grid(model, tokenizer, spec, done={row_key(r) for r in kept}, on_rows=save,
-                 meta={"model": model.name_or_path})
+                 meta=run_meta(model))
     asked = (f"{spec.questions} questions per context, reuse vs fresh" if spec.questions > 1
              else f"question {spec.question}")
     print(f"Long-context tasks, {spec.haystack} haystack, {asked}, {spec.samples} samples per cell")
@@ -231,6 +241,8 @@ def merge(args) -> int:
     rows = read_row_files(args.merge)
     if not rows:
         raise H2OError("--merge: the files hold no rows")
+    if args.by_length:
+        return by_length(args, rows)
     print(tables(rows))
     if args.json:
         print(f"wrote {write_rows(rows, args.json)} ({len(rows)} rows)")
@@ -248,3 +260,23 @@ def export(args, model, tokenizer, spec) -> int:
     write_json(exported, args.export_prompts)
     print(f"wrote {len(exported['prompts'])} prompts of {exported['model']} to {args.export_prompts}")
     return 0
+
+
+def by_length(args, rows: list[dict]) -> int:
+    from h2okv.eval.longctx import lengths
+    from h2okv.eval.longctx.rows import write_rows
+
+    summary = lengths.by_length(rows)
+    if not summary:
+        raise H2OError("--by-length: the files hold no one-question rows")
+    print(lengths.length_table(summary, markdown=args.markdown))
+    if args.json:
+        print(f"wrote {write_rows(rows, args.json)} ({len(rows)} rows)")
+    if args.plot:
+        print(f"wrote {lengths.plot_lengths(summary, args.plot, lengths.title_of(rows))}")
+    return 0
+
+
+def run_meta(model) -> dict:
+    """What every row records of the run: the model's folder, where it ran and in what dtype."""
+    return {"model": model.name_or_path, "device": model.device.type, "dtype": str(model.dtype).removeprefix("torch.")}

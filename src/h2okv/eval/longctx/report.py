@@ -143,7 +143,7 @@ def plot_scores(rows: list[dict], path, title: str):
     most = max((sum(1 for s in evicting if (s["question"], s["context"]) == panel) for panel in panels), default=1)
     bars = len(budgets) <= 1
     width = max(6.0, 0.16 * most * (len(tasks) + 1) + 1.5) if bars else 6.4
-    fig, axes, legend_ax = _figure_with_legend(len(panels), width, 4.2, len(styles) + len(keep_all))
+    fig, axes, legend_ax = figure_with_legend(len(panels), width, 4.2, len(styles) + len(keep_all))
     for ax, (question, context) in zip(axes, panels, strict=True):
         here = [s for s in evicting if (s["question"], s["context"]) == (question, context)]
         full = [s for s in keep_all if s["context"] == context]
@@ -154,7 +154,7 @@ def plot_scores(rows: list[dict], path, title: str):
         else:
             _budget_lines(ax, here, full, budgets, styles)
             ax.set_title(f"{context} tokens, question {question}", fontsize=10)
-    _shared_legend(legend_ax, axes, 1 if len(panels) == 1 else _legend_columns(width * len(panels)))
+    shared_legend(legend_ax, axes, 1 if len(panels) == 1 else legend_columns(width * len(panels)))
     fig.suptitle(title, fontsize=10)
     return save_figure(fig, path)
 
@@ -179,7 +179,7 @@ def config_styles(configs) -> dict[str, dict]:
     return styles
 
 
-def _figure_with_legend(panels: int, width: float, height: float, entries: int):
+def figure_with_legend(panels: int, width: float, height: float, entries: int):
     """``(fig, panel axes, legend axes)``: the panels side by side and the one legend in axes of
     its own, so it covers no panel: below the panels, as wide as the figure, or for a single panel
     beside it (one column of labels beneath a narrow panel would be taller than the panel)."""
@@ -189,7 +189,7 @@ def _figure_with_legend(panels: int, width: float, height: float, entries: int):
         grid = fig.add_gridspec(1, 2, width_ratios=[width, LEGEND_WIDTH])
         axes, legend_ax = [fig.add_subplot(grid[0, 0])], fig.add_subplot(grid[0, 1])
     else:
-        legend_height = 0.3 + 0.2 * -(-max(entries, 1) // _legend_columns(width * panels))
+        legend_height = 0.3 + 0.2 * -(-max(entries, 1) // legend_columns(width * panels))
         fig = plt.figure(figsize=(width * panels, height + legend_height))
         grid = fig.add_gridspec(2, panels, height_ratios=[height, legend_height])
         axes, legend_ax = [fig.add_subplot(grid[0, i]) for i in range(panels)], fig.add_subplot(grid[1, :])
@@ -201,11 +201,11 @@ def _figure_with_legend(panels: int, width: float, height: float, entries: int):
 LEGEND_WIDTH = 4.6
 
 
-def _legend_columns(figure_width: float) -> int:
+def legend_columns(figure_width: float) -> int:
     return max(1, int(figure_width // LEGEND_WIDTH))
 
 
-def _shared_legend(legend_ax, axes, columns: int) -> None:
+def shared_legend(legend_ax, axes, columns: int) -> None:
     """One legend for every panel: each label once, in the order first drawn."""
     entries = {}
     for ax in axes:

@@ -25,9 +25,11 @@ ROW_FIELDS = (
 # several questions per context, N, which question, and the prompt tokens its mode read per context
 # ``split``: dev or test (``splits.py``); what the answer cost (``runner.Costs``, per prompt of a
 # batch of ``batch``): seconds to the first token and after it, the process's peak memory above
-# what it held before the batch, the KV bytes held at the end as a fraction of a full cache's
+# what it held before the batch, the KV bytes held at the end as a fraction of a full cache's;
+# where it ran (``device``: cpu, cuda; ``dtype``: float32, bfloat16): rows of one configuration on
+# two devices are one cell to the resume logic, but reports tell them apart
 OPTIONAL_FIELDS = ("recipe", "questions", "question_index", "prefill_tokens", "split",
-                   "prefill_s", "decode_s", "peak_mib", "kv_fraction", "batch")
+                   "prefill_s", "decode_s", "peak_mib", "kv_fraction", "batch", "device", "dtype")
 
 
 def config_label(policy: str, cache_options: dict | None, recipe: str | None = None) -> str:

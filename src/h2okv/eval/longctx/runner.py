@@ -205,7 +205,7 @@ def prompt_row(p: LongPrompt, answer: str, spec: GridSpec, config: Config, quest
         cache_options=config.options, recipe=config.recipe, chunk_size=spec.chunk_size, metric=p.metric,
         score=score(p.metric, answer, p.references), answer=answer, references=p.references,
         haystack=spec.haystack, seed=spec.seed, split=split_of(spec.haystack, spec.seed), model=meta.get("model"),
-        **fields,
+        device=meta.get("device"), dtype=meta.get("dtype"), **fields,
     )
 
 

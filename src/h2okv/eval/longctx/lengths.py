@@ -1,0 +1,175 @@
+"""What each configuration keeps, and what it costs, as the prompt grows: ``eval longctx`` rows
+of one split (any mix of pieces) summarized per (configuration, context length), beside the full
+cache's on the same prompts.
+
+Per length and configuration:
+
+- ``average``: RULER's average (the tasks' plain mean of sample means, x 100) over the cells it
+  ran; ``of_full``: that average over full's average on the *same* cells (task, sample), so a
+  configuration run on fewer samples is compared on its own prompts; ``lowest``: the family with
+  the lowest share of full's score (a family full scores 0 on has no share);
+- the costs the rows carry (``runner.Costs``), as medians over the prompts: peak process memory
+  above what was held before the batch (``peak_mib``), the KV bytes held at the end against a
+  full cache's (``kv_fraction``), and the seconds to the first token and after it; ``prefill_x``:
+  the median prefill time over full's median at that length (one machine's ratio; the absolute
+  seconds move with its load).
+
+The plot puts the four against the length, one line per configuration: what the recipe table
+promises is read off it (``bounded``'s memory flat in the length, the others growing as full's).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from h2okv.eval.longctx.report import figure_with_legend, legend_columns, models_of, shared_legend
+from h2okv.eval.longctx.rows import config_label, questions_of
+from h2okv.eval.output import format_table
+from h2okv.eval.plots import policy_color, save_figure
+
+FULL = "full"
+
+
+def label(row: dict) -> str:
+    """The configuration, and where it ran when not on the CPU in float32 (another machine's seconds,
+    another dtype's scores)."""
+    config = config_label(row["policy"], row.get("cache_options"), row.get("recipe"))
+    where = [v for v, usual in ((row.get("device"), "cpu"), (row.get("dtype"), "float32")) if v and v != usual]
+    return f"{config} ({' '.join(where)})" if where else config
+
+
+def _cells(rows: list[dict]) -> dict[tuple, dict[tuple, float]]:
+    """``{(config, context): {(task, sample): score}}`` for one-question rows."""
+    cells: dict[tuple, dict[tuple, float]] = {}
+    for row in rows:
+        if questions_of(row) != 1:
+            continue
+        cells.setdefault((label(row), int(row["context"])), {})[(row["task"], int(row["sample"]))] = float(row["score"])
+    return cells
+
+
+def ruler_average(scores: dict[tuple, float]) -> tuple[float, dict[str, float]]:
+    """RULER's average of ``{(task, sample): score}`` and the per-task means, both x 100."""
+    by_task: dict[str, list[float]] = {}
+    for (task, _), score in scores.items():
+        by_task.setdefault(task, []).append(score)
+    means = {task: 100 * sum(s) / len(s) for task, s in by_task.items()}
+    return sum(means.values()) / len(means), means
+
+
+def _median(rows: list[dict], field: str) -> float | None:
+    values = [float(r[field]) for r in rows if r.get(field) is not None]
+    return statistics.median(values) if values else None
+
+
+def by_length(rows: list[dict]) -> list[dict]:
+    """One entry per (configuration, context), full's first at each length (see the module's doc)."""
+    cells = _cells(rows)
+    out = []
+    for (config, context), scores in cells.items():
+        average, means = ruler_average(scores)
+        entry = {"config": config, "context": context, "prompts": len(scores), "tasks": len(means), "average": average,
+                 "of_full": None, "lowest": None}
+        # full on the same device and dtype: a bfloat16 recipe is measured against a bfloat16 full
+        full = cells.get((full_of(config), context))
+        if not is_full(config) and full:
+            shared = {cell: s for cell, s in scores.items() if cell in full}
+            if shared:
+                mine, mine_tasks = ruler_average(shared)
+                theirs, full_tasks = ruler_average({cell: full[cell] for cell in shared})
+                entry["of_full"] = mine / theirs if theirs else None
+                shares = {task: mine_tasks[task] / full_tasks[task] for task in mine_tasks if full_tasks[task]}
+                if shares:
+                    task = min(shares, key=shares.get)
+                    entry["lowest"] = (task, shares[task])
+        here = [r for r in rows if questions_of(r) == 1 and (label(r), int(r["context"])) == (config, context)]
+        for field in ("peak_mib", "kv_fraction", "prefill_s", "decode_s"):
+            entry[field] = _median(here, field)
+        out.append(entry)
+    fulls = {(e["config"], e["context"]): e["prefill_s"] for e in out if is_full(e["config"])}
+    for entry in out:
+        full_prefill = fulls.get((full_of(entry["config"]), entry["context"]))
+        entry["prefill_x"] = entry["prefill_s"] / full_prefill if entry["prefill_s"] and full_prefill else None
+    return sorted(out, key=lambda e: (not is_full(e["config"]), e["config"], e["context"]))
+
+
+def where_of(config: str) -> str:
+    """`` (cuda bfloat16)`` of a label, or ``""`` for the CPU in float32."""
+    return config[config.index(" (") :] if config.endswith(")") and " (" in config else ""
+
+
+def full_of(config: str) -> str:
+    return FULL + where_of(config)
+
+
+def is_full(config: str) -> bool:
+    return config == full_of(config)
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def length_table(summary: list[dict], markdown: bool = False) -> str:
+    headers = ["config", "context", "prompts", "average", "of full", "lowest family (of full)", "peak MiB",
+               "KV of full", "prefill s", "prefill x full", "decode s"]
+    lines = [[e["config"], e["context"], e["prompts"], _fmt(e["average"], ".1f"), _fmt(e["of_full"], ".0%"),
+              f"{e['lowest'][0]} ({e['lowest'][1]:.0%})" if e["lowest"] else "-", _fmt(e["peak_mib"], ".0f"),
+              _fmt(e["kv_fraction"], ".0%"), _fmt(e["prefill_s"], ".1f"), _fmt(e["prefill_x"], ".2f"),
+              _fmt(e["decode_s"], ".1f")] for e in summary]
+    if not markdown:
+        return format_table(headers, lines)
+    rule = "|" + "|".join("---" for _ in headers) + "|"
+    return "\n".join(["| " + " | ".join(headers) + " |", rule, *("| " + " | ".join(map(str, line)) + " |" for line in lines)])
+
+
+# (field, axis label, log scale): the four panels of the plot
+PANELS = (
+    ("average", "RULER average (full dashed)", False),
+    ("peak_mib", "peak memory above the weights, MiB", True),
+    ("kv_fraction", "KV held at the end, of full's", False),
+    ("prefill_s", "seconds to the first token (median)", True),
+)
+RECIPE_COLORS = {"recipe prompt": "darkblue", "recipe document": "tab:purple", "recipe bounded": "tab:brown",
+                 "recipe generation": "goldenrod", "recipe stream": "tab:olive"}
+
+
+def _color(config: str) -> str | None:
+    config = config.removesuffix(where_of(config))
+    return RECIPE_COLORS.get(config) or policy_color(config.split()[0])
+
+
+def plot_lengths(summary: list[dict], path, title: str):
+    """The four costs against the context length (log 2), a line per configuration; full is the
+    black dashed line in every panel, rows from another device or dtype are dotted."""
+    configs = list(dict.fromkeys(e["config"] for e in summary))
+    fig, axes, legend_ax = figure_with_legend(len(PANELS), 4.4, 3.8, len(configs))
+    contexts = sorted({e["context"] for e in summary})
+    for ax, (field, axis, log) in zip(axes, PANELS, strict=True):
+        for config in configs:
+            points = sorted((e["context"], e[field]) for e in summary if e["config"] == config and e[field] is not None)
+            if not points:
+                continue
+            xs, ys = zip(*points, strict=True)
+            full, elsewhere = is_full(config), bool(where_of(config))  # another device: dotted, hollow
+            ax.plot(xs, ys, "--" if full else ":" if elsewhere else "-", marker="s" if full else "o",
+                    markersize=4 if full else 6, color="black" if full else _color(config),
+                    markerfacecolor="white" if elsewhere else None, label=config, linewidth=1.6)
+        ax.set_xscale("log", base=2)
+        if log:
+            ax.set_yscale("log")
+        ax.set_xticks(contexts, labels=[f"{c // 1024}k" if c >= 1024 else str(c) for c in contexts])
+        ax.minorticks_off() if not log else None
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(axis, fontsize=9)
+        ax.grid(alpha=0.3)
+    shared_legend(legend_ax, axes, legend_columns(4.4 * len(PANELS)))
+    fig.suptitle(title, fontsize=10)
+    return save_figure(fig, path)
+
+
+def title_of(rows: list[dict]) -> str:
+    splits = sorted({str(r["split"]) for r in rows if r.get("split")}) or ["none"]
+    budgets = sorted({float(r["budget"]) for r in rows if float(r["budget"]) < 1})
+    budget = ", ".join(f"{b:.0%}" for b in budgets) or "full only"
+    return f"{models_of(rows)}, split {'/'.join(splits)}, budget {budget}"

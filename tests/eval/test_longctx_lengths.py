@@ -1,0 +1,93 @@
+"""``eval longctx --merge ... --by-length``: each configuration against full on the same prompts at
+each length, its lowest family, the median costs, and the plot of them against the length."""
+
+import json
+
+import pytest
+
+from h2okv.cli import main
+from h2okv.eval.longctx.lengths import by_length, length_table, plot_lengths
+from h2okv.eval.longctx.rows import make_row
+
+
+def row(policy, task, context, sample, score, recipe=None, device=None, dtype=None, **costs):
+    return make_row(task=task, context=context, sample=sample, question="aware", policy=policy,
+                    budget=1.0 if policy == "full" else 0.2, cache_options={}, recipe=recipe, chunk_size=512,
+                    metric="string_match_all", score=score, answer="", references=[], haystack="stories", seed=1,
+                    split="test", model="m", max_new_tokens=8, seconds=1.0, device=device, dtype=dtype, **costs)
+
+
+def rows():
+    out = []
+    for context, full_prefill in ((2048, 10.0), (4096, 30.0)):
+        for sample in range(2):
+            out += [row("full", "a", context, sample, 1.0, prefill_s=full_prefill, peak_mib=100.0 * context / 2048,
+                        kv_fraction=1.0),
+                    row("full", "b", context, sample, 0.5, prefill_s=full_prefill, peak_mib=100.0 * context / 2048,
+                        kv_fraction=1.0)]
+    # the recipe: family b halves at 4096, and it ran a third sample there that full never ran
+    for context in (2048, 4096):
+        for sample in range(3 if context == 4096 else 2):
+            missed = sample == 2  # the sample full never ran: both families wrong
+            out += [row("snapkv", "a", context, sample, 0.0 if missed else 1.0, recipe="bounded", prefill_s=5.0,
+                        peak_mib=50.0, kv_fraction=0.2),
+                    row("snapkv", "b", context, sample, 0.0 if missed else 0.25 if context == 4096 else 0.5,
+                        recipe="bounded", prefill_s=5.0, peak_mib=50.0, kv_fraction=0.2)]
+    return out
+
+
+def entry(summary, config, context):
+    (found,) = [e for e in summary if (e["config"], e["context"]) == (config, context)]
+    return found
+
+
+def test_each_length_is_measured_against_full_on_the_same_prompts():
+    summary = by_length(rows())
+    assert [(e["config"], e["context"]) for e in summary] == [
+        ("full", 2048), ("full", 4096), ("recipe bounded", 2048), ("recipe bounded", 4096)]
+    same = entry(summary, "recipe bounded", 2048)
+    assert same["average"] == pytest.approx(75.0) and same["of_full"] == pytest.approx(1.0)
+    longer = entry(summary, "recipe bounded", 4096)
+    assert longer["prompts"] == 6  # its own average counts the third sample: (66.7 + 16.7) / 2 ...
+    assert longer["average"] == pytest.approx((200 / 3 + 50 / 3) / 2)
+    # ... but against full only the cells full ran: (100 + 25) / 2 over (100 + 50) / 2
+    assert longer["of_full"] == pytest.approx(62.5 / 75.0)
+    assert longer["lowest"] == ("b", pytest.approx(0.5))
+    assert longer["prefill_x"] == pytest.approx(5.0 / 30.0) and longer["peak_mib"] == 50.0
+    assert entry(summary, "full", 4096)["of_full"] is None
+
+
+def test_another_device_is_its_own_line_against_its_own_full():
+    gpu = [{**r, "device": "cuda", "dtype": "bfloat16", "score": 0.0 if r["policy"] != "full" else r["score"]}
+           for r in rows() if r["context"] == 2048]
+    summary = by_length(rows() + gpu)
+    on_gpu = entry(summary, "recipe bounded (cuda bfloat16)", 2048)
+    assert on_gpu["of_full"] == 0.0 and entry(summary, "recipe bounded", 2048)["of_full"] == pytest.approx(1.0)
+    assert entry(summary, "full (cuda bfloat16)", 2048)["prefill_x"] == 1.0
+
+
+def test_table_and_plot(tmp_path):
+    summary = by_length(rows())
+    table = length_table(summary, markdown=True).splitlines()
+    assert table[0].startswith("| config | context |") and len(table) == 2 + len(summary)
+    assert "| recipe bounded | 4096 | 6 | 41.7 | 83% | b (50%) | 50 | 20% | 5.0 | 0.17 | - |" in table
+    assert plot_lengths(summary, tmp_path / "lengths.png", "t").stat().st_size > 10_000
+
+
+def test_cli_by_length(tmp_path, capsys):
+    pieces = tmp_path / "rows.json"
+    pieces.write_text(json.dumps(rows()))
+    plot = tmp_path / "lengths.png"
+    assert main(["eval", "longctx", "--merge", str(pieces), "--by-length", "--markdown", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "| recipe bounded | 2048 | 4 | 75.0 | 100% |" in out and plot.is_file()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--by-length"], "--by-length and --markdown read row files: give --merge FILE"),
+    (["--merge", "x.json", "--markdown"], "--markdown is the --by-length table's form"),
+])
+def test_cli_by_length_errors_are_one_line(argv, message, capsys):
+    assert main(["eval", "longctx", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("h2okv: error:") and message in err and "\n" not in err
