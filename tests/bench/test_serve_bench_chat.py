@@ -26,9 +26,61 @@ def test_every_conversation_hides_one_number_per_turn():
     model, tok = tiny_chat_model(layers=1)
     convs = conversations(tok, 3, 100, 4, seed=1, source=TEXT)
     for conv in convs:
-        assert len(conv["keys"]) == len(conv["numbers"]) == 4
-        for key, number in zip(conv["keys"], conv["numbers"], strict=True):
-            assert f"The special magic number for {key} is {number}" in conv["document"]
+        assert len(conv["turns"]) == 4
+        for turn in conv["turns"]:
+            (number,) = turn["references"]
+            key = turn["ask"].split(" for ", 1)[1].split("?")[0]
+            assert f"The special magic number for {key} is {number}" in conv["system"]
+            assert turn["metric"] == "string_match_all"
+
+
+def test_coqa_chats_share_documents_and_ask_each_storys_own_questions_in_order():
+    from h2okv.bench.doc_chat import coqa_chats
+    from h2okv.eval import qa_data
+    from h2okv.eval.longctx.qa import half
+
+    model, tok = tiny_chat_model(layers=1)
+    convs = coqa_chats(tok, documents=2, per_document=3, turns=4, doc_tokens=1500, seed=1)
+    assert [c["document"] for c in convs] == [0, 0, 0, 1, 1, 1]
+    by_story = {c.story: c for c in qa_data.coqa_conversations()}
+    test_half = {c.story for c in half(list(by_story.values()), 1, lambda c: c.story)}
+    for conv in convs:
+        same = [c for c in convs if c["document"] == conv["document"]]
+        assert all(c["system"] == conv["system"] for c in same)  # one document, several conversations
+        assert len({c["story"] for c in same}) == 3  # each about another story of it
+        assert len(tok(conv["system"])["input_ids"]) >= 1500
+        text = conv["system"].split(f"Story {conv['story']}:\n", 1)[1].split("\n\nStory ", 1)[0].strip()
+        assert text in test_half  # the test split's half of CoQA
+        gold = by_story[text].turns[:4]
+        assert [t["references"] for t in conv["turns"]] == [list(g.answers) for g in gold]
+        assert all(g.question in t["ask"] and t["metric"] == "qa_f1" for g, t in zip(gold, conv["turns"], strict=True))
+
+
+def test_coqa_chats_refuse_what_the_data_cannot_give():
+    import pytest
+
+    from h2okv.bench.doc_chat import coqa_chats
+    from h2okv.errors import H2OError
+
+    model, tok = tiny_chat_model(layers=1)
+    with pytest.raises(H2OError, match="conversations need more"):
+        coqa_chats(tok, documents=400, per_document=3, turns=4, doc_tokens=100)
+
+
+def test_a_coqa_chat_is_graded_by_f1_turn_by_turn():
+    from h2okv.bench.doc_chat import coqa_chats
+
+    model, tok = tiny_chat_model(layers=2, max_positions=4096)
+    convs = coqa_chats(tok, documents=1, per_document=2, turns=2, doc_tokens=300)
+    result = chat_bench(model, tok, policies=["full"], kv_memory=64 << 20, conversations_count=2, turns=2,
+                        doc_tokens=300, max_tokens=4, prefix_memory=64 << 20, concurrency=2, model_name="tiny",
+                        progress=lambda line: None, convs=convs)
+    store = result["results"][0]
+    assert store["answered"] == 4 and store["prefix_hits"] >= 2  # the second turns resume, and so may a shared document
+    rows = store["rows"]
+    assert {(r["document"], r["turn"]) for r in rows} == {(0, 1), (0, 2)}
+    assert all(0.0 <= r["score"] <= 1.0 and r["correct"] == (r["score"] >= 0.5) for r in rows)
+    assert store["turns"][0]["score_mean"] is not None
 
 
 def test_a_recipe_runs_beside_the_policies_and_its_document_is_ranked_once():

@@ -30,7 +30,8 @@ KEY_WORDS = ("amber", "birch", "cobalt", "delta", "ember", "falcon", "garnet", "
 def conversations(tokenizer, count: int, doc_tokens: int, turns: int, seed: int = 0,
                   source: str | None = None) -> list[dict]:
     """``count`` documents of about ``doc_tokens`` tokens, each with ``turns`` (key, number) needles,
-    cut from ``source`` (default: the essays)."""
+    cut from ``source`` (default: the essays). A conversation is ``{"id", "document", "system",
+    "turns": [{"ask", "references", "metric"}]}``, the form ``coqa_chats`` builds too."""
     rng = random.Random(seed)
     sentences = (source or read_texts(essays_folder())).replace("\n", " ").split(". ")
     out = []
@@ -45,7 +46,10 @@ def conversations(tokenizer, count: int, doc_tokens: int, turns: int, seed: int 
         for k, (key, number) in enumerate(zip(keys, numbers, strict=True)):
             where = (k + 1) * len(body) // (turns + 1)
             body.insert(where, f"The special magic number for {key} is {number}")
-        out.append({"document": ". ".join(body) + ".", "keys": keys, "numbers": numbers, "id": c})
+        asked = [{"ask": f"What is the special magic number for {key}? Answer with the number only.",
+                  "references": [number], "metric": "string_match_all"} for key, number in zip(keys, numbers, strict=True)]
+        out.append({"id": c, "document": c, "system": "Answer from this document.\n\n" + ". ".join(body) + ".",
+                    "turns": asked})
     return out
 
 
@@ -57,19 +61,23 @@ def turn_payload(tokenizer, model_name: str, messages: list[dict], max_tokens: i
 
 
 async def converse(client, url, tokenizer, model_name, conv: dict, max_tokens: int) -> list[dict]:
-    """One conversation, turn after turn; the rows of its turns."""
-    messages = [{"role": "system", "content": "Answer from this document.\n\n" + conv["document"]}]
+    """One conversation, turn after turn, the model's own answers in the history; the rows of its
+    turns, each graded by its metric (``score``; ``correct``: at least half of it)."""
+    from h2okv.eval.longctx.metric import score
+
+    messages = [{"role": "system", "content": conv["system"]}]
     rows = []
-    for turn, (key, number) in enumerate(zip(conv["keys"], conv["numbers"], strict=True)):
-        messages.append({"role": "user", "content": f"What is the special magic number for {key}? "
-                                                    f"Answer with the number only."})
+    for turn, asked in enumerate(conv["turns"]):
+        messages.append({"role": "user", "content": asked["ask"]})
         payload = turn_payload(tokenizer, model_name, messages, max_tokens)
         result = await stream_completion(client, url, payload)
         usage = result.usage or {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        rows.append({"conversation": conv["id"], "turn": turn + 1, "ok": result.ok, "ttft_s": result.ttft_s,
-                     "prompt_tokens": len(payload["prompt"]), "read_tokens": len(payload["prompt"]) - cached,
-                     "correct": number in result.text, "answer": result.text[:80]})
+        graded = score(asked["metric"], result.text, asked["references"]) if result.ok else 0.0
+        rows.append({"conversation": conv["id"], "document": conv["document"], "turn": turn + 1, "ok": result.ok,
+                     "ttft_s": result.ttft_s, "prompt_tokens": len(payload["prompt"]),
+                     "read_tokens": len(payload["prompt"]) - cached, "score": round(graded, 4),
+                     "correct": graded >= 0.5, "answer": result.text[:80], "references": asked["references"][:3]})
         messages.append({"role": "assistant", "content": result.text})
     return rows
 
@@ -91,20 +99,23 @@ def per_turn(rows: list[dict], turns: int) -> list[dict]:
         out.append({"turn": t, "ttft_median_s": round(statistics.median(ttfts), 3) if ttfts else None,
                     "read_tokens_mean": round(statistics.fmean(r["read_tokens"] for r in mine), 1) if mine else None,
                     "prompt_tokens_mean": round(statistics.fmean(r["prompt_tokens"] for r in mine), 1) if mine else None,
-                    "correct": sum(r["correct"] for r in mine), "answered": len(mine)})
+                    "correct": sum(r["correct"] for r in mine), "answered": len(mine),
+                    "score_mean": round(statistics.fmean(r["score"] for r in mine), 4) if mine else None})
     return out
 
 
 def chat_bench(model, tokenizer, *, policies: list[str], kv_memory: int, conversations_count: int, turns: int,
                doc_tokens: int, max_tokens: int, prefix_memory: int, concurrency: int, budget: dict | None = None,
                prefill_chunk: int = 128, model_name: str = "bench", seed: int = 0, progress=print,
-               source: str | None = None, recipes: list[str] = ()) -> dict:
-    """Every policy and recipe with the prefix store and without, on the same conversations."""
+               source: str | None = None, recipes: list[str] = (), convs: list[dict] | None = None) -> dict:
+    """Every policy and recipe with the prefix store and without, on the same conversations
+    (``convs``, e.g. ``doc_chat.coqa_chats``'s, else the essays' hidden numbers)."""
     from h2okv.bench.serve import server_settings
     from h2okv.serve.api.app import create_app
     from h2okv.serve.api.server import running_server
 
-    convs = conversations(tokenizer, conversations_count, doc_tokens, turns, seed, source)
+    if convs is None:
+        convs = conversations(tokenizer, conversations_count, doc_tokens, turns, seed, source)
     results = []
     for policy, eviction in server_settings(policies, recipes, budget):
         for store in (prefix_memory, 0):
@@ -115,6 +126,7 @@ def chat_bench(model, tokenizer, *, policies: list[str], kv_memory: int, convers
                 after = scrape(url)
             row = {"policy": policy, "prefix_cache_memory": store, "turns": per_turn(rows, turns),
                    "correct": sum(r["correct"] for r in rows), "answered": sum(r["ok"] for r in rows),
+                   "score_mean": round(statistics.fmean(r["score"] for r in rows), 4) if rows else None,
                    "prefix_hits": int(after.get("h2okv_prefix_cache_hits_total", 0)),
                    "prefix_bytes": int(after.get("h2okv_prefix_cache_bytes", 0)),
                    "kv_bytes_peak": int(after["h2okv_kv_bytes_peak"]), "rows": rows}
