@@ -63,6 +63,25 @@ def test_reconstruction_in_generate_equals_the_explicit_pass(recipe):
     assert dropped.tolist() == torch.cat(tokens, 1).tolist()
 
 
+@pytest.mark.parametrize("recipe", ["prompt", "document"])
+def test_generate_outside_inference_mode_as_a_user_calls_it(recipe):
+    """README's call has no ``torch.inference_mode()`` around it: ``generate`` decodes under
+    ``no_grad``, and a ranking made in inference mode inside it left tensors its next step could
+    not update ("Inplace update to inference tensor outside InferenceMode"). The same tokens as
+    under inference mode; and a context read by ``read_context`` outside it decodes on too."""
+    model, ids = tiny_model(seed=3), random_ids(60, seed=2)
+    inside = greedy(model, ids, H2OCache(model, recipe=recipe, budget=0.2, budget_floor=0, tokenizer=Tok()))
+    cache = H2OCache(model, recipe=recipe, budget=0.2, budget_floor=0, tokenizer=Tok())
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_arg(cache), max_new_tokens=NEW,
+                         min_new_tokens=NEW, do_sample=False, pad_token_id=1)
+    assert out[:, ids.shape[1]:].tolist() == inside.tolist()
+    read = H2OCache(model, recipe=recipe, budget=0.2, budget_floor=0)
+    read_context(model, Tok(), read, ids[:, :40])
+    more = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_arg(read), max_new_tokens=NEW,
+                          min_new_tokens=NEW, do_sample=False, pad_token_id=1)
+    assert more.shape == (1, ids.shape[1] + NEW)
+
+
 def test_an_explicit_ranking_is_not_repeated(monkeypatch):
     """read_context (and the server's rank_by_probes) rank between the prompt's call and the next
     one: the hook then finds the cache ranked, and ask's copies of it are never ranked again."""

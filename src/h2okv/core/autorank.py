@@ -30,7 +30,7 @@ import os
 
 import torch
 
-from h2okv.core.compat import passed_cache
+from h2okv.core.compat import passed_cache, without_grad
 from h2okv.core.reconstruction import chat_head_length, probes, rank_by_probes
 from h2okv.errors import H2OError
 
@@ -80,7 +80,7 @@ def _rank(model, cache) -> None:
                        f"with input_ids, or rank it with h2okv.reconstruct(model, cache, prompt_ids, tokenizer)")
     tokenizer = cache_tokenizer(model, cache)
     start = chat_head_length(tokenizer, ids[0].tolist())
-    with torch.inference_mode():
+    with without_grad():
         rank_by_probes(model, cache, probes(tokenizer, ids, start))
 
 

@@ -30,3 +30,13 @@ def passed_cache(kwargs: dict):
     """The cache a model call was given, under either name: a forward hook sees the caller's
     spelling (``generate`` and the task heads pass the new name on, a user may write the old)."""
     return kwargs["cache"] if kwargs.get("cache") is not None else kwargs.get("past_key_values")
+
+
+def without_grad():
+    """``torch.inference_mode()`` when the caller is in it, else ``torch.no_grad()``: what h2okv reads
+    into a user's cache must stay updatable in the caller's mode. A tensor made under inference mode
+    cannot be updated in place outside it, and ``model.generate`` decodes under ``no_grad`` (a
+    ``prompt``-recipe cache ranked in inference mode inside ``generate`` failed its next step)."""
+    import torch
+
+    return torch.inference_mode() if torch.is_inference_mode_enabled() else torch.no_grad()

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from h2okv.chat import chat_frame, encode_text
-from h2okv.core.compat import cache_arg
+from h2okv.core.compat import cache_arg, without_grad
 from h2okv.core.head_budget import allocate_layers
 from h2okv.documents import read_arguments
 from h2okv.errors import H2OError
@@ -110,7 +110,7 @@ def rank_by_probes(model, cache, calls: list[torch.Tensor]) -> None:
     for layer in cache.layers:
         layer.start_probe()
     try:
-        with torch.inference_mode():
+        with without_grad():
             for ids in calls:
                 model(input_ids=ids, **cache_arg(cache), use_cache=True, logits_to_keep=1)
             for layer in cache.layers:
@@ -142,7 +142,7 @@ def read_context(model, tokenizer, cache=None, context=None, start: int | None =
     DeprecationWarning, for one release."""
     tokenizer, cache, document = read_arguments(tokenizer, cache, context)
     ids = document.ids.to(model.device)
-    with torch.inference_mode():
+    with without_grad():
         model(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_arg(cache), use_cache=True,
               logits_to_keep=1)
         if not cache.policy.ranks_by_reconstruction:
