@@ -53,7 +53,8 @@ def test_coqa_chats_share_documents_and_ask_each_storys_own_questions_in_order()
         assert text in test_half  # the test split's half of CoQA
         gold = by_story[text].turns[:4]
         assert [t["references"] for t in conv["turns"]] == [list(g.answers) for g in gold]
-        assert all(g.question in t["ask"] and t["metric"] == "qa_f1" for g, t in zip(gold, conv["turns"], strict=True))
+        assert all(g.question in t["ask"] and (t["metric"], t["also"]) == ("qa_recall", "qa_f1")
+                   for g, t in zip(gold, conv["turns"], strict=True))
 
 
 def test_coqa_chats_refuse_what_the_data_cannot_give():
@@ -67,7 +68,7 @@ def test_coqa_chats_refuse_what_the_data_cannot_give():
         coqa_chats(tok, documents=400, per_document=3, turns=4, doc_tokens=100)
 
 
-def test_a_coqa_chat_is_graded_by_f1_turn_by_turn():
+def test_a_coqa_chat_is_graded_turn_by_turn():
     from h2okv.bench.doc_chat import coqa_chats
 
     model, tok = tiny_chat_model(layers=2, max_positions=4096)
@@ -79,7 +80,8 @@ def test_a_coqa_chat_is_graded_by_f1_turn_by_turn():
     assert store["answered"] == 4 and store["prefix_hits"] >= 2  # the second turns resume, and so may a shared document
     rows = store["rows"]
     assert {(r["document"], r["turn"]) for r in rows} == {(0, 1), (0, 2)}
-    assert all(0.0 <= r["score"] <= 1.0 and r["correct"] == (r["score"] >= 0.5) for r in rows)
+    assert all(0.0 <= r["qa_f1"] <= 1.0 and 0.0 <= r["score"] <= 1.0 and r["correct"] == (r["score"] >= 0.5)
+               for r in rows)
     assert store["turns"][0]["score_mean"] is not None
 
 

@@ -13,7 +13,7 @@ import h2okv.models
 from char_tokenizers import Chars
 from h2okv.cli import main
 from h2okv.errors import H2OError
-from h2okv.eval.longctx.metric import drop_exact, drop_f1, qa_exact, qa_f1, score
+from h2okv.eval.longctx.metric import drop_exact, drop_f1, qa_exact, qa_f1, qa_recall, score
 from h2okv.eval.longctx.prompt import Frame
 from h2okv.eval.longctx.qa import QA_TASKS
 from h2okv.eval.longctx.runner import haystack_source
@@ -191,6 +191,22 @@ def test_squad_f1_and_exact_match(prediction, references, f1, exact):
     assert qa_f1(prediction, references) == pytest.approx(f1)
     assert qa_exact(prediction, references) == exact
     assert score("qa_f1", prediction, references) == pytest.approx(f1)
+
+
+@pytest.mark.parametrize(
+    "prediction, references, recall",
+    [
+        ("India has 22 official languages.", ["22"], 1.0),  # a sentence that holds the answer
+        ("They went to buy some beef.", ["buy beef", "to buy some beef"], 1.0),
+        ("Tom", ["Tom Oates"], 0.5),
+        ("Tom went home.\nThe answer is Sam.", ["Sam"], 0.0),  # the first line only, as F1
+        ("the the", ["a the"], 1.0),  # articles dropped on both sides: an empty gold is met by an empty answer
+        ("", ["blue"], 0.0),
+    ],
+)
+def test_recall_asks_whether_the_gold_answer_is_in_the_reply(prediction, references, recall):
+    assert qa_recall(prediction, references) == pytest.approx(recall)
+    assert score("qa_recall", prediction, references) == pytest.approx(recall)
 
 
 @pytest.mark.parametrize(

@@ -47,7 +47,8 @@ def conversations(tokenizer, count: int, doc_tokens: int, turns: int, seed: int 
             where = (k + 1) * len(body) // (turns + 1)
             body.insert(where, f"The special magic number for {key} is {number}")
         asked = [{"ask": f"What is the special magic number for {key}? Answer with the number only.",
-                  "references": [number], "metric": "string_match_all"} for key, number in zip(keys, numbers, strict=True)]
+                  "references": [number], "metric": "string_match_all"}
+                 for key, number in zip(keys, numbers, strict=True)]
         out.append({"id": c, "document": c, "system": "Answer from this document.\n\n" + ". ".join(body) + ".",
                     "turns": asked})
     return out
@@ -62,7 +63,8 @@ def turn_payload(tokenizer, model_name: str, messages: list[dict], max_tokens: i
 
 async def converse(client, url, tokenizer, model_name, conv: dict, max_tokens: int) -> list[dict]:
     """One conversation, turn after turn, the model's own answers in the history; the rows of its
-    turns, each graded by its metric (``score``; ``correct``: at least half of it)."""
+    turns, each graded by its metric (``score``; ``correct``: at least half of it) and by its
+    ``also`` metric where it names one (a field of that name)."""
     from h2okv.eval.longctx.metric import score
 
     messages = [{"role": "system", "content": conv["system"]}]
@@ -74,10 +76,13 @@ async def converse(client, url, tokenizer, model_name, conv: dict, max_tokens: i
         usage = result.usage or {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         graded = score(asked["metric"], result.text, asked["references"]) if result.ok else 0.0
+        also = {}  # a second grade beside the first (F1 beside recall)
+        if asked.get("also"):
+            also[asked["also"]] = round(score(asked["also"], result.text, asked["references"]) if result.ok else 0.0, 4)
         rows.append({"conversation": conv["id"], "document": conv["document"], "turn": turn + 1, "ok": result.ok,
                      "ttft_s": result.ttft_s, "prompt_tokens": len(payload["prompt"]),
                      "read_tokens": len(payload["prompt"]) - cached, "score": round(graded, 4),
-                     "correct": graded >= 0.5, "answer": result.text[:80], "references": asked["references"][:3]})
+                     "correct": graded >= 0.5, **also, "answer": result.text[:120], "references": asked["references"]})
         messages.append({"role": "assistant", "content": result.text})
     return rows
 

@@ -56,7 +56,7 @@ def coqa_chats(tokenizer, documents: int, per_document: int, turns: int, doc_tok
             name = next(n for n, c in named if c is conv)
             out.append({"id": d * per_document + k, "document": d, "system": system, "story": name,
                         "turns": [{"ask": ASK.format(name=name, question=t.question), "references": list(t.answers),
-                                   "metric": "qa_f1"} for t in conv.turns[:turns]]})
+                                   "metric": "qa_recall", "also": "qa_f1"} for t in conv.turns[:turns]]})
     return out
 
 

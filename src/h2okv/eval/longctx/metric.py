@@ -16,6 +16,11 @@ A sample's score is in [0, 1]; RULER reports the mean over samples x 100.
   words, so "5 December 1921" and "December 5, 1921" are the same bag (F1 1, EM 0). DROP's alignment of
   several answer spans is left out: a multi-span answer is one bag of its spans' words.
 
+``qa_recall`` (a chat's answer, ``bench/doc_chat.py``): the share of a gold answer's words found in
+the answer, the best over the gold answers, after SQuAD's normalisation. A chat model answers in a
+sentence ("India has 22 official languages." for "22"): F1 counts the sentence's other words against
+it, recall asks whether the gold answer is there.
+
 ``qa_exact`` and ``drop_exact`` are the exact matches after the same normalisation (SQuAD's and
 DROP's EM). A row's ``score`` is the F1: QA answers are free text, and F1 gives partial credit for
 "23" against "23 years" where EM gives none.
@@ -107,6 +112,12 @@ def qa_f1(prediction: str, references: list[str]) -> float:
     return best_f1(squad_words, prediction, references)
 
 
+def qa_recall(prediction: str, references: list[str]) -> float:
+    answer = Counter(squad_words(answer_line(prediction)))
+    gold = [squad_words(ref) for ref in references]
+    return max(sum((answer & Counter(words)).values()) / len(words) if words else float(not answer) for words in gold)
+
+
 def qa_exact(prediction: str, references: list[str]) -> float:
     return best_exact(squad_words, prediction, references)
 
@@ -120,7 +131,7 @@ def drop_exact(prediction: str, references: list[str]) -> float:
 
 
 METRICS = {"string_match_all": string_match_all, "string_match_part": string_match_part, "qa_f1": qa_f1,
-           "qa_exact": qa_exact, "drop_f1": drop_f1, "drop_exact": drop_exact}
+           "qa_recall": qa_recall, "qa_exact": qa_exact, "drop_f1": drop_f1, "drop_exact": drop_exact}
 
 
 def score(metric: str, prediction: str, references: list[str]) -> float:
