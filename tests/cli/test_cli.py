@@ -153,6 +153,14 @@ def test_memory_cap_reaches_the_bench_config_in_binary_bytes():
     assert config_from_args(args).memory_cap == 2 * 2**30
 
 
+@pytest.mark.parametrize("argv, stored", [([], 512 << 20), (["--prefix-cache-memory", "0"], 0),
+                                          (["--prefix-cache-memory", "off"], 0), (["--prefix-cache-memory", "1G"], 1 << 30)])
+def test_the_prefix_store_is_on_by_default_and_can_be_turned_off(argv, stored):
+    from h2okv.cli.main import build_parser
+
+    assert build_parser().parse_args(["serve", *argv]).prefix_cache_memory == stored
+
+
 @pytest.mark.parametrize(
     "parse, text, ok",
     [("positive_int", "3", 3), ("positive_float", "0.5", 0.5), ("positive_seconds", "1e3", 1000.0)],

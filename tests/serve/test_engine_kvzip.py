@@ -127,6 +127,19 @@ def test_kvzip_refusals_are_one_line(model_tok):
     assert EvictionDefaults(policy="h2o", heavy=8, recent=8).resolve(100, policy="kvzip") == ("kvzip", 8, 8)
 
 
+def test_a_two_token_prompt_is_held_whole_not_a_500(model_tok):
+    """Its head is one token, read as a decode step, so nothing waits for the probe: the executor
+    then skips the ranking (a fuzzed ``[0, 0]`` got a 500 once ``document`` became the default)."""
+    model, tok = model_tok
+    executor = Executor(model, CHUNK)
+    executor.open(1, "kvzip", 8, 8, 0, probe=[[1, 2, 3]])
+    logits = executor.prefill([(1, [0, 0], 0)])[1]
+    cache = H2OCache(model, policy="kvzip", heavy=8, recent=8, prefill="late")
+    with torch.inference_mode():
+        expected = model(input_ids=torch.tensor([[0, 0]]), **cache_arg(cache)).logits[0, -1]
+    torch.testing.assert_close(logits, expected)
+
+
 def test_cli_refuses_kvzip_with_rolling_positions(capsys, monkeypatch):
     import h2okv.models
     from h2okv.cli import main

@@ -97,6 +97,11 @@ def memory_limit(text: str) -> int | None:
     return None if str(text).strip().lower() in ("inf", "infinity") else parse_bytes(text)
 
 
+def store_size(text: str) -> int:
+    """A byte size, or ``0`` / ``off`` for none (a store that is on by default can be turned off)."""
+    return 0 if str(text).strip().lower() in ("0", "off") else parse_bytes(text)
+
+
 # -- lists checked before any model work -----------------------------------------------------------
 def parse_policies(text: str, reconstruction: bool = False) -> list[str]:
     """``full,h2o,snapkv:16`` -> names, duplicates dropped; one-line error for a bad name or option.

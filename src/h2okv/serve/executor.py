@@ -351,8 +351,11 @@ class Executor:
             head, last = ids[:-1], ids[-1:]
             self.model(input_ids=torch.tensor([head], dtype=torch.long, device=device), **cache_arg(cache),
                        use_cache=True, **self._keep_last)
-            rank_by_probes(self.model, cache, [torch.tensor([call], dtype=torch.long, device=device)
-                                               for call in spec.probe])
+            # a head of one token is read as a decode step, held whole with nothing to rank (a
+            # two-token prompt, e.g. [0, 0], stopped here with a 500 under the default recipe)
+            if all(layer.awaiting_probe for layer in cache.layers):
+                rank_by_probes(self.model, cache, [torch.tensor([call], dtype=torch.long, device=device)
+                                                   for call in spec.probe])
             out = self.model(input_ids=torch.tensor([last], dtype=torch.long, device=device),
                              position_ids=torch.tensor([[len(head)]], dtype=torch.long, device=device),
                              **cache_arg(cache), use_cache=True, **self._keep_last)

@@ -1,0 +1,50 @@
+"""A chat over a document, served as a new user runs it: ``h2okv serve`` with no flags (the
+document recipe at 20%) and README's serving command answer every turn of a four-question chat over
+the library guide's document, each turn resent whole with the model's own earlier answers, as the
+full cache does, on the real default model; the later turns resume from the prefix store."""
+
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+GUIDE = (ROOT / "docs" / "guides" / "library.md").read_text(encoding="utf-8")
+FACTS = {"Who designed the library?": "Maria Okafor", "How many books does the library hold?": "86,000",
+         "Who is the head librarian?": "Tomas Berg", "What was the most borrowed book last year?": "Bread for Beginners"}
+
+
+def guide_document() -> str:
+    return re.search(r'document = """(.*?)"""', GUIDE, re.S).group(1)
+
+
+def chat(url: str, extra: dict) -> list[str]:
+    messages = [{"role": "system", "content": guide_document()}]
+    answers = []
+    for question in FACTS:
+        messages.append({"role": "user", "content": question})
+        reply = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+            "model": "smollm2", "messages": messages, "max_tokens": 24, "temperature": 0, **extra}).json()
+        answers.append(reply["choices"][0]["message"]["content"])
+        messages.append({"role": "assistant", "content": answers[-1]})
+    return answers
+
+
+def test_the_default_server_answers_a_document_chat_as_the_full_cache(default_model):
+    from h2okv.cli.serve import DEFAULT_PREFIX_MEMORY, DEFAULT_RECIPE
+    from h2okv.serve import EvictionDefaults, create_app, running_server
+
+    model, tokenizer = default_model
+    eviction = EvictionDefaults.from_options(recipe=DEFAULT_RECIPE, prefill="chunked")  # `h2okv serve`, no flags
+    app = create_app(model, tokenizer, eviction=eviction, prefix_memory=DEFAULT_PREFIX_MEMORY)
+    with running_server(app) as url:
+        served = chat(url, {})
+        full = chat(url, {"h2o": {"policy": "full"}})
+        hits = float(re.search(r"^h2okv_prefix_cache_hits_total (\S+)", httpx.get(url + "/metrics").text, re.M).group(1))
+    for (question, fact), mine, theirs in zip(FACTS.items(), served, full, strict=True):
+        assert fact in theirs, (question, theirs)
+        assert fact in mine, (question, mine, theirs)
+    assert hits >= 3  # turns 2-4 of at least one of the chats resumed a stored state
