@@ -24,8 +24,8 @@ def run_cli(capsys, *argv):
     (["generate", "--prompt", "hi", "--heavy", "3", "--recent", "3", "--recent-share", "0.1"], "--recent-share splits --budget"),
     (["generate", "--prompt", "hi", "--policy", "full", "--budget", "0.2"], "keeps every token"),
     (["serve", "--recipe", "fastest"], "unknown recipe 'fastest'"),
-    # serve's default is the document recipe (kvzip)
-    (["serve", "--budget", "abc"], "--budget must be a fraction of the prompt in (0, 1] (e.g. 0.2) or a whole number of slots >= 2 for kvzip"),
+    # serve's default is the bounded recipe (snapkv)
+    (["serve", "--budget", "abc"], "--budget must be a fraction of the prompt in (0, 1] (e.g. 0.2) or a whole number of slots >= 2 for snapkv"),
     (["serve", "--budget", "0.2", "--heavy-ratio", "0.1"], "not both"),
     (["eval", "retrieval", "--recipe", "bounded,nope"], "unknown recipe 'nope'"),
     (["eval", "longctx", "--recipe", "nope"], "unknown recipe 'nope'"),

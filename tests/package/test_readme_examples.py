@@ -67,8 +67,8 @@ def test_the_serve_example_and_the_server_default_answer_as_the_full_cache(defau
 
     argv = command_line("serve")
     args = dict(zip(argv[1::2], argv[2::2], strict=False))
-    # README's command gives no recipe: the server's default, the document recipe at 20%
-    assert "--recipe" not in args and "--policy" not in args and DEFAULT_RECIPE == "document"
+    # README's command gives no recipe: the server's default, the bounded recipe at 20%
+    assert "--recipe" not in args and "--policy" not in args and DEFAULT_RECIPE == "bounded"
     chat = {"model": "smollm2", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 24,
             "temperature": 0}
     for eviction in (EvictionDefaults.from_options(recipe=DEFAULT_RECIPE, budget=0.2), EvictionDefaults()):
