@@ -80,7 +80,7 @@ def _rank(model, cache) -> None:
                        f"with input_ids, or rank it with h2okv.reconstruct(model, cache, prompt_ids, tokenizer)")
     tokenizer = cache_tokenizer(model, cache)
     start = chat_head_length(tokenizer, ids[0].tolist())
-    with without_grad():
+    with without_grad(cache):
         rank_by_probes(model, cache, probes(tokenizer, ids, start))
 
 

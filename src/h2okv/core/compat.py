@@ -32,11 +32,15 @@ def passed_cache(kwargs: dict):
     return kwargs["cache"] if kwargs.get("cache") is not None else kwargs.get("past_key_values")
 
 
-def without_grad():
-    """``torch.inference_mode()`` when the caller is in it, else ``torch.no_grad()``: what h2okv reads
-    into a user's cache must stay updatable in the caller's mode. A tensor made under inference mode
-    cannot be updated in place outside it, and ``model.generate`` decodes under ``no_grad`` (a
-    ``prompt``-recipe cache ranked in inference mode inside ``generate`` failed its next step)."""
+def without_grad(cache=None):
+    """``torch.inference_mode()`` when the caller is in it, or when ``cache`` already holds tensors
+    made in it; else ``torch.no_grad()``: what h2okv reads into a user's cache must stay updatable
+    in the mode the user goes on in. A tensor made under inference mode cannot be updated in place
+    outside it, and ``model.generate`` decodes under ``no_grad`` (a ``prompt``-recipe cache ranked in
+    inference mode inside ``generate`` failed its next step); a prompt read under inference mode is
+    ranked in it too."""
     import torch
 
-    return torch.inference_mode() if torch.is_inference_mode_enabled() else torch.no_grad()
+    held = cache is not None and any(
+        layer.is_initialized and layer.keys.is_inference() for layer in getattr(cache, "layers", ()))
+    return torch.inference_mode() if torch.is_inference_mode_enabled() or held else torch.no_grad()

@@ -110,7 +110,7 @@ def rank_by_probes(model, cache, calls: list[torch.Tensor]) -> None:
     for layer in cache.layers:
         layer.start_probe()
     try:
-        with without_grad():
+        with without_grad(cache):
             for ids in calls:
                 model(input_ids=ids, **cache_arg(cache), use_cache=True, logits_to_keep=1)
             for layer in cache.layers:
@@ -142,7 +142,7 @@ def read_context(model, tokenizer, cache=None, context=None, start: int | None =
     DeprecationWarning, for one release."""
     tokenizer, cache, document = read_arguments(tokenizer, cache, context)
     ids = document.ids.to(model.device)
-    with without_grad():
+    with without_grad(cache):
         model(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_arg(cache), use_cache=True,
               logits_to_keep=1)
         if not cache.policy.ranks_by_reconstruction:
