@@ -18,6 +18,7 @@ from h2okv.eval.longctx.runner import GridSpec, generate_answers, grid_prompts, 
 from h2okv.eval.longctx.tasks import TASKS, build_prompts, largest_fitting
 from h2okv.generation import new_cache
 from h2okv.tools.tiny import tiny_model
+from recorded_model import recorded_tiny_model
 
 
 class ChatChars(Chars):
@@ -212,17 +213,8 @@ def test_cli_bad_input_is_one_line_exit_2(argv, message, capsys):
 
 @pytest.fixture
 def tiny_run(monkeypatch, essay):
-    model = tiny_model("llama", seed=3, max_position_embeddings=2048)
-    model.name_or_path = "/converted/folder"
-    monkeypatch.setattr(h2okv.models, "load_model", lambda *a, **k: (model, Chars()))
-    fed = []
-    generate = model.generate
-
-    def recording_generate(input_ids, **kwargs):
-        fed.extend(input_ids.tolist())
-        return generate(input_ids=input_ids, **kwargs)
-
-    monkeypatch.setattr(model, "generate", recording_generate)
+    fed = []  # every prompt generate was fed
+    model = recorded_tiny_model(monkeypatch, fed.extend)
     grid = ["--tasks", "niah_single_2,fwe", "--contexts", "800", "--samples", "2", "--haystack", essay,
             "--max-new-tokens", "3", "--seed", "2"]
     return model, fed, grid

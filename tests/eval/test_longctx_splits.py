@@ -8,13 +8,11 @@ import pytest
 
 import h2okv.eval.longctx.splits as splits
 import h2okv.eval.qa_data as qa_data
-import h2okv.models
-from char_tokenizers import Chars
 from h2okv.cli import main
 from h2okv.errors import H2OError
 from h2okv.eval.longctx.rows import row_key
 from h2okv.eval.longctx.splits import SPLITS, Split, split_of
-from h2okv.tools.tiny import tiny_model
+from recorded_model import recorded_tiny_model
 
 
 def test_dev_and_test_never_share_a_haystack_or_a_seed_and_test_has_its_own_lengths():
@@ -43,17 +41,8 @@ def two_splits(tmp_path, monkeypatch):
     fake = {"dev": text_split(tmp_path, "dev", 0, ["river", "stone"]), "test": text_split(tmp_path, "test", 1, ["cloud", "field"])}
     monkeypatch.setattr(splits, "SPLITS", fake)
     monkeypatch.setattr("h2okv.cli.eval.longctx.SPLITS", fake)
-    model = tiny_model("llama", seed=3, max_position_embeddings=2048)
-    model.name_or_path = "/converted/folder"
-    monkeypatch.setattr(h2okv.models, "load_model", lambda *a, **k: (model, Chars()))
-    fed = []
-    generate = model.generate
-
-    def recording_generate(input_ids, **kwargs):
-        fed.append(input_ids.tolist())
-        return generate(input_ids=input_ids, **kwargs)
-
-    monkeypatch.setattr(model, "generate", recording_generate)
+    fed = []  # the prompts of each generate call
+    recorded_tiny_model(monkeypatch, fed.append)
     return fake, fed
 
 
