@@ -1,8 +1,21 @@
 """``serve-bench --profile chat`` (bench/chat.py) on a tiny model: conversations of several turns,
 each policy with the prefix store and without; the store's runs read only the new turn's tokens."""
 
+import pytest
+
+import h2okv.eval.qa_data as qa_data
 from h2okv.bench.chat import chat_bench, conversations
 from h2okv.tools.tiny_chat import tiny_chat_model
+from qa_requests import coqa_docs, install
+
+
+@pytest.fixture
+def coqa(tmp_path, monkeypatch):
+    """CoQA's request file, generated (CI has no `make eval-data`): 24 stories of 5 turns."""
+    install(tmp_path / "oe_eval_tasks", monkeypatch, coqa=coqa_docs())
+    yield
+    qa_data.read_docs.cache_clear()
+
 
 TEXT = ". ".join(f"Sentence number {i} of a long and quiet essay about nothing in particular" for i in range(400))
 
@@ -34,9 +47,8 @@ def test_every_conversation_hides_one_number_per_turn():
             assert turn["metric"] == "string_match_all"
 
 
-def test_coqa_chats_share_documents_and_ask_each_storys_own_questions_in_order():
+def test_coqa_chats_share_documents_and_ask_each_storys_own_questions_in_order(coqa):
     from h2okv.bench.doc_chat import coqa_chats
-    from h2okv.eval import qa_data
     from h2okv.eval.longctx.qa import half
 
     model, tok = tiny_chat_model(layers=1)
@@ -57,9 +69,7 @@ def test_coqa_chats_share_documents_and_ask_each_storys_own_questions_in_order()
                    for g, t in zip(gold, conv["turns"], strict=True))
 
 
-def test_coqa_chats_refuse_what_the_data_cannot_give():
-    import pytest
-
+def test_coqa_chats_refuse_what_the_data_cannot_give(coqa):
     from h2okv.bench.doc_chat import coqa_chats
     from h2okv.errors import H2OError
 
@@ -68,7 +78,7 @@ def test_coqa_chats_refuse_what_the_data_cannot_give():
         coqa_chats(tok, documents=400, per_document=3, turns=4, doc_tokens=100)
 
 
-def test_a_coqa_chat_is_graded_turn_by_turn():
+def test_a_coqa_chat_is_graded_turn_by_turn(coqa):
     from h2okv.bench.doc_chat import coqa_chats
 
     model, tok = tiny_chat_model(layers=2, max_positions=4096)

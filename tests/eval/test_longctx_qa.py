@@ -3,7 +3,6 @@ files and the one-id-per-character tokenizer: exact lengths, gold texts planted 
 drawn from the other items, seeds and splits, several questions over one context, the QA metrics,
 and the CLI on a tiny model."""
 
-import gzip
 import json
 
 import pytest
@@ -19,11 +18,7 @@ from h2okv.eval.longctx.qa import QA_TASKS
 from h2okv.eval.longctx.runner import haystack_source
 from h2okv.eval.longctx.tasks import build_prompts, build_question_sets
 from h2okv.tools.tiny import tiny_model
-
-
-def code(k: int) -> str:
-    """A word of letters unique to item ``k`` (an answer no question and no other item holds)."""
-    return "Qu" + "".join("bdfgklmnprstvz"[int(d)] for d in f"{k:02d}") + "o"
+from qa_requests import TURNS, code, coqa_docs, install
 
 
 def squad_docs():
@@ -43,38 +38,13 @@ def drop_docs():
              "question": f"Who kicked in game {k}?", "answers": [[code(k + 200)]]} for k in range(30)]
 
 
-TURNS = [("Who lived by the sea?", 300), ("What was the name of the dog?", 400), ("Where did they walk?", 500),
-         ("What did it chase?", 600), ("Why?", 700)]
-
-
-def coqa_docs():
-    docs = []
-    for k in range(24):
-        answers = [code(k + offset) for _, offset in TURNS]
-        story = (f"{answers[0]} lived in a small house by the sea with a dog named {answers[1]}. Every morning they "
-                 f"walked along {answers[2]}, and the dog liked to chase {answers[3]} because of {answers[4]}.")
-        conversation = [{"question": q, "answer": a} for (q, _), a in zip(TURNS, answers)]
-        docs += [{"id": f"c{k}_turn{t}", "story": story, "question": q, "answers": [a, a.lower()], "previous_qa": conversation}
-                 for t, ((q, _), a) in enumerate(zip(TURNS, answers))]
-    return docs
-
-
 ESSAY = " ".join(f"Sentence {i} of the essay says something plain about topic {i % 7}." for i in range(400))
 
 
 @pytest.fixture
 def data(tmp_path, monkeypatch):
     """Request files for the three data sets, where ``qa_data`` finds them; an essay haystack."""
-    root = tmp_path / "oe_eval_tasks"
-    for task, docs in (("squad", squad_docs()), ("drop", drop_docs()), ("coqa", coqa_docs())):
-        folder = root / qa_data.REQUEST_FILES[task]
-        folder.mkdir(parents=True)
-        with gzip.open(folder / "requests.jsonl.gz", "wt", encoding="utf-8") as fh:
-            for doc in docs:
-                for _ in range(2):  # a request per answer choice: the doc repeats
-                    fh.write(json.dumps({"request_type": "generate_until", "doc": doc}) + "\n")
-    monkeypatch.setattr(qa_data, "tasks_folder", lambda: root)
-    qa_data.read_docs.cache_clear()
+    install(tmp_path / "oe_eval_tasks", monkeypatch, squad=squad_docs(), drop=drop_docs(), coqa=coqa_docs())
     essay = tmp_path / "essay.txt"
     essay.write_text(ESSAY)
     yield f"text:{essay}"
