@@ -53,6 +53,8 @@ def test_each_length_is_measured_against_full_on_the_same_prompts():
     # ... but against full only the cells full ran: (100 + 25) / 2 over (100 + 50) / 2
     assert longer["of_full"] == pytest.approx(62.5 / 75.0)
     assert longer["lowest"] == ("b", pytest.approx(0.5))
+    # var(a) = var(1, 1, 0) = 1/3, var(b) = var(.25, .25, 0) = 1/48, 3 samples each, 2 tasks
+    assert longer["se"] == pytest.approx(100 * ((1 / 3 + 1 / 48) / 3) ** 0.5 / 2)
     assert longer["prefill_x"] == pytest.approx(5.0 / 30.0) and longer["peak_mib"] == 50.0
     assert entry(summary, "full", 4096)["of_full"] is None
 
@@ -70,7 +72,7 @@ def test_table_and_plot(tmp_path):
     summary = by_length(rows())
     table = length_table(summary, markdown=True).splitlines()
     assert table[0].startswith("| config | context |") and len(table) == 2 + len(summary)
-    assert "| recipe bounded | 4096 | 6 | 41.7 | 83% | b (50%) | 50 | 20% | 5.0 | 0.17 | - |" in table
+    assert "| recipe bounded | 4096 | 6 | 41.7 | 17.2 | 83% | b (50%) | 50 | 20% | 5.0 | 0.17 | - |" in table
     assert plot_lengths(summary, tmp_path / "lengths.png", "t").stat().st_size > 10_000
 
 
@@ -80,7 +82,7 @@ def test_cli_by_length(tmp_path, capsys):
     plot = tmp_path / "lengths.png"
     assert main(["eval", "longctx", "--merge", str(pieces), "--by-length", "--markdown", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
-    assert "| recipe bounded | 2048 | 4 | 75.0 | 100% |" in out and plot.is_file()
+    assert "| recipe bounded | 2048 | 4 | 75.0 | 0.0 | 100% |" in out and plot.is_file()
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -5,7 +5,7 @@ cache's on the same prompts.
 Per length and configuration:
 
 - ``average``: RULER's average (the tasks' plain mean of sample means, x 100) over the cells it
-  ran; ``of_full``: that average over full's average on the *same* cells (task, sample), so a
+  ran, and its standard error ``se`` (the tasks' sample variances; none with one sample a task); ``of_full``: that average over full's average on the *same* cells (task, sample), so a
   configuration run on fewer samples is compared on its own prompts; ``lowest``: the family with
   the lowest share of full's score (a family full scores 0 on has no share);
 - the costs the rows carry (``runner.Costs``), as medians over the prompts: peak process memory
@@ -50,11 +50,26 @@ def _cells(rows: list[dict]) -> dict[tuple, dict[tuple, float]]:
 
 def ruler_average(scores: dict[tuple, float]) -> tuple[float, dict[str, float]]:
     """RULER's average of ``{(task, sample): score}`` and the per-task means, both x 100."""
+    by_task = _by_task(scores)
+    means = {task: 100 * sum(s) / len(s) for task, s in by_task.items()}
+    return sum(means.values()) / len(means), means
+
+
+def _by_task(scores: dict[tuple, float]) -> dict[str, list[float]]:
     by_task: dict[str, list[float]] = {}
     for (task, _), score in scores.items():
         by_task.setdefault(task, []).append(score)
-    means = {task: 100 * sum(s) / len(s) for task, s in by_task.items()}
-    return sum(means.values()) / len(means), means
+    return by_task
+
+
+def standard_error(scores: dict[tuple, float]) -> float | None:
+    """The standard error of RULER's average (x 100): the tasks' means are independent, so
+    ``sqrt(sum_t var_t / n_t) / T``; None where a task has a single sample (its variance unknown)."""
+    by_task = _by_task(scores)
+    if any(len(s) < 2 for s in by_task.values()):
+        return None
+    variance = sum(statistics.variance(s) / len(s) for s in by_task.values())
+    return 100 * variance**0.5 / len(by_task)
 
 
 def _median(rows: list[dict], field: str) -> float | None:
@@ -69,7 +84,7 @@ def by_length(rows: list[dict]) -> list[dict]:
     for (config, context), scores in cells.items():
         average, means = ruler_average(scores)
         entry = {"config": config, "context": context, "prompts": len(scores), "tasks": len(means), "average": average,
-                 "of_full": None, "lowest": None}
+                 "se": standard_error(scores), "of_full": None, "lowest": None}
         # full on the same device and dtype: a bfloat16 recipe is measured against a bfloat16 full
         full = cells.get((full_of(config), context))
         if not is_full(config) and full:
@@ -111,9 +126,9 @@ def _fmt(value, spec: str) -> str:
 
 
 def length_table(summary: list[dict], markdown: bool = False) -> str:
-    headers = ["config", "context", "prompts", "average", "of full", "lowest family (of full)", "peak MiB",
+    headers = ["config", "context", "prompts", "average", "SE", "of full", "lowest family (of full)", "peak MiB",
                "KV of full", "prefill s", "prefill x full", "decode s"]
-    lines = [[e["config"], e["context"], e["prompts"], _fmt(e["average"], ".1f"), _fmt(e["of_full"], ".0%"),
+    lines = [[e["config"], e["context"], e["prompts"], _fmt(e["average"], ".1f"), _fmt(e["se"], ".1f"), _fmt(e["of_full"], ".0%"),
               f"{e['lowest'][0]} ({e['lowest'][1]:.0%})" if e["lowest"] else "-", _fmt(e["peak_mib"], ".0f"),
               _fmt(e["kv_fraction"], ".0%"), _fmt(e["prefill_s"], ".1f"), _fmt(e["prefill_x"], ".2f"),
               _fmt(e["decode_s"], ".1f")] for e in summary]
