@@ -153,6 +153,17 @@ def test_memory_cap_reaches_the_bench_config_in_binary_bytes():
     assert config_from_args(args).memory_cap == 2 * 2**30
 
 
+def test_serve_says_at_startup_what_a_request_runs():
+    from h2okv.cli.serve import DEFAULT_PREFIX_MEMORY, DEFAULT_RECIPE, serving_line
+    from h2okv.serve.eviction import EvictionDefaults
+
+    line = serving_line(EvictionDefaults.from_options(recipe=DEFAULT_RECIPE), None, DEFAULT_PREFIX_MEMORY)
+    assert line.startswith("h2okv: requests run the bounded recipe (snapkv:kernel=31,pool=max) at 20%, chunked prefill")
+    assert "KV memory no limit, prefix store 512 MiB" in line and "\n" not in line
+    line = serving_line(EvictionDefaults.from_options(policy="h2o", budget=256), 2 << 30, 0)
+    assert "requests run h2o at 256 slots" in line and "KV memory 2048 MiB, prefix store off" in line
+
+
 @pytest.mark.parametrize("argv, stored", [([], 512 << 20), (["--prefix-cache-memory", "0"], 0),
                                           (["--prefix-cache-memory", "off"], 0), (["--prefix-cache-memory", "1G"], 1 << 30)])
 def test_the_prefix_store_is_on_by_default_and_can_be_turned_off(argv, stored):

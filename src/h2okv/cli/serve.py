@@ -209,6 +209,7 @@ def serve_on_rank(args) -> int:
                                              args.temperature, args.top_p)
     if is_main_rank():
         s = args.sampling
+        print(serving_line(args.eviction, args.kv_memory_bytes, args.prefix_cache_memory), file=sys.stderr, flush=True)
         print(f"h2okv: requests that give no temperature / top_p sample at {s.temperature:g} / {s.top_p:g} "
               f"({s.source}; --temperature, --top-p set them)", file=sys.stderr, flush=True)
     if not is_distributed():
@@ -246,6 +247,19 @@ def serve_on_rank(args) -> int:
         cause = channel.broken
         raise tp.GroupBroken(f"the tensor-parallel group broke: {type(cause).__name__}: {cause}") from cause
     return 0
+
+
+def serving_line(eviction, kv_memory: int | None, prefix_memory: int) -> str:
+    """One line at startup: what requests that name no recipe or policy run, and the memory caps
+    (a user who ran `h2okv serve` with no flags sees what they got, and which flags change it)."""
+    settings = eviction.describe()
+    what = f"the {settings['recipe']} recipe ({settings['policy']})" if settings.get("recipe") else settings["policy"]
+    budget = settings.get("budget")
+    kept = "" if budget is None else f" at {budget:g} slots" if isinstance(budget, int) else f" at {budget:.0%}"
+    kv = "no limit" if kv_memory is None else f"{kv_memory / 2**20:.0f} MiB"
+    store = "off" if not prefix_memory else f"{prefix_memory / 2**20:.0f} MiB"
+    return (f"h2okv: requests run {what}{kept}, {eviction.prefill} prefill; KV memory {kv}, prefix store {store} "
+            "(--recipe/--policy/--budget, --kv-memory, --prefix-cache-memory change them)")
 
 
 def _create_app(args, model, tokenizer, executor):
