@@ -4,9 +4,10 @@ Each document is a system message holding several of CoQA's stories, each under 
 document of a few thousand tokens, as a user pastes one). Several conversations share a document,
 each about another of its stories: turn ``k`` asks CoQA's ``k``-th question of that story's
 conversation ("About story NAME: ..."), in order, and the history holds the model's own earlier
-answers (a question may lean on them: "what did she do then?"). Every answer is graded with
-SQuAD's token F1 against CoQA's gold answers (``eval.longctx.metric``), as the long-context
-``qa_coqa`` family is.
+answers (a question may lean on them: "what did she do then?"). Every answer is graded by
+whether it holds one of CoQA's gold answers (``qa_recall``: the share of the gold answer's words in
+the reply; a chat model answers in sentences, which F1 counts against it), with SQuAD's token F1
+beside it (``eval.longctx.metric``).
 
 The stories come from the half of CoQA that ``seed``'s parity picks (``eval.longctx.qa.half``):
 seed 1, the default, is the test split's half, the stories no recipe was chosen on.

@@ -5,7 +5,8 @@ cache's on the same prompts.
 Per length and configuration:
 
 - ``average``: RULER's average (the tasks' plain mean of sample means, x 100) over the cells it
-  ran, and its standard error ``se`` (the tasks' sample variances; none with one sample a task); ``of_full``: that average over full's average on the *same* cells (task, sample), so a
+  ran, and its standard error ``se`` (the tasks' sample variances; none with one sample a task);
+  ``of_full``: that average over full's average on the *same* cells (task, sample), so a
   configuration run on fewer samples is compared on its own prompts; ``lowest``: the family with
   the lowest share of full's score (a family full scores 0 on has no share);
 - the costs the rows carry (``runner.Costs``), as medians over the prompts: peak process memory
@@ -38,14 +39,18 @@ def label(row: dict) -> str:
     return f"{config} ({' '.join(where)})" if where else config
 
 
-def _cells(rows: list[dict]) -> dict[tuple, dict[tuple, float]]:
-    """``{(config, context): {(task, sample): score}}`` for one-question rows."""
-    cells: dict[tuple, dict[tuple, float]] = {}
+def _groups(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """``{(config, context): rows}`` of the one-question rows."""
+    groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        if questions_of(row) != 1:
-            continue
-        cells.setdefault((label(row), int(row["context"])), {})[(row["task"], int(row["sample"]))] = float(row["score"])
-    return cells
+        if questions_of(row) == 1:
+            groups.setdefault((label(row), int(row["context"])), []).append(row)
+    return groups
+
+
+def _scores(rows: list[dict]) -> dict[tuple, float]:
+    """``{(task, sample): score}`` of one group's rows."""
+    return {(row["task"], int(row["sample"])): float(row["score"]) for row in rows}
 
 
 def ruler_average(scores: dict[tuple, float]) -> tuple[float, dict[str, float]]:
@@ -79,7 +84,8 @@ def _median(rows: list[dict], field: str) -> float | None:
 
 def by_length(rows: list[dict]) -> list[dict]:
     """One entry per (configuration, context), full's first at each length (see the module's doc)."""
-    cells = _cells(rows)
+    groups = _groups(rows)
+    cells = {key: _scores(group) for key, group in groups.items()}
     out = []
     for (config, context), scores in cells.items():
         average, means = ruler_average(scores)
@@ -97,9 +103,8 @@ def by_length(rows: list[dict]) -> list[dict]:
                 if shares:
                     task = min(shares, key=shares.get)
                     entry["lowest"] = (task, shares[task])
-        here = [r for r in rows if questions_of(r) == 1 and (label(r), int(r["context"])) == (config, context)]
         for field in ("peak_mib", "kv_fraction", "prefill_s", "decode_s"):
-            entry[field] = _median(here, field)
+            entry[field] = _median(groups[config, context], field)
         out.append(entry)
     fulls = {(e["config"], e["context"]): e["prefill_s"] for e in out if is_full(e["config"])}
     for entry in out:
