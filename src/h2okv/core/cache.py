@@ -291,6 +291,29 @@ class H2OCache(Cache):
         for layer in self.layers:
             layer.add_empty_rows(new.heavy, new.recent, new.sinks)
 
+    def set_budgets(self, budgets: list[tuple[int, int]]) -> None:
+        """Replace every row's absolute ``(heavy, recent)`` budget. Nothing is evicted now: the next
+        forward call of two tokens or more ranks what is held with its own queries and brings each
+        row down to its new budget (the server holds a chat's history whole, then lets the
+        question choose what stays). Only for a cache that has run, with every head of a row on
+        the row's budget (a cache-wide or adaptive split would have to be shared out again)."""
+        if not self.policy.evicts:
+            raise H2OError(f"policy {self.policy.spec!r} keeps everything: it has no budget to set")
+        if self.row_budgets.protect_prompt or not self.row_budgets.fixed:
+            raise H2OError("set_budgets needs a cache that has run, with absolute budgets")
+        if len(budgets) != self.rows:
+            raise H2OError(f"set_budgets got {len(budgets)} budgets for {self.rows} rows")
+        running = [layer for layer in self.layers if layer.is_initialized]
+        if len(running) != len(self.layers) or any(layer.head_heavy is not None for layer in running):
+            raise H2OError("set_budgets needs every layer to have run, its heads on their rows' budgets")
+        self.row_budgets.fix([BudgetSpec.build(self.policy, h, r, None, None).resolve(0) for h, r in budgets])
+        for layer in running:
+            layer.to_dense()
+            layer.heavy, layer.recent, layer.sinks = (t.to(layer.device) for t in (
+                self.row_budgets.heavy, self.row_budgets.recent, self.row_budgets.sinks))
+            layer.over_budget = True
+            layer.refresh()
+
     def trim(self) -> None:
         """Give back every layer's free slots after its last live one (nothing moves, so each row
         keeps its slot layout); used after rows leave."""

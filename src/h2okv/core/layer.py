@@ -77,6 +77,9 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         self.probed = False
         self.probe_best: torch.Tensor | None = None  # while probing: each slot's best probe score
         self.tail_slots = 0  # once ranked: the slots kvzip's tail adds above the budget (rank_by_probe)
+        # rows may hold more than their budget (``H2OCache.set_budgets`` lowered it): until a call
+        # brings them down, room for a call is counted from the live slots, not the budget
+        self.over_budget = False
 
     # -- transformers Cache layer protocol ---------------------------------------------------
     @property
@@ -177,7 +180,9 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
 
     def ensure_free(self, m: int) -> None:
         """Make room for ``m`` new tokens in every (sequence, head)."""
-        if self.capacity >= self.max_budget + m:
+        if self.over_budget and self._count_live() <= self.max_budget:
+            self.over_budget = False
+        if self.capacity >= self.max_budget + m and not self.over_budget:
             return  # steady state: eviction keeps every (sequence, head) at <= budget
         live = self._live_bound()
         if live + m > self.capacity and self.config.policy.evicts:
@@ -432,12 +437,22 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
             ranked = hook(query, key_new, self.keys, self.valid, real, scaling)
         else:
             ranked = policy.prefill_scores(query, key_new, self.keys, self.valid, real, scaling,
-                                           value_new=value_new, old_values=self.values)
+                                           value_new=value_new, old_values=self.values,
+                                           old_in_order=self.held_in_order())
         if ranked is None:
             return None
         old, new = ranked
         self.score.copy_(old)
         return new
+
+    def held_in_order(self) -> torch.Tensor:
+        """``[B]``: each row's tokens read so far where every head holds all of them in its first
+        slots in token order (nothing evicted yet: slot ``i`` is token ``i``), else -1."""
+        held = self.n_real.view(-1, 1, 1)
+        index = torch.arange(self.capacity, device=self.device)
+        first = index < held
+        whole = (self.valid == first) & (~first | (self.ordinal == index))
+        return torch.where(whole.flatten(1).all(-1), self.n_real, torch.full_like(self.n_real, -1))
 
     # -- accounting ------------------------------------------------------------------------------
     def kv_bytes(self) -> int:

@@ -204,6 +204,7 @@ def call_scores(policy: Policy, q, k, v, kept: list[int], c0: int, c1: int, scal
         q[None, :, c0:c1], k[None, None, c0:c1], k[None, None, kept],
         torch.ones(1, 1, len(kept), dtype=torch.bool), torch.tensor([c1 - c0]), scale,
         value_new=v[None, None, c0:c1], old_values=v[None, None, kept],
+        old_in_order=torch.tensor([len(kept) if kept == list(range(len(kept))) else -1]),
     )
     if ranked is None:
         return None

@@ -178,9 +178,12 @@ class Policy:
         """
         raise NotImplementedError
 
-    def prefill_scores(self, query, key_new, old_keys, old_valid, new_real, scaling, value_new=None, old_values=None):
+    def prefill_scores(self, query, key_new, old_keys, old_valid, new_real, scaling, value_new=None, old_values=None,
+                       old_in_order=None):
         """Scores for a multi-token forward call, computed before it is chunked, or None (the
-        default: scores come from each chunk's attention). See ``snapkv.py``, ``expected.py``."""
+        default: scores come from each chunk's attention). See ``snapkv.py``, ``expected.py``.
+        ``old_in_order`` ``[B]``: a row's old slot count where they are its first tokens in slot
+        order (nothing evicted yet), else -1 (None: no row's are)."""
         return None
 
     def bind(self, model) -> None:

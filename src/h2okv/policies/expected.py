@@ -59,7 +59,8 @@ class ExpectedAttentionPolicy(H2OPolicy):
         except H2OError as exc:
             raise H2OError(f"policy 'expected' cannot move queries along positions: {exc}") from None
 
-    def prefill_scores(self, query, key_new, old_keys, old_valid, new_real, scaling, value_new=None, old_values=None):
+    def prefill_scores(self, query, key_new, old_keys, old_valid, new_real, scaling, value_new=None, old_values=None,
+                       old_in_order=None):
         """``(old [B, Hkv, cap], new [B, Hkv, n])``: each live slot's and new token's expected
         attention times its value norm (zero for dead slots and pads)."""
         b, hq, n, d = query.shape

@@ -50,7 +50,8 @@ class SnapKVPolicy(H2OPolicy):
         DECAY,  # decode steps re-rank by the latest queries (h2o.py): SnapKV's window, kept moving
     )
 
-    def prefill_scores(self, query, key_new, old_keys, old_valid, new_real, scaling, value_new=None, old_values=None):
+    def prefill_scores(self, query, key_new, old_keys, old_valid, new_real, scaling, value_new=None, old_values=None,
+                       old_in_order=None):
         """``(old [B, Hkv, cap], new [B, Hkv, n])``: the window's attention mass per slot / new token.
 
         ``query`` ``[B, Hq, n, D]`` and ``key_new`` ``[B, Hkv, n, D]`` hold each row's real tokens
@@ -61,7 +62,10 @@ class SnapKVPolicy(H2OPolicy):
         mass = (probs * counts[:, None, None, :, None]).sum(dim=(2, 3))  # [B, Hkv, cap + n]
         old, new = mass[..., :cap], mass[..., cap:]
         if self.kernel > 1 and n > 1:
-            new = self.pool(new, new_real)
+            if old_in_order is None or not bool((old_in_order > 0).any()):
+                new = self.pool(new, new_real)
+            else:  # nothing evicted yet: the old slots are the tokens before the call, in order
+                old, new = self.pool_across(old, new, old_in_order, new_real)
         if self.chunk > 1 and n > 1:
             new = self.chunk_mean(new, new_real)
         return old, new
@@ -82,11 +86,29 @@ class SnapKVPolicy(H2OPolicy):
         shared = means.expand(b, hkv, blocks, c).reshape(b, hkv, blocks * c)[..., :n]
         return (shared + TIE_BREAK * new).masked_fill(~real[:, None], 0.0)
 
+    def pool_across(self, old, new, held, new_real):
+        """Pool the held old slots and the call's tokens as one sequence where a row's old slots
+        ``0 .. held - 1`` are its first tokens in order (``held`` ``[B]``; -1: the row's call is
+        pooled alone, its old slots as they are), so a span that straddles
+        the call's start ranks as it would have read in one call: a history held whole and a
+        question read on it keep a value of many tokens whole, as one call over both would."""
+        old, new = old.clone(), new.clone()
+        for b in range(old.shape[0]):
+            h, r = int(held[b]), int(new_real[b])
+            if h < 0:
+                new[b:b + 1] = self.pool(new[b:b + 1], new_real[b:b + 1])
+                continue
+            joined = torch.cat([old[b, :, :h], new[b, :, :r]], dim=-1)[None]
+            pooled = self.pool(joined, torch.tensor([h + r], device=joined.device))[0]
+            old[b, :, :h], new[b, :, :r] = pooled[:, :h], pooled[:, h:]
+        return old, new
+
     def pool(self, new, new_real):
         """Each new token's mass averaged with its neighbours' in token order (the call's tokens
-        are in order; old slots are not), over the row's real tokens only: rows are pooled by
-        their real length, so a padded row is pooled exactly as it would be alone (a pad's zero
-        counted among a last token's neighbours would lower it)."""
+        are in order; old slots are not, unless nothing was evicted: ``pool_across``), over the
+        row's real tokens only: rows are pooled by their real length, so a padded row is pooled
+        exactly as it would be alone (a pad's zero counted among a last token's neighbours would
+        lower it)."""
         b, hkv, n = new.shape
         pooled = torch.zeros_like(new)  # a pad's score: it is never kept as a real token
         for length in new_real.unique().tolist():
