@@ -79,6 +79,7 @@ class Sequence:
         self.resume: int | None = None  # the prefix store's entry its prefill starts from
         self.resume_length: int | None = None  # ... cut to its first tokens (a full state, see prefix.py)
         self.checkpoints: frozenset[int] = frozenset()  # prompt lengths where its state is saved
+        self.held_until: int | None = None  # its history held whole up to here, then its budget (_look_up)
         self.restarts = 0  # times its prefill started over after a shared forward failed
         self.uid = uid  # the executor's name for this sequence
         self.done = False
@@ -131,6 +132,7 @@ class Engine:
             Executor(model, prefill_chunk, prefill, positions, cache_options)
         # late prefill ranks a prompt once, at the end of the call that feeds it: so it is fed whole
         self.whole_prompts = prefill == "late"
+        self.cache_options = dict(cache_options or {})
         self.positions = positions
         self.tokenizer = tokenizer
         self.device = model.device
@@ -418,7 +420,9 @@ class Engine:
                     self._look_up(seq)
                     # positional, as every executor call: plain data a recorder or a TP follower replays
                     self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0, seq.probe, seq.resume,
-                                       seq.resume_length)
+                                       seq.resume_length, seq.held_until is not None)
+                    if seq.held_until is not None and seq.chunks[0][0] == seq.held_until:
+                        self.executor.set_budget(seq.uid)  # its whole history resumed: the question is next
                 start, stop = seq.chunks[seq.next_chunk]
                 parts.append((seq.uid, req.prompt_ids[start:stop], start))
             logits = self.executor.prefill(parts)
@@ -433,6 +437,9 @@ class Engine:
             fed = seq.chunks[seq.next_chunk - 1][1]
             if fed in seq.checkpoints:
                 self._store(seq, seq.request.prompt_ids[:fed])
+            if fed == seq.held_until:  # its history, held whole, saved so: the question ranks it
+                self._store(seq, seq.request.prompt_ids[:fed], self._namespace(seq.request, held=True))
+                self.executor.set_budget(seq.uid)
             if seq.next_chunk < len(seq.chunks):
                 continue
             self._prefilling.remove(seq)
@@ -466,9 +473,13 @@ class Engine:
         req = seq.request
         try:
             self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0, seq.probe, seq.resume,
-                               seq.resume_length)
+                               seq.resume_length, seq.held_until is not None)
+            if seq.held_until is not None and seq.chunks[0][0] == seq.held_until:
+                self.executor.set_budget(seq.uid)
             for start, stop in seq.chunks[:seq.next_chunk + 1]:
                 self.executor.prefill([(seq.uid, req.prompt_ids[start:stop], start)])
+                if stop == seq.held_until:
+                    self.executor.set_budget(seq.uid)
             return True
         except Exception:
             log.exception("prefill of request %d alone failed", seq.uid)
@@ -524,11 +535,42 @@ class Engine:
 
     # -- the prefix store ------------------------------------------------------------------------------
     @staticmethod
-    def _namespace(request: GenerationRequest) -> tuple:
+    def _namespace(request: GenerationRequest, held: bool = False) -> tuple:
         """What two requests must share for one to resume the other's state. A resumed sequence
-        keeps the budget the saved state was built with (a conversation's first turn fixes it)."""
+        keeps the budget the saved state was built with (a conversation's first turn fixes it). A
+        history ``held`` whole evicted nothing: any budget of its policy resumes it."""
+        if held:
+            return request.cache_key, request.policy, "held whole"
         budget = request.budget_label if request.budget_label is not None else (request.heavy, request.recent)
         return request.cache_key, request.policy, budget
+
+    def held_history(self, request: GenerationRequest) -> int | None:
+        """Where the history ends that this request holds whole while it reads it, else None.
+
+        A policy that ranks a call by its last queries (``snapkv``, the ``bounded`` recipe) keeps
+        what the question asks for. Resuming the state a chat's previous turn kept would answer
+        the new question from what the last one needed (measured: the library guide's document,
+        0.5B, 20%: one of four answers right, full four). So with the prefix store on, such a
+        request reads its history (every message before the last user message) evicting
+        nothing, saves it whole in the store, then reads the question with its budget: the
+        question ranks the whole history, as if the prompt were read in one call, and a later
+        turn resumes the history instead of reading it again. The sequence holds its history
+        whole while it is prefilled (what ``reservation`` counts: the prompt); it decodes at its
+        budget. Only a history whose K/V fits in half the store, a question of two tokens or
+        more, and heads on their rows' budgets (no cache-wide or adaptive split)."""
+        cut, prompt = request.cache_prefix, len(request.prompt_ids)
+        if self.prefixes is None or request.heavy is None or cut is None or not 2 <= cut <= prompt - 2:
+            return None
+        cls = policy_class(request.policy)
+        if not cls.ranks_upfront or cls.ranks_by_reconstruction or self.whole_prompts:
+            return None
+        if self.executor_options(request.policy).get("head_budgets", "uniform") != "uniform":
+            return None
+        return cut if cut * self.slot_bytes <= self.prefixes.capacity // 2 else None
+
+    def executor_options(self, policy: str) -> dict:
+        """The extra ``H2OCache`` keywords the server gives ``policy``'s caches (a recipe's head split)."""
+        return self.cache_options.get(policy, {})
 
     def _look_up(self, seq: Sequence) -> None:
         """At a prompt's first prefill: resume the longest saved state the store holds for it, if
@@ -541,6 +583,10 @@ class Engine:
         resumes). A prompt ranked by reconstruction reads its ranked part in one chunk
         (``Sequence.ranked``), the rest after."""
         req, prompt = seq.request, seq.request.prompt_ids
+        seq.held_until = self.held_history(req)
+        if seq.held_until is not None:
+            self._look_up_held(seq)
+            return
         hit = None if self.prefixes is None else self.prefixes.lookup(self._namespace(req), prompt, seq.policy_name)
         done = 0
         if hit is not None:
@@ -564,11 +610,29 @@ class Engine:
         pieces = [(done, cut), (cut, len(prompt))] if cut < len(prompt) else [(done, len(prompt))]
         seq.chunks = [(lo + a, lo + b) for lo, hi in pieces for a, b in prefill_chunks(hi - lo, seq.chunk)]
 
-    def _store(self, seq: Sequence, ids: list[int]) -> None:
-        """``seq``'s state now, having fed ``ids``, into the prefix store: at a checkpoint of its
-        prompt, or completed (its prompt and answer as fed). A state the store resumes already
-        (``PrefixIndex.holds``) is not copied again."""
-        namespace, ids = self._namespace(seq.request), tuple(ids)
+    def _look_up_held(self, seq: Sequence) -> None:
+        """``_look_up`` for a history held whole (``held_history``): resume the longest history
+        saved whole that this one starts with, read the rest of the history (nothing evicted),
+        then the question, each in one call; the engine saves the history and sets the budget
+        between the two (``_prefill_forward``)."""
+        req, prompt, cut = seq.request, seq.request.prompt_ids, seq.held_until
+        # a saved history that runs past this one's end would hold part of the question whole
+        hit = self.prefixes.lookup(self._namespace(req, held=True), prompt[:cut + 1], seq.policy_name)
+        done = 0
+        if hit is not None:
+            done = hit.length
+            seq.resume, seq.probe, seq.resume_length = hit.entry.id, None, None
+            seq.output.cached_tokens = done
+        seq.checkpoints = frozenset()
+        seq.chunks = [(done, cut)] if done < cut else []
+        seq.chunks.append((cut, len(prompt)))
+
+    def _store(self, seq: Sequence, ids: list[int], namespace: tuple | None = None) -> None:
+        """``seq``'s state now, having fed ``ids``, into the prefix store (under ``namespace``, the
+        request's by default): at a checkpoint of its prompt, or completed (its prompt and answer
+        as fed). A state the store resumes already (``PrefixIndex.holds``) is not copied again."""
+        namespace = self._namespace(seq.request) if namespace is None else namespace
+        ids = tuple(ids)
         if self.prefixes.holds(namespace, ids, truncatable=not seq.evicts):
             return
         entry = self.prefixes.reserve()
@@ -588,7 +652,9 @@ class Engine:
             return
         seq.done = True
         self._count_evicted(seq)  # its last steps, fed since the last publish (a finished row is not active)
-        if outcome == "completed" and self.prefixes is not None and seq.generated and self._decoding(seq):
+        # a history held whole was saved at its end; the next turn resumes that, not this state
+        if outcome == "completed" and self.prefixes is not None and seq.generated and self._decoding(seq) \
+                and seq.held_until is None:
             self._store(seq, seq.request.prompt_ids + seq.generated[:-1])
         if not self._decoding(seq):  # a decode row is dropped by _compact, with the rest of its batch
             self.executor.close(seq.uid)

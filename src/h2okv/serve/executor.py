@@ -50,6 +50,7 @@ group): the engine then ``close``s them (``keep`` for a decode batch), which alw
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass, field
 
@@ -63,6 +64,7 @@ from h2okv.serve.batch import DecodeBatch
 from h2okv.serve.memory import bytes_per_slot
 
 PAD_ID = 0  # what pads feed; masked out, so any id would do
+HOLD_ALL = 1 << 30  # a budget no prompt reaches: a sequence held whole evicts nothing (``open``)
 
 
 @dataclass
@@ -98,6 +100,8 @@ class SequenceSpec:
     probe: tuple[tuple[int, ...], ...] | None = None  # the probe calls of a policy ranked by reconstruction
     resume: int | None = None  # the saved state it starts from (its prompt's first part is read)
     length: int | None = None  # ... cut to its first tokens (a state of a policy that never evicts)
+    whole: bool = False  # its prompt's first part is held whole until ``set_budget`` (``open``)
+    lowered: bool = False  # ... and ``set_budget`` came before its cache was made (a resumed history)
 
 
 def keep_first(cache: H2OCache, n: int) -> None:
@@ -142,7 +146,8 @@ class Executor:
         self._groups: dict[str, PrefillGroup] = {}  # policy -> the prompts being prefilled
         self._batches: dict[str, DecodeBatch] = {}  # policy -> the rows (uids) that decode together
         self._ranked: dict[int, H2OCache] = {}  # prompts ranked by reconstruction, waiting to join
-        self._resumed: dict[int, H2OCache] = {}  # prompts read on top of a saved state, waiting to join
+        # prompts read on a cache of their own (a saved state's copy, or held whole), waiting to join
+        self._resumed: dict[int, H2OCache] = {}
         self._saved: dict[int, H2OCache] = {}  # entry -> a sequence's saved state (batch-1)
 
     # -- facts about the model (no cache involved) -------------------------------------------------
@@ -152,13 +157,24 @@ class Executor:
 
     # -- sequences -----------------------------------------------------------------------------
     def open(self, uid: int, policy: str, heavy: int | None, recent: int | None, seed: int,
-             probe: list[list[int]] | None = None, resume: int | None = None, length: int | None = None) -> None:
+             probe: list[list[int]] | None = None, resume: int | None = None, length: int | None = None,
+             whole: bool = False) -> None:
         """Register a sequence; its cache is built by its first ``prefill``. ``probe``: the probe
         calls (id lists) of a policy that ranks by reconstruction, which needs them. ``resume``: a
         saved entry it starts from (its cache is a copy of it; no probe), ``length``: its first
-        tokens only (a state of a policy that never evicts)."""
+        tokens only (a state of a policy that never evicts). ``whole``: an evicting policy's
+        sequence read on a cache of its own that evicts nothing (resumed: a state saved so) until
+        ``set_budget`` gives it its budget; its next call ranks what is held and evicts."""
         if uid in self._specs:
             raise ValueError(f"sequence {uid} is already open")
+        if whole:
+            cls = policy_class(policy)
+            if heavy is None or not cls.evicts or cls.ranks_by_reconstruction or probe is not None or length is not None:
+                raise ValueError(f"sequence {uid}: only an evicting policy's prompt is held whole ({policy!r})")
+            if resume is not None and resume not in self._saved:
+                raise ValueError(f"sequence {uid}: no saved state {resume} to resume")
+            self._specs[uid] = SequenceSpec(policy, heavy, recent, int(seed), None, resume, None, True)
+            return
         if resume is not None:
             if resume not in self._saved or probe is not None:
                 raise ValueError(f"sequence {uid}: no saved state {resume} to resume (or a probe with it)")
@@ -198,10 +214,12 @@ class Executor:
                 raise ValueError(f"sequences {sorted(missing)} are part-way through their prompts and must take part")
         out = {}
         for policy, mine in by_policy.items():
-            resumed = [part for part in mine if self._specs[part[0]].resume is not None]
-            for uid, ids, start in resumed:  # each on its own copy of the saved state
-                out[uid] = self._read_on(self._resumed, uid, ids, start)
-            mine = [part for part in mine if self._specs[part[0]].resume is None]
+            alone = {uid for uid, _, _ in mine if uid in self._resumed or self._specs[uid].resume is not None
+                     or self._specs[uid].whole}
+            for uid, ids, start in mine:  # each on its own cache (a copy of the saved state it resumes)
+                if uid in alone:
+                    out[uid] = self._read_on(self._resumed, uid, ids, start)
+            mine = [part for part in mine if part[0] not in alone]
             if not mine:
                 continue
             if policy_class(policy).ranks_by_reconstruction:
@@ -212,6 +230,18 @@ class Executor:
             else:
                 out.update(self._prefill_group(policy, mine))
         return out
+
+    def set_budget(self, uid: int) -> None:
+        """A sequence opened ``whole`` takes its budget: nothing is evicted now; its next prefill
+        call (two tokens or more) ranks what it holds with that call's queries and evicts down to
+        it (``H2OCache.set_budgets``)."""
+        spec = self._specs.get(uid)
+        cache = self._resumed.get(uid)
+        if spec is None or not spec.whole or (cache is None and spec.resume is None):
+            raise ValueError(f"sequence {uid} is not a prompt held whole (or resuming a history so)")
+        if cache is not None:
+            cache.set_budgets([(spec.heavy, spec.recent)])
+        self._specs[uid] = dataclasses.replace(spec, whole=False, lowered=cache is None)
 
     def join(self, uid: int, capacity: int) -> None:
         """The prefilled ``uid`` becomes the last row of its policy's decode batch, which then has
@@ -371,9 +401,14 @@ class Executor:
         cache = own.get(uid)
         if cache is None:
             spec = self._specs[uid]
-            cache = self._saved[spec.resume].take_rows([0])
+            if spec.resume is None:  # held whole from its first token
+                cache = self._new_cache(dataclasses.replace(spec, heavy=HOLD_ALL, recent=1))
+            else:
+                cache = self._saved[spec.resume].take_rows([0])
             if spec.length is not None:
                 keep_first(cache, spec.length)
+            if spec.lowered:  # a history saved whole, resumed to read the question on
+                cache.set_budgets([(spec.heavy, spec.recent)])
         try:
             out = self.model(input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
                              position_ids=torch.arange(start, start + len(ids), device=self.device)[None],
