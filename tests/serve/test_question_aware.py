@@ -7,7 +7,6 @@ last queries holds the history whole (``Engine.held_history``): the history is r
 nothing and saved whole, then the question ranks all of it; each later turn resumes the history
 saved whole, never the state the previous question kept."""
 
-import pytest
 
 from h2okv.serve.engine import Engine, GenerationRequest
 from serve_cases import CHUNK, alone, prompt, settle

@@ -43,6 +43,11 @@ policy's batch; ``forget(entry)`` drops one. A state of a policy that never evic
 reading them gives. A resumed prompt is never ranked by reconstruction
 again: its first part was.
 
+**Held whole** (``open(..., whole=True)``). A sequence of an evicting policy may read the first part
+of its prompt on a cache of its own whose budget keeps everything (a chat's history, or a copy of a
+history saved so), then ``set_budget`` gives it its own budget: nothing is evicted then; its next
+call (the question) ranks everything held with its own queries and evicts down to it.
+
 A call that raises leaves the caches as they were before it, except ``prefill`` and ``decode``
 whose failure leaves the sequences involved unusable (a failed prefill drops its policy's whole
 group): the engine then ``close``s them (``keep`` for a decode batch), which always succeeds.
