@@ -1,6 +1,7 @@
 """One decode step at the budget, file by file, as docs/ARCHITECTURE.md walks it: transformers'
 hook (``attention.py``) -> the layer (``layer.py``) -> its stepper (``decode.py``) -> the kernel
-(``native/calls.py`` on CPU). A profiler records every project function a step calls; if the walk
+(``native/calls.py`` on CPU), and the feed-forward's slice check (``feed_forward.py``: one token
+goes straight through). A profiler records every project function a step calls; if the walk
 grows (a new hop, a per-call engine choice in another module), this fails."""
 
 import sys
@@ -47,7 +48,7 @@ def at_budget(kernels: str):
     return model, cache, token
 
 
-def test_a_decode_step_at_the_budget_enters_four_project_files():
+def test_a_decode_step_at_the_budget_enters_five_project_files():
     if unavailable_reason("native", torch.device("cpu")):
         pytest.skip("no C compiler: the CPU step is eager (test below)")
     model, cache, token = at_budget("native")
@@ -55,7 +56,8 @@ def test_a_decode_step_at_the_budget_enters_four_project_files():
     with use_kernels("native"), torch.inference_mode():
         kwargs = cache_arg(cache)
         entered = files_entered(lambda: model(input_ids=token, **kwargs, use_cache=True))
-    assert entered == {"core/attention.py", "core/layer.py", "core/decode.py", "core/native/calls.py"}
+    assert entered == {"core/attention.py", "core/layer.py", "core/decode.py", "core/native/calls.py",
+                       "core/feed_forward.py"}
 
 
 def test_the_eager_step_adds_only_the_eviction_rule_and_the_policys_hooks():
@@ -65,4 +67,4 @@ def test_the_eager_step_adds_only_the_eviction_rule_and_the_policys_hooks():
         kwargs = cache_arg(cache)
         entered = files_entered(lambda: model(input_ids=token, **kwargs, use_cache=True))
     assert entered == {"core/attention.py", "core/layer.py", "core/decode.py", "core/step.py",
-                       "policies/base.py", "policies/h2o.py"}
+                       "policies/base.py", "policies/h2o.py", "core/feed_forward.py"}

@@ -27,6 +27,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from h2okv.core.feed_forward import slice_feed_forward
 from h2okv.core.kernels import triton_on
 from h2okv.errors import H2OError
 
@@ -174,10 +175,13 @@ def check_supported(model) -> int:
 def prepare_model(model) -> int:
     """Route the model's attention through ``h2o_attention_forward``; returns the number of layers.
 
+    Its dense feed-forward runs long calls in slices (``feed_forward.py``: the numbers of one pass,
+    up to float rounding; one slice's activations held).
     Idempotent. The model still runs normally with any other cache afterwards.
     """
     num_layers = check_supported(model)
     _register()
+    slice_feed_forward(model)  # a prompt read in one call holds one slice's activations, not the prompt's
     if model.config._attn_implementation != ATTN_NAME:
         model.set_attn_implementation(ATTN_NAME)
     return num_layers
