@@ -81,3 +81,24 @@ def test_a_question_agnostic_policy_still_reads_in_chunks_and_cuts_at_the_prefix
                                 cache_prefix=len(doc))
     _, calls, _ = served(model_tok, request)
     assert len(calls) > 2  # chunk by chunk, as before
+
+
+def test_a_second_conversation_resumes_the_document_held_whole_and_ranks_it_for_its_own_question(model_tok):
+    """Two conversations open with the same document: the second resumes the document saved whole
+    (the saved history is exactly its own), its budget is set before anything is read, and its
+    question ranks the whole document: the library's one-chunk read of its prompt."""
+    model = model_tok[0]
+    doc, first, other = prompt(70, 1), prompt(9, 2), prompt(12, 4)
+    engine = Engine(*model_tok, prefill_chunk=CHUNK, prefix_memory=64 << 20)
+    engine.start()
+    try:
+        for question in (first, other):
+            request = GenerationRequest(doc + question, 6, SNAPKV, 8, 4, temperature=0.0, ignore_eos=True,
+                                        cache_prefix=len(doc))
+            _, done = engine.submit(request).result_blocking()
+        settle(engine)
+        hits, cached = engine.stats.prefix_hits, done.usage["prompt_tokens_details"]["cached_tokens"]
+    finally:
+        engine.stop()
+    assert (hits, cached) == (1, 70)
+    assert done.token_ids == alone(model, doc + other, SNAPKV, 8, 4, 6, chunk=len(doc + other))
