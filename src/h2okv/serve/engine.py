@@ -418,11 +418,7 @@ class Engine:
                 req = seq.request
                 if seq.next_chunk == 0:
                     self._look_up(seq)
-                    # positional, as every executor call: plain data a recorder or a TP follower replays
-                    self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0, seq.probe, seq.resume,
-                                       seq.resume_length, seq.held_until is not None)
-                    if seq.held_until is not None and seq.chunks[0][0] == seq.held_until:
-                        self.executor.set_budget(seq.uid)  # its whole history resumed: the question is next
+                    self._open(seq)
                 start, stop = seq.chunks[seq.next_chunk]
                 parts.append((seq.uid, req.prompt_ids[start:stop], start))
             logits = self.executor.prefill(parts)
@@ -452,6 +448,16 @@ class Engine:
                 self.executor.join(seq.uid, seq.reservation.slots)
                 self._batches.setdefault(seq.request.policy, []).append(seq)
 
+    def _open(self, seq: Sequence) -> None:
+        """Open ``seq`` in the executor as ``_look_up`` planned it; a history held whole and resumed
+        in full takes its budget at once (the question is its next call)."""
+        req = seq.request
+        # positional, as every executor call: plain data a recorder or a TP follower replays
+        self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0, seq.probe, seq.resume,
+                           seq.resume_length, seq.held_until is not None)
+        if seq.held_until is not None and seq.chunks[0][0] == seq.held_until:
+            self.executor.set_budget(seq.uid)
+
     def _isolate(self, seqs: list[Sequence]) -> list[Sequence]:
         """After a shared prefill forward over ``seqs`` failed (the executor dropped their caches):
         the ones to fail. Each row replays its prompt so far, up to the chunk that failed, alone; a
@@ -472,10 +478,7 @@ class Engine:
     def _replays_alone(self, seq: Sequence) -> bool:
         req = seq.request
         try:
-            self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0, seq.probe, seq.resume,
-                               seq.resume_length, seq.held_until is not None)
-            if seq.held_until is not None and seq.chunks[0][0] == seq.held_until:
-                self.executor.set_budget(seq.uid)
+            self._open(seq)
             for start, stop in seq.chunks[:seq.next_chunk + 1]:
                 self.executor.prefill([(seq.uid, req.prompt_ids[start:stop], start)])
                 if stop == seq.held_until:
@@ -564,13 +567,9 @@ class Engine:
         cls = policy_class(request.policy)
         if not cls.ranks_upfront or cls.ranks_by_reconstruction or self.whole_prompts:
             return None
-        if self.executor_options(request.policy).get("head_budgets", "uniform") != "uniform":
-            return None
+        if self.cache_options.get(request.policy, {}).get("head_budgets", "uniform") != "uniform":
+            return None  # the server's extra keywords for the policy's caches: a recipe's head split
         return cut if cut * self.slot_bytes <= self.prefixes.capacity // 2 else None
-
-    def executor_options(self, policy: str) -> dict:
-        """The extra ``H2OCache`` keywords the server gives ``policy``'s caches (a recipe's head split)."""
-        return self.cache_options.get(policy, {})
 
     def _look_up(self, seq: Sequence) -> None:
         """At a prompt's first prefill: resume the longest saved state the store holds for it, if
@@ -621,7 +620,7 @@ class Engine:
         done = 0
         if hit is not None:
             done = hit.length
-            seq.resume, seq.probe, seq.resume_length = hit.entry.id, None, None
+            seq.resume = hit.entry.id
             seq.output.cached_tokens = done
         seq.checkpoints = frozenset()
         seq.chunks = [(done, cut)] if done < cut else []
