@@ -5,8 +5,7 @@ Why a process each: the peak is the resident set's high-water mark over the call
 and a process that ran a longer prompt before would count what glibc kept of it. Why
 ``MALLOC_MMAP_THRESHOLD_`` (1 MiB unless ``--allocator default``): glibc's default threshold rises
 to the largest block freed (up to 32 MiB), after which blocks of activations are taken from and
-kept in the heap, so the high-water mark counts freed memory too (an 8k ``bounded`` call: 681 MiB
-with the default, 345 MiB live). The prompt is random token ids: memory and time do not depend on
+kept in the heap, so the high-water mark counts freed memory too. The prompt is random token ids: memory and time do not depend on
 what the tokens say. The weights are touched by a short call first (they are memory-mapped).
 
     python tools/measure/prefill_memory.py --lengths 2048,4096,8192,16384 --recipes bounded,full \\
@@ -30,9 +29,15 @@ from tqdm import tqdm
 RETURNING = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 
 
-def one(model_name: str, length: int, recipe: str, budget: float, threads: int) -> dict:
-    """The cell, in this process (``--one``)."""
+def one(model_name: str, length: int, recipe: str, budget: float, threads: int, sliced: bool = True) -> dict:
+    """The cell, in this process (``--one``); ``sliced=False``: the feed-forward read whole, as before
+    ``core/feed_forward.py`` (for the comparison)."""
     import torch
+
+    if not sliced:
+        import h2okv.core.attention as attention
+
+        attention.slice_feed_forward = lambda model: 0
 
     from h2okv import H2OCache, load_model
     from h2okv.bench.memory import measure_peak
@@ -50,7 +55,8 @@ def one(model_name: str, length: int, recipe: str, budget: float, threads: int) 
     return {"model": model_name, "context": length, "recipe": recipe, "budget": None if recipe == "full" else budget,
             "peak_mib": round(peak.peak_bytes / 2**20, 1), "method": peak.method,
             "kv_mib": round(sum(layer.kv_bytes() for layer in cache.layers) / 2**20, 1),
-            "prefill_s": round(time.perf_counter() - start, 2), "threads": threads}
+            "prefill_s": round(time.perf_counter() - start, 2), "threads": threads,
+            "feed_forward": "sliced" if sliced else "whole"}
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -89,6 +95,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--allocator", choices=("returning", "default"), default="returning",
                         help="returning: glibc hands freed blocks of 1 MiB or more back (the live peak); default: as is")
+    parser.add_argument("--feed-forward", choices=("sliced", "whole"), default="sliced",
+                        help="whole: the feed-forward unsliced, as before core/feed_forward.py")
     parser.add_argument("--json", required=True)
     parser.add_argument("--plot", default=None)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
@@ -96,7 +104,8 @@ def main() -> int:
     lengths = [int(n) for n in args.lengths.split(",") if n]
     recipes = [r for r in args.recipes.split(",") if r]
     if args.one:  # a child: one cell, its row on stdout
-        print(json.dumps(one(args.model, lengths[0], recipes[0], args.budget, args.threads)))
+        print(json.dumps(one(args.model, lengths[0], recipes[0], args.budget, args.threads,
+                             args.feed_forward == "sliced")))
         return 0
     out = Path(args.json)
     rows = json.loads(out.read_text()) if out.exists() else []
@@ -106,7 +115,7 @@ def main() -> int:
     for length, recipe in tqdm(cells, desc="prefill memory", unit="cell"):
         child = subprocess.run([sys.executable, __file__, "--one", "--model", args.model, "--lengths", str(length),
                                 "--recipes", recipe, "--budget", str(args.budget), "--threads", str(args.threads),
-                                "--json", args.json], env=env, capture_output=True, text=True)
+                                "--feed-forward", args.feed_forward, "--json", args.json], env=env, capture_output=True, text=True)
         if child.returncode != 0:
             print(f"{length} {recipe}: failed: {child.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
             return 1

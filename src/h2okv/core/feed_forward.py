@@ -7,8 +7,8 @@ that is ~58 KB a token in float32, more than its K/V (~25 KB) and many times a 2
 The feed-forward acts on each token alone, so slicing the call along the tokens computes the same
 dot products (a matrix product over fewer rows may add them in another order: logits agree to
 ~1e-7 in float32) and the activations held become one slice's. Measured on the 0.5B, one 8k
-call under ``bounded``: a live peak of 345 MiB above the weights against 696 MiB unsliced
-(docs/RESULTS.md, "Against the length").
+call under ``bounded``: a live peak of 337 MiB above the weights against 692 MiB unsliced
+(``tools/measure/prefill_memory.py``; docs/RESULTS.md).
 
 Applied by ``prepare_model`` to the decoder layers' ``mlp`` modules of the dense families we run
 (their classes end in ``MLP``; a mixture of experts, which returns router logits beside its
