@@ -6,7 +6,7 @@ import re
 import pytest
 
 from h2okv import H2OError, cli
-from h2okv.core.cache import check_settings
+from h2okv.settings import CacheSettings
 
 RULE = "must be a fraction of the prompt in (0, 1] (e.g. 0.2) or a whole number of slots >= 2 for h2o (e.g. 256)"
 
@@ -44,7 +44,7 @@ def test_the_command_line_names_flags(capsys, argv, message):
 ])
 def test_the_library_names_keywords(kwargs, message):
     with pytest.raises(H2OError) as info:
-        check_settings(**kwargs)
+        CacheSettings.build(**kwargs)
     assert message in str(info.value) and "--" not in str(info.value)
 
 
@@ -55,5 +55,5 @@ def test_the_least_slot_count_follows_the_policy_and_share():
     assert least_slots(make_policy("h2o")) == 2  # a heavy and a recent slot
     assert least_slots(make_policy("h2o"), 0.75) == 4  # int(4 * 0.25) = 1 heavy slot
     assert least_slots(make_policy("local")) == 1
-    check_settings(budget=2)  # the least is accepted
-    check_settings(policy="h2o", budget=4, recent_share=0.75)
+    CacheSettings.build(budget=2)  # the least is accepted
+    CacheSettings.build(policy="h2o", budget=4, recent_share=0.75)

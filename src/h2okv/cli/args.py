@@ -19,12 +19,9 @@ from h2okv.errors import H2OError
 from h2okv.parallel.launch import DEFAULT_TIMEOUT_S
 from h2okv.policy_names import POLICY_NAMES, RECONSTRUCTION_POLICIES
 from h2okv.recipes import recipe_help
+from h2okv.settings import DEFAULT_BUDGET_FLOOR as BUDGET_FLOOR
+from h2okv.settings import PREFILL_MODES as PREFILL_CHOICES
 from h2okv.sizes import parse_bytes
-
-# H2OCache's prefill modes (core/cache.py PREFILL_MODES; kept here so --help loads no torch)
-PREFILL_CHOICES = ("chunked", "late")
-# core/budget.py DEFAULT_BUDGET_FLOOR, for --help (tests/test_recipes.py checks that they agree)
-BUDGET_FLOOR = 128
 
 
 # -- help -----------------------------------------------------------------------------------------
@@ -249,7 +246,7 @@ def add_recipe_arg(parser: argparse.ArgumentParser, grid: bool = False) -> None:
 
 def parse_budget(text: str) -> float | int | str:
     """``--budget`` as typed: an integer (``256``) is slots per layer and KV head, any other number
-    (``0.2``) a fraction of the prompt. Its range is the policy's to judge (``check_settings``,
+    (``0.2``) a fraction of the prompt. Its range is the policy's to judge (``CacheSettings``,
     before any model loads), so anything else is handed on as text and refused there, in one
     message that names the range."""
     text = str(text).strip()

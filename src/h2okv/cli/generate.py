@@ -87,13 +87,13 @@ def read_prompt(args) -> str:
 
 
 def run(args) -> int:
-    from h2okv.core.cache import check_settings
     from h2okv.core.positions import parse_positions
     from h2okv.parallel import launch
+    from h2okv.settings import CacheSettings
 
     args.prompt_text = read_prompt(args)
     parse_positions(args.positions)
-    check_settings(**cache_keywords(args))  # before the (slow) model load and before any rank starts
+    CacheSettings.build(**cache_keywords(args))  # before the (slow) model load and before any rank starts
     launch.prepare(args)
     return launch.run(args, generate_on_rank)
 

@@ -10,18 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from h2okv.policies import Budget, Policy, policy_class
+from h2okv.settings import DEFAULT_BUDGET_FLOOR, DEFAULT_RECENT_SHARE
 from h2okv.vocabulary import SettingError
-
-# the share of a budget fraction kept for the most recent tokens: the paper's half and half
-DEFAULT_RECENT_SHARE = 0.5
-
-# The fewest slots per (layer, KV head) a *fraction* of the prompt keeps: 20% of a 37-token chat
-# question is 7 slots, and the default model then answers "What is the capital of France?" with
-# "The capital of the world is no...". Measured on one-fact chat questions of 36-40 tokens, 64 new
-# tokens (tools/measure/budget_floor.py, docs/RESULTS.md "Budget floor"): at 64 slots 7 of 12
-# answers were the full cache's word for word, at 96 and 128 all 12; 128 leaves room for
-# longer answers. A slot count given as such is never raised.
-DEFAULT_BUDGET_FLOOR = 128
 
 # a budget below this many slots per (layer, KV head) warns once: it rarely keeps an answer
 DEGENERATE_SLOTS = 16

@@ -11,65 +11,14 @@ from transformers.cache_utils import Cache
 
 from h2okv.core import autorank
 from h2okv.core.attention import prepare_model
-from h2okv.core.budget import (
-    DEFAULT_BUDGET_FLOOR,
-    DEFAULT_RECENT_SHARE,
-    BudgetSpec,
-    RowBudgets,
-    budget_keywords,
-    share_without_budget,
-    takes_no_budget,
-    two_spellings,
-)
-from h2okv.core.head_budget import DEFAULT_FLOOR, HEAD_BUDGETS
+from h2okv.core.budget import BudgetSpec, RowBudgets
 from h2okv.core.layer import LayerConfig, SlotLayer
 from h2okv.core.positions import RollingPositions, check_positions
 from h2okv.errors import H2OError
-from h2okv.policies import Policy, make_policy
-from h2okv.recipes import DEFAULT_RECIPE_BUDGET, expand
+from h2okv.policies import Policy
+from h2okv.settings import DEFAULT_CHUNK, PREFILL_MODES, CacheSettings
 
-DEFAULT_CHUNK = 512
-PREFILL_MODES = ("chunked", "late")
-
-
-def check_settings(policy=None, *, recipe=None, budget=None, recent_share=None, budget_floor=DEFAULT_BUDGET_FLOOR,
-                   seed=0, prefill=None, positions=None, head_budgets=None, head_floor=None, protect_prompt=False,
-                   **parts):
-    """``H2OCache``'s keywords checked and completed without a model: ``(settings, policy,
-    budget spec)``, where ``settings`` holds every keyword a recipe or the defaults filled in, and
-    ``settings["recent_share"]`` the share a one-argument budget was split by (None for a budget
-    given in parts, or none for a policy that keeps every token).
-    Commands call it to refuse bad settings before the (slow) model load; ``parts`` are the older
-    ``heavy``/``recent``/``heavy_ratio``/``recent_ratio``."""
-    # a recipe fills in what is not given (h2okv.recipes); then the library's defaults
-    settings = {"policy": "h2o", "prefill": "chunked", "positions": "true", "head_budgets": "uniform",
-                "head_floor": DEFAULT_FLOOR, "recent_share": None,
-                **expand(recipe, policy=policy, prefill=prefill, positions=positions, head_budgets=head_budgets,
-                         head_floor=head_floor, recent_share=recent_share)}
-    chosen = make_policy(settings["policy"], seed=seed)
-    if protect_prompt and (chosen.ranks_by_reconstruction or settings["head_budgets"] != "uniform"):
-        raise H2OError(f"protect_prompt keeps the prompt whole and ranks what follows: it takes a policy that "
-                       f"ranks by attention and uniform head budgets, not {chosen.spec!r} with "
-                       f"head_budgets={settings['head_budgets']}")
-    if settings["prefill"] not in PREFILL_MODES:
-        raise H2OError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {settings['prefill']!r}")
-    parts = {name: parts.get(name) for name in ("heavy", "recent", "heavy_ratio", "recent_ratio")}
-    given_parts = any(v is not None for v in parts.values())
-    # a recipe or a recent share without a budget: the default fifth of each prompt, split their way
-    if budget is not None or ((recipe is not None or recent_share is not None) and chosen.evicts and not given_parts):
-        if given_parts:
-            raise two_spellings([name for name, value in parts.items() if value is not None])
-        share = DEFAULT_RECENT_SHARE if settings["recent_share"] is None else settings["recent_share"]
-        if chosen.evicts:
-            parts = budget_keywords(DEFAULT_RECIPE_BUDGET if budget is None else budget, share, chosen)
-        elif budget is not None:
-            raise takes_no_budget(chosen, ["budget"])
-        settings["recent_share"] = share if chosen.evicts else None
-    elif recent_share is not None and chosen.evicts:
-        raise share_without_budget()
-    else:
-        settings["recent_share"] = None  # the budget is in parts (or the paper's default): no share split it
-    return settings, chosen, BudgetSpec.build(chosen, floor=budget_floor, **parts)
+__all__ = ["DEFAULT_CHUNK", "PREFILL_MODES", "H2OCache"]
 
 
 class H2OCache(Cache):
@@ -89,6 +38,9 @@ class H2OCache(Cache):
     (``DEFAULT_BUDGET_FLOOR``; 0 turns it off), and a budget under ``DEGENERATE_SLOTS`` slots
     warns once (``H2OBudgetWarning``).
     ``policy`` is a name from ``POLICIES``, optionally with options (``"snapkv:window=16"``).
+    The keywords build one checked value, ``h2okv.CacheSettings`` (``cache.settings``; ``stats()``
+    records it): ``H2OCache(model, CacheSettings.from_recipe("bounded", 0.2))`` is the same cache
+    as ``H2OCache(model, recipe="bounded", budget=0.2)``.
 
     ``prefill`` says when a forward call of several tokens (a prompt) is ranked:
 
@@ -132,13 +84,13 @@ class H2OCache(Cache):
     def __init__(
         self,
         model,
-        policy: str | Policy | None = None,
+        policy: str | Policy | CacheSettings | None = None,
         heavy: int | None = None,
         recent: int | None = None,
         heavy_ratio: float | None = None,
         recent_ratio: float | None = None,
-        chunk_size: int = DEFAULT_CHUNK,
-        seed: int = 0,
+        chunk_size: int | None = None,
+        seed: int | None = None,
         prefill: str | None = None,
         positions: str | None = None,
         head_budgets: str | None = None,
@@ -147,68 +99,47 @@ class H2OCache(Cache):
         budget: int | float | None = None,
         recipe: str | None = None,
         recent_share: float | None = None,
-        budget_floor: int = DEFAULT_BUDGET_FLOOR,
-        compileable: bool = False,
-        protect_prompt: bool = False,
+        budget_floor: int | None = None,
+        compileable: bool | None = None,
+        protect_prompt: bool | None = None,
         tokenizer=None,
     ):
-        self.recipe = recipe
-        settings, self.policy, self.spec = check_settings(
-            policy, recipe=recipe, budget=budget, recent_share=recent_share, budget_floor=budget_floor, seed=seed,
-            prefill=prefill, positions=positions, head_budgets=head_budgets, head_floor=head_floor,
-            protect_prompt=protect_prompt,
-            heavy=heavy, recent=recent, heavy_ratio=heavy_ratio, recent_ratio=recent_ratio)
+        # None: not given (the recipe's or the default); every keyword is a CacheSettings field
+        keywords = {"heavy": heavy, "recent": recent, "heavy_ratio": heavy_ratio, "recent_ratio": recent_ratio,
+                    "chunk_size": chunk_size, "seed": seed, "prefill": prefill, "positions": positions,
+                    "head_budgets": head_budgets, "head_floor": head_floor, "budget": budget,
+                    "recent_share": recent_share, "budget_floor": budget_floor, "compileable": compileable,
+                    "protect_prompt": protect_prompt}
+        if isinstance(policy, CacheSettings):
+            given = [name for name, value in (*keywords.items(), ("recipe", recipe)) if value is not None]
+            if given:
+                raise H2OError(f"give H2OCache a CacheSettings or keywords, not both (also given: {', '.join(given)})")
+            settings = policy
+        else:
+            settings = CacheSettings.build(policy, recipe=recipe, **keywords)
+        #: what this cache was built with (``h2okv.settings``); stats() records it
+        self.settings = settings
+        self.recipe = settings.recipe
+        self.policy = settings.policy_object()
+        self.spec = settings.budget_spec(self.policy)
         self.policy.bind(model)
-        self.prefill = settings["prefill"]
-        self.recent_share = settings["recent_share"]  # for stats(): what a budget= was split by
-        if int(chunk_size) < 1:
-            raise H2OError(f"chunk_size must be >= 1, got {chunk_size}")
-        self.chunk_size = int(chunk_size)
-        self.head_budgets, self.head_floor = self._check_head_budgets(settings["head_budgets"], settings["head_floor"])
-        if self.policy.ranks_by_reconstruction and self.prefill != "late":
-            raise H2OError(f"policy {self.policy.spec!r} ranks the whole prompt after reading it: use prefill=late "
-                           f"(--prefill late)")
+        self.prefill = settings.prefill
+        self.recent_share = settings.recent_share  # for stats(): what a budget= was split by
+        self.chunk_size = settings.chunk_size
+        self.head_budgets, self.head_floor = settings.head_budgets, float(settings.head_floor)
+        compileable, protect_prompt = settings.compileable, settings.protect_prompt
         num_layers = prepare_model(model)
         # what every layer is built with; the row budgets are the one state they share
         self.layer_config = LayerConfig(self.policy, self.prefill, self.chunk_size, self.head_budgets, self.head_floor,
                                         compileable=bool(compileable))
         self.row_budgets = RowBudgets(self.policy, self.spec, bool(protect_prompt))
         super().__init__(layers=[SlotLayer(i, self.layer_config, self.row_budgets) for i in range(num_layers)])
-        scheme = check_positions(self.policy, settings["positions"])
-        if compileable and scheme is not None:
-            raise H2OError("compileable=True takes true positions only: the rolling positions' hook reads padding "
-                           "from a 2D mask, and generate hands a compileable cache a 4D one")
+        scheme = check_positions(self.policy, settings.positions)
         self.rolling = None if scheme is None else RollingPositions(model, scheme)
         # kvzip: model.generate ranks the prompt by itself (core/autorank.py), with this tokenizer
         self.tokenizer, self.prompt_ids = tokenizer, None
         if self.policy.ranks_by_reconstruction:
             autorank.install_hook(model)
-
-    def _check_head_budgets(self, mode, floor) -> tuple[str, float]:
-        """``(mode, floor)`` when the pair works with the policy and prefill, else a one-line error."""
-        if mode not in HEAD_BUDGETS:
-            raise H2OError(f"head_budgets must be one of {', '.join(HEAD_BUDGETS)}, got {mode!r}")
-        if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.0 <= floor <= 1.0:
-            raise H2OError(f"head_floor must be a number in [0, 1], got {floor!r}")
-        if mode == "uniform":
-            return mode, float(floor)
-        policy = self.policy
-        if mode == "layers" and not policy.ranks_by_reconstruction:
-            raise H2OError(f"head_budgets=layers shares slots among all layers, which needs every layer ranked at "
-                           f"once (kvzip's reconstruction); {policy.spec!r} ranks layer by layer: use adaptive")
-        by_key = policy.scores_keys  # knorm: ranked by each key alone
-        upfront = by_key or policy.ranks_upfront  # a whole call, before chunks
-        if not policy.evicts or not (policy.needs_scores or by_key):  # local, sink, random rank no tokens
-            raise H2OError(f"head_budgets=adaptive needs a ranking policy (h2o, tova, snapkv, knorm, ...), "
-                           f"not {policy.name!r}")
-        if policy.shared_heads:
-            raise H2OError(f"head_budgets=adaptive shares slots among heads that keep their own tokens; "
-                           f"{policy.spec!r} keeps one set per layer")
-        if self.prefill == "chunked" and (not upfront or self.chunk_size == 1):
-            raise H2OError(f"head_budgets=adaptive with chunked prefill needs a policy that ranks the whole "
-                           f"prompt before it is chunked (snapkv, knorm, expected) and chunk_size > 1; "
-                           f"{policy.spec!r} with chunk_size {self.chunk_size}: use prefill=late (--prefill late)")
-        return mode, float(floor)
 
     def set_compileable(self, compileable: bool) -> None:
         """Switch the decode steps at the budget to (or from) the tensor ops ``torch.compile``
@@ -406,6 +337,7 @@ class H2OCache(Cache):
             "policy": self.policy.name,
             "policy_spec": self.policy.spec,
             "recipe": self.recipe,
+            "settings": self.settings.describe(),
             "tokens_seen": self.get_seq_length(),
             "budget": self.budget(),
             "slots": slots,  # the most live tokens any (sequence, head) of each layer holds

@@ -27,9 +27,6 @@ import math
 
 import torch
 
-HEAD_BUDGETS = ("uniform", "adaptive", "layers")
-DEFAULT_FLOOR = 0.2  # Ada-KV's safeguard share
-
 
 def allocate(key: torch.Tensor, candidate: torch.Tensor, heavy: torch.Tensor, sinks: torch.Tensor,
              floor: float) -> torch.Tensor:

@@ -38,7 +38,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from h2okv.core.cache import DEFAULT_CHUNK, H2OCache, check_settings
+from h2okv.core.cache import DEFAULT_CHUNK, H2OCache
 from h2okv.core.compat import cache_arg
 from h2okv.errors import H2OError, print_error
 from h2okv.eval import offline
@@ -46,6 +46,7 @@ from h2okv.eval.branch import branch_loglikelihoods
 from h2okv.generation import budget_kwargs, pad_rows
 from h2okv.models import load_model
 from h2okv.policies import refuse_reconstruction
+from h2okv.settings import CacheSettings
 
 DEFAULT_MAX_GEN_TOKS = 256
 _BUDGET_KEYS = ("heavy", "recent", "heavy_ratio", "recent_ratio")
@@ -179,7 +180,9 @@ class H2OLM(TemplateLM):
                  "recent_share": _as_number("recent_share", recent_share, float),
                  "budget_floor": _as_number("budget_floor", budget_floor, int), **budget_kwargs(**parts)}
         self.cache_kwargs = {k: v for k, v in given.items() if v is not None}
-        _, policy_obj, _ = check_settings(**self.cache_kwargs)
+        #: every cache of this model is built from it (chunk size and seed set per call)
+        self.settings = CacheSettings.build(**self.cache_kwargs)
+        policy_obj = self.settings.policy_object()
         self.policy_name = policy_obj.spec
         refuse_reconstruction(self.policy_name, "the lm-eval model")
         self._evicts = policy_obj.evicts
@@ -251,10 +254,10 @@ class H2OLM(TemplateLM):
 
     def get_model_info(self) -> dict:
         return {"model_name": self.model_name, "policy": self.policy_name, "recipe": self.cache_kwargs.get("recipe"),
-                "budget": self.budget, "chunk_size": self.chunk_size}
+                "budget": self.budget, "chunk_size": self.chunk_size, "settings": self.settings.describe()}
 
     def _new_cache(self, chunk_size: int) -> H2OCache:
-        return H2OCache(self.model, chunk_size=chunk_size, seed=self.seed, **self.cache_kwargs)
+        return H2OCache(self.model, self.settings.replace(chunk_size=chunk_size, seed=self.seed))
 
     # -- scoring -------------------------------------------------------------------------------
     def _score_batch(self, rows: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:

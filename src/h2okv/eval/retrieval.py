@@ -30,7 +30,6 @@ from tqdm.auto import tqdm
 from h2okv.core.budget import DEFAULT_RECENT_SHARE
 from h2okv.core.cache import DEFAULT_CHUNK, H2OCache
 from h2okv.core.compat import cache_arg
-from h2okv.core.head_budget import DEFAULT_FLOOR
 from h2okv.errors import H2OError
 from h2okv.eval.haystack import FILLER, Haystack  # noqa: F401 (FILLER: public here before)
 from h2okv.eval.output import format_table
@@ -38,6 +37,7 @@ from h2okv.eval.plots import annotated_heatmap, new_figure, save_figure
 from h2okv.generation import new_cache, read_ahead
 from h2okv.policies import policy_class
 from h2okv.recipes import recipe_runs
+from h2okv.settings import DEFAULT_HEAD_FLOOR
 
 INSTRUCTION = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -123,7 +123,7 @@ class Cell:
     prefill: str = "chunked"  # H2OCache's prefill mode (a peer's rows: its own, see its README)
     recent_share: float = DEFAULT_RECENT_SHARE
     head_budgets: str = "uniform"  # H2OCache's: uniform or adaptive (Ada-KV)
-    head_floor: float = DEFAULT_FLOOR
+    head_floor: float = DEFAULT_HEAD_FLOOR
     positions: str = "true"
     recipe: str | None = None  # the recipe the settings above were expanded from (h2okv.recipes)
 

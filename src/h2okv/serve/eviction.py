@@ -6,19 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from h2okv.core.budget import (
-    DEFAULT_BUDGET_FLOOR,
-    DEFAULT_RECENT_SHARE,
-    BudgetSpec,
-    budget_keywords,
-    share_without_budget,
-    takes_no_budget,
-    two_spellings,
-)
-from h2okv.core.cache import PREFILL_MODES
+from h2okv.core.budget import BudgetSpec, budget_keywords, takes_no_budget
 from h2okv.errors import H2OError
 from h2okv.policies import make_policy
 from h2okv.recipes import DEFAULT_RECIPE_BUDGET, get_recipe, owns_head_split
+from h2okv.settings import DEFAULT_BUDGET_FLOOR, PREFILL_MODES, budget_of
 
 # the older spelling of a budget, and the one-argument spelling (budget + its recent share)
 PART_FIELDS = ("heavy", "recent", "heavy_ratio", "recent_ratio")
@@ -116,20 +108,12 @@ class EvictionDefaults:
         else:  # switching to/from "full": the server's budget does not carry over
             fields = dict.fromkeys(BUDGET_FIELDS)
         parts = {name: fields[name] for name in PART_FIELDS}
-        given_parts = any(value is not None for value in parts.values())
         share = fields["recent_share"]
-        if share is None:
-            share = settings.get("recent_share", DEFAULT_RECENT_SHARE)
-        if fields["budget"] is not None or (recipe and not given_parts):
-            if given_parts:
-                raise two_spellings([name for name, value in parts.items() if value is not None])
-            if chosen.evicts:
-                parts = budget_keywords(DEFAULT_RECIPE_BUDGET if fields["budget"] is None else fields["budget"],
-                                        share, chosen)
-        elif fields["recent_share"] is not None and chosen.evicts:
-            raise share_without_budget()
-        if not chosen.evicts and fields["budget"] is not None:
-            raise takes_no_budget(chosen, ["budget"])
+        if share is None and not any(value is not None for value in parts.values()):
+            share = settings.get("recent_share")  # a request's recipe splits the budget its way
+        budget, share = budget_of(chosen, fields["budget"], share, parts, defaulted=recipe is not None)
+        if budget is not None:
+            parts = budget_keywords(budget, share, chosen)
         spec = BudgetSpec.build(chosen, floor=self.budget_floor, **parts)
         if not chosen.evicts:
             return chosen.spec, None, None

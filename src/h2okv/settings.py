@@ -1,0 +1,239 @@
+"""``CacheSettings``: everything an ``H2OCache`` is built with, as one frozen, checked value.
+
+A cache's settings used to travel as keyword dicts and be checked where they landed: the library,
+the command line, the server and each evaluation spelled the budget rules out again. Now they
+build one value here, and the checks that need no model live in its ``__post_init__``, once:
+
+    settings = CacheSettings.from_recipe("bounded", budget=0.2)      # a recipe, then overrides
+    settings = CacheSettings.build(policy="h2o", budget=256)          # keywords, as H2OCache takes
+    H2OCache(model, settings)  ==  H2OCache(model, policy="h2o", budget=256)
+    settings.resolve(prompt_len=2048)  # (heavy, recent) slots for one prompt
+
+The value is what the user asked for, completed: a recipe's keywords and the library's defaults
+are filled in, a recipe without a budget keeps its fifth, and ``recent_share`` is the share a
+one-argument budget is split by (None for a budget given in parts). ``describe()`` is what
+``stats()`` and every JSON row record.
+
+Errors are ``SettingError``s (``h2okv.vocabulary``): one message, said in the caller's words
+(``budget=`` in Python, ``--budget`` on the command line, ``h2o.budget`` over HTTP).
+
+Torch-free to import (the command line builds its flags from the fields before torch loads); the
+checks import the policies when a value is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from h2okv.errors import H2OError
+from h2okv.recipes import DEFAULT_RECIPE_BUDGET, expand
+
+# the defaults that other modules also name; kept here so importing them loads no torch
+DEFAULT_CHUNK = 512
+PREFILL_MODES = ("chunked", "late")
+HEAD_SPLITS = ("uniform", "adaptive", "layers")
+DEFAULT_HEAD_FLOOR = 0.2  # Ada-KV's safeguard share (core/head_budget.py)
+# the share of a budget kept for the most recent tokens: the paper's half and half
+DEFAULT_RECENT_SHARE = 0.5
+# The fewest slots per (layer, KV head) a *fraction* of the prompt keeps: 20% of a 37-token chat
+# question is 7 slots, and the default model then answers "What is the capital of France?" with
+# "The capital of the world is no...". Measured on one-fact chat questions of 36-40 tokens, 64 new
+# tokens (tools/measure/budget_floor.py, docs/RESULTS.md "Budget floor"): at 64 slots 7 of 12
+# answers were the full cache's word for word, at 96 and 128 all 12; 128 leaves room for
+# longer answers. A slot count given as such is never raised.
+DEFAULT_BUDGET_FLOOR = 128
+PART_NAMES = ("heavy", "recent", "heavy_ratio", "recent_ratio")
+
+
+def _doc(text: str) -> dict:
+    return {"doc": text}
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """What an ``H2OCache`` keeps and how: build it with ``build`` or ``from_recipe``."""
+
+    policy: object = field(default="h2o", metadata=_doc("a policy name with options after a colon, or a Policy"))
+    budget: float | int | None = field(default=None, metadata=_doc(
+        "a fraction of each prompt in (0, 1] or slots per (layer, KV head)"))
+    recent_share: float | None = field(default=None, metadata=_doc("the share of budget kept for the newest tokens"))
+    heavy: int | None = field(default=None, metadata=_doc("the older spelling: heavy-hitter slots"))
+    recent: int | None = field(default=None, metadata=_doc("the older spelling: recent slots"))
+    heavy_ratio: float | None = field(default=None, metadata=_doc("the older spelling: heavy slots as a fraction"))
+    recent_ratio: float | None = field(default=None, metadata=_doc("the older spelling: recent slots as a fraction"))
+    budget_floor: int = field(default=DEFAULT_BUDGET_FLOOR, metadata=_doc(
+        "the fewest slots a fractional budget keeps (0: none)"))
+    chunk_size: int = field(default=DEFAULT_CHUNK, metadata=_doc("the prefill chunk length"))
+    seed: int = field(default=0, metadata=_doc("the random policy's seed"))
+    prefill: str = field(default="chunked", metadata=_doc("chunked (bounded) or late (ranked once, at the end)"))
+    positions: str = field(default="true", metadata=_doc("true, or rolling[:SCHEME] past the context window"))
+    head_budgets: str = field(default="uniform", metadata=_doc("how slots are shared among heads"))
+    head_floor: float = field(default=DEFAULT_HEAD_FLOOR, metadata=_doc(
+        "with uneven head budgets, the share every head keeps first"))
+    compileable: bool = field(default=False, metadata=_doc("decode steps at the budget as one compiled graph"))
+    protect_prompt: bool = field(default=False, metadata=_doc("keep each prompt whole, the budget on what follows"))
+    #: the recipe the value was expanded from (a label: its keywords are already in the fields)
+    recipe: str | None = None
+
+    # -- building ------------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, policy=None, *, recipe: str | None = None, **keywords) -> CacheSettings:
+        """The value ``H2OCache(model, policy, recipe=..., **keywords)`` is built with: the recipe's
+        keywords, replaced by those given that are not None, over the defaults."""
+        unknown = sorted(set(keywords) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise H2OError(f"unknown cache setting(s): {', '.join(unknown)}")
+        given = {name: value for name, value in keywords.items() if value is not None}
+        shape = expand(recipe, policy=policy, **{k: given.pop(k) for k in list(given) if k in _RECIPE_KEYS})
+        if keywords.get("recent_share") is None and any(name in given for name in PART_NAMES):
+            shape.pop("recent_share", None)  # the recipe's share splits a budget, not parts given as such
+        return cls(recipe=recipe, **shape, **given)
+
+    @classmethod
+    def from_recipe(cls, name: str, budget: float | int | None = None, **overrides) -> CacheSettings:
+        """Recipe ``name`` (``h2okv.recipes``) at ``budget`` (its fifth when None), ``overrides``
+        replacing its parts."""
+        return cls.build(recipe=name, budget=budget, **overrides)
+
+    def replace(self, **changes) -> CacheSettings:
+        """A copy with ``changes``, checked again (a budget given replaces the parts, and the other
+        way round: a value holds one spelling)."""
+        if changes.get("budget") is not None:
+            changes = {**dict.fromkeys(PART_NAMES), **changes}
+        elif any(changes.get(name) is not None for name in PART_NAMES):
+            changes = {"budget": None, "recent_share": None, **changes}
+        return dataclasses.replace(self, **changes)
+
+    # -- the checks that need no model, in one place ---------------------------------------------------
+    def __post_init__(self):
+        from h2okv.core.budget import BudgetSpec
+        from h2okv.core.positions import check_positions
+        from h2okv.policies import Policy, make_policy
+
+        chosen = self.policy if isinstance(self.policy, Policy) else make_policy(self.policy, seed=self.seed)
+        set_ = object.__setattr__.__get__(self)
+        set_("policy", self.policy if isinstance(self.policy, Policy) else chosen.spec)
+        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise H2OError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.prefill not in PREFILL_MODES:
+            raise H2OError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {self.prefill!r}")
+        if self.protect_prompt and (chosen.ranks_by_reconstruction or self.head_budgets != "uniform"):
+            raise H2OError(f"protect_prompt keeps the prompt whole and ranks what follows: it takes a policy that "
+                           f"ranks by attention and uniform head budgets, not {chosen.spec!r} with "
+                           f"head_budgets={self.head_budgets}")
+        parts = {name: getattr(self, name) for name in PART_NAMES}
+        budget, share = budget_of(chosen, self.budget, self.recent_share, parts, defaulted=self.recipe is not None)
+        set_("budget", budget)
+        set_("recent_share", share)
+        BudgetSpec.build(chosen, floor=self.budget_floor, **parts)  # the parts' own rules
+        self._check_head_split(chosen)
+        if chosen.ranks_by_reconstruction and self.prefill != "late":
+            raise H2OError(f"policy {chosen.spec!r} ranks the whole prompt after reading it: use prefill=late "
+                           f"(--prefill late)")
+        if check_positions(chosen, self.positions) is not None and self.compileable:
+            raise H2OError("compileable=True takes true positions only: the rolling positions' hook reads padding "
+                           "from a 2D mask, and generate hands a compileable cache a 4D one")
+
+    def _check_head_split(self, policy) -> None:
+        mode, floor = self.head_budgets, self.head_floor
+        if mode not in HEAD_SPLITS:
+            raise H2OError(f"head_budgets must be one of {', '.join(HEAD_SPLITS)}, got {mode!r}")
+        if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.0 <= floor <= 1.0:
+            raise H2OError(f"head_floor must be a number in [0, 1], got {floor!r}")
+        if mode == "uniform":
+            return
+        if mode == "layers" and not policy.ranks_by_reconstruction:
+            raise H2OError(f"head_budgets=layers shares slots among all layers, which needs every layer ranked at "
+                           f"once (kvzip's reconstruction); {policy.spec!r} ranks layer by layer: use adaptive")
+        by_key = policy.scores_keys  # knorm: ranked by each key alone
+        upfront = by_key or policy.ranks_upfront  # a whole call, before chunks
+        if not policy.evicts or not (policy.needs_scores or by_key):  # local, sink, random rank no tokens
+            raise H2OError(f"head_budgets=adaptive needs a ranking policy (h2o, tova, snapkv, knorm, ...), "
+                           f"not {policy.name!r}")
+        if policy.shared_heads:
+            raise H2OError(f"head_budgets=adaptive shares slots among heads that keep their own tokens; "
+                           f"{policy.spec!r} keeps one set per layer")
+        if self.prefill == "chunked" and (not upfront or self.chunk_size == 1):
+            raise H2OError(f"head_budgets=adaptive with chunked prefill needs a policy that ranks the whole "
+                           f"prompt before it is chunked (snapkv, knorm, expected) and chunk_size > 1; "
+                           f"{policy.spec!r} with chunk_size {self.chunk_size}: use prefill=late (--prefill late)")
+
+    # -- what the value means ----------------------------------------------------------------------------
+    def policy_object(self, built=None):
+        """The policy (a fresh one for a spec; the very object for a ``Policy`` given as such)."""
+        from h2okv.policies import Policy, make_policy
+
+        if isinstance(self.policy, Policy):
+            return self.policy
+        return built if built is not None else make_policy(self.policy, seed=self.seed)
+
+    @property
+    def policy_spec(self) -> str:
+        return self.policy if isinstance(self.policy, str) else self.policy.spec
+
+    def budget_parts(self) -> dict:
+        """The budget as the heavy/recent keywords it stands for (none: the paper's 10% + 10%)."""
+        from h2okv.core.budget import budget_keywords
+
+        if self.budget is not None:
+            return budget_keywords(self.budget, self.recent_share, self.policy_object())
+        return {name: getattr(self, name) for name in PART_NAMES if getattr(self, name) is not None}
+
+    def budget_spec(self, policy=None):
+        """The ``BudgetSpec`` the cache's rows take their slots from."""
+        from h2okv.core.budget import BudgetSpec
+
+        policy = policy or self.policy_object()
+        return BudgetSpec.build(policy, floor=self.budget_floor, **self.budget_parts())
+
+    def resolve(self, prompt_len: int) -> tuple[int | None, int | None]:
+        """``(heavy, recent)`` slots for a prompt of ``prompt_len`` tokens; ``(None, None)`` for a
+        policy that keeps every token."""
+        policy = self.policy_object()
+        if not policy.evicts:
+            return None, None
+        return self.budget_spec(policy).resolve(prompt_len)
+
+    def describe(self) -> dict:
+        """The value as plain data, for ``stats()`` and every JSON row: the fields that differ from
+        the defaults, the policy and recipe always."""
+        row = {"policy": self.policy_spec, "recipe": self.recipe}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name not in row and value != f.default:
+                row[f.name] = value
+        return row
+
+    def keywords(self) -> dict:
+        """``H2OCache``'s keywords for this value (a recipe is already expanded into them)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "recipe"}
+
+
+def budget_of(policy, budget, recent_share, parts: dict, defaulted: bool = False) -> tuple:
+    """The one rule for how a budget is spelled: ``(budget, recent_share)`` as they stand once
+    checked, for ``policy`` (a ``Policy``). A ``budget`` (a fraction or slots) is split by
+    ``recent_share`` (the paper's half by default) and excludes the older ``parts``
+    (``heavy``/``recent``/``heavy_ratio``/``recent_ratio``); a share alone, or a recipe
+    (``defaulted``) with neither, keeps the default fifth; a share beside parts has nothing to
+    split; a policy that keeps every token takes no budget. The parts' own ranges are
+    ``BudgetSpec.build``'s."""
+    from h2okv.core.budget import budget_keywords, share_without_budget, takes_no_budget, two_spellings
+
+    given_parts = [name for name, value in parts.items() if value is not None]
+    if budget is not None or ((defaulted or recent_share is not None) and policy.evicts and not given_parts):
+        if given_parts:
+            raise two_spellings(given_parts)
+        if not policy.evicts:
+            raise takes_no_budget(policy, ["budget"])
+        share = DEFAULT_RECENT_SHARE if recent_share is None else recent_share
+        budget = DEFAULT_RECIPE_BUDGET if budget is None else budget
+        budget_keywords(budget, share, policy)  # the budget's range for this policy
+        return budget, share
+    if recent_share is not None and policy.evicts:
+        raise share_without_budget()
+    return None, None  # the budget is in parts (or the paper's default): no share split it
+
+
+# the keywords a recipe may set (h2okv.recipes); the rest are given as they are
+_RECIPE_KEYS = ("prefill", "positions", "head_budgets", "head_floor", "recent_share")
