@@ -13,6 +13,7 @@ from h2okv.serve.batch import DecodeBatch
 from h2okv.serve.engine import Engine, GenerationRequest
 from h2okv.serve.errors import ErrorKind, ServeError
 from h2okv.serve.memory import footprint_slots, prefill_chunks, reservation
+from h2okv.serve.sampling import INVALID
 from h2okv.serve.text import TextStream
 from serve_cases import CHUNK, alone, prompt, submit_in_two
 
@@ -91,10 +92,10 @@ def test_prefill_schedules(model_tok, monkeypatch, schedule):
     first_token_step, per_step, steps, partial, rows = {}, [0], [0], [], []
     advance, prefill, iteration = eng._advance, eng.executor.prefill, eng._iteration
 
-    def record_advance(seq, logits):
+    def record_advance(seq, logits, token):
         if not seq.generated:
             first_token_step[len(seq.request.prompt_ids)] = steps[0]
-        advance(seq, logits)
+        advance(seq, logits, token)
 
     def record_prefill(parts):
         per_step[-1] += len(parts) * max(len(ids) for _, ids, _ in parts)
@@ -377,18 +378,17 @@ def test_cancel_frees_slots_and_others_continue(engine):
 def test_error_in_one_sequence_fails_only_it(engine, monkeypatch):
     import h2okv.serve.outputs as outputs_module
 
-    real = outputs_module.sample
+    real = outputs_module.sample_batch
 
-    def flaky(logits, temperature, top_p, generator):
-        if temperature == 0.5:  # the poisoned request
-            raise RuntimeError("boom")
-        return real(logits, temperature, top_p, generator)
+    def flaky(logits, temperatures, top_ps, generators):  # the poisoned request's row samples NaN
+        tokens = real(logits, temperatures, top_ps, generators)
+        return [INVALID if t == 0.5 else token for t, token in zip(temperatures, tokens, strict=True)]
 
-    monkeypatch.setattr(outputs_module, "sample", flaky)
+    monkeypatch.setattr(outputs_module, "sample_batch", flaky)
     good = [engine.submit(GenerationRequest(prompt(20, i), 10, "h2o", 3, 3, temperature=0.0)) for i in range(3)]
     bad = engine.submit(GenerationRequest(prompt(20, 9), 10, "h2o", 3, 3, temperature=0.5))
     _, event = bad.result_blocking()
-    assert event.kind == "error" and event.error.kind is ErrorKind.INTERNAL and "boom" in event.error.message
+    assert event.kind == "error" and event.error.kind is ErrorKind.INTERNAL and "nan" in event.error.message
     assert all(h.result_blocking()[1].kind == "done" for h in good)
     assert engine.alive
 

@@ -46,7 +46,7 @@ from h2okv.policies import make_policy, policy_class
 from h2okv.serve.errors import ErrorKind, ServeError
 from h2okv.serve.executor import Executor
 from h2okv.serve.memory import Reservation, prefill_chunks, reservation
-from h2okv.serve.outputs import Output, eos_ids
+from h2okv.serve.outputs import Output, choose, eos_ids
 from h2okv.serve.prefix import Entry, PrefixIndex, block_checkpoints
 from h2okv.serve.scheduler import SCHEDULES, Scheduler, SchedulerState, SeqState
 from h2okv.serve.types import EngineStats, Event, GenerationRequest, Handle, Observer
@@ -428,6 +428,7 @@ class Engine:
                 self._prefilling.remove(seq)
                 self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
             return
+        ended = []
         for seq in seqs:
             seq.next_chunk += 1
             fed = seq.chunks[seq.next_chunk - 1][1]
@@ -439,11 +440,10 @@ class Engine:
             if seq.next_chunk < len(seq.chunks):
                 continue
             self._prefilling.remove(seq)
-            try:
-                self._advance(seq, logits[seq.uid])
-            except Exception as exc:
-                log.exception("token step failed")
-                self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
+            ended.append(seq)
+        if ended:
+            self._advance_rows(ended, torch.stack([logits[seq.uid] for seq in ended]))
+        for seq in ended:
             if not seq.done:
                 self.executor.join(seq.uid, seq.reservation.slots)
                 self._batches.setdefault(seq.request.policy, []).append(seq)
@@ -501,12 +501,7 @@ class Engine:
                 self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
             self._compact(policy)
             return
-        for i, seq in enumerate(rows):
-            try:
-                self._advance(seq, logits[i])
-            except Exception as exc:
-                log.exception("token step failed")
-                self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
+        self._advance_rows(rows, logits)
         self._compact(policy)
 
     def _compact(self, policy: str) -> None:
@@ -520,9 +515,28 @@ class Engine:
         else:
             del self._batches[policy]
 
-    def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Choose the next token of ``seq`` and tell its client what it gives (``outputs.py``)."""
-        token = seq.output.choose(logits)
+    def _advance_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """The next token of each of ``seqs`` (row ``i`` of ``logits`` ``[rows, vocab]`` is
+        ``seqs[i]``'s), chosen for all rows at once (one copy to the host), then each row's events;
+        a row that fails fails alone."""
+        try:
+            tokens = choose([seq.output for seq in seqs], logits)
+        except Exception as exc:  # the step's sampling as a whole, not one row's
+            log.exception("sampling failed")
+            for seq in seqs:
+                self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
+            return
+        for seq, row, token in zip(seqs, logits, tokens, strict=True):
+            try:
+                self._advance(seq, row, token)
+            except Exception as exc:
+                log.exception("token step failed")
+                self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
+
+    def _advance(self, seq: Sequence, logits: torch.Tensor, token: int) -> None:
+        """Record ``token``, the next token of ``seq`` (chosen from its ``logits``), and tell its
+        client what it gives (``outputs.py``)."""
+        seq.output.record(token)
         self.stats.generated_tokens += 1
         now = time.monotonic()
         if seq.last_token_at is None:

@@ -1,11 +1,12 @@
 """Output processing: from one request's next-token logits to what its client is told.
 
-Per request, an ``Output`` samples the token (``sampling.py``: the request's own seeded generator),
-records its logprobs when asked, and decides whether the generation ends (EOS, a stop string,
-``max_tokens``) and which text is safe to send (``text.py``). It turns that into ``Event``s; the
-engine only routes them. ``sampling.py`` and ``text.py`` stay modules of their own: each is one
-rule (how to pick a token; which decoded text may leave) with tests of its own, and this module is
-the per-token decision that uses both.
+Per request, an ``Output`` holds the request's own seeded generator (``choose`` samples a step's
+rows together, each with its own: ``sampling.py``), records its tokens (and their logprobs when
+asked), and decides whether the generation ends (EOS, a stop string, ``max_tokens``) and which text
+is safe to send (``text.py``). It turns that into ``Event``s; the engine only routes them.
+``sampling.py`` and ``text.py`` stay modules of their own: each is one rule (how to pick a token;
+which decoded text may leave) with tests of its own, and this module is the per-token decision that
+uses both.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from h2okv.serve.sampling import make_generator, sample
+from h2okv.serve.sampling import INVALID, make_generator, sample_batch
 from h2okv.serve.text import TextStream
 from h2okv.serve.types import Event, GenerationRequest, TokenLogprob
 
@@ -30,15 +31,15 @@ class Output:
         self.logprobs: list[TokenLogprob] = []  # not yet handed out
         self.cached_tokens = 0  # prompt tokens resumed from the prefix store, not read again
 
-    def choose(self, logits: torch.Tensor) -> int:
-        """Sample the next token from ``logits`` ``[vocab]`` and record it."""
-        token = sample(logits, self.request.temperature, self.request.top_p, self.generator)
+    def record(self, token: int) -> None:
+        """Take ``token`` (this request's choice from ``choose``) as the next generated one."""
+        if token == INVALID:
+            raise ValueError("the next-token probabilities contain nan (an inf or nan logit)")
         self.generated.append(token)
-        return token
 
     def emit(self, logits: torch.Tensor, token: int, eos_ids: set[int]) -> Event | None:
-        """The event ``token`` (just chosen from ``logits``) gives: ``"done"`` when the generation
-        ends here, ``"text"`` when text is safe to send, None while it is held back."""
+        """The event ``token`` (just chosen from ``logits`` and recorded) gives: ``"done"`` when the
+        generation ends here, ``"text"`` when text is safe to send, None while it is held back."""
         req = self.request
         if req.top_logprobs is not None:
             self.logprobs.append(logprob_of(logits, token, req.top_logprobs))
@@ -71,6 +72,13 @@ class Output:
             return None
         taken, self.logprobs = self.logprobs, []
         return taken
+
+
+def choose(outputs: list[Output], logits: torch.Tensor) -> list[int]:
+    """The next token of each request: row ``i`` of ``logits`` ``[rows, vocab]`` is ``outputs[i]``'s
+    (sampled together: one copy to the host for the step)."""
+    return sample_batch(logits, [o.request.temperature for o in outputs], [o.request.top_p for o in outputs],
+                        [o.generator for o in outputs])
 
 
 def logprob_of(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
