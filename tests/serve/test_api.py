@@ -15,6 +15,7 @@ from h2okv.bench.serve import scrape
 from h2okv.core.budget import DEFAULT_BUDGET_FLOOR
 from h2okv.core.compat import cache_arg
 from h2okv.serve import EvictionDefaults, create_app, running_server
+from h2okv.serve.sampling import INVALID
 from h2okv.tools.tiny_chat import tiny_chat_model
 
 NAME = "tiny"
@@ -221,17 +222,16 @@ def test_malformed_bodies(server, client, raw):
 def test_failure_in_one_request_is_a_500(client, monkeypatch):
     import h2okv.serve.outputs as outputs_module
 
-    real = outputs_module.sample
+    real = outputs_module.sample_batch
 
-    def poisoned(logits, temperature, top_p, generator):
-        if temperature == 0.5:
-            raise RuntimeError("poisoned")
-        return real(logits, temperature, top_p, generator)
+    def poisoned(logits, temperatures, top_ps, generators):  # a temperature-0.5 row samples NaN
+        tokens = real(logits, temperatures, top_ps, generators)
+        return [INVALID if t == 0.5 else token for t, token in zip(temperatures, tokens, strict=True)]
 
-    monkeypatch.setattr(outputs_module, "sample", poisoned)
-    with pytest.raises(openai.InternalServerError, match="poisoned"):
+    monkeypatch.setattr(outputs_module, "sample_batch", poisoned)
+    with pytest.raises(openai.InternalServerError, match="nan"):
         client.completions.create(model=NAME, prompt="x", max_tokens=3, temperature=0.5)
-    with pytest.raises(openai.APIError, match="poisoned"):
+    with pytest.raises(openai.APIError, match="nan"):
         list(client.completions.create(model=NAME, prompt="x", max_tokens=3, temperature=0.5, stream=True))
     assert client.completions.create(model=NAME, prompt="x", max_tokens=3, temperature=0).choices[0].text is not None
 
