@@ -26,53 +26,62 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from h2okv.budget_spec import DEFAULT_BUDGET_FLOOR, DEFAULT_RECENT_SHARE, budget_of  # noqa: F401 (re-exported)
 from h2okv.errors import H2OError
-from h2okv.recipes import DEFAULT_RECIPE_BUDGET, expand
+from h2okv.recipes import expand
 
 # the defaults that other modules also name; kept here so importing them loads no torch
 DEFAULT_CHUNK = 512
 PREFILL_MODES = ("chunked", "late")
 HEAD_SPLITS = ("uniform", "adaptive", "layers")
 DEFAULT_HEAD_FLOOR = 0.2  # Ada-KV's safeguard share (core/head_budget.py)
-# the share of a budget kept for the most recent tokens: the paper's half and half
-DEFAULT_RECENT_SHARE = 0.5
-# The fewest slots per (layer, KV head) a *fraction* of the prompt keeps: 20% of a 37-token chat
-# question is 7 slots, and the default model then answers "What is the capital of France?" with
-# "The capital of the world is no...". Measured on one-fact chat questions of 36-40 tokens, 64 new
-# tokens (tools/measure/budget_floor.py, docs/RESULTS.md "Budget floor"): at 64 slots 7 of 12
-# answers were the full cache's word for word, at 96 and 128 all 12; 128 leaves room for
-# longer answers. A slot count given as such is never raised.
-DEFAULT_BUDGET_FLOOR = 128
 PART_NAMES = ("heavy", "recent", "heavy_ratio", "recent_ratio")
 
 
-def _doc(text: str) -> dict:
-    return {"doc": text}
+def _setting(default, help: str, kind: str = "text", recipe_sets: bool = False, **more):
+    """A field with what its command-line flag needs (``cli.args.add_cache_args`` builds the flags
+    from these, once): ``help`` in the flags' words, ``kind`` (how the flag's text is read),
+    ``recipe_sets``: a recipe may fill it in (its help says so); ``shown``: what the help gives as
+    the default where the field's own default (None) does not say it."""
+    return field(default=default, metadata={"help": help, "kind": kind, "recipe_sets": recipe_sets, **more})
 
 
 @dataclass(frozen=True)
 class CacheSettings:
     """What an ``H2OCache`` keeps and how: build it with ``build`` or ``from_recipe``."""
 
-    policy: object = field(default="h2o", metadata=_doc("a policy name with options after a colon, or a Policy"))
-    budget: float | int | None = field(default=None, metadata=_doc(
-        "a fraction of each prompt in (0, 1] or slots per (layer, KV head)"))
-    recent_share: float | None = field(default=None, metadata=_doc("the share of budget kept for the newest tokens"))
-    heavy: int | None = field(default=None, metadata=_doc("the older spelling: heavy-hitter slots"))
-    recent: int | None = field(default=None, metadata=_doc("the older spelling: recent slots"))
-    heavy_ratio: float | None = field(default=None, metadata=_doc("the older spelling: heavy slots as a fraction"))
-    recent_ratio: float | None = field(default=None, metadata=_doc("the older spelling: recent slots as a fraction"))
-    budget_floor: int = field(default=DEFAULT_BUDGET_FLOOR, metadata=_doc(
-        "the fewest slots a fractional budget keeps (0: none)"))
-    chunk_size: int = field(default=DEFAULT_CHUNK, metadata=_doc("the prefill chunk length"))
-    seed: int = field(default=0, metadata=_doc("the random policy's seed"))
-    prefill: str = field(default="chunked", metadata=_doc("chunked (bounded) or late (ranked once, at the end)"))
-    positions: str = field(default="true", metadata=_doc("true, or rolling[:SCHEME] past the context window"))
-    head_budgets: str = field(default="uniform", metadata=_doc("how slots are shared among heads"))
-    head_floor: float = field(default=DEFAULT_HEAD_FLOOR, metadata=_doc(
-        "with uneven head budgets, the share every head keeps first"))
-    compileable: bool = field(default=False, metadata=_doc("decode steps at the budget as one compiled graph"))
-    protect_prompt: bool = field(default=False, metadata=_doc("keep each prompt whole, the budget on what follows"))
+    policy: object = _setting("h2o", "an eviction policy, options after a colon, e.g. snapkv:window=16 (or a Policy "
+                              "object, in Python)", recipe_sets=True, flag=False)
+    budget: float | int | None = _setting(
+        None, "the cache budget: a fraction of the prompt in (0, 1] (0.2) or a whole number of slots per layer and "
+              "KV head (256; h2o needs at least 2)", kind="budget", shown="0.2 split half and half, the paper's 10%% heavy + 10%% "
+                                                              "recent")
+    recent_share: float | None = _setting(None, "share of --budget kept for the most recent tokens", kind="share",
+                                          recipe_sets=True, shown=DEFAULT_RECENT_SHARE)
+    budget_floor: int = _setting(DEFAULT_BUDGET_FLOOR, "the fewest slots a fractional budget keeps on a short prompt "
+                                                       "(0: none)", kind="int")
+    heavy: int | None = _setting(None, "heavy-hitter slots per layer/head (the older spelling of a budget)", kind="int")
+    recent: int | None = _setting(None, "recent-token slots per layer/head", kind="int")
+    heavy_ratio: float | None = _setting(None, "heavy slots as a fraction of the prompt", kind="float", shown=0.1)
+    recent_ratio: float | None = _setting(None, "recent slots as a fraction of the prompt", kind="float", shown=0.1)
+    chunk_size: int = _setting(DEFAULT_CHUNK, "prefill chunk length", kind="positive")
+    seed: int = _setting(0, "the random policy's seed", kind="int", flag=False)  # commands' --seed samples
+    prefill: str = _setting(
+        "chunked", "chunked: evict after every prefill chunk (bounded: budget + chunk slots); late: read the whole "
+                   "prompt with exact attention, then rank once (a layer holds budget + prompt while it runs)",
+        kind="choice", choices=PREFILL_MODES, recipe_sets=True)
+    positions: str = _setting(
+        "true", "true or rolling (rolling:shift, rolling:order): rolling keeps positions inside the model's context "
+                "window, so generation goes on past it in constant memory", recipe_sets=True)
+    head_budgets: str = _setting(
+        "uniform", "uniform: every KV head keeps the same slots; adaptive: each layer's ranked slots shared out among "
+                   "its heads by the policy's rank (Ada-KV); layers: the whole cache's slots among every layer and "
+                   "head (kvzip only)", kind="choice", choices=HEAD_SPLITS, recipe_sets=True)
+    head_floor: float = _setting(DEFAULT_HEAD_FLOOR, "with uneven head budgets, the share of a uniform head's slots "
+                                                     "every head keeps first", kind="share", recipe_sets=True)
+    compileable: bool = _setting(False, "decode steps at the budget as one compiled graph", kind="switch", flag=False)
+    protect_prompt: bool = _setting(False, "keep the prompt whole: the budget applies to the generated tokens (the "
+                                           "KV reported counts both)", kind="switch")
     #: the recipe the value was expanded from (a label: its keywords are already in the fields)
     recipe: str | None = None
 
@@ -107,7 +116,7 @@ class CacheSettings:
 
     # -- the checks that need no model, in one place ---------------------------------------------------
     def __post_init__(self):
-        from h2okv.core.budget import BudgetSpec
+        from h2okv.budget_spec import BudgetSpec
         from h2okv.core.positions import check_positions
         from h2okv.policies import Policy, make_policy
 
@@ -174,7 +183,7 @@ class CacheSettings:
 
     def budget_parts(self) -> dict:
         """The budget as the heavy/recent keywords it stands for (none: the paper's 10% + 10%)."""
-        from h2okv.core.budget import budget_keywords
+        from h2okv.budget_spec import budget_keywords
 
         if self.budget is not None:
             return budget_keywords(self.budget, self.recent_share, self.policy_object())
@@ -182,7 +191,7 @@ class CacheSettings:
 
     def budget_spec(self, policy=None):
         """The ``BudgetSpec`` the cache's rows take their slots from."""
-        from h2okv.core.budget import BudgetSpec
+        from h2okv.budget_spec import BudgetSpec
 
         policy = policy or self.policy_object()
         return BudgetSpec.build(policy, floor=self.budget_floor, **self.budget_parts())
@@ -208,31 +217,6 @@ class CacheSettings:
     def keywords(self) -> dict:
         """``H2OCache``'s keywords for this value (a recipe is already expanded into them)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "recipe"}
-
-
-def budget_of(policy, budget, recent_share, parts: dict, defaulted: bool = False) -> tuple:
-    """The one rule for how a budget is spelled: ``(budget, recent_share)`` as they stand once
-    checked, for ``policy`` (a ``Policy``). A ``budget`` (a fraction or slots) is split by
-    ``recent_share`` (the paper's half by default) and excludes the older ``parts``
-    (``heavy``/``recent``/``heavy_ratio``/``recent_ratio``); a share alone, or a recipe
-    (``defaulted``) with neither, keeps the default fifth; a share beside parts has nothing to
-    split; a policy that keeps every token takes no budget. The parts' own ranges are
-    ``BudgetSpec.build``'s."""
-    from h2okv.core.budget import budget_keywords, share_without_budget, takes_no_budget, two_spellings
-
-    given_parts = [name for name, value in parts.items() if value is not None]
-    if budget is not None or ((defaulted or recent_share is not None) and policy.evicts and not given_parts):
-        if given_parts:
-            raise two_spellings(given_parts)
-        if not policy.evicts:
-            raise takes_no_budget(policy, ["budget"])
-        share = DEFAULT_RECENT_SHARE if recent_share is None else recent_share
-        budget = DEFAULT_RECIPE_BUDGET if budget is None else budget
-        budget_keywords(budget, share, policy)  # the budget's range for this policy
-        return budget, share
-    if recent_share is not None and policy.evicts:
-        raise share_without_budget()
-    return None, None  # the budget is in parts (or the paper's default): no share split it
 
 
 # the keywords a recipe may set (h2okv.recipes); the rest are given as they are

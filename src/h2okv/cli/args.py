@@ -12,6 +12,7 @@ allowed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 from h2okv.corpus import DEFAULT_PLAY
@@ -19,8 +20,7 @@ from h2okv.errors import H2OError
 from h2okv.parallel.launch import DEFAULT_TIMEOUT_S
 from h2okv.policy_names import POLICY_NAMES, RECONSTRUCTION_POLICIES
 from h2okv.recipes import recipe_help
-from h2okv.settings import DEFAULT_BUDGET_FLOOR as BUDGET_FLOOR
-from h2okv.settings import PREFILL_MODES as PREFILL_CHOICES
+from h2okv.settings import PART_NAMES, CacheSettings
 from h2okv.sizes import parse_bytes
 
 
@@ -183,45 +183,51 @@ def add_model_args(parser: argparse.ArgumentParser, device: bool = True) -> None
         parser.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU, bfloat16 on CUDA)")
 
 
+# the flags of a budget, in the order --help lists them (each generated from its CacheSettings field)
+BUDGET_FLAGS = ("budget", "recent_share", "budget_floor", "heavy", "recent", "heavy_ratio", "recent_ratio", "chunk_size")
+
+
+def add_cache_args(parser: argparse.ArgumentParser, names, **overrides: dict) -> None:
+    """One flag per ``CacheSettings`` field in ``names``, built from the field (its help, how its
+    text is read, its choices), so a setting is declared once. A flag not given is None (the
+    recipe's or the field's default applies: ``cache_keywords``). ``overrides[name]`` replaces
+    argparse keywords of one flag where a command means something of its own (``serve``'s chunk)."""
+    fields = {f.name: f for f in dataclasses.fields(CacheSettings)}
+    for name in names:
+        meta = fields[name].metadata
+        shown = str(meta.get("shown", fields[name].default)).lower()
+        recipe = ", or the recipe's" if meta["recipe_sets"] else ""
+        kwargs = {"default": None, "help": f"{meta['help']} (default: {shown}{recipe})"}
+        kind = meta["kind"]
+        if kind == "switch":
+            kwargs = {**kwargs, "action": "store_true"}
+        elif kind == "choice":
+            kwargs["choices"] = meta["choices"]
+        else:
+            kwargs["type"] = FLAG_TYPES.get(kind, str)
+        kwargs.update(overrides.get(name, {}))
+        parser.add_argument("--" + name.replace("_", "-"), **kwargs)
+
+
 def add_budget_args(parser: argparse.ArgumentParser, policy_default: str = "h2o", reconstruction: bool = False) -> None:
     """``reconstruction``: the command runs ``kvzip``'s pass (``serve``), so its help lists it."""
     names = [p for p in POLICY_NAMES if reconstruction or p not in RECONSTRUCTION_POLICIES]
     parser.add_argument("--policy", default=None, help=f"one of {', '.join(names)}, options after a colon, e.g. snapkv:window=16 (default: {policy_default}, or the recipe's)")
     add_recipe_arg(parser)
-    parser.add_argument("--budget", type=parse_budget, default=None,
-                        help="the cache budget: a fraction of the prompt in (0, 1] (0.2) or a whole number of slots "
-                             "per layer and KV head (256; h2o needs at least 2) (default: 0.2, the paper's 10%% heavy "
-                             "+ 10%% recent)")
-    parser.add_argument("--recent-share", type=recent_share, default=None,
-                        help="share of --budget kept for the most recent tokens (default: 0.5, or the recipe's)")
-    parser.add_argument("--budget-floor", type=int, default=None,
-                        help=f"the fewest slots a fractional budget keeps on a short prompt (default: {BUDGET_FLOOR}; "
-                             "0: none)")
-    parser.add_argument("--heavy", type=int, default=None, help="heavy-hitter slots per layer/head")
-    parser.add_argument("--recent", type=int, default=None, help="recent-token slots per layer/head")
-    parser.add_argument("--heavy-ratio", type=float, default=None, help="heavy slots as a fraction of the prompt (default 0.1)")
-    parser.add_argument("--recent-ratio", type=float, default=None, help="recent slots as a fraction of the prompt (default 0.1)")
-    parser.add_argument("--chunk-size", type=positive_int, default=512, help="prefill chunk length (default: 512)")
+    add_cache_args(parser, BUDGET_FLAGS)
 
 
 def budget_from_args(args) -> dict:
     """The older spelling of a budget (``--heavy``/``--recent``/``--heavy-ratio``/``--recent-ratio``)."""
-    return {
-        "heavy": args.heavy,
-        "recent": args.recent,
-        "heavy_ratio": args.heavy_ratio,
-        "recent_ratio": args.recent_ratio,
-    }
+    return {name: getattr(args, name) for name in PART_NAMES}
 
 
 def cache_keywords(args) -> dict:
-    """``H2OCache``'s keywords from ``add_budget_args``' flags, only those given (a recipe fills the
-    rest); ``prefill`` too where the command has ``--prefill``."""
-    given = {"policy": args.policy, "recipe": args.recipe, "budget": args.budget, "recent_share": args.recent_share,
-             "budget_floor": args.budget_floor, "prefill": getattr(args, "prefill", None),
-             "head_budgets": getattr(args, "head_budgets", None), "head_floor": getattr(args, "head_floor", None),
-             "protect_prompt": getattr(args, "protect_prompt", False) or None, **budget_from_args(args)}
-    return {key: value for key, value in given.items() if value is not None}
+    """``CacheSettings``' keywords from the flags ``add_budget_args`` and ``add_cache_args`` made,
+    only those given (a recipe fills the rest)."""
+    given = {name: getattr(args, name, None) for name in ("policy", "recipe", *CACHE_FLAG_NAMES)}
+    # an unset switch (--protect-prompt) is False: not given either (0 is a value: --budget 0 is refused)
+    return {key: value for key, value in given.items() if value is not None and value is not False}
 
 
 def recent_share(text: str) -> float:
@@ -261,28 +267,20 @@ def parse_budget(text: str) -> float | int | str:
 def add_budget_shape_args(parser: argparse.ArgumentParser, prefill: bool = True, layers: bool = False) -> None:
     """How a ``--budgets`` fraction is spent (``--recent-share``) and, where prompts are read in
     forward calls of several tokens, when they are ranked (``--prefill``); ``layers``: the command
-    runs ``kvzip``, whose cache-wide split ``--head-budgets layers`` then offers."""
-    parser.add_argument("--recent-share", type=recent_share, default=0.5,
-                        help="share of each budget kept for the most recent tokens, the rest ranked by the policy "
-                        "(default: 0.5, the paper's half and half; e.g. 0.05)")
-    if prefill:
-        parser.add_argument("--prefill", choices=PREFILL_CHOICES, default="chunked",
-                            help="chunked: evict after every prefill chunk (bounded: budget + chunk slots); late: read "
-                            "the whole prompt with exact attention, then rank once (a layer holds budget + prompt "
-                            "while it runs) (default: chunked)")
-        splits = ("uniform", "adaptive", "layers") if layers else ("uniform", "adaptive")
-        parser.add_argument("--head-budgets", choices=splits, default="uniform",
-                            help="uniform: every KV head keeps the same slots; adaptive: each layer's ranked slots "
-                            "are shared out among its heads by the policy's rank (Ada-KV; needs --prefill late, "
-                            "or snapkv/knorm)" + ("; layers: the whole cache's slots among every layer and head "
-                                                 "(kvzip only)" if layers else "") + " (default: uniform)")
-        add_head_floor_arg(parser)
+    runs ``kvzip``, whose cache-wide split ``--head-budgets layers`` then offers. The flags are
+    ``add_cache_args``' with a grid's own defaults."""
+    share = {"default": 0.5, "help": "share of each budget kept for the most recent tokens, the rest ranked by the "
+                                     "policy (default: 0.5, the paper's half and half; e.g. 0.05)"}
+    if not prefill:
+        add_cache_args(parser, ["recent_share"], recent_share=share)
+        return
+    splits = ("uniform", "adaptive", "layers") if layers else ("uniform", "adaptive")
+    add_cache_args(parser, ["recent_share", "prefill", "head_budgets", "head_floor"], recent_share=share,
+                   prefill={"default": "chunked"}, head_budgets={"default": "uniform", "choices": splits})
 
 
 def add_head_floor_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--head-floor", type=recent_share, default=None,
-                        help="with uneven head budgets, the share of a uniform head's slots every head keeps first "
-                             "(default: 0.2, or the recipe's)")
+    add_cache_args(parser, ["head_floor"])
 
 
 def shape_from_args(args) -> dict:
@@ -341,3 +339,10 @@ def text_from_args(args) -> tuple[str, str]:
     from h2okv.eval.text import source_text
 
     return source_text(text=args.text, corpus=args.corpus, dataset=args.dataset, split=args.split)
+
+
+# how a generated flag's text is read, by its field's kind (``add_cache_args``)
+FLAG_TYPES = {"budget": parse_budget, "share": recent_share, "int": int, "float": float, "positive": positive_int}
+# the fields a command may take as flags (the rest: a Policy object, the seed that commands' --seed
+# means for sampling, compileable that generate's --compile sets)
+CACHE_FLAG_NAMES = tuple(f.name for f in dataclasses.fields(CacheSettings) if f.metadata.get("flag", True))

@@ -6,9 +6,8 @@ import sys
 from pathlib import Path
 
 from h2okv.cli.args import (
-    PREFILL_CHOICES,
     add_budget_args,
-    add_head_floor_arg,
+    add_cache_args,
     add_model_args,
     add_tp_args,
     cache_keywords,
@@ -36,9 +35,6 @@ def register(sub) -> None:
                         "fit the model's window")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
-    p.add_argument("--positions", default=None,
-                   help="true (default, or the recipe's) or rolling (rolling:shift, rolling:order): keep positions inside the "
-                        "model's context window, so generation goes on past it in constant memory")
     p.add_argument("--kv-every", type=positive_int, default=None,
                    help="print the KV memory every N tokens (it stays flat once an evicting cache is full)")
     p.add_argument("--temperature", type=non_negative_float, default=0.0,
@@ -47,8 +43,6 @@ def register(sub) -> None:
     p.add_argument("--repetition-penalty", type=positive_float, default=1.0,
                    help="divide the logits of tokens already in the text by this (1: off); long greedy or "
                         "low-temperature texts from small models loop without it")
-    p.add_argument("--protect-prompt", action="store_true",
-                   help="keep the prompt whole: the budget applies to the generated tokens (the KV reported counts both)")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND[:MODE]",
                    help="compile the decode steps at the budget with torch.compile (default backend inductor; inductor:reduce-overhead for CUDA graphs; "
                         "the first steps compile for minutes on a CPU)")
@@ -57,14 +51,7 @@ def register(sub) -> None:
                    help="never stop at the end-of-sequence token: generate exactly --max-new-tokens (long runs)")
     add_model_args(p)
     add_budget_args(p, reconstruction=True)
-    p.add_argument("--prefill", choices=PREFILL_CHOICES, default=None,
-                   help="chunked: evict after every prefill chunk (bounded: budget + chunk slots); late: read the "
-                        "whole prompt with exact attention, then rank once (default: chunked, or the recipe's)")
-    p.add_argument("--head-budgets", choices=("uniform", "adaptive", "layers"), default=None,
-                   help="uniform: every KV head keeps the same slots; adaptive: each layer's ranked slots shared out "
-                        "among its heads (Ada-KV); layers: the whole cache's slots among every layer and head (kvzip) "
-                        "(default: uniform, or the recipe's)")
-    add_head_floor_arg(p)
+    add_cache_args(p, ["prefill", "head_budgets", "head_floor", "positions", "protect_prompt"])
     add_tp_args(p)
     p.set_defaults(func=run)
 

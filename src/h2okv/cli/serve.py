@@ -8,8 +8,8 @@ import os
 import sys
 
 from h2okv.cli.args import (
-    PREFILL_CHOICES,
     add_budget_args,
+    add_cache_args,
     add_model_args,
     add_tp_args,
     budget_from_args,
@@ -90,9 +90,6 @@ def register(sub) -> None:
     p.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                    help="longer prompts get HTTP 400 (default: the model's context length - 1; with "
                         "--positions rolling it may exceed the context: such prompts are read with eviction)")
-    p.add_argument("--positions", default="true",
-                   help="true (default) or rolling (rolling:shift, rolling:order): evicting requests keep their "
-                        "positions inside the context window, so max_tokens may exceed the context length")
     p.add_argument("--drain-timeout", type=positive_float, default=30.0,
                    help="on SIGTERM, seconds running requests get to finish before they are ended (default: 30)")
     p.add_argument("--temperature", type=non_negative_float, default=None,
@@ -109,10 +106,11 @@ def register(sub) -> None:
                         "(default: 4M, a 128k-token prompt with room to spare)")
     p.add_argument("--body-timeout", type=positive_float, default=30.0,
                    help="seconds a request body may take to arrive; then HTTP 408 (default: 30)")
-    p.add_argument("--prefill", choices=PREFILL_CHOICES, default=None,
-                   help="chunked: a prompt is fed and evicted in --chunk-size chunks (bounded: budget + chunk "
-                        "slots); late: a prompt is fed in one forward call, read with exact attention and ranked "
-                        "once at its end (peak: the prompt; better retrieval) (default: chunked, or the recipe's)")
+    # the server's positions are its own flag's, whatever the recipe
+    add_cache_args(p, ["prefill", "positions"], positions={
+        "default": "true", "help": "true (default) or rolling (rolling:shift, rolling:order): evicting requests keep "
+                                   "their positions inside the context window, so max_tokens may exceed the context "
+                                   "length"})
     _add_max_batch(p, 32)
     _add_schedule(p)
     add_tp_args(p)
