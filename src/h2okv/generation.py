@@ -14,6 +14,7 @@ from h2okv.core.cache import DEFAULT_CHUNK, H2OCache
 from h2okv.core.compat import cache_arg
 from h2okv.core.reconstruction import read_context
 from h2okv.errors import H2OError
+from h2okv.settings import CacheSettings
 from h2okv.window import check_fits, context_window
 
 
@@ -142,46 +143,41 @@ def generate(
     model,
     tokenizer,
     prompt: str,
-    policy: str | None = None,
+    settings: CacheSettings | str | None = None,
+    *,
     max_new_tokens: int = 128,
     chat: bool = False,
     stream: bool = False,
-    chunk_size: int = DEFAULT_CHUNK,
-    positions: str | None = None,
-    kv_every: int | None = None,
     temperature: float = 0.0,
     top_p: float = 1.0,
     repetition_penalty: float = 1.0,
     seed: int = 0,
     ignore_eos: bool = False,
+    kv_every: int | None = None,
     on_kv=None,
-    recipe: str | None = None,
-    budget: float | int | None = None,
-    recent_share: float | None = None,
-    budget_floor: int | None = None,
-    prefill: str | None = None,
-    head_budgets: str | None = None,
-    head_floor: float | None = None,
     compile: str | None = None,
-    protect_prompt: bool = False,
-    **parts,
+    **cache_keywords,
 ) -> Generation:
-    """Generation under ``policy``, greedy unless ``temperature`` > 0 (then sampled with ``top_p``,
-    seeded by ``seed``), for exactly ``max_new_tokens`` with ``ignore_eos``; ``positions="rolling"``
-    goes on past the context window.
+    """Generation under the cache ``settings`` (a ``CacheSettings``; or a policy name, with
+    ``H2OCache``'s keywords in ``cache_keywords``: ``recipe=``, ``budget=``...), greedy unless
+    ``temperature`` > 0 (then sampled with ``top_p``, seeded by ``seed``), for exactly
+    ``max_new_tokens`` with ``ignore_eos``; ``positions="rolling"`` goes on past the context window.
     ``kv_every``: ``stats["kv_history"]`` gets ``(tokens seen, KV bytes)`` every that many tokens,
     each also handed to ``on_kv(seen, bytes, tokens since the first, seconds)`` as it happens
-    (``KVWatch``). ``recipe``, ``budget`` and the rest are ``H2OCache``'s keywords (``parts``: the
-    older ``heavy``/``recent``/``heavy_ratio``/``recent_ratio``); a policy ranked by reconstruction
-    (``kvzip``, the ``prompt`` and ``document`` recipes) is ranked inside ``model.generate``, the
-    whole prompt before the first decode step, as any drop-in use is (``core/autorank.py``).
+    (``KVWatch``). A policy ranked by reconstruction (``kvzip``, the ``prompt`` and ``document``
+    recipes) is ranked inside ``model.generate``, the whole prompt before the first decode step,
+    as any drop-in use is (``core/autorank.py``).
     ``compile``: a ``torch.compile`` backend ("inductor", or "inductor:MODE") for the decode steps at the budget
     (``H2OCache(compileable=True)``); steps while rows fill up may run eagerly."""
-    floor = {} if budget_floor is None else {"budget_floor": budget_floor}
-    cache = H2OCache(model, policy=policy, recipe=recipe, budget=budget, recent_share=recent_share, prefill=prefill,
-                     chunk_size=chunk_size, positions=positions, head_budgets=head_budgets, head_floor=head_floor,
-                     compileable=compile is not None, protect_prompt=protect_prompt, tokenizer=tokenizer, **floor,
-                     **budget_kwargs(**parts))
+    if isinstance(settings, CacheSettings):
+        if cache_keywords:
+            raise H2OError(f"give generate a CacheSettings or cache keywords, not both (also given: "
+                           f"{', '.join(sorted(cache_keywords))})")
+    else:
+        settings = CacheSettings.build(settings, **cache_keywords)
+    if compile is not None:
+        settings = settings.replace(compileable=True)
+    cache = H2OCache(model, settings, tokenizer=tokenizer)
     inputs = encode_prompt(tokenizer, prompt, chat=chat, device=model.device)
     if cache.rolling is None:  # before any forward pass: past the window true positions write garbage
         check_fits(inputs["input_ids"].shape[1], max_new_tokens, context_window(model.config))

@@ -80,7 +80,8 @@ def run(args) -> int:
 
     args.prompt_text = read_prompt(args)
     parse_positions(args.positions)
-    CacheSettings.build(**cache_keywords(args))  # before the (slow) model load and before any rank starts
+    # checked before the (slow) model load and before any rank starts; every rank builds its cache from it
+    args.settings = CacheSettings.build(**cache_keywords(args))
     launch.prepare(args)
     return launch.run(args, generate_on_rank)
 
@@ -101,11 +102,10 @@ def generate_on_rank(args) -> int:
         print(f"[kv] tokens seen {seen}: KV {kv / 2**20:.2f} MiB{rate}", file=sys.stderr, flush=True)
 
     result = generate(
-        model, tokenizer, args.prompt_text, max_new_tokens=args.max_new_tokens,
-        chat=args.chat, stream=stream, chunk_size=args.chunk_size, positions=args.positions,
-        kv_every=args.kv_every, temperature=args.temperature, top_p=args.top_p,
+        model, tokenizer, args.prompt_text, args.settings, max_new_tokens=args.max_new_tokens,
+        chat=args.chat, stream=stream, kv_every=args.kv_every, temperature=args.temperature, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, seed=args.seed, ignore_eos=args.ignore_eos,
-        on_kv=kv_line if stream else None, compile=args.compile, **cache_keywords(args),
+        on_kv=kv_line if stream else None, compile=args.compile,
     )
     stats = gather_stats(result.stats)
     if not is_main_rank():
