@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from h2okv.core.budget import BudgetSpec, budget_keywords, takes_no_budget
-from h2okv.errors import H2OError
+from h2okv.core.budget import BudgetSpec, budget_keywords
 from h2okv.policies import make_policy
-from h2okv.recipes import DEFAULT_RECIPE_BUDGET, get_recipe, owns_head_split
-from h2okv.settings import DEFAULT_BUDGET_FLOOR, PREFILL_MODES, budget_of
+from h2okv.recipes import get_recipe
+from h2okv.settings import DEFAULT_BUDGET_FLOOR, CacheSettings, budget_of
 
 # the older spelling of a budget, and the one-argument spelling (budget + its recent share)
 PART_FIELDS = ("heavy", "recent", "heavy_ratio", "recent_ratio")
@@ -44,22 +43,23 @@ class EvictionDefaults:
     @classmethod
     def from_options(cls, recipe: str | None = None, policy: str | None = None, prefill: str | None = None,
                      budget_floor: int | None = None, **budget) -> EvictionDefaults:
-        """The server's settings from its flags: ``recipe`` fills what is not given."""
-        settings = get_recipe(recipe).settings if recipe else {}
-        share = budget.get("recent_share")
-        if share is None and recipe and not any(budget.get(name) is not None for name in PART_FIELDS):
-            share = settings.get("recent_share")
-        given = {name: budget.get(name) for name in (*PART_FIELDS, "budget")}
-        if recipe and not any(value is not None for value in given.values()):
-            given["budget"] = DEFAULT_RECIPE_BUDGET  # a recipe without a budget keeps its fifth
-        chosen = policy or settings.get("policy", "h2o")
-        # the recipe's head split goes with the recipe's own policy (any options of it) only
-        own = settings.get("policy")
-        split = settings if own and owns_head_split(own, chosen) else {}
-        return cls(policy=chosen, prefill=prefill or settings.get("prefill", "chunked"),
-                   recipe=recipe, recent_share=share,
-                   budget_floor=DEFAULT_BUDGET_FLOOR if budget_floor is None else budget_floor,
-                   head_budgets=split.get("head_budgets", "uniform"), head_floor=split.get("head_floor"), **given)
+        """The server's settings from its flags: ``recipe`` fills what is not given, and the whole
+        is checked as a cache's settings are (``CacheSettings``: one set of rules and messages)."""
+        settings = CacheSettings.build(policy, recipe=recipe, prefill=_reading(policy, prefill),
+                                       budget_floor=budget_floor, **budget)
+        # the recipe's head split goes with the recipe's own policy (CacheSettings.build keeps it so)
+        split = settings.head_budgets != "uniform"
+        return cls(policy=settings.policy_spec, prefill=settings.prefill, recipe=recipe,
+                   budget=settings.budget, recent_share=settings.recent_share, budget_floor=settings.budget_floor,
+                   head_budgets=settings.head_budgets, head_floor=settings.head_floor if split else None,
+                   **{name: getattr(settings, name) for name in PART_FIELDS})
+
+    def settings(self) -> CacheSettings:
+        """The server's own policy's cache settings, checked (``CacheSettings``)."""
+        split = {} if self.head_floor is None else {"head_floor": self.head_floor}
+        return CacheSettings.build(self.policy, prefill=_reading(self.policy, self.prefill), recipe=self.recipe,
+                                   budget_floor=self.budget_floor, head_budgets=self.head_budgets, **split,
+                                   **self.budget_fields())
 
     def describe(self) -> dict:
         extra = {name: value for name, value in (("recipe", self.recipe), ("budget", self.budget),
@@ -82,12 +82,7 @@ class EvictionDefaults:
         return {name: getattr(self, name) for name in BUDGET_FIELDS}
 
     def validate(self) -> None:
-        given = [name for name in ("budget", *PART_FIELDS) if getattr(self, name) is not None]
-        if given and not make_policy(self.policy).evicts:
-            raise takes_no_budget(make_policy(self.policy), given)
-        self.resolve(0)
-        if self.prefill not in PREFILL_MODES:
-            raise H2OError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {self.prefill!r}")
+        self.settings()
 
     def resolve(self, prompt_len: int, policy: str | None = None, budget: dict | None = None,
                 recipe: str | None = None) -> tuple[str, int | None, int | None]:
@@ -119,3 +114,12 @@ class EvictionDefaults:
             return chosen.spec, None, None
         heavy, recent = spec.resolve(prompt_len)
         return chosen.spec, heavy, recent  # the spec: options such as snapkv's window reach the cache
+
+
+def _reading(policy: str | None, prefill: str | None) -> str | None:
+    """The prefill mode a server's policy runs with: a policy ranked by reconstruction (``kvzip``)
+    reads every prompt in one call, whatever ``--prefill`` says for the others (the executor opens
+    such a sequence late)."""
+    if policy is not None and make_policy(policy).ranks_by_reconstruction:
+        return "late"
+    return prefill
