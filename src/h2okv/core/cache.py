@@ -79,6 +79,12 @@ class H2OCache(Cache):
     A policy that ranks by reconstruction (``kvzip``: recipes ``prompt`` and ``document``) is
     drop-in too: ``model.generate`` runs the pass before its first decode step
     (``core/autorank.py``) with ``tokenizer`` (default: the one in the model's local folder).
+
+    Building a cache prepares ``model`` (``core/attention.py``): its attention implementation
+    becomes ``"h2o"``, and the one it had (eager, sdpa, ...) runs every call no ``H2OCache`` hands
+    over (a plain ``DynamicCache``, no cache: the model's own logits); its dense feed-forward runs
+    calls longer than 512 tokens in slices; a forward pre-hook clears a stale hand-over.
+    ``h2okv.restore_model(model)`` undoes all three; a cache built before it is not to be used after.
     """
 
     def __init__(

@@ -12,7 +12,8 @@ call under ``bounded``: a live peak of 337 MiB above the weights against 692 MiB
 
 Applied by ``prepare_model`` to the decoder layers' ``mlp`` modules of the dense families we run
 (their classes end in ``MLP``; a mixture of experts, which returns router logits beside its
-output, is left whole). The model runs as before with any cache.
+output, is left whole). The model runs as before with any cache; ``unslice_feed_forward`` (from
+``restore_model``) gives each module its own forward back.
 """
 
 from __future__ import annotations
@@ -32,16 +33,36 @@ def slice_feed_forward(model, tokens: int = FEED_FORWARD_CHUNK) -> int:
     for name, module in model.named_modules():
         if not name.endswith(".mlp") or not type(module).__name__.endswith("MLP") or getattr(module, _MARK, False):
             continue
-        module.forward = _sliced(module.forward, tokens)
+        # a forward set on the module itself (a hook library's) is put back on restore, not the class's
+        module.forward = _sliced(module.forward, tokens, replaced_own="forward" in vars(module))
         setattr(module, _MARK, True)
         changed += 1
     return changed
 
 
-def _sliced(forward, tokens: int):
+def unslice_feed_forward(model) -> int:
+    """Undo ``slice_feed_forward`` where its slicing is still the module's forward (one wrapped
+    again since stays sliced: removing ours would remove the wrapper around it). Returns how many
+    modules it gave their forward back."""
+    restored = 0
+    for module in model.modules():
+        forward = vars(module).get("forward")
+        if not getattr(module, _MARK, False) or not hasattr(forward, "replaced_own"):
+            continue
+        if forward.replaced_own:
+            module.forward = forward.__wrapped__
+        else:
+            del module.forward  # the class's forward again
+        delattr(module, _MARK)
+        restored += 1
+    return restored
+
+
+def _sliced(forward, tokens: int, replaced_own: bool):
     def sliced(hidden, *args, **kwargs):
         if args or kwargs or hidden.dim() != 3 or hidden.shape[1] <= tokens:
             return forward(hidden, *args, **kwargs)
         return torch.cat([forward(hidden[:, start:start + tokens]) for start in range(0, hidden.shape[1], tokens)],
                          dim=1)
+    sliced.__wrapped__, sliced.replaced_own = forward, replaced_own
     return sliced
