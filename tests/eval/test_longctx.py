@@ -270,6 +270,9 @@ def test_cli_recipes_alone_run_no_full_rows(tmp_path, tiny_run):
     rows = json.loads(out.read_text())
     assert len(rows) == 2 * 2 and {r["policy"] for r in rows} == {"snapkv:kernel=31,pool=max"}
     assert {r.get("recipe") for r in rows} == {"bounded"}
+    # each row records the settings its cache was built with: the budget split as the recipe splits it
+    for r in rows:
+        assert (r["settings"]["heavy_ratio"], r["settings"]["recent_ratio"]) == pytest.approx((0.3 * 0.922, 0.3 * 0.078))
     assert len(fed) == 4  # one generate per prompt: no full run beside the recipe's
 
 

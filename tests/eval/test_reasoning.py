@@ -150,6 +150,7 @@ def test_pieces_merge_into_one_report(tiny_chat, tmp_path, capsys):
 
     assert {b["software"]["transformers"] for b in piece["batches"]} == {transformers.__version__}
     assert all(r["kv_slots"] <= 24 for r in piece["rows"] if r["budget"] == 24)
+    assert {r["settings"]["policy"] for r in piece["rows"]} == {"h2o", "local"}  # each row's full cache settings
     # resuming a finished piece runs nothing and keeps it whole
     assert main([*common, "--policies", "h2o,local", "--budgets", "0.5,24", "--json", str(h2o), "--resume"]) == 0
     assert json.loads(h2o.read_text())["rows"] == piece["rows"]

@@ -147,6 +147,8 @@ def run_batch(model, tokenizer, setup: Setup, problems: list[Problem], policy: s
             "new_tokens": len(result.token_ids), "finish": result.finish, "predicted": predicted, "gold": problem.gold,
             "correct": is_correct(setup.task, predicted, problem.gold), "kv_bytes": result.kv_bytes,
             "kv_slots": result.kv_slots, **({"text": text} if keep_text else {}),
+            # every keyword the cache was built with (h2okv.settings), beside the row's label
+            **({"settings": cache.settings.describe()} if hasattr(cache, "settings") else {}),
         })
     timing = {"policy": label, "budget": budget, "rows": len(problems),
               "new_tokens": sum(r["new_tokens"] for r in rows), "seconds": round(seconds, 3),

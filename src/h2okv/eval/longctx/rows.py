@@ -27,9 +27,10 @@ ROW_FIELDS = (
 # batch of ``batch``): seconds to the first token and after it, the process's peak memory above
 # what it held before the batch, the KV bytes held at the end as a fraction of a full cache's;
 # where it ran (``device``: cpu, cuda; ``dtype``: float32, bfloat16): rows of one configuration on
-# two devices are one cell to the resume logic, but reports tell them apart
+# two devices are one cell to the resume logic, but reports tell them apart; ``settings``: the
+# cache's CacheSettings as plain data (``describe()``), every keyword the recipe or defaults filled in
 OPTIONAL_FIELDS = ("recipe", "questions", "question_index", "prefill_tokens", "split",
-                   "prefill_s", "decode_s", "peak_mib", "kv_fraction", "batch", "device", "dtype")
+                   "prefill_s", "decode_s", "peak_mib", "kv_fraction", "batch", "device", "dtype", "settings")
 
 
 def config_label(policy: str, cache_options: dict | None, recipe: str | None = None) -> str:

@@ -188,12 +188,14 @@ def run_config(model, tokenizer, prompts, spec: GridSpec, config: Config, meta: 
     for group in batches(prompts, spec.question, spec.batch):
         max_new = spec.max_new_tokens or group[0].max_new_tokens
         cache, costs = config_cache(model, spec, config), Costs()
+        # what the cache was built with, in full (h2okv.settings): a row says what ran, not only its label
+        settings = cache.settings.describe() if hasattr(cache, "settings") else None
         start = time.perf_counter()
         answers = generate_answers(model, tokenizer, group, cache, spec.question, max_new, chat_head, costs)
         seconds = (time.perf_counter() - start) / len(group)
         del cache  # the next group's peak must not count this one's cache
         rows += [prompt_row(p, answer, spec, config, spec.question, meta, max_new_tokens=max_new,
-                            seconds=round(seconds, 3), **costs.per_row(len(group)))
+                            seconds=round(seconds, 3), settings=settings, **costs.per_row(len(group)))
                  for p, answer in zip(group, answers, strict=True)]
     return sorted(rows, key=lambda r: r["sample"])
 
