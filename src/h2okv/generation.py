@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from transformers import DynamicCache, LogitsProcessorList, TextStreamer
@@ -48,13 +48,9 @@ def new_cache(model, policy: str | None, fraction: float | None = None, chunk_si
     budget = fraction_keywords(policy, fraction, recent_share) if slots is None else slots_keywords(policy, slots, recent_share)
     if clash := sorted(set(options) & {"policy", "chunk_size", "seed", "recipe", "budget", *budget}):
         raise H2OError(f"cache option(s) {', '.join(clash)} are set by the evaluation itself")
-    try:
-        return H2OCache(model, policy=policy, chunk_size=chunk_size, seed=seed, prefill=prefill,
-                        budget_floor=budget_floor, **budget, **options)
-    except TypeError as exc:
-        if "unexpected keyword" not in str(exc):
-            raise
-        raise H2OError(f"unknown cache option: {exc}") from None
+    # an unknown option is CacheSettings' one-line error ("unknown cache setting(s): ...")
+    return H2OCache(model, policy=policy, chunk_size=chunk_size, seed=seed, prefill=prefill,
+                    budget_floor=budget_floor, **budget, **options)
 
 
 def read_ahead(model, tokenizer, cache, ids: torch.Tensor, end: int | None = None, chat_head: int = 0) -> None:
@@ -139,29 +135,30 @@ class KVWatch:
         return scores
 
 
-def generate(
-    model,
-    tokenizer,
-    prompt: str,
-    settings: CacheSettings | str | None = None,
-    *,
-    max_new_tokens: int = 128,
-    chat: bool = False,
-    stream: bool = False,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    repetition_penalty: float = 1.0,
-    seed: int = 0,
-    ignore_eos: bool = False,
-    kv_every: int | None = None,
-    on_kv=None,
-    compile: str | None = None,
-    **cache_keywords,
-) -> Generation:
-    """Generation under the cache ``settings`` (a ``CacheSettings``; or a policy name, with
-    ``H2OCache``'s keywords in ``cache_keywords``: ``recipe=``, ``budget=``...), greedy unless
-    ``temperature`` > 0 (then sampled with ``top_p``, seeded by ``seed``), for exactly
-    ``max_new_tokens`` with ``ignore_eos``; ``positions="rolling"`` goes on past the context window.
+@dataclass(frozen=True)
+class GenerationOptions:
+    """How ``generate`` decodes: greedy unless ``temperature`` > 0 (then sampled with ``top_p``,
+    seeded by ``seed``); ``ignore_eos`` generates exactly ``max_new_tokens``."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+    ignore_eos: bool = False
+
+
+GENERATION_FIELDS = frozenset(f.name for f in fields(GenerationOptions))
+
+
+def generate(model, tokenizer, prompt: str, settings: CacheSettings | str | None = None,
+             options: GenerationOptions | None = None, *, chat: bool = False, stream: bool = False,
+             kv_every: int | None = None, on_kv=None, compile: str | None = None, **keywords) -> Generation:
+    """``prompt`` (wrapped in the chat template with ``chat``) continued under the cache
+    ``settings`` (a ``CacheSettings``, or a policy name), decoded as ``options`` say.
+    ``keywords`` are either ``GenerationOptions`` fields (``max_new_tokens=``, ``temperature=``...)
+    or ``H2OCache``'s (``recipe=``, ``budget=``...), each given beside a value of its kind only
+    when that value is not. ``positions="rolling"`` goes on past the context window.
     ``kv_every``: ``stats["kv_history"]`` gets ``(tokens seen, KV bytes)`` every that many tokens,
     each also handed to ``on_kv(seen, bytes, tokens since the first, seconds)`` as it happens
     (``KVWatch``). A policy ranked by reconstruction (``kvzip``, the ``prompt`` and ``document``
@@ -169,33 +166,39 @@ def generate(
     as any drop-in use is (``core/autorank.py``).
     ``compile``: a ``torch.compile`` backend ("inductor", or "inductor:MODE") for the decode steps at the budget
     (``H2OCache(compileable=True)``); steps while rows fill up may run eagerly."""
+    decoding = {name: keywords.pop(name) for name in list(keywords) if name in GENERATION_FIELDS}
+    if options is None:
+        options = GenerationOptions(**decoding)
+    elif decoding:
+        raise H2OError(f"give generate GenerationOptions or decoding keywords, not both (also given: "
+                       f"{', '.join(sorted(decoding))})")
     if isinstance(settings, CacheSettings):
-        if cache_keywords:
+        if keywords:
             raise H2OError(f"give generate a CacheSettings or cache keywords, not both (also given: "
-                           f"{', '.join(sorted(cache_keywords))})")
+                           f"{', '.join(sorted(keywords))})")
     else:
-        settings = CacheSettings.build(settings, **cache_keywords)
+        settings = CacheSettings.build(settings, **keywords)
     if compile is not None:
         settings = settings.replace(compileable=True)
     cache = H2OCache(model, settings, tokenizer=tokenizer)
     inputs = encode_prompt(tokenizer, prompt, chat=chat, device=model.device)
     if cache.rolling is None:  # before any forward pass: past the window true positions write garbage
-        check_fits(inputs["input_ids"].shape[1], max_new_tokens, context_window(model.config))
+        check_fits(inputs["input_ids"].shape[1], options.max_new_tokens, context_window(model.config))
     else:
         read_in_pieces(model, cache, inputs["input_ids"], cache.rolling.window)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     watch = KVWatch(cache, kv_every, on_kv) if kv_every else None
     sampling = {"do_sample": False}
-    if temperature > 0:
-        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
-        torch.manual_seed(seed)  # the same on every --tp rank: all ranks draw the same tokens
+    if options.temperature > 0:
+        sampling = {"do_sample": True, "temperature": options.temperature, "top_p": options.top_p, "top_k": 0}
+        torch.manual_seed(options.seed)  # the same on every --tp rank: all ranks draw the same tokens
     with torch.inference_mode():
         out = model.generate(
             **inputs,
             **cache_arg(cache),
-            max_new_tokens=max_new_tokens,
-            repetition_penalty=repetition_penalty,
-            min_new_tokens=max_new_tokens if ignore_eos else None,
+            max_new_tokens=options.max_new_tokens,
+            repetition_penalty=options.repetition_penalty,
+            min_new_tokens=options.max_new_tokens if options.ignore_eos else None,
             **sampling,
             streamer=streamer,
             pad_token_id=tokenizer.pad_token_id,

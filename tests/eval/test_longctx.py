@@ -187,7 +187,7 @@ def test_cache_options_pass_through_and_bad_ones_fail(monkeypatch):
     monkeypatch.undo()
     from h2okv.errors import H2OError
 
-    with pytest.raises(H2OError, match="unknown cache option"):
+    with pytest.raises(H2OError, match="unknown cache setting"):
         new_cache(model, "h2o", 0.2, flavour="late")
     with pytest.raises(H2OError, match="set by the evaluation"):
         new_cache(model, "h2o", 0.2, heavy_ratio=0.5)

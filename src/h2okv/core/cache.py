@@ -87,42 +87,16 @@ class H2OCache(Cache):
     ``h2okv.restore_model(model)`` undoes all three; a cache built before it is not to be used after.
     """
 
-    def __init__(
-        self,
-        model,
-        policy: str | Policy | CacheSettings | None = None,
-        heavy: int | None = None,
-        recent: int | None = None,
-        heavy_ratio: float | None = None,
-        recent_ratio: float | None = None,
-        chunk_size: int | None = None,
-        seed: int | None = None,
-        prefill: str | None = None,
-        positions: str | None = None,
-        head_budgets: str | None = None,
-        head_floor: float | None = None,
-        *,
-        budget: int | float | None = None,
-        recipe: str | None = None,
-        recent_share: float | None = None,
-        budget_floor: int | None = None,
-        compileable: bool | None = None,
-        protect_prompt: bool | None = None,
-        tokenizer=None,
-    ):
-        # None: not given (the recipe's or the default); every keyword is a CacheSettings field
-        keywords = {"heavy": heavy, "recent": recent, "heavy_ratio": heavy_ratio, "recent_ratio": recent_ratio,
-                    "chunk_size": chunk_size, "seed": seed, "prefill": prefill, "positions": positions,
-                    "head_budgets": head_budgets, "head_floor": head_floor, "budget": budget,
-                    "recent_share": recent_share, "budget_floor": budget_floor, "compileable": compileable,
-                    "protect_prompt": protect_prompt}
+    def __init__(self, model, policy: str | Policy | CacheSettings | None = None, *, tokenizer=None, **keywords):
+        # the keywords are CacheSettings' fields (recipe=, budget=, prefill=, ...): it checks them,
+        # names an unknown one, and fills in what a recipe or the defaults give
         if isinstance(policy, CacheSettings):
-            given = [name for name, value in (*keywords.items(), ("recipe", recipe)) if value is not None]
-            if given:
-                raise H2OError(f"give H2OCache a CacheSettings or keywords, not both (also given: {', '.join(given)})")
+            if keywords:
+                raise H2OError(f"give H2OCache a CacheSettings or keywords, not both (also given: "
+                               f"{', '.join(sorted(keywords))})")
             settings = policy
         else:
-            settings = CacheSettings.build(policy, recipe=recipe, **keywords)
+            settings = CacheSettings.build(policy, **keywords)
         #: what this cache was built with (``h2okv.settings``); stats() records it
         self.settings = settings
         self.recipe = settings.recipe
