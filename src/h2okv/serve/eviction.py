@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from h2okv.core.budget import BudgetSpec, budget_keywords
 from h2okv.policies import make_policy
-from h2okv.recipes import get_recipe
+from h2okv.recipes import expand
 from h2okv.settings import DEFAULT_BUDGET_FLOOR, CacheSettings, budget_of
 
 # the older spelling of a budget, and the one-argument spelling (budget + its recent share)
@@ -92,8 +92,8 @@ class EvictionDefaults:
         request's budget fields (``BUDGET_FIELDS``), which replace the server's whole budget (None:
         none given); ``recipe``: the request's recipe, whose policy and recent share apply (the
         prefill mode stays the server's)."""
-        settings = get_recipe(recipe).settings if recipe else {}
-        chosen = make_policy(policy or settings.get("policy") or self.policy)
+        settings = expand(recipe, policy=policy)  # the request's recipe, its policy over the recipe's
+        chosen = make_policy(settings.get("policy") or self.policy)
         if budget is not None:
             fields = {name: budget.get(name) for name in BUDGET_FIELDS}
         elif chosen.evicts and make_policy(self.policy).evicts:
