@@ -3,6 +3,7 @@ import json
 import pytest
 import torch
 
+import h2okv.eval.retrieval
 import h2okv.models
 from char_tokenizers import CharTokenizer
 from h2okv.cli import main
@@ -17,6 +18,7 @@ from h2okv.eval.retrieval import (
     NEEDLE,
     QUESTION,
     Haystack,
+    RetrievalSpec,
     build_prompt,
     is_correct,
     make_prompts,
@@ -103,8 +105,8 @@ def test_needle_kept_shows_where_local_eviction_loses_it(tok, filler):
 
 def test_grid_cells(tok):
     model = tiny_model("llama", seed=2)
-    cells = retrieval_grid(model, tok, ["full", "h2o"], [0.5], [300], [0.0, 1.0], trials=2, chunk_size=128,
-                           max_new_tokens=3, progress=False)
+    spec = RetrievalSpec(["full", "h2o"], [0.5], [300], [0.0, 1.0], trials=2, chunk_size=128, max_new_tokens=3)
+    cells = retrieval_grid(model, tok, spec, progress=False)
     assert [(c.policy, c.budget, c.depth) for c in cells] == [("full", 1.0, 0.0), ("full", 1.0, 1.0), ("h2o", 0.5, 0.0), ("h2o", 0.5, 1.0)]
     for c in cells:
         assert c.trials == 2 and len(c.answers) == 2 and c.accuracy == c.correct / 2
@@ -127,8 +129,8 @@ def test_kvzip_reads_late_and_is_ranked_by_reconstruction_before_it_answers(tok,
     for layer in cache.layers:
         assert (layer.valid.sum(-1) <= int(layer.slot_budget().max()) + 1).all()
     assert all(0.0 <= k <= 1.0 for k in kept)
-    cells = retrieval_grid(model, tok, ["kvzip"], [0.3], [300], [0.0], trials=1, chunk_size=64, max_new_tokens=2,
-                           progress=False)
+    spec = RetrievalSpec(["kvzip"], [0.3], [300], [0.0], trials=1, chunk_size=64, max_new_tokens=2)
+    cells = retrieval_grid(model, tok, spec, progress=False)
     assert cells[0].prefill == "late" and cells[0].policy == "kvzip"
 
 
@@ -174,6 +176,21 @@ def test_cli_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     assert len(rows) == 3 * 2
     assert out_png.read_bytes()[:4] == b"\x89PNG"
     assert "needle kept" in capsys.readouterr().out
+
+
+def test_cli_head_floor_reaches_the_cache_and_the_rows(tmp_path, monkeypatch):
+    # --head-floor is one of the grid's cache settings (it once failed the grid with a TypeError)
+    model = tiny_model("llama", seed=3)
+    monkeypatch.setattr(h2okv.models, "load_model", lambda *a, **k: (model, CharTokenizer()))
+    built = []
+    monkeypatch.setattr(h2okv.eval.retrieval, "new_cache", lambda *a, **k: built.append(k) or new_cache(*a, **k))
+    out_json = tmp_path / "r.json"
+    argv = ["eval", "retrieval", "--contexts", "300", "--depths", "0", "--trials", "1", "--policies",
+            "snapkv:window=1", "--budgets", "0.2", "--max-new-tokens", "1", "--head-budgets", "adaptive",
+            "--head-floor", "0.5", "--json", str(out_json), "--plot", ""]
+    assert main(argv) == 0
+    assert built and all(k["head_floor"] == 0.5 and k["head_budgets"] == "adaptive" for k in built)
+    assert [r["head_floor"] for r in json.loads(out_json.read_text())] == [0.5]
 
 
 def test_shakespeare_haystack_cuts_at_line_ends(tok):

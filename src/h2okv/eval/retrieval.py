@@ -22,6 +22,7 @@ question, for a peer to run on (``tools/peer/run_kvpress.py``, format ``EXPORT_F
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -166,40 +167,62 @@ def run_batch(model, tokenizer, prompts, policy, budget, chunk_size, max_new_tok
     return answers, needle_kept(cache, prompts)
 
 
-def grid_prompts(tokenizer, contexts, depths, trials, haystack="filler", seed=0) -> dict[int, list[PasskeyPrompt]]:
+@dataclass(frozen=True)
+class RetrievalSpec:
+    """A passkey grid: every policy (with the grid's cache settings below) and every recipe (with
+    its own) at every budget, ``trials`` prompts per context length and needle depth."""
+
+    policies: Sequence[str]
+    budgets: Sequence[float]  # fractions of the prompt (a policy that keeps everything runs once)
+    contexts: Sequence[int]  # prompt lengths in tokens
+    depths: Sequence[float]  # 0: the needle right after the instruction, 1: right before the question
+    trials: int  # passkeys per cell
+    haystack: str = "filler"  # or shakespeare:NAME
+    chunk_size: int = DEFAULT_CHUNK
+    max_new_tokens: int = 8
+    seed: int = 0  # of the passkeys, the haystack offsets and the random policy
+    recent_share: float = DEFAULT_RECENT_SHARE
+    prefill: str = "chunked"
+    head_budgets: str = "uniform"
+    head_floor: float | None = None  # None: the cache's default
+    recipes: Sequence[str] = ()
+
+    @property
+    def shape(self) -> dict:
+        """``new_cache``'s keywords for the grid's cache settings (what each cell records)."""
+        shape = {"recent_share": self.recent_share, "prefill": self.prefill, "head_budgets": self.head_budgets}
+        return shape if self.head_floor is None else {**shape, "head_floor": self.head_floor}
+
+
+def grid_prompts(tokenizer, spec: RetrievalSpec) -> dict[int, list[PasskeyPrompt]]:
     """The prompts of a grid per context length: what ``retrieval_grid`` runs and what is exported."""
-    hay = Haystack(tokenizer, haystack)
-    return {c: make_prompts(tokenizer, hay, c, depths, trials, seed) for c in contexts}
+    hay = Haystack(tokenizer, spec.haystack)
+    return {c: make_prompts(tokenizer, hay, c, spec.depths, spec.trials, spec.seed) for c in spec.contexts}
 
 
-def retrieval_grid(model, tokenizer, policies, budgets, contexts, depths, trials, haystack="filler",
-                   chunk_size=DEFAULT_CHUNK, max_new_tokens=8, seed=0, progress=True,
-                   recent_share=DEFAULT_RECENT_SHARE, prefill="chunked", head_budgets="uniform",
-                   recipes=()) -> list[Cell]:
-    """Every policy (with the grid's cache settings) and every recipe (with its own) at every
-    budget (a policy that keeps everything once), on the same prompts."""
-    shape = {"recent_share": recent_share, "prefill": prefill, "head_budgets": head_budgets}
-    prompts_by_context = grid_prompts(tokenizer, contexts, depths, trials, haystack, seed)
-    configs = [(p, policy_shape(p, shape), None) for p in policies] + recipe_runs(recipes)
+def retrieval_grid(model, tokenizer, spec: RetrievalSpec, progress: bool = True) -> list[Cell]:
+    """Every policy and recipe of ``spec`` at every budget, on the same prompts."""
+    prompts_by_context = grid_prompts(tokenizer, spec)
+    configs = [(p, policy_shape(p, spec.shape), None) for p in spec.policies] + recipe_runs(spec.recipes)
     runs = [(p, None, s, r) for p, s, r in configs if not policy_class(p).evicts]
-    runs += [(p, b, s, r) for p, s, r in configs if policy_class(p).evicts for b in budgets]
-    cells = []
-    with tqdm(total=len(runs) * len(contexts), desc="retrieval", unit="batch", disable=not progress) as bar:
+    runs += [(p, b, s, r) for p, s, r in configs if policy_class(p).evicts for b in spec.budgets]
+    cells, trials = [], spec.trials
+    with tqdm(total=len(runs) * len(spec.contexts), desc="retrieval", unit="batch", disable=not progress) as bar:
         for policy, budget, shape, recipe in runs:
             name = recipe or policy
-            for context in contexts:
+            for context in spec.contexts:
                 bar.set_postfix_str(f"{name}@{budget:g} ctx {context}" if budget else f"{name} ctx {context}")
                 prompts = prompts_by_context[context]
-                answers, kept = run_batch(model, tokenizer, prompts, policy, budget, chunk_size, max_new_tokens, seed,
-                                          shape)
-                for d_index, depth in enumerate(depths):
+                answers, kept = run_batch(model, tokenizer, prompts, policy, budget, spec.chunk_size,
+                                          spec.max_new_tokens, spec.seed, shape)
+                for d_index, depth in enumerate(spec.depths):
                     rows = range(d_index * trials, (d_index + 1) * trials)
                     correct = sum(is_correct(answers[i], prompts[i].passkey) for i in rows)
                     cells.append(Cell(
                         policy=policy, budget=1.0 if budget is None else budget, context=context, depth=depth,
                         trials=trials, correct=correct, accuracy=correct / trials,
-                        needle_kept=round(sum(kept[i] for i in rows) / trials, 4), haystack=haystack,
-                        chunk_size=chunk_size, answers=[answers[i] for i in rows], recipe=recipe, **shape,
+                        needle_kept=round(sum(kept[i] for i in rows) / trials, 4), haystack=spec.haystack,
+                        chunk_size=spec.chunk_size, answers=[answers[i] for i in rows], recipe=recipe, **shape,
                     ))
                 bar.update(1)
     return cells
@@ -208,22 +231,21 @@ def retrieval_grid(model, tokenizer, policies, budgets, contexts, depths, trials
 EXPORT_FORMAT = "h2okv-retrieval-prompts/1"
 
 
-def export_prompts(model_path: str, tokenizer, budgets, contexts, depths, trials, haystack="filler",
-                   max_new_tokens=8, seed=0) -> dict:
+def export_prompts(model_path: str, tokenizer, spec: RetrievalSpec) -> dict:
     """The grid's prompts as plain JSON for a peer: token ids split at the question, the passkey
     (a trial is correct when it appears in the answer), and how to decode (greedy)."""
     prompts = []
-    for context, group in grid_prompts(tokenizer, contexts, depths, trials, haystack, seed).items():
+    for context, group in grid_prompts(tokenizer, spec).items():
         for index, prompt in enumerate(group):
             prompts.append({
-                "context": context, "depth": prompt.depth, "trial": index % trials, "passkey": prompt.passkey,
+                "context": context, "depth": prompt.depth, "trial": index % spec.trials, "passkey": prompt.passkey,
                 "needle": list(prompt.needle), "context_ids": prompt.ids[: prompt.question],
                 "question_ids": prompt.ids[prompt.question :],
             })
     return {
-        "format": EXPORT_FORMAT, "model": model_path, "haystack": haystack, "seed": seed, "trials": trials,
-        "budgets": list(budgets), "decoding": "greedy", "max_new_tokens": max_new_tokens,
-        "pad_token_id": tokenizer.pad_token_id, "prompts": prompts,
+        "format": EXPORT_FORMAT, "model": model_path, "haystack": spec.haystack, "seed": spec.seed,
+        "trials": spec.trials, "budgets": list(spec.budgets), "decoding": "greedy",
+        "max_new_tokens": spec.max_new_tokens, "pad_token_id": tokenizer.pad_token_id, "prompts": prompts,
     }
 
 

@@ -71,7 +71,8 @@ def run(args) -> int:
 
     from h2okv.core.cache import DEFAULT_CHUNK
     from h2okv.eval.output import check_output_paths, write_json
-    from h2okv.eval.retrieval import plot_heatmap, retrieval_grid, summary_table
+    from h2okv.eval.retrieval import RetrievalSpec, plot_heatmap, policy_shape, retrieval_grid, summary_table
+    from h2okv.generation import new_cache
     from h2okv.models import load_model
     from h2okv.recipes import parse_recipes, recipe_runs
 
@@ -85,19 +86,18 @@ def run(args) -> int:
     check_output_paths(args.json, args.plot)
     check_output_paths(args.export_prompts, None)
     chunk = args.chunk_size or DEFAULT_CHUNK
+    spec = RetrievalSpec(policies, budgets, contexts, depths, args.trials, args.haystack, chunk, args.max_new_tokens,
+                         args.seed, recipes=recipes, **shape_from_args(args))
     apply_threads(args.threads)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     if args.export_prompts:
-        return export(args, model, tokenizer, budgets, contexts, depths)
-    from h2okv.eval.retrieval import policy_shape
-    from h2okv.generation import new_cache
+        return export(args, model, tokenizer, spec)
 
     # a shape a policy cannot take (--head-budgets adaptive) fails now, not mid-grid
-    for policy, shape, _ in [(p, policy_shape(p, shape_from_args(args)), None) for p in policies] + recipe_runs(recipes):
+    for policy, shape, _ in [(p, policy_shape(p, spec.shape), None) for p in policies] + recipe_runs(recipes):
         new_cache(model, policy, budgets[0], chunk_size=chunk, **shape)
     start = time.perf_counter()
-    cells = retrieval_grid(model, tokenizer, policies, budgets, contexts, depths, args.trials, args.haystack,
-                           chunk, args.max_new_tokens, args.seed, recipes=recipes, **shape_from_args(args))
+    cells = retrieval_grid(model, tokenizer, spec)
     seconds = time.perf_counter() - start
     late = [p for p in policies if policy_shape(p, {}).get("prefill") == "late"]  # read whole whatever --prefill says
     prefill = args.prefill + (f" ({', '.join(late)}: late)" if late and args.prefill != "late" else "")
@@ -116,13 +116,12 @@ def run(args) -> int:
     return 0
 
 
-def export(args, model, tokenizer, budgets, contexts, depths) -> int:
+def export(args, model, tokenizer, spec) -> int:
     from h2okv.eval.output import write_json
     from h2okv.eval.retrieval import export_prompts
 
     # the folder the model was loaded from: for built-in GGUF models, the converted checkpoint
-    exported = export_prompts(model.name_or_path, tokenizer, budgets, contexts, depths, args.trials, args.haystack,
-                              args.max_new_tokens, args.seed)
+    exported = export_prompts(model.name_or_path, tokenizer, spec)
     write_json(exported, args.export_prompts)
     print(f"wrote {len(exported['prompts'])} prompts of {exported['model']} to {args.export_prompts}")
     return 0
