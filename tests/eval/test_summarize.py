@@ -97,8 +97,8 @@ def test_malformed_jsonl_cli_is_one_line(tmp_path, capsys):
 def test_summarize_policies_budget_and_scores():
     model, tok = tiny_model("llama"), word_tokenizer()
     records = make_records(5)
-    out = S.summarize_policies(model, tok, records, ["full", "h2o"], budget=0.2, shots=1, limit=3,
-                               max_new_tokens=6, batch_size=2)
+    spec = S.SummarizeSpec(["full", "h2o"], budget=0.2, shots=1, limit=3, max_new_tokens=6, batch_size=2)
+    out = S.summarize_policies(model, tok, records, spec)
     full, h2o = out["results"]["full"], out["results"]["h2o"]
     assert full["items"] == h2o["items"] == 3
     assert len(out["samples"]) == 3 and all(s["id"] not in s["shots"] for s in out["samples"])
@@ -210,8 +210,8 @@ def test_chat_prompts_go_through_the_chat_template(tiny_dir, tmp_path, capsys):
     assert S.prompt_ids(tok, text, chat=True) == wrapped
     # every prompt of a run is wrapped: one user turn holding the whole k-shot prompt
     records = make_records(4)
-    out = S.summarize_policies(tiny_model("llama"), tok, records, ["full"], budget=0.2, shots=1, limit=2,
-                               max_new_tokens=3, chat=True)
+    spec = S.SummarizeSpec(["full"], budget=0.2, shots=1, limit=2, max_new_tokens=3, chat=True)
+    out = S.summarize_policies(tiny_model("llama"), tok, records, spec)
     for i, sample in enumerate(out["samples"]):
         prompt, _ = S.build_prompt(records, i, 1)
         assert sample["prompt_tokens"] == len(tok(prompt, add_special_tokens=False)["input_ids"]) + 3

@@ -27,6 +27,8 @@ import random
 import re
 import statistics
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -245,33 +247,48 @@ def prompt_ids(tokenizer, text: str, chat: bool = False) -> list[int]:
     return chat_prompt_ids(tokenizer, text) if chat else tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def summarize_policies(model, tokenizer, records: list[dict], policies: list[str], budget: float, shots: int,
-                       limit: int | None = None, max_new_tokens: int | None = None, batch_size: int = 1,
-                       chunk_size: int = 512, seed: int = 0, max_doc_words: int | None = None,
-                       chat: bool = False) -> dict:
-    """``max_new_tokens`` None: the records' ``max_tokens`` (request format), else 64. ``chat``: each
-    prompt goes through the tokenizer's chat template (see ``prompt_ids``)."""
+@dataclass(frozen=True)
+class SummarizeSpec:
+    """A summarization run: each policy at ``budget`` (a fraction of each prompt), ``shots`` solved
+    examples per prompt."""
+
+    policies: Sequence[str]
+    budget: float
+    shots: int
+    limit: int | None = None  # summarize the first N records
+    max_new_tokens: int | None = None  # None: the records' max_tokens (request format), else 64
+    batch_size: int = 1
+    chunk_size: int = 512
+    seed: int = 0  # of the choice of examples
+    max_doc_words: int | None = None  # truncate the documents in prompts
+    chat: bool = False  # each prompt through the tokenizer's chat template (see ``prompt_ids``)
+
+
+def summarize_policies(model, tokenizer, records: list[dict], spec: SummarizeSpec) -> dict:
+    """Every policy of ``spec`` summarizes the same prompts; ROUGE against the references, and
+    fidelity to the ``full`` policy's summaries where it runs."""
     from h2okv.eval.lm_eval_model import generate_batch
     from h2okv.generation import new_cache
 
     stops, lstrip = generation_stops(records)
+    max_new_tokens = spec.max_new_tokens
     if max_new_tokens is None:
         max_new_tokens = max((r.get("max_tokens") or 0 for r in records), default=0) or 64
 
-    test = list(range(len(records) if limit is None else min(limit, len(records))))
+    test = list(range(len(records) if spec.limit is None else min(spec.limit, len(records))))
     prompts, shot_ids = {}, {}
     for i in test:
-        text, chosen = build_prompt(records, i, shots, seed=seed, max_doc_words=max_doc_words)
-        prompts[i] = prompt_ids(tokenizer, text, chat)
+        text, chosen = build_prompt(records, i, spec.shots, seed=spec.seed, max_doc_words=spec.max_doc_words)
+        prompts[i] = prompt_ids(tokenizer, text, spec.chat)
         shot_ids[i] = chosen
     order = sorted(test, key=lambda i: -len(prompts[i]))
     results, predictions = {}, {}
-    for policy in policies:
+    for policy in spec.policies:
         outputs, kept = {}, []
         start = time.perf_counter()
-        for s in tqdm(range(0, len(order), batch_size), desc=f"summarize [{policy}]"):
-            batch = order[s : s + batch_size]
-            cache = new_cache(model, policy, budget, chunk_size=chunk_size)
+        for s in tqdm(range(0, len(order), spec.batch_size), desc=f"summarize [{policy}]"):
+            batch = order[s : s + spec.batch_size]
+            cache = new_cache(model, policy, spec.budget, chunk_size=spec.chunk_size)
             texts = generate_batch(model, tokenizer, [prompts[i] for i in batch], cache, max_new_tokens,
                                    stops=stops, lstrip=lstrip)
             for i, text in zip(batch, texts, strict=True):
@@ -287,11 +304,11 @@ def summarize_policies(model, tokenizer, records: list[dict], policies: list[str
         # fidelity to the full cache, apart from the model's own quality: how much eviction
         # changed what was written
         reference = [predictions["full"][i] for i in test]
-        for policy in policies:
+        for policy in spec.policies:
             results[policy].update(fidelity([predictions[policy][i] for i in test], reference))
     samples = [
         {"id": records[i]["id"], "shots": [records[j]["id"] for j in shot_ids[i]], "prompt_tokens": len(prompts[i]),
-         "reference": records[i]["summary"], "predictions": {p: predictions[p][i] for p in policies}}
+         "reference": records[i]["summary"], "predictions": {p: predictions[p][i] for p in spec.policies}}
         for i in test
     ]
     mean_prompt = sum(len(prompts[i]) for i in test) / max(len(test), 1)

@@ -47,7 +47,7 @@ def run(args) -> int:
     import json
     from pathlib import Path
 
-    from h2okv.eval.summarize import format_table, load_records, plot_rouge, summarize_policies
+    from h2okv.eval.summarize import SummarizeSpec, format_table, load_records, plot_rouge, summarize_policies
     from h2okv.models import load_model
 
     policies = [check_policy(x.strip()) for x in args.policies.split(",") if x.strip()]
@@ -63,11 +63,12 @@ def run(args) -> int:
 
     apply_threads(args.threads)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
-    out = summarize_policies(
-        model, tokenizer, records, policies, args.budget, args.shots, limit=args.limit,
-        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, chunk_size=args.chunk_size,
-        seed=args.seed, max_doc_words=args.max_doc_words, chat=args.chat,
+    spec = SummarizeSpec(
+        policies, args.budget, args.shots, limit=args.limit, max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size, chunk_size=args.chunk_size, seed=args.seed, max_doc_words=args.max_doc_words,
+        chat=args.chat,
     )
+    out = summarize_policies(model, tokenizer, records, spec)
     print(format_table(out["results"]))
     report = {
         "source": source,
