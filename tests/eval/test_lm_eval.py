@@ -237,6 +237,13 @@ def test_tasks_command_on_local_task(tiny_dir, task_dir, tmp_path, capsys):
     assert TASK in table and "full" in table and "h2o" in table
 
 
+def test_run_tasks_writes_the_builtin_task_for_the_run(tiny_dir):
+    spec = tasks_mod.TasksSpec([tasks_mod.SHAKESPEARE_TASK], ["full"], 0.2, model=str(tiny_dir), limit=2, batch_size=2)
+    results = tasks_mod.run_tasks(spec, local_items=8)
+    assert results["full"]["tasks"][tasks_mod.SHAKESPEARE_TASK]["items"] == 2
+    assert len(results["full"]["picked"][tasks_mod.SHAKESPEARE_TASK]) == 2
+
+
 def test_tasks_command_offline_dataset_is_one_line(tmp_path, monkeypatch, capsys):
     import datasets
 

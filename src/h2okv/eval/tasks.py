@@ -19,6 +19,8 @@ import random
 import re
 import tempfile
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from h2okv.corpus import read_play
@@ -179,9 +181,25 @@ def metrics_of(task_results: dict) -> dict:
     return out
 
 
-def evaluate_policies(tasks: list[str], policies: list[str], budget: float, model=None, limit=None,
-                      num_fewshot=None, include_paths=(), batch_size: int = 8, chunk_size: int = 1,
-                      device: str = "cpu", dtype=None) -> dict:
+@dataclass(frozen=True)
+class TasksSpec:
+    """An ``eval tasks`` run: lm-eval ``tasks`` scored with each policy, the budget a fraction of
+    each request's tokens (half heavy, half recent)."""
+
+    tasks: Sequence[str]
+    policies: Sequence[str]
+    budget: float
+    model: str | None = None  # what ``load_model`` takes; None: the embedded default
+    limit: int | None = None  # the first N documents of each task
+    num_fewshot: int | None = None
+    include_paths: Sequence[str] = ()  # directories of further task YAMLs
+    batch_size: int = 8  # requests scored together
+    chunk_size: int = 1  # tokens read between evictions: 1 = per-token Algorithm 1
+    device: str = "cpu"
+    dtype: str | None = None
+
+
+def evaluate_policies(spec: TasksSpec) -> dict:
     """``{policy: {"seconds": s, "tasks": {task: {metric: value}}}}`` from lm_eval.simple_evaluate."""
     import lm_eval
 
@@ -189,16 +207,17 @@ def evaluate_policies(tasks: list[str], policies: list[str], budget: float, mode
     from h2okv.eval.lm_eval_model import H2OLM
 
     offline.install()  # before any task is built: tasks with an offline copy never touch the hub
-    task_manager = task_manager_for(tasks, list(include_paths))
+    tasks = list(spec.tasks)
+    task_manager = task_manager_for(tasks, list(spec.include_paths))
     preflight(task_manager, tasks)
     results = {}
-    for policy in policies:
-        budget_args = fraction_keywords(policy, budget)
-        lm = H2OLM(pretrained=model or "", policy=policy, batch_size=batch_size, chunk_size=chunk_size,
-                   device=device, dtype=dtype, **budget_args)
+    for policy in spec.policies:
+        budget_args = fraction_keywords(policy, spec.budget)
+        lm = H2OLM(pretrained=spec.model or "", policy=policy, batch_size=spec.batch_size, chunk_size=spec.chunk_size,
+                   device=spec.device, dtype=spec.dtype, **budget_args)
         start = time.perf_counter()
         out = lm_eval.simple_evaluate(
-            model=lm, tasks=tasks, task_manager=task_manager, limit=limit, num_fewshot=num_fewshot,
+            model=lm, tasks=tasks, task_manager=task_manager, limit=spec.limit, num_fewshot=spec.num_fewshot,
             log_samples=True, bootstrap_iters=1000,
         )
         results[policy] = {
@@ -256,15 +275,14 @@ def format_table(results: dict) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
-def run_tasks(tasks: list[str], policies: list[str], budget: float, *, local_items: int = 160,
-              include_paths=(), **settings) -> dict:
-    """``evaluate_policies`` with the built-in local tasks (``LOCAL_TASKS``) written to a temporary
-    directory first, unless an include path already has them."""
+def run_tasks(spec: TasksSpec, local_items: int = 160) -> dict:
+    """``evaluate_policies`` with the built-in local tasks (``LOCAL_TASKS``, ``local_items`` items
+    each) written to a temporary directory first, unless an include path already has them."""
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    include = list(include_paths)
+    include = list(spec.include_paths)
     with tempfile.TemporaryDirectory(prefix="h2okv-tasks-") as tmp:
-        for name in tasks:
+        for name in spec.tasks:
             if name in LOCAL_TASKS and not any((Path(p) / f"{name}.yaml").exists() for p in include):
                 LOCAL_TASKS[name](Path(tmp) / name, n_items=local_items)
                 include.append(str(Path(tmp) / name))
-        return evaluate_policies(tasks, policies, budget, include_paths=include, **settings)
+        return evaluate_policies(replace(spec, include_paths=tuple(include)))

@@ -38,7 +38,7 @@ def run(args) -> int:
     from pathlib import Path
 
     from h2okv.eval import offline
-    from h2okv.eval.tasks import format_table, run_tasks
+    from h2okv.eval.tasks import TasksSpec, format_table, run_tasks
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     policies = [check_policy(p.strip()) for p in args.policies.split(",") if p.strip()]
@@ -47,10 +47,12 @@ def run(args) -> int:
     if not 0.0 < args.budget <= 1.0:
         raise H2OError(f"--budget must be in (0, 1], got {args.budget}")
     apply_threads(args.threads)
-    results = run_tasks(
-        tasks, policies, args.budget, local_items=args.local_items, include_paths=args.include_path, model=args.model, limit=args.limit, num_fewshot=args.num_fewshot,
-        batch_size=args.batch_size, chunk_size=args.chunk_size, device=args.device, dtype=args.dtype,
+    spec = TasksSpec(
+        tasks, policies, args.budget, model=args.model, limit=args.limit, num_fewshot=args.num_fewshot,
+        include_paths=tuple(args.include_path), batch_size=args.batch_size, chunk_size=args.chunk_size,
+        device=args.device, dtype=args.dtype,
     )
+    results = run_tasks(spec, local_items=args.local_items)
     print(format_table(results))
     report = {
         "command": "h2okv " + " ".join(sys.argv[1:]) if sys.argv and "h2okv" in Path(sys.argv[0]).name else None,
