@@ -41,28 +41,45 @@ What the cache adds, spelled out below:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
 from h2okv.policies import Policy, make_policy
 
 
-def reference_heads(q, k, v, policy: str | Policy, heavy: int, recent: int, calls, chunk: int, scale: float,
-                    late: bool = False, adaptive: float | None = None):
-    """Every KV head of one sequence in lock-step: ``q`` ``[Hkv, g, n, D]``, ``k`` ``[Hkv, n, D]``,
-    ``v`` ``[Hkv, n, Dv]``. Each head keeps its own tokens and scores, except under a head-shared
-    policy (``heads=shared``), where one list is kept and the lowest mean key over heads goes.
-    ``late``: a call of several tokens is read whole (no eviction inside it) and ranked once at
-    its end; ``adaptive``: head-adaptive budgets with that floor. Returns
-    ``(out [Hkv, g, n, Dv] float64, kept per head)``."""
+@dataclass(frozen=True)
+class Reading:
+    """How the loop reads one sequence: the budget ``heavy + recent`` (split by the policy), the
+    forward ``calls`` (``(start, stop)`` token ranges), each read in chunks of ``chunk``, the
+    attention ``scale``; ``late``: a call of several tokens is read whole (no eviction inside it)
+    and ranked once at its end; ``adaptive``: head-adaptive budgets with that floor."""
+
+    heavy: int
+    recent: int
+    calls: Sequence[tuple[int, int]]
+    chunk: int = 1
+    scale: float = 1.0
+    late: bool = False
+    adaptive: float | None = None
+
+
+def reference_heads(q, k, v, policy: str | Policy, reading: Reading):
+    """Every KV head of one sequence in lock-step, read as ``reading`` says: ``q`` ``[Hkv, g, n, D]``,
+    ``k`` ``[Hkv, n, D]``, ``v`` ``[Hkv, n, Dv]``. Each head keeps its own tokens and scores, except
+    under a head-shared policy (``heads=shared``), where one list is kept and the lowest mean key
+    over heads goes. Returns ``(out [Hkv, g, n, Dv] float64, kept per head)``."""
+    chunk, scale, late, adaptive = reading.chunk, reading.scale, reading.late, reading.adaptive
     policy = make_policy(policy)
     hkv = k.shape[0]
-    budget = policy.split(heavy, recent) if policy.evicts else None
+    budget = policy.split(reading.heavy, reading.recent) if policy.evicts else None
     sinks = min(policy.sink_tokens, budget.heavy) if budget else 0
     totals = [budget.total] * hkv if budget else None  # slots per head
     out = torch.zeros(hkv, q.shape[1], q.shape[2], v.shape[-1], dtype=torch.float64)
     kept: list[list[int]] = [[] for _ in range(hkv)]
     score: list[dict[int, float]] = [{} for _ in range(hkv)]
-    for c0, c1 in calls:
+    for c0, c1 in reading.calls:
         ranked_upfront = c1 - c0 > 1 and (chunk > 1 or late)
         upfront = [call_scores(policy, q[h], k[h], v[h], kept[h], c0, c1, scale) if ranked_upfront else None
                    for h in range(hkv)]
@@ -212,14 +229,13 @@ def call_scores(policy: Policy, q, k, v, kept: list[int], c0: int, c1: int, scal
     return dict(zip(kept + list(range(c0, c1)), old[0, 0].tolist() + new[0, 0].tolist(), strict=True))
 
 
-def reference(q, k, v, policy: str | Policy, heavy: int, recent: int, calls=None, chunk: int = 1, scale: float = 1.0,
-              late: bool = False, adaptive: float | None = None):
+def reference(q, k, v, policy: str | Policy, heavy: int, recent: int, calls=None, **reading):
     """Every KV head of one sequence: ``q`` ``[Hq, n, D]``, ``k``/``v`` ``[Hkv, n, D]``; ``calls``
-    defaults to one call of all ``n`` tokens; ``late``: each call ranked once, at its end (late
-    prefill). Returns ``(out [Hq, n, Dv], kept per KV head)``."""
+    defaults to one call of all ``n`` tokens; ``reading``: ``Reading``'s other fields by keyword
+    (``chunk=``, ``scale=``, ``late=``: each call ranked once, at its end; ``adaptive=``). Returns
+    ``(out [Hq, n, Dv], kept per KV head)``."""
     hkv, n = k.shape[0], k.shape[1]
     g = q.shape[0] // hkv
     calls = calls if calls is not None else [(0, n)]
-    out, kept = reference_heads(q.reshape(hkv, g, *q.shape[1:]), k, v, policy, heavy, recent, calls, chunk, scale, late,
-                                adaptive)
+    out, kept = reference_heads(q.reshape(hkv, g, *q.shape[1:]), k, v, policy, Reading(heavy, recent, calls, **reading))
     return out.reshape(hkv * g, *out.shape[2:]), kept
