@@ -159,7 +159,7 @@ def test_decay_fades_the_score_before_each_call_adds_its_mass(spec):
     folded = score.clone()
     p.accumulate(folded, mass)
     torch.testing.assert_close(folded, p.decay * score + mass)
-    assert p.fold == "decay" and p.decay < 1 and make_policy(spec.split(":")[0]).fold == "add"
+    assert p.decode_rule().fold == "decay" and p.decay < 1 and make_policy(spec.split(":")[0]).decode_rule().fold == "add"
     assert native_rule(p) is None and c_decode_rule(p) is not None
 
 

@@ -382,7 +382,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         # budget, unless the ranking made room for them inside it (``ranked_heavy``)
         policy = self.config.policy
         self.recent = self.recent + policy.tail
-        self.tail_slots = 0 if getattr(policy, "tail_in_budget", 0) else policy.tail
+        self.tail_slots = 0 if policy.tail_in_budget else policy.tail
         self.refresh()
 
     def ranked_heavy(self) -> torch.Tensor:
@@ -390,7 +390,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         tail where the tail counts inside the budget (``kvzip:tail_in_budget=1``), never fewer
         than the sinks (the rule that always leaves a candidate to evict)."""
         policy = self.config.policy
-        if not getattr(policy, "tail_in_budget", 0):
+        if not policy.tail_in_budget:
             return self.heavy
         return torch.maximum(self.heavy - policy.tail, self.sinks)
 

@@ -107,6 +107,8 @@ def rank_by_probes(model, cache, calls: list[torch.Tensor]) -> None:
     """Read the probe ``calls`` (``probes``' output, already built: the server builds them where
     its tokenizer lives) on top of ``cache``, which has read its prompt whole and not been ranked,
     then evict every layer to its budget by the scores they give."""
+    if not cache.policy.ranks_by_reconstruction:  # only such a policy has the probe's hooks
+        raise H2OError(f"rank_by_probes ranks a cache whose policy ranks by reconstruction, not {cache.policy.spec!r}")
     for layer in cache.layers:
         layer.start_probe()
     try:

@@ -7,7 +7,7 @@ option); the ranking policies take ``heads=shared`` (``tova:heads=shared``), one
 from __future__ import annotations
 
 from h2okv.errors import H2OError
-from h2okv.policies.base import HEADS_CHOICES, Budget, Policy
+from h2okv.policies.base import HEADS_CHOICES, Budget, Policy, ScoreRule
 from h2okv.policies.expected import ExpectedAttentionPolicy
 from h2okv.policies.full import FullPolicy
 from h2okv.policies.h2o import H2OPolicy
@@ -17,6 +17,7 @@ from h2okv.policies.knorm import KnormPolicy
 from h2okv.policies.kvzip import KVzipPolicy
 from h2okv.policies.local import LocalPolicy
 from h2okv.policies.random import RandomPolicy
+from h2okv.policies.reconstruction import ReconstructionPolicy
 from h2okv.policies.rkv import RKVPolicy
 from h2okv.policies.sink import SinkPolicy
 from h2okv.policies.snapkv import SnapKVPolicy
@@ -83,4 +84,5 @@ def make_policy(spec: str | Policy, seed: int = 0, **options) -> Policy:
     return cls(seed=seed, **{**parsed, **options})
 
 
-__all__ = ["Budget", "POLICIES", "Policy", "make_policy", "parse_policy_spec", "policy_class", "refuse_reconstruction"]
+__all__ = ["Budget", "POLICIES", "Policy", "ReconstructionPolicy", "ScoreRule", "make_policy", "parse_policy_spec",
+           "policy_class", "refuse_reconstruction"]

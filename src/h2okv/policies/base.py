@@ -12,12 +12,20 @@ layer:
   updates the per-slot score (summed, replaced by the last query's, ...);
 - ``eviction_key``: the rank of each slot (lower = evicted first); a policy that sets
   ``ranks_by_keys`` is also handed the layer's keys and live slots (``rkv``: a key's redundancy);
+- ``decode_rule``: what ``accumulate`` and ``eviction_key`` compute, as a ``ScoreRule`` the
+  compiled kernels know, or None (the tensor-op step runs the hooks themselves);
 - ``prefill_scores``: optionally, scores for a whole prompt computed before it is chunked
-  (SnapKV's look-back window, Expected Attention's query statistics);
+  (SnapKV's look-back window, Expected Attention's query statistics; ``ranks_upfront`` says so);
 - ``key_scores``: optionally, the score a token starts with, from its key alone, when it is
-  written (Knorm); else it starts at zero;
+  written (Knorm; ``scores_keys`` says so); else it starts at zero;
 - ``shared_heads``: whether the rank is averaged over the KV heads of a layer, so every head keeps
   the same tokens (option ``heads=shared`` of the score policies, as kvpress's TOVA).
+
+Nothing is inferred from which hooks a subclass overrides: a subclass that changes ``accumulate``
+or ``eviction_key`` says its ``decode_rule`` anew, and one that adds ``prefill_scores`` or
+``key_scores`` sets ``ranks_upfront`` or ``scores_keys`` (tests/policies/test_declared_rules.py
+holds every registered policy to this). A policy ranked by a reconstruction pass (``kvzip``)
+follows ``ReconstructionPolicy`` (``reconstruction.py``) as well.
 
 A policy's options are declared once, as ``Option``s in ``declared`` (name, type, default, check):
 ``make_policy`` parses them, ``__init__`` checks and sets them, ``spec`` writes them back.
@@ -43,6 +51,23 @@ class Budget:
     @property
     def total(self) -> int:
         return self.heavy + self.recent
+
+
+@dataclass(frozen=True)
+class ScoreRule:
+    """What a policy's ``accumulate`` and ``eviction_key`` compute, declared for the compiled
+    kernels (native C, Triton: ``core/native/rules.py``), which run a policy by this alone.
+
+    ``fold``: how a step's mass joins the score: "add" it, "replace" the score with it, or "decay"
+    (the score times ``decay``, then the mass added); None for a policy that takes no mass
+    (``needs_scores`` False). ``rank``: what the eviction ranks by: the "score", the score per
+    query that saw the key ("mean"), the "ordinal" (oldest first), or "rkv" (``weight`` times the
+    importance less the rest times the keys' redundancy, ``rkv.py``)."""
+
+    fold: str | None
+    rank: str
+    decay: float = 1.0
+    weight: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -82,15 +107,12 @@ class Policy:
     options: dict[str, type] = {}
     #: rank by the mean over the layer's KV heads (one kept set per layer); see ``heads_option``
     shared_heads: bool = False
-    #: the prompt is ranked by a reconstruction pass (``h2okv.reconstruct``, ``kvzip.py``), not by
-    #: its own attention: the cache holds it whole until that pass has run
+    #: the prompt is ranked by a reconstruction pass (``h2okv.reconstruct``): such a policy is a
+    #: ``ReconstructionPolicy`` (``reconstruction.py``), and the core asks its probe hooks only then
     ranks_by_reconstruction: bool = False
-    #: tokens read after that ranking (the question, the answer) kept whole on top of the budget
-    #: (``kvzip``'s ``tail`` option); 0: evicted back to the budget like any other
+    #: tokens kept whole on top of the budget after that ranking (``ReconstructionPolicy.tail``);
+    #: here as well because the server sizes every request by it (``serve/engine.py``)
     tail: int = 0
-    #: the prompt's last queries whose attention joins that ranking (``kvzip``'s ``question``
-    #: option, ``question_scores``); 0: the reconstruction alone ranks
-    question: int = 0
     #: ``prefill_scores`` ranks a whole multi-token call before it is chunked (``snapkv``, ``expected``)
     ranks_upfront: bool = False
     #: ``key_scores`` gives a written token a starting score from its key (``knorm``)
@@ -99,40 +121,10 @@ class Policy:
     #: key is to the others kept): the core then passes ``keys`` ``[B, H, cap, D]`` and ``valid``
     #: ``[B, H, cap]`` as keywords (the other policies' key is asked without them)
     ranks_by_keys: bool = False
-    # The rule, declared for the compiled kernels (native C, Triton: ``core/native/rules.py``),
-    # which implement these and nothing else; a policy whose hooks compute something else says
-    # None and runs the tensor-op step. tests/policies/test_declared_rules.py holds each policy's
-    # hooks to what it declares.
-    #: how ``accumulate`` folds a step's mass into the score: "add" it, "replace" the score with it
-    fold: str | None = "add"
-    #: what ``eviction_key`` ranks by: the "score", the score per query that saw the key ("mean"),
-    #: the "ordinal" (oldest first)
-    rank: str | None = None
-
-    def smooth_probe(self, scores, ordinal, valid):
-        """A policy ranked by reconstruction may reshape the probe's per-slot scores before its
-        one eviction (``kvzip``'s ``kernel``); as they are by default."""
-        return scores
-
-    def question_scores(self, query, key_new, old_keys, old_valid, new_real, scaling):
-        """A policy ranked by reconstruction may start the prompt's scores at its question's
-        attention (``kvzip:question=W``): ``(old, new)`` as ``prefill_scores``; None by default."""
-        return None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls.options = {o.name: o.type for o in cls.declared} | ({"heads": str} if cls.ranks_heads else {})
-        # A subclass that overrides a hook of the rule without declaring the rule anew computes
-        # something the kernels do not know: it runs the tensor-op step.
-        own = vars(cls)
-        if "accumulate" in own and "fold" not in own:
-            cls.fold = None
-        if "eviction_key" in own and "rank" not in own:
-            cls.rank = None
-        if "key_scores" in own and "scores_keys" not in own:
-            cls.scores_keys = True
-        if "prefill_scores" in own and "ranks_upfront" not in own:
-            cls.ranks_upfront = True
 
     def __init__(self, seed: int = 0, **options):
         self.seed = seed
@@ -160,6 +152,12 @@ class Policy:
         """The policy's own options as ``NAME=VALUE`` strings (``heads`` is added by ``spec``)."""
         values = [(o, getattr(self, o.attribute or o.name)) for o in self.declared]
         return [f"{o.name}={value}" for o, value in values if o.shown or value != o.default]
+
+    def decode_rule(self) -> ScoreRule | None:
+        """The rule ``accumulate`` and ``eviction_key`` follow, from this policy's options, or None:
+        a rule the compiled kernels do not implement, which the tensor-op step runs by the hooks
+        themselves (the default: a policy says its rule)."""
+        return None
 
     def split(self, heavy: int, recent: int) -> Budget:
         """How a (heavy, recent) budget is used by this policy; the total is always kept."""

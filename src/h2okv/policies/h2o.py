@@ -10,7 +10,7 @@ however much the first steps gave it. The C decode step knows this fold ("decay"
 scan (a decay per call, not per token) and Triton do not, and run the tensor-op step.
 """
 
-from h2okv.policies.base import Option, Policy
+from h2okv.policies.base import Option, Policy, ScoreRule
 
 # how the score folds older mass: 1 keeps it all (the sum); below 1, a geometric window
 DECAY = Option("decay", float, 1.0, lambda v: 0.0 < v <= 1.0, "in (0, 1]", shown=False)
@@ -20,15 +20,12 @@ class H2OPolicy(Policy):
     name = "h2o"
     needs_scores = True
     ranks_heads = True
-    fold = "add"
-    rank = "score"
     declared = (DECAY,)
     decay = 1.0  # subclasses that declare their own options and not this one keep the sum
 
-    def __init__(self, seed: int = 0, **options):
-        super().__init__(seed, **options)
-        if self.decay < 1.0:
-            self.fold = "decay"  # the C decode step's; the scan and Triton run the tensor-op step
+    def decode_rule(self):
+        # below 1 the score fades first: "decay", which only the C and Triton decode steps know
+        return ScoreRule(fold="decay" if self.decay < 1.0 else "add", rank="score", decay=self.decay)
 
     def accumulate(self, score, mass):
         if self.decay < 1.0:

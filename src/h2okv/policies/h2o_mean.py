@@ -7,12 +7,16 @@ attention instead. Evicted tokens are seen by no later query, but they are gone,
 of a live token is exact.
 """
 
+from dataclasses import replace
+
 from h2okv.policies.h2o import H2OPolicy
 
 
 class H2OMeanPolicy(H2OPolicy):
     name = "h2o-mean"
-    rank = "mean"
+
+    def decode_rule(self):
+        return replace(super().decode_rule(), rank="mean")  # h2o's fold (its decay), the mean's rank
 
     def eviction_key(self, score, ordinal, n_real, layer_idx=0):
         # free slots may hold stale ordinals >= n_real: clamp, the core masks them out anyway

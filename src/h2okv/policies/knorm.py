@@ -12,7 +12,7 @@ pairs of coordinates and so leaves them unchanged. Question-agnostic: the questi
 
 import torch
 
-from h2okv.policies.base import Policy
+from h2okv.policies.base import Policy, ScoreRule
 
 NORM_MAX = 60000.0  # below float16's largest finite value
 
@@ -21,7 +21,10 @@ class KnormPolicy(Policy):
     name = "knorm"
     ranks_heads = True
     scores_keys = True
-    rank = "score"
+
+    def decode_rule(self):
+        # the kernels start a slot at 0, not at its key's score: they never run it (``scores_keys``)
+        return ScoreRule(fold=None, rank="score")
 
     def key_scores(self, keys):
         # Rounded to float16's 11 significant bits: the same token id at two positions has the

@@ -51,14 +51,16 @@ import torch.nn.functional as F
 
 from h2okv.policies.base import Option
 from h2okv.policies.h2o import H2OPolicy
+from h2okv.policies.reconstruction import ReconstructionPolicy
 from h2okv.policies.window import window_probs
 
 SINKS = 4
 
 
-class KVzipPolicy(H2OPolicy):
+class KVzipPolicy(ReconstructionPolicy, H2OPolicy):
+    """Ranked by the probe (``ReconstructionPolicy``), then decoded as ``h2o`` (its rule and hooks)."""
+
     name = "kvzip"
-    ranks_by_reconstruction = True
     sink_tokens = SINKS
     ranks_heads = True
     declared = (

@@ -2,12 +2,14 @@
 
 import torch
 
-from h2okv.policies.base import Budget, Policy
+from h2okv.policies.base import Budget, Policy, ScoreRule
 
 
 class LocalPolicy(Policy):
     name = "local"
-    rank = "ordinal"
+
+    def decode_rule(self):
+        return ScoreRule(fold=None, rank="ordinal")  # no attention mass: the oldest goes
 
     def split(self, heavy, recent):
         return Budget(0, heavy + recent)

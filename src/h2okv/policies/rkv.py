@@ -37,6 +37,8 @@ the tensor-op steps.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from h2okv.policies.base import Option
@@ -49,7 +51,6 @@ NORM_EPS = 1e-12  # a zero key has no direction: its unit key is zero, alike to 
 class RKVPolicy(H2OPolicy):
     name = "rkv"
     ranks_by_keys = True
-    rank = "rkv"  # the C decode step's rule (core/native/rules.py); tests/policies/test_declared_rules.py
     # The per-token scan (core/scan.py) ranks in its own layout (old slots, then the call's
     # tokens), which is safe for a key that depends only on its arguments. This one does: the live
     # set (``valid``), its scores and its keys, summed over that set whatever the slots' order, and
@@ -63,10 +64,13 @@ class RKVPolicy(H2OPolicy):
                 # R-KV's threshold (0.5) for "alike": each key's latest copy is spared (0: off)
                 Option("copies", float, 0.0, lambda v: 0.0 <= v < 1.0, "in [0, 1)", shown=False))
 
-    def __init__(self, seed: int = 0, **options):
-        super().__init__(seed, **options)
+    def decode_rule(self):
+        """h2o's fold (its decay) and the rank "rkv", which the C and Triton decode steps compute
+        (core/native/rules.py); with ``kernel`` or ``copies`` the key also reads the slots' token
+        order (pooling, the latest copy), which they do not: the tensor-op step."""
         if self.kernel > 1 or self.copies > 0:
-            self.rank = None  # token order (pooling, the latest copy): rules the C step does not know
+            return None
+        return replace(super().decode_rule(), rank="rkv", weight=self.weight)
 
     def eviction_key(self, score, ordinal, n_real, layer_idx=0, *, keys=None, valid=None):
         """``weight * I - (1 - weight) * R`` of every slot ``[..., cap]`` (see the module docstring);

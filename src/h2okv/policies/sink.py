@@ -2,13 +2,15 @@
 
 import torch
 
-from h2okv.policies.base import Budget, Policy
+from h2okv.policies.base import Budget, Policy, ScoreRule
 
 
 class SinkPolicy(Policy):
     name = "sink"
     sink_tokens = 4
-    rank = "ordinal"
+
+    def decode_rule(self):
+        return ScoreRule(fold=None, rank="ordinal")  # no attention mass: the oldest goes
 
     def split(self, heavy, recent):
         total = heavy + recent

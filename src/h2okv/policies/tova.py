@@ -6,7 +6,7 @@ each row's last real token of the chunk. The recent window and the budget split 
 as for every policy.
 """
 
-from h2okv.policies.base import Policy
+from h2okv.policies.base import Policy, ScoreRule
 
 
 class TOVAPolicy(Policy):
@@ -14,8 +14,9 @@ class TOVAPolicy(Policy):
     needs_scores = True
     ranks_heads = True
     score_queries = "last"
-    fold = "replace"
-    rank = "score"
+
+    def decode_rule(self):
+        return ScoreRule(fold="replace", rank="score")
 
     def accumulate(self, score, mass):
         score.copy_(mass)  # last step only

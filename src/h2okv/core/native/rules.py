@@ -2,8 +2,9 @@
 
 The kernels know two ways to fold attention mass into a score (add it, or replace the score with
 it) and three ranks (the score, the score per query that saw the key, the ordinal). A policy
-declares which it follows (``Policy.fold`` and ``Policy.rank``); one that declares something else
-(None) runs the tensor-op step, so the kernels never compute a rule they do not know.
+declares which it follows (``Policy.decode_rule()``: a ``ScoreRule``, computed from its options);
+one that declares None, or a rule they do not know, runs the tensor-op step, so the kernels never
+compute a rule they do not know.
 The C decode step knows two rules more (``c_decode_rule``): a fold that fades the old score
 first (``h2o:decay``: "decay") and ``rkv``'s rank from the keys ("rkv"), and so does the fused
 Triton decode step (``core/triton_step.py``). The per-token scan does not (a decay applies once
@@ -35,20 +36,27 @@ class DecodeRule(NamedTuple):
 
 def native_rule(policy, folds=FOLDS, ranks=RANKS) -> tuple[int, int] | None:
     """``(accumulate code, key code)`` for ``policy``, or None when the kernels do not know its rule."""
-    acc = folds.get(policy.fold) if policy.needs_scores else ACC_NONE
-    key = ranks.get(policy.rank)
-    if acc is None or key is None or not policy.evicts:
+    return _codes(policy, policy.decode_rule(), folds, ranks)
+
+
+def c_decode_rule(policy) -> DecodeRule | None:
+    """``native_rule`` for the C decode step, which also knows "decay" and "rkv"."""
+    declared = policy.decode_rule()
+    codes = _codes(policy, declared, C_DECODE_FOLDS, C_DECODE_RANKS)
+    if codes is None:
+        return None
+    return DecodeRule(*codes, decay=float(declared.decay), weight=float(declared.weight))
+
+
+def _codes(policy, declared, folds, ranks) -> tuple[int, int] | None:
+    if declared is None or not policy.evicts:
+        return None
+    acc = folds.get(declared.fold) if policy.needs_scores else ACC_NONE
+    key = ranks.get(declared.rank)
+    if acc is None or key is None:
         return None
     # the C loops rank each head alone and start every new slot at score 0: a rank shared over
     # heads, or a starting score taken from the key (knorm), is a rule they do not know
     if policy.shared_heads or policy.scores_keys:
         return None
     return acc, key
-
-
-def c_decode_rule(policy) -> DecodeRule | None:
-    """``native_rule`` for the C decode step, which also knows "decay" and "rkv"."""
-    rule = native_rule(policy, C_DECODE_FOLDS, C_DECODE_RANKS)
-    if rule is None:
-        return None
-    return DecodeRule(*rule, decay=float(getattr(policy, "decay", 1.0)), weight=float(getattr(policy, "weight", 0.0)))

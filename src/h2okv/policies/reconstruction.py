@@ -1,0 +1,34 @@
+"""The protocol of a policy whose prompt is ranked by a reconstruction pass (``kvzip``).
+
+Such a policy holds a prompt whole until ``h2okv.reconstruct`` (``core/reconstruction.py``) has fed
+the model a probe on top of it; the core then asks it the hooks below, and only then (it checks
+``ranks_by_reconstruction`` first): the other policies have no probe and none of these members.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from h2okv.policies.base import Policy
+
+
+class ReconstructionPolicy(Policy):
+    ranks_by_reconstruction = True
+    #: tokens read after the ranking (the question, the answer) kept whole on top of the budget
+    #: (``kvzip``'s ``tail`` option); 0: evicted back to the budget like any other
+    tail: int = 0
+    #: 1: that tail counts inside the budget, the ranking keeps ``tail`` fewer heavy slots
+    tail_in_budget: int = 0
+    #: the prompt's last queries whose attention joins the ranking (``question_scores``); 0: the
+    #: reconstruction alone ranks
+    question: int = 0
+
+    def smooth_probe(self, scores: torch.Tensor, ordinal: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The probe's per-slot scores ``[B, H, cap]``, reshaped before the one eviction (``kvzip``'s
+        ``kernel``); as they are by default."""
+        return scores
+
+    def question_scores(self, query, key_new, old_keys, old_valid, new_real, scaling):
+        """Scores the prompt starts at before the probe adds its own (``kvzip:question=W``): ``(old,
+        new)`` as ``prefill_scores``; None by default (the probe alone ranks)."""
+        return None
