@@ -1,23 +1,44 @@
-"""Every policy's declared rule (``fold``, ``rank``, ``scores_keys``, ``ranks_upfront``) is what its
+"""Every policy's declared rule (``decode_rule()``, ``scores_keys``, ``ranks_upfront``) is what its
 hooks compute: the native C and Triton steps run a policy by its declaration alone
-(``core/native/rules.py``), so a declaration that lies would run the wrong rule there."""
+(``core/native/rules.py``), so a declaration that lies would run the wrong rule there. Nothing is
+inferred from which hooks a class overrides: a class that overrides one declares its rule where
+it does (``undeclared_hooks``), or a subclass would run its parent's rule in the kernels."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from h2okv.core.native.rules import C_DECODE_FOLDS, C_DECODE_RANKS, FOLDS, RANKS, c_decode_rule, native_rule
-from h2okv.policies import POLICIES, H2OPolicy, Policy, make_policy
+from h2okv.core.native.rules import (
+    ACC_REPLACE,
+    C_DECODE_FOLDS,
+    C_DECODE_RANKS,
+    FOLDS,
+    KEY_SCORE,
+    RANKS,
+    c_decode_rule,
+    native_rule,
+)
+from h2okv.core.reconstruction import rank_by_probes
+from h2okv.errors import H2OError
+from h2okv.policies import POLICIES, H2OPolicy, Policy, ReconstructionPolicy, ScoreRule, make_policy
 
 # what each declared rule means, written out (the kernels compute these and nothing else)
-FOLD_RULES = {"add": lambda score, mass, p: score + mass, "replace": lambda score, mass, p: mass.clone(),
-              "decay": lambda score, mass, p: p.decay * score + mass}
-RANK_RULES = {"score": lambda score, ordinal, n, keys, p: score,
-              "mean": lambda score, ordinal, n, keys, p: score / (n - ordinal).clamp(min=1),
-              "ordinal": lambda score, ordinal, n, keys, p: ordinal.float(),
-              "rkv": lambda score, ordinal, n, keys, p: rkv_rule(score, keys, p.weight)}
-# every policy, and the options that change its declared rule
-SPECS = [*sorted(POLICIES), "h2o:decay=0.8", "snapkv:decay=0.9", "rkv:weight=0.5,decay=0.7", "rkv:heads=shared",
-         "rkv:kernel=3"]
+FOLD_RULES = {"add": lambda score, mass, rule: score + mass, "replace": lambda score, mass, rule: mass.clone(),
+              "decay": lambda score, mass, rule: rule.decay * score + mass}
+RANK_RULES = {"score": lambda score, ordinal, n, keys, rule: score,
+              "mean": lambda score, ordinal, n, keys, rule: score / (n - ordinal).clamp(min=1),
+              "ordinal": lambda score, ordinal, n, keys, rule: ordinal.float(),
+              "rkv": lambda score, ordinal, n, keys, rule: rkv_rule(score, keys, rule.weight)}
+# a value other than the default for every option of every policy: each is tested alone below, so
+# an option that changes a policy's rule is held to its hooks too (a new option needs one here)
+OTHER_VALUES = {"decay": 0.8, "weight": 0.5, "kernel": 3, "copies": 0.5, "window": 8, "pool": "max", "chunk": 4,
+                "future": 16, "sinks": 2, "tail": 0, "question": 4, "tail_in_budget": 1, "heads": "shared"}
+SPECS = [*sorted(POLICIES),
+         *(f"{name}:{option}={OTHER_VALUES[option]}" for name, cls in sorted(POLICIES.items())
+           for option in cls.options if option in OTHER_VALUES),
+         "rkv:weight=0.5,decay=0.7"]
+HOOKS = ("accumulate", "eviction_key")  # the hooks a ScoreRule stands for
 
 
 def rkv_rule(score, keys, weight):
@@ -36,40 +57,70 @@ def random_state(seed=0):
     return score, ordinal, torch.full((2, 1, 1), 12)
 
 
+def undeclared_hooks(cls) -> list[str]:
+    """The hooks ``cls`` computes with a class below the one that wrote its ``decode_rule``: that
+    rule was declared for other hooks (a subclass of ``h2o`` that halves the mass would run "add")."""
+    mro = cls.__mro__
+
+    def written_at(name):
+        return mro.index(next(c for c in mro if name in vars(c)))
+
+    return [hook for hook in HOOKS if written_at(hook) < written_at("decode_rule")]
+
+
+def test_every_option_of_every_policy_is_held_to_its_rule():
+    assert {option for cls in POLICIES.values() for option in cls.options} <= OTHER_VALUES.keys()
+    assert FOLD_RULES.keys() == C_DECODE_FOLDS.keys() and RANK_RULES.keys() == C_DECODE_RANKS.keys()
+
+
 @pytest.mark.parametrize("name", SPECS)
 def test_the_hooks_compute_the_declared_rule(name):
     policy = make_policy(name)
+    rule = policy.decode_rule()
     score, ordinal, n_real = random_state()
-    if policy.fold is not None and policy.needs_scores:
-        mass = torch.rand_like(score)
-        folded = score.clone()
-        policy.accumulate(folded, mass)
-        torch.testing.assert_close(folded, FOLD_RULES[policy.fold](score, mass, policy))
-    if policy.rank is not None:
+    if rule is not None:
+        assert (rule.fold is None) == (not policy.needs_scores)  # a fold exactly where mass arrives
+        if rule.fold is not None:
+            mass = torch.rand_like(score)
+            folded = score.clone()
+            policy.accumulate(folded, mass)
+            torch.testing.assert_close(folded, FOLD_RULES[rule.fold](score, mass, rule))
         keys = torch.randn(*score.shape, 8, generator=torch.Generator().manual_seed(1))
         by_keys = {"keys": keys, "valid": torch.ones_like(score, dtype=torch.bool)} if policy.ranks_by_keys else {}
         torch.testing.assert_close(policy.eviction_key(score, ordinal, n_real, **by_keys).float(),
-                                   RANK_RULES[policy.rank](score, ordinal, n_real, keys, policy).float())
+                                   RANK_RULES[rule.rank](score, ordinal, n_real, keys, rule).float())
     keys = torch.randn(2, 3, 5, 8)
     assert policy.scores_keys == (policy.key_scores(keys) is not None)
     assert policy.ranks_upfront == (type(policy).prefill_scores is not Policy.prefill_scores)
 
 
 @pytest.mark.parametrize("name", SPECS)
+def test_a_policy_that_overrides_a_hook_declares_its_rule_with_it(name):
+    """A rule the kernels would run is written no higher in the class tree than its hooks."""
+    policy = make_policy(name)
+    if policy.decode_rule() is not None:
+        assert undeclared_hooks(type(policy)) == []
+
+
+@pytest.mark.parametrize("name", SPECS)
 def test_a_policy_runs_natively_exactly_when_its_rule_is_declared_and_known(name):
     """The scan and Triton know FOLDS and RANKS; the C decode step those and "decay", "rkv"."""
     policy = make_policy(name)
+    rule = policy.decode_rule()
 
     def known(folds, ranks):
-        return (policy.evicts and policy.rank in ranks and not policy.scores_keys and not policy.shared_heads
-                and (policy.fold in folds or not policy.needs_scores))
+        return (rule is not None and policy.evicts and rule.rank in ranks and not policy.scores_keys
+                and not policy.shared_heads and (rule.fold in folds or not policy.needs_scores))
 
     assert (native_rule(policy) is not None) == known(FOLDS, RANKS)
-    assert (c_decode_rule(policy) is not None) == known(C_DECODE_FOLDS, C_DECODE_RANKS)
+    decode = c_decode_rule(policy)
+    assert (decode is not None) == known(C_DECODE_FOLDS, C_DECODE_RANKS)
+    if decode is not None:  # the C and Triton steps read the declared numbers
+        assert (decode.decay, decode.weight) == (rule.decay, rule.weight)
     assert FOLDS.keys() <= C_DECODE_FOLDS.keys() and RANKS.keys() <= C_DECODE_RANKS.keys()
 
 
-def test_a_subclass_that_overrides_a_hook_without_declaring_runs_the_tensor_op_step():
+def test_a_subclass_that_overrides_a_hook_and_inherits_the_rule_is_caught():
     class Halved(H2OPolicy):
         def accumulate(self, score, mass):
             score.add_(mass / 2)
@@ -79,12 +130,32 @@ def test_a_subclass_that_overrides_a_hook_without_declaring_runs_the_tensor_op_s
             return -score
 
     class Declared(H2OPolicy):
-        fold = "replace"
+        def decode_rule(self):
+            return ScoreRule(fold="replace", rank="score")
 
         def accumulate(self, score, mass):
             score.copy_(mass)
 
-    assert Halved.fold is None and native_rule(Halved()) is None
-    assert Fresh.rank is None and native_rule(Fresh()) is None
-    assert native_rule(Declared()) is not None and Declared.fold == "replace"
-    assert H2OPolicy.fold == "add" and H2OPolicy.rank == "score"  # the parents keep theirs
+    class Eager(H2OPolicy):
+        def decode_rule(self):
+            return None  # the tensor-op step runs the hooks
+
+        def accumulate(self, score, mass):
+            score.add_(mass / 2)
+
+    # nothing is inferred: Halved would run h2o's "add" in the kernels, which the check refuses
+    assert undeclared_hooks(Halved) == ["accumulate"] and native_rule(Halved()) is not None
+    assert undeclared_hooks(Fresh) == ["eviction_key"]
+    assert undeclared_hooks(Declared) == [] and native_rule(Declared()) == (ACC_REPLACE, KEY_SCORE)
+    assert undeclared_hooks(Eager) == [] and native_rule(Eager()) is None and c_decode_rule(Eager()) is None
+    assert undeclared_hooks(H2OPolicy) == []  # the parents keep theirs
+
+
+def test_only_reconstruction_policies_carry_the_probe_hooks():
+    for cls in POLICIES.values():
+        assert cls.ranks_by_reconstruction == issubclass(cls, ReconstructionPolicy)
+        if not cls.ranks_by_reconstruction:
+            assert not any(hasattr(cls, m) for m in ("smooth_probe", "question_scores", "question", "tail_in_budget"))
+    # the core asks those hooks only of such a policy: the pass refuses any other before it starts
+    with pytest.raises(H2OError, match="ranks by reconstruction"):
+        rank_by_probes(None, SimpleNamespace(policy=make_policy("h2o"), layers=[]), [])
