@@ -7,11 +7,14 @@ import sys
 import pytest
 import torch
 
-from h2okv import H2OCache, H2OError
+from h2okv import (
+    CacheSettings,  # exported at the top level, as the library guide shows
+    H2OCache,
+    H2OError,
+)
 from h2okv.core.compat import cache_arg
 from h2okv.recipes import RECIPE_NAMES
 from h2okv.serve.eviction import EvictionDefaults
-from h2okv import CacheSettings  # exported at the top level, as the library guide shows
 
 
 def read(model, cache, length=60):

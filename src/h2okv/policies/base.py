@@ -125,6 +125,14 @@ class Policy:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls.options = {o.name: o.type for o in cls.declared} | ({"heads": str} if cls.ranks_heads else {})
+        # Fail closed: a class that changes how scores fold or rank must say which rule the kernels
+        # may run (or None: the tensor-op step), or the C and Triton steps would run its parent's
+        # rule, not its hooks. Nothing is derived from the overrides: a missing declaration is an error.
+        own = vars(cls)
+        if any(hook in own for hook in ("accumulate", "eviction_key")) and "decode_rule" not in own:
+            hooks = " and ".join(hook for hook in ("accumulate", "eviction_key") if hook in own)
+            raise TypeError(f"{cls.__name__} overrides {hooks}: declare its decode_rule() in the same class "
+                            f"(None runs the tensor-op step; the kernels otherwise run the parent's rule)")
 
     def __init__(self, seed: int = 0, **options):
         self.seed = seed

@@ -13,6 +13,9 @@ class RandomPolicy(Policy):
         super().__init__(seed, **options)
         self._generator: dict[tuple[torch.device, int], torch.Generator] = {}
 
+    def decode_rule(self):
+        return None  # a seeded draw per layer: no kernel knows it, the tensor-op step runs it
+
     def eviction_key(self, score, ordinal, n_real, layer_idx=0):
         # one stream per layer: the draws of a layer do not depend on how the forward calls
         # interleave layers (one pass over a whole text == a token-by-token loop)
