@@ -119,12 +119,13 @@ def test_drive_with_poisson_arrivals(tiny):
 
     from h2okv.bench.serve import drive, poisson_arrivals
     from h2okv.serve import create_app, running_server
+    from h2okv.serve.engine import EngineOptions
 
     model, tok = tiny
     arrivals = poisson_arrivals(6, rate=10.0, seed=3)
     payloads = [{"model": "t", "prompt": [65 + i] * 8, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
                 for i in range(6)]
-    with running_server(create_app(model, tok, model_name="t", prefill_chunk=16)) as url:
+    with running_server(create_app(model, tok, model_name="t", options=EngineOptions(prefill_chunk=16))) as url:
         report = asyncio.run(drive(url, payloads, concurrency=6, arrivals=arrivals))
     assert report.summary["ok"] == 6 and report.summary["completion_tokens"] == 24
     assert report.wall_s >= arrivals[-1] > 0

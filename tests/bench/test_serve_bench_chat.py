@@ -4,7 +4,7 @@ each policy with the prefix store and without; the store's runs read only the ne
 import pytest
 
 import h2okv.eval.qa_data as qa_data
-from h2okv.bench.chat import chat_bench, conversations
+from h2okv.bench.chat import ChatBenchOptions, chat_bench, conversations
 from h2okv.tools.tiny_chat import tiny_chat_model
 from qa_requests import coqa_docs, install
 
@@ -22,10 +22,10 @@ TEXT = ". ".join(f"Sentence number {i} of a long and quiet essay about nothing i
 
 def test_turns_after_the_first_resume_with_the_store_and_reread_without():
     model, tok = tiny_chat_model(layers=2, max_positions=2048)
-    result = chat_bench(model, tok, policies=["h2o"], kv_memory=64 << 20, conversations_count=2, turns=2,
-                        doc_tokens=150, max_tokens=4, prefix_memory=64 << 20, concurrency=2,
-                        budget={"heavy_ratio": 0.1, "recent_ratio": 0.1}, prefill_chunk=64, model_name="tiny",
-                        progress=lambda line: None, source=TEXT)
+    options = ChatBenchOptions(policies=("h2o",), kv_memory=64 << 20, conversations=2, turns=2, doc_tokens=150,
+                               max_tokens=4, prefix_memory=64 << 20, concurrency=2,
+                               budget={"heavy_ratio": 0.1, "recent_ratio": 0.1}, prefill_chunk=64, model_name="tiny")
+    result = chat_bench(model, tok, options, progress=lambda line: None, source=TEXT)
     store, none = result["results"]
     assert (store["prefix_cache_memory"], none["prefix_cache_memory"]) == (64 << 20, 0)
     assert store["answered"] == none["answered"] == 4
@@ -83,9 +83,9 @@ def test_a_coqa_chat_is_graded_turn_by_turn(coqa):
 
     model, tok = tiny_chat_model(layers=2, max_positions=4096)
     convs = coqa_chats(tok, documents=1, per_document=2, turns=2, doc_tokens=300)
-    result = chat_bench(model, tok, policies=["full"], kv_memory=64 << 20, conversations_count=2, turns=2,
-                        doc_tokens=300, max_tokens=4, prefix_memory=64 << 20, concurrency=2, model_name="tiny",
-                        progress=lambda line: None, convs=convs)
+    options = ChatBenchOptions(policies=("full",), kv_memory=64 << 20, conversations=2, turns=2, doc_tokens=300,
+                               max_tokens=4, prefix_memory=64 << 20, concurrency=2, model_name="tiny")
+    result = chat_bench(model, tok, options, progress=lambda line: None, convs=convs)
     store = result["results"][0]
     assert store["answered"] == 4 and store["prefix_hits"] >= 2  # the second turns resume, and so may a shared document
     rows = store["rows"]
@@ -104,10 +104,10 @@ def test_a_recipe_runs_beside_the_policies_and_its_document_is_ranked_once():
     (label, eviction), = server_settings([], ["document"], {"heavy_ratio": 0.1, "recent_ratio": 0.1})
     assert (label, eviction.policy, eviction.budget, eviction.head_budgets) == ("document", "kvzip", 0.2, "layers")
     model, tok = tiny_chat_model(layers=2, max_positions=2048)
-    result = chat_bench(model, tok, policies=[], recipes=["document"], kv_memory=64 << 20, conversations_count=1,
-                        turns=2, doc_tokens=150, max_tokens=4, prefix_memory=64 << 20, concurrency=1,
-                        budget={"heavy_ratio": 0.1, "recent_ratio": 0.1}, prefill_chunk=64, model_name="tiny",
-                        progress=lambda line: None, source=TEXT)
+    options = ChatBenchOptions(policies=(), recipes=("document",), kv_memory=64 << 20, conversations=1, turns=2,
+                               doc_tokens=150, max_tokens=4, prefix_memory=64 << 20, concurrency=1,
+                               budget={"heavy_ratio": 0.1, "recent_ratio": 0.1}, prefill_chunk=64, model_name="tiny")
+    result = chat_bench(model, tok, options, progress=lambda line: None, source=TEXT)
     store, none = result["results"]
     assert store["policy"] == none["policy"] == "document"
     assert store["answered"] == none["answered"] == 2

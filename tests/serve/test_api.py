@@ -15,6 +15,7 @@ from h2okv.bench.serve import scrape
 from h2okv.core.budget import DEFAULT_BUDGET_FLOOR
 from h2okv.core.compat import cache_arg
 from h2okv.serve import EvictionDefaults, create_app, running_server
+from h2okv.serve.engine import EngineOptions
 from h2okv.serve.sampling import INVALID
 from h2okv.tools.tiny_chat import tiny_chat_model
 
@@ -34,7 +35,7 @@ def model_tok():
 @pytest.fixture(scope="module")
 def server(model_tok):
     model, tok = model_tok
-    app = create_app(model, tok, model_name=NAME, prefill_chunk=32, max_batch=32)
+    app = create_app(model, tok, model_name=NAME, options=EngineOptions(prefill_chunk=32, max_batch=32))
     with running_server(app) as url:
         yield url
 
@@ -250,7 +251,8 @@ def test_queue_limit_and_disconnect(model_tok):
     """One running, one waiting, the next gets 429; a client that goes away frees its slots and the
     waiting request runs."""
     model, tok = model_tok
-    app = create_app(model, tok, model_name=NAME, max_batch=1, max_queue=1, prefill_chunk=32, positions="rolling")
+    app = create_app(model, tok, model_name=NAME,
+                     options=EngineOptions(max_batch=1, max_queue=1, prefill_chunk=32, positions="rolling"))
     with running_server(app) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
         # runs until its client leaves: the queue stays full for the 429, however fast the machine
@@ -281,8 +283,8 @@ def test_load_32_concurrent_streams(model_tok):
     eviction = EvictionDefaults(policy="h2o", heavy=8, recent=8)
     probe = create_app(model, tok, model_name=NAME).state.engine.slot_bytes
     kv_memory = 12 * 17 * probe  # 12 requests of 16 + 1 slots, less one prefill chunk's overshoot
-    app = create_app(model, tok, model_name=NAME, eviction=eviction, kv_memory=kv_memory, max_batch=64,
-                     prefill_chunk=32)
+    app = create_app(model, tok, model_name=NAME, eviction=eviction,
+                     options=EngineOptions(kv_memory=kv_memory, max_batch=64, prefill_chunk=32))
 
     async def one(aclient, i):
         stream = await aclient.completions.create(model=NAME, prompt=f"request number {i} " * 3, max_tokens=8,
@@ -310,7 +312,7 @@ def test_load_32_concurrent_streams(model_tok):
 
 def test_non_streaming_client_that_gives_up_is_cancelled(model_tok):
     model, tok = model_tok
-    app = create_app(model, tok, model_name=NAME, prefill_chunk=32, positions="rolling")
+    app = create_app(model, tok, model_name=NAME, options=EngineOptions(prefill_chunk=32, positions="rolling"))
     with running_server(app) as url:
         # no machine answers it within the client's 0.3 s (the context's 1,014 tokens could be)
         body = {"model": NAME, "prompt": "go", "max_tokens": NEVER_ENDS, "temperature": 0, "ignore_eos": True}

@@ -208,11 +208,12 @@ def test_the_server_saves_a_chat_at_its_history(served, request):
     import openai
 
     from h2okv.serve import create_app, running_server
+    from h2okv.serve.engine import EngineOptions
 
     name, tok, model = served
     if model is None:
         model = request.getfixturevalue("default_model")[0]
-    app = create_app(model, tok, model_name=name, prefill_chunk=16, prefix_memory=64 << 20)
+    app = create_app(model, tok, model_name=name, options=EngineOptions(prefill_chunk=16, prefix_memory=64 << 20))
     engine = app.state.engine
     with running_server(app) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)

@@ -12,7 +12,7 @@ import torch
 
 from h2okv import H2OCache
 from h2okv.core.compat import cache_arg
-from h2okv.serve.engine import Engine, GenerationRequest
+from h2okv.serve.engine import Engine, EngineOptions, GenerationRequest
 from h2okv.tools.tiny_chat import tiny_chat_model
 
 
@@ -68,7 +68,7 @@ def test_copies_belong_to_their_own_cache(model_tok):
 
 def test_requests_of_every_outcome_leave_no_cyclic_garbage(model_tok, no_collector):
     model, tok = model_tok
-    engine = Engine(model, tok, prefill_chunk=8, max_batch=8)
+    engine = Engine(model, tok, EngineOptions(prefill_chunk=8, max_batch=8))
     engine.start()
     try:
         kinds = [("h2o", 4, 4), ("local", 0, 8), ("full", None, None), ("sink", 2, 6)]

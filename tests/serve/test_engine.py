@@ -10,7 +10,7 @@ import torch
 from h2okv import H2OCache
 from h2okv.core.compat import cache_arg
 from h2okv.serve.batch import DecodeBatch
-from h2okv.serve.engine import Engine, GenerationRequest
+from h2okv.serve.engine import Engine, EngineOptions, GenerationRequest
 from h2okv.serve.errors import ErrorKind, ServeError
 from h2okv.serve.memory import footprint_slots, prefill_chunks, reservation
 from h2okv.serve.sampling import INVALID
@@ -25,7 +25,7 @@ NEVER_ENDS = 10**6
 @pytest.fixture
 def engine(model_tok):
     model, tok = model_tok
-    eng = Engine(model, tok, prefill_chunk=CHUNK, max_batch=16)
+    eng = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, max_batch=16))
     eng.start()
     yield eng
     eng.stop()
@@ -56,7 +56,8 @@ def test_batched_greedy_equals_alone(model_tok, schedule, step_tokens):
     """Mixed lengths, budgets, policies and join times in one engine, with either prefill schedule:
     every sequence's tokens equal its tokens generated alone (batch of one, model.generate)."""
     model, tok = model_tok
-    engine = Engine(model, tok, prefill_chunk=CHUNK, max_batch=16, schedule=schedule, step_tokens=step_tokens)
+    engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, max_batch=16, schedule=schedule,
+                                                step_tokens=step_tokens))
     engine.start()
     try:
         _check_batched_equals_alone(engine, model)
@@ -88,7 +89,7 @@ def test_prefill_schedules(model_tok, monkeypatch, schedule):
     prompt waits for the long one."""
     model, tok = model_tok
     step_tokens = 4 * CHUNK
-    eng = Engine(model, tok, prefill_chunk=CHUNK, schedule=schedule, step_tokens=step_tokens)
+    eng = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, schedule=schedule, step_tokens=step_tokens))
     first_token_step, per_step, steps, partial, rows = {}, [0], [0], [], []
     advance, prefill, iteration = eng._advance, eng.executor.prefill, eng._iteration
 
@@ -149,7 +150,7 @@ def test_shared_prefill_greedy_equals_alone(model_tok, policy, heavy, recent):
     """Prompts of different lengths, several chunks each, some arriving later, share prefill forwards
     (budget schedule): every greedy completion equals the prompt generated alone (batch of one)."""
     model, tok = model_tok
-    engine = Engine(model, tok, prefill_chunk=CHUNK, max_batch=16, step_tokens=4 * CHUNK)
+    engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, max_batch=16, step_tokens=4 * CHUNK))
     calls = []
     _recording_prefill(engine, calls)
     # never 1 mod CHUNK: the engine's chunks are generate's; and greedy paths without EOS (the reference's
@@ -178,10 +179,10 @@ def test_kv_cap_holds_at_every_step_with_shared_prefill(model_tok):
     rows decode, the KV buffers never exceed the cap: after every executor call, and inside each
     prefill forward (where a group's rows briefly hold their budget plus a whole chunk)."""
     model, tok = model_tok
-    probe = Engine(model, tok, prefill_chunk=CHUNK)
+    probe = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK))
     limit = 100 * probe.slot_bytes
     # 6 rows of 9 slots decode; 3 prompts (15 slots over that each) can share a prefill forward
-    engine = Engine(model, tok, prefill_chunk=CHUNK, kv_memory=limit, max_batch=6, step_tokens=4 * CHUNK)
+    engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, kv_memory=limit, max_batch=6, step_tokens=4 * CHUNK))
     ex = engine.executor
     after, inside, calls = [], [], []
     _recording_prefill(engine, calls)
@@ -220,7 +221,7 @@ def test_request_ended_mid_shared_prefill_frees_its_row(model_tok, how):
     """A prompt ended (cancelled, or past its deadline) between two chunks of a shared prefill leaves
     its group at the next step; the others finish exactly as alone."""
     model, tok = model_tok
-    engine = Engine(model, tok, prefill_chunk=CHUNK, max_batch=8, step_tokens=4 * CHUNK)
+    engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, max_batch=8, step_tokens=4 * CHUNK))
     lengths = [90, 75, 60]
     groups, victim = [], {}
     prefill = engine.executor.prefill
@@ -326,12 +327,12 @@ def test_admission_by_kv_memory(model_tok):
     """At the same kv_memory an evicting policy runs several times more requests at once than full."""
     model, tok = model_tok
     n, steps = 48, 24
-    probe = Engine(model, tok, prefill_chunk=CHUNK)
+    probe = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK))
     full = reservation(n, steps, None, CHUNK)
     limit = (2 * full.slots + full.prefill_extra) * probe.slot_bytes  # exactly two full requests
     seen = {}
     for policy, heavy, recent in (("full", None, None), ("h2o", 4, 4)):
-        eng = Engine(model, tok, prefill_chunk=CHUNK, kv_memory=limit, max_batch=64)
+        eng = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, kv_memory=limit, max_batch=64))
         eng.start()
         try:
             # all twelve wait at once (one by one, a slow submitter could see each end before the next)
@@ -350,7 +351,7 @@ def test_admission_by_kv_memory(model_tok):
 
 def test_request_that_can_never_fit_is_rejected(model_tok):
     model, tok = model_tok
-    eng = Engine(model, tok, prefill_chunk=CHUNK, kv_memory=10_000)
+    eng = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, kv_memory=10_000))
     eng.start()
     try:
         with pytest.raises(ServeError, match="kv-memory") as info:
@@ -401,7 +402,7 @@ def test_poisoned_row_in_a_shared_prefill_fails_alone(model_tok, monkeypatch):
     any forward that feeds the POISON token, standing for an input no check caught): that one
     fails, the other three start over and generate exactly what they generate alone."""
     model, tok = model_tok
-    eng = Engine(model, tok, prefill_chunk=CHUNK, max_batch=16, step_tokens=4096)
+    eng = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, max_batch=16, step_tokens=4096))
     real = eng.executor.prefill
     forwards = {"shared_failed": 0}
 

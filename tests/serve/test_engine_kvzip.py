@@ -10,7 +10,7 @@ import torch
 from h2okv import H2OCache, reconstruct
 from h2okv.chat import chat_frame, encode_text
 from h2okv.core.compat import cache_arg
-from h2okv.serve.engine import Engine, GenerationRequest
+from h2okv.serve.engine import Engine, EngineOptions, GenerationRequest
 from h2okv.serve.errors import ErrorKind, ServeError
 from h2okv.serve.eviction import EvictionDefaults
 from h2okv.serve.executor import Executor
@@ -52,7 +52,8 @@ def test_served_kvzip_equals_eval_order_beside_other_policies(model_tok, schedul
         (prompt(9, 4), "kvzip", 12, 4, 8, 0),  # budget above the prompt: nothing evicted
         (prompt(50, 5), "kvzip", 4, 4, 14, 0),
     ]
-    engine = Engine(model, tok, prefill_chunk=CHUNK, max_batch=8, schedule=schedule, step_tokens=3 * CHUNK)
+    engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, max_batch=8, schedule=schedule,
+                                                step_tokens=3 * CHUNK))
     engine.start()
     try:
         handles = [engine.submit(GenerationRequest(ids, steps, policy, heavy, recent, temperature=0.0,
@@ -98,7 +99,7 @@ def test_executor_ranks_then_keeps_the_budget(model_tok, tail):
 
 def test_reservation_counts_the_whole_prompt(model_tok):
     model, tok = model_tok
-    engine = Engine(model, tok, prefill_chunk=CHUNK)
+    engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK))
     res = engine.reservation(GenerationRequest(prompt(200, 0), 10, "kvzip:tail=0", 8, 8))
     assert res.prefill_peak == 200 and res.slots == 17  # read whole; then budget + 1
     # by default what is read after the ranking is kept on top, up to the tail: here the whole request
@@ -108,11 +109,11 @@ def test_reservation_counts_the_whole_prompt(model_tok):
 
 def test_kvzip_refusals_are_one_line(model_tok):
     model, tok = model_tok
-    engine = Engine(model, tok, prefill_chunk=CHUNK)
+    engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK))
     with pytest.raises(ServeError, match="at least 2 prompt tokens") as err:
         engine.check_request(GenerationRequest([5], 4, "kvzip", 8, 8))
     assert err.value.kind == ErrorKind.INVALID_REQUEST
-    rolling = Engine(model, tok, prefill_chunk=CHUNK, positions="rolling")
+    rolling = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, positions="rolling"))
     with pytest.raises(ServeError, match="positions=rolling would count"):
         rolling.check_request(GenerationRequest(prompt(20, 0), 4, "kvzip", 8, 8))
     executor = Executor(model, CHUNK)
@@ -176,7 +177,7 @@ def test_a_cacheable_prefix_is_ranked_before_the_question_and_resumed(model_tok,
     doc, qa, qb = prompt(50, 11), prompt(8, 12), prompt(10, 13)
     wants = [kvzip_document(model, tok, doc + q, len(doc), 6, 2, 7, **options) for q in (qa, qb)]
     for store in (0, 64 << 20):
-        engine = Engine(model, tok, prefill_chunk=CHUNK, prefix_memory=store,
+        engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, prefix_memory=store),
                         cache_options={"kvzip": options} if options else None)
         engine.start()
         try:
@@ -196,7 +197,7 @@ def test_the_eviction_counter_counts_what_the_tail_keeps_as_kept(model_tok, poli
     """A 60-token prompt ranked down to 8 + 4 slots, then 10 tokens: with the tail, the 9 fed after
     the ranking are kept on top, so only the prompt's 48 count as evicted; with tail=0, 57."""
     model, tok = model_tok
-    engine = Engine(model, tok, prefill_chunk=CHUNK)
+    engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK))
     engine.start()
     try:
         _, done = engine.submit(GenerationRequest(prompt(60, 8), 10, policy, 8, 4, temperature=0.0,

@@ -6,7 +6,7 @@ import torch
 
 from h2okv import H2OCache, H2OError
 from h2okv.core.compat import cache_arg
-from h2okv.serve.engine import Engine, GenerationRequest
+from h2okv.serve.engine import Engine, EngineOptions, GenerationRequest
 from h2okv.serve.eviction import EvictionDefaults
 from serve_cases import CHUNK, prompt, submit_in_two
 
@@ -31,7 +31,7 @@ def alone(model, ids, policy, heavy, recent, steps, prefill):
 @pytest.mark.parametrize("schedule", ["budget", "serial"])
 def test_late_prefill_engine_equals_alone(model_tok, schedule, monkeypatch):
     model, tok = model_tok
-    engine = Engine(model, tok, prefill_chunk=CHUNK, max_batch=16, schedule=schedule, step_tokens=3 * CHUNK,
+    engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, max_batch=16, schedule=schedule, step_tokens=3 * CHUNK),
                     prefill="late")
     calls = []
     prefill = engine.executor.prefill
@@ -57,8 +57,8 @@ def test_late_prefill_engine_equals_alone(model_tok, schedule, monkeypatch):
 def test_late_prefill_reserves_the_prompt(model_tok):
     model, tok = model_tok
     req = GenerationRequest(prompt(200, 0), 10, "h2o", 8, 8)
-    late = Engine(model, tok, prefill_chunk=CHUNK, prefill="late").reservation(req)
-    chunked = Engine(model, tok, prefill_chunk=CHUNK).reservation(req)
+    late = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK), prefill="late").reservation(req)
+    chunked = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK)).reservation(req)
     assert late.prefill_peak == 200 and chunked.prefill_peak == 16 + CHUNK
 
 

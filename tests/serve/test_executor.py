@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from h2okv.core.compat import cache_arg
-from h2okv.serve.engine import Engine, GenerationRequest
+from h2okv.serve.engine import Engine, EngineOptions, GenerationRequest
 from h2okv.serve.executor import Executor
 from h2okv.tools.tiny_chat import tiny_chat_model
 
@@ -46,7 +46,7 @@ class Recorder(Executor):
 
 def test_replaying_the_calls_reproduces_every_logit(model_tok):
     model, tok = model_tok
-    engine = Engine(model, tok, prefill_chunk=CHUNK, max_batch=8, step_tokens=3 * CHUNK)
+    engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, max_batch=8, step_tokens=3 * CHUNK))
     engine.executor = Recorder(model, CHUNK)
     engine.start()
     try:

@@ -10,6 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from h2okv.serve import create_app
+from h2okv.serve.api.limits import ServerLimits
+from h2okv.serve.engine import EngineOptions
 from h2okv.tools.tiny_chat import tiny_chat_model
 from serve_requests import bodies, encode, mutated_bodies
 from serve_requests import check as check_answer
@@ -21,7 +23,8 @@ completion, chat = bodies(NAME)
 @pytest.fixture(scope="module")
 def http():
     model, tok = tiny_chat_model(layers=1, max_positions=64)
-    app = create_app(model, tok, model_name=NAME, prefill_chunk=16, max_context=64)
+    app = create_app(model, tok, model_name=NAME, options=EngineOptions(prefill_chunk=16),
+                     limits=ServerLimits(max_context=64))
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client
 

@@ -7,6 +7,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from h2okv.serve import create_app
+from h2okv.serve.api.limits import ServerLimits
+from h2okv.serve.engine import EngineOptions
 from h2okv.tools.tiny_chat import tiny_chat_model
 
 NAME = "tiny"
@@ -16,7 +18,8 @@ RULE = "must be a fraction of the prompt in (0, 1] (e.g. 0.2) or a whole number 
 @pytest.fixture(scope="module")
 def http():
     model, tok = tiny_chat_model(layers=1, max_positions=64)
-    app = create_app(model, tok, model_name=NAME, prefill_chunk=16, max_context=64)
+    app = create_app(model, tok, model_name=NAME, options=EngineOptions(prefill_chunk=16),
+                     limits=ServerLimits(max_context=64))
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client
 

@@ -11,6 +11,8 @@ import torch
 
 from h2okv.bench.serve import scrape
 from h2okv.serve import EvictionDefaults, create_app, running_server
+from h2okv.serve.api.limits import ServerLimits
+from h2okv.serve.engine import EngineOptions
 from h2okv.tools.tiny_chat import tiny_chat_model
 
 NAME = "tiny"
@@ -26,8 +28,8 @@ def model_tok():
 @pytest.fixture(scope="module")
 def server(model_tok):
     model, tok = model_tok
-    app = create_app(model, tok, model_name=NAME, prefill_chunk=32, api_key=KEY, max_prompt_tokens=200,
-                     eviction=EvictionDefaults(policy="h2o", heavy=8, recent=8))
+    app = create_app(model, tok, model_name=NAME, api_key=KEY, eviction=EvictionDefaults(policy="h2o", heavy=8, recent=8),
+                     options=EngineOptions(prefill_chunk=32), limits=ServerLimits(max_prompt_tokens=200))
     with running_server(app) as url:
         yield url
 
@@ -149,7 +151,8 @@ def test_request_timeout_ends_with_a_final_event(model_tok):
     few times faster ended them inside the 0.5 s timeout this test had), and the timeout leaves a
     loaded machine ample time for the first tokens (milliseconds of work)."""
     model, tok = model_tok
-    app = create_app(model, tok, model_name=NAME, prefill_chunk=32, request_timeout=2.0, positions="rolling")
+    app = create_app(model, tok, model_name=NAME, options=EngineOptions(prefill_chunk=32, positions="rolling"),
+                     limits=ServerLimits(request_timeout=2.0))
     with running_server(app) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
         never_ends = 10**7

@@ -6,7 +6,7 @@ Each resumed answer is checked against a cold read of the same prompt."""
 import pytest
 import torch
 
-from h2okv.serve.engine import Engine, GenerationRequest
+from h2okv.serve.engine import Engine, EngineOptions, GenerationRequest
 from h2okv.serve.executor import Executor
 from h2okv.serve.prefix import Entry, PrefixIndex, block_checkpoints
 from serve_cases import CHUNK, prompt, settle
@@ -14,9 +14,9 @@ from serve_cases import CHUNK, prompt, settle
 DOC = 300  # a document past CHECKPOINT_MIN (256): an evicting prefill saves a block checkpoint at 256
 
 
-def start(model_tok, **options):
+def start(model_tok, prefill="chunked", **options):
     model, tok = model_tok
-    engine = Engine(model, tok, prefill_chunk=CHUNK, max_batch=8, **options)
+    engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, max_batch=8, **options), prefill=prefill)
     engine.start()
     return engine
 
@@ -132,7 +132,7 @@ def test_full_completions_sharing_1500_tokens_report_them_cached_over_http(model
     from h2okv.serve import create_app, running_server
 
     model, tok = model_tok
-    app = create_app(model, tok, model_name="tiny", prefill_chunk=CHUNK, prefix_memory=256 << 20)
+    app = create_app(model, tok, model_name="tiny", options=EngineOptions(prefill_chunk=CHUNK, prefix_memory=256 << 20))
     doc = prompt(1500, 4)
     with running_server(app) as url:
         usages = []

@@ -8,7 +8,7 @@ import torch
 
 from h2okv import H2OCache
 from h2okv.core.compat import cache_arg
-from h2okv.serve.engine import Engine, GenerationRequest
+from h2okv.serve.engine import Engine, EngineOptions, GenerationRequest
 from h2okv.serve.prefix import Entry, PrefixIndex
 from serve_cases import CHUNK, prompt, settle
 
@@ -16,7 +16,7 @@ from serve_cases import CHUNK, prompt, settle
 @pytest.fixture
 def engine(model_tok):
     model, tok = model_tok
-    eng = Engine(model, tok, prefill_chunk=CHUNK, max_batch=8, prefix_memory=64 << 20)
+    eng = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, max_batch=8, prefix_memory=64 << 20))
     eng.start()
     yield eng
     eng.stop()
@@ -92,7 +92,7 @@ def test_a_fraction_budget_hits_across_turns_and_keeps_the_first_turns_budget(en
 
 def test_a_restart_loses_the_store_cleanly(model_tok):
     model, tok = model_tok
-    engine = Engine(model, tok, prefill_chunk=CHUNK, prefix_memory=64 << 20)
+    engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, prefix_memory=64 << 20))
     engine.start()
     first = prompt(20, 5)
     answer = run(engine, first)
@@ -150,7 +150,7 @@ def test_chat_turns_over_http_resume_the_history(model_tok):
     from h2okv.serve import create_app, running_server
 
     model, tok = model_tok
-    app = create_app(model, tok, model_name="tiny", prefill_chunk=CHUNK, prefix_memory=64 << 20)
+    app = create_app(model, tok, model_name="tiny", options=EngineOptions(prefill_chunk=CHUNK, prefix_memory=64 << 20))
     with running_server(app) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
         system = {"role": "system", "content": "Read this: " + "lorem ipsum dolor sit amet " * 6}

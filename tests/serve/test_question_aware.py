@@ -8,14 +8,14 @@ nothing and saved whole, then the question ranks all of it; each later turn resu
 saved whole, never the state the previous question kept."""
 
 
-from h2okv.serve.engine import Engine, GenerationRequest
+from h2okv.serve.engine import Engine, EngineOptions, GenerationRequest
 from serve_cases import CHUNK, alone, prompt, settle
 
 SNAPKV = "snapkv:window=4,kernel=3,pool=max"
 
 
 def served(model_tok, request, prefill="chunked", store=0):
-    engine = Engine(*model_tok, prefill_chunk=CHUNK, prefill=prefill, prefix_memory=store)
+    engine = Engine(*model_tok, EngineOptions(prefill_chunk=CHUNK, prefix_memory=store), prefill=prefill)
     calls = []
     real = engine.executor.prefill
 
@@ -51,7 +51,7 @@ def test_with_the_store_each_turn_ranks_the_whole_history_it_resumes(model_tok):
     kept is saved."""
     model = model_tok[0]
     doc, first, second = prompt(70, 1), prompt(9, 2), prompt(11, 3)
-    engine = Engine(*model_tok, prefill_chunk=CHUNK, prefix_memory=64 << 20)
+    engine = Engine(*model_tok, EngineOptions(prefill_chunk=CHUNK, prefix_memory=64 << 20))
     calls = []
     real = engine.executor.prefill
     engine.executor.prefill = lambda parts: calls.append([(len(ids), start) for _, ids, start in parts]) or real(parts)
@@ -89,7 +89,7 @@ def test_a_second_conversation_resumes_the_document_held_whole_and_ranks_it_for_
     question ranks the whole document: the library's one-chunk read of its prompt."""
     model = model_tok[0]
     doc, first, other = prompt(70, 1), prompt(9, 2), prompt(12, 4)
-    engine = Engine(*model_tok, prefill_chunk=CHUNK, prefix_memory=64 << 20)
+    engine = Engine(*model_tok, EngineOptions(prefill_chunk=CHUNK, prefix_memory=64 << 20))
     engine.start()
     try:
         for question in (first, other):

@@ -9,6 +9,8 @@ from h2okv import H2OCache
 from h2okv.core.compat import cache_arg
 from h2okv.errors import H2OError
 from h2okv.serve import EvictionDefaults, create_app, running_server
+from h2okv.serve.api.limits import ServerLimits
+from h2okv.serve.engine import EngineOptions
 from h2okv.tools.tiny import tiny_model
 from h2okv.tools.tiny_chat import tiny_chat_model
 
@@ -22,10 +24,11 @@ def model_tok():
     return tiny_chat_model(layers=2, max_positions=LIMIT, initializer_range=0.3)
 
 
-def serve(model_tok, positions, **kwargs):
+def serve(model_tok, positions, **limits):
     model, tok = model_tok
-    app = create_app(model, tok, model_name=NAME, prefill_chunk=16, max_batch=4, eviction=EVICTION,
-                     positions=positions, **kwargs)
+    app = create_app(model, tok, model_name=NAME, eviction=EVICTION,
+                     options=EngineOptions(prefill_chunk=16, max_batch=4, positions=positions),
+                     limits=ServerLimits(**limits))
     return running_server(app)
 
 
@@ -67,4 +70,5 @@ def test_without_rolling_max_tokens_past_the_context_is_refused(model_tok):
 def test_a_model_that_cannot_roll_fails_at_start():
     _, tok = tiny_chat_model(layers=1, max_positions=LIMIT)
     with pytest.raises(H2OError, match="no rotary"):
-        create_app(tiny_model("opt", vocab_size=len(tok)), tok, model_name=NAME, positions="rolling")
+        create_app(tiny_model("opt", vocab_size=len(tok)), tok, model_name=NAME,
+                   options=EngineOptions(positions="rolling"))

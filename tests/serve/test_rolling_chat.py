@@ -7,6 +7,8 @@ import httpx
 import pytest
 
 from h2okv.serve import EvictionDefaults, create_app, running_server
+from h2okv.serve.api.limits import ServerLimits
+from h2okv.serve.engine import EngineOptions
 from h2okv.tools.tiny_chat import tiny_chat_model
 from serve_cases import settle
 
@@ -23,8 +25,9 @@ def model_tok():
 
 def test_a_rolling_conversation_resumes_every_turn_and_its_state_stops_growing(model_tok):
     model, tok = model_tok
-    app = create_app(model, tok, model_name=NAME, prefill_chunk=16, positions="rolling", max_prompt_tokens=4096,
-                     eviction=EvictionDefaults(policy="h2o", budget=BUDGET), prefix_memory=64 << 20)
+    app = create_app(model, tok, model_name=NAME, eviction=EvictionDefaults(policy="h2o", budget=BUDGET),
+                     options=EngineOptions(prefill_chunk=16, positions="rolling", prefix_memory=64 << 20),
+                     limits=ServerLimits(max_prompt_tokens=4096))
     engine = app.state.engine
     messages = [{"role": "system", "content": "Read: to be or not"}]
     rows = []

@@ -8,6 +8,7 @@ from transformers import GenerationConfig
 from h2okv import cli
 from h2okv.serve import create_app, running_server
 from h2okv.serve.api.sampling_defaults import BUILT_IN, SamplingDefaults
+from h2okv.serve.engine import EngineOptions
 from h2okv.tools.tiny_chat import tiny_chat_model
 
 NAME = "tiny"
@@ -47,7 +48,8 @@ def test_a_request_without_temperature_takes_the_servers(model_tok):
     """Greedy server defaults: every omitted temperature gives temperature 0's text, whatever the
     seed; a request's own temperature still samples (seeded texts that differ from greedy)."""
     model, tok = model_tok
-    app = create_app(model, tok, model_name=NAME, prefill_chunk=32, sampling=SamplingDefaults(0.0, 1.0, "test"))
+    app = create_app(model, tok, model_name=NAME, options=EngineOptions(prefill_chunk=32),
+                     sampling=SamplingDefaults(0.0, 1.0, "test"))
     with running_server(app) as url:
         greedy = complete(url, temperature=0)
         assert [complete(url, seed=seed) for seed in range(3)] == [greedy] * 3
@@ -62,7 +64,7 @@ def test_the_app_reads_the_models_generation_config(model_tok):
     saved = model.generation_config
     model.generation_config = GenerationConfig(do_sample=True, temperature=0.4, top_p=0.7)
     try:
-        app = create_app(model, tok, model_name=NAME, prefill_chunk=32)
+        app = create_app(model, tok, model_name=NAME, options=EngineOptions(prefill_chunk=32))
         with running_server(app) as url:
             settings = httpx.get(url + "/v1/models").json()["data"][0]["h2o"]
     finally:

@@ -4,12 +4,13 @@ import openai
 import pytest
 
 from h2okv.serve import create_app, running_server
+from h2okv.serve.engine import EngineOptions
 
 
 @pytest.mark.integration
 def test_chat_on_the_default_model(default_model):
     model, tok = default_model
-    app = create_app(model, tok, model_name="smollm2", max_batch=4)
+    app = create_app(model, tok, model_name="smollm2", options=EngineOptions(max_batch=4))
     with running_server(app) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         messages = [{"role": "user", "content": "Name three colours of the rainbow."}]

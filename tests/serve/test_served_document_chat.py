@@ -41,11 +41,12 @@ def chat(url: str, extra: dict) -> list[str]:
 def test_a_served_document_chat_answers_as_the_full_cache(default_model, recipe, right):
     from h2okv.cli.serve import DEFAULT_PREFIX_MEMORY, DEFAULT_RECIPE
     from h2okv.serve import EvictionDefaults, create_app, running_server
+    from h2okv.serve.engine import EngineOptions
 
     model, tokenizer = default_model
     # `h2okv serve --recipe R`, or `h2okv serve` with no flags
     eviction = EvictionDefaults.from_options(recipe=recipe or DEFAULT_RECIPE)
-    app = create_app(model, tokenizer, eviction=eviction, prefix_memory=DEFAULT_PREFIX_MEMORY)
+    app = create_app(model, tokenizer, eviction=eviction, options=EngineOptions(prefix_memory=DEFAULT_PREFIX_MEMORY))
     with running_server(app) as url:
         served = chat(url, {})
         full = chat(url, {"h2o": {"policy": "full"}})

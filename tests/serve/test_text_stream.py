@@ -7,7 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from h2okv.serve.engine import Engine, GenerationRequest
+from h2okv.serve.engine import Engine, EngineOptions, GenerationRequest
 from h2okv.serve.text import TextStream
 from h2okv.tools.tiny_chat import tiny_tokenizer
 from serve_cases import CHUNK, prompt
@@ -95,7 +95,7 @@ def test_decoding_a_generation_costs_linear_ids():
 
 def test_a_served_generation_decodes_linear_ids(model_tok):
     model, tok = model_tok
-    eng = Engine(model, tok, prefill_chunk=CHUNK)
+    eng = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK))
     counting = Counting()
     eng.decode = counting  # what each request's Output decodes with
     eng.start()

@@ -30,7 +30,7 @@ from h2okv.bench.serve import scrape
 from h2okv.models import load_model
 from h2okv.parallel import launch
 from h2okv.serve import EvictionDefaults, create_app, running_server, tp
-from h2okv.serve.engine import Engine, GenerationRequest
+from h2okv.serve.engine import Engine, EngineOptions, GenerationRequest
 from h2okv.serve.executor import Executor
 from h2okv.tools.process import save_tiny_model
 from h2okv.tools.tiny_chat import tiny_chat_model
@@ -50,8 +50,9 @@ def tp2(tp_group):
 def tp1(tp_group):
     """The same checkpoint and settings served by one process, in this one (no rank to start)."""
     model, tok = load_model(str(tp_group.checkpoint), cache=False)
-    app = create_app(model, tok, model_name=NAME, prefill_chunk=SERVE_CHUNK, prefix_memory=SERVE_PREFIX_MEMORY,
-                     eviction=EvictionDefaults(policy="h2o", heavy=SERVE_HEAVY, recent=SERVE_RECENT))
+    app = create_app(model, tok, model_name=NAME,
+                     eviction=EvictionDefaults(policy="h2o", heavy=SERVE_HEAVY, recent=SERVE_RECENT),
+                     options=EngineOptions(prefill_chunk=SERVE_CHUNK, prefix_memory=SERVE_PREFIX_MEMORY))
     with running_server(app) as url:
         yield url
 
@@ -301,7 +302,7 @@ def test_requests_end_with_an_error_event_when_the_group_breaks():
     model, tok = tiny_chat_model(layers=2)
     channel = BreakingChannel(ok=2)  # the engine's slot_bytes measurement, then one open
     leader = tp.Leader(Executor(model, 16), channel)
-    engine = Engine(model, tok, prefill_chunk=16, executor=leader)
+    engine = Engine(model, tok, EngineOptions(prefill_chunk=16), executor=leader)
     assert channel.sent == [("call", "slot_bytes")]
     engine.start()
     try:

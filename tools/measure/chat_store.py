@@ -30,6 +30,7 @@ from h2okv.bench.serve import scrape
 from h2okv.eval.output import write_json
 from h2okv.serve.api.app import create_app
 from h2okv.serve.api.server import running_server
+from h2okv.serve.engine import EngineOptions
 from h2okv.serve.eviction import EvictionDefaults
 
 
@@ -71,8 +72,9 @@ def main() -> None:
     else:
         eviction = EvictionDefaults.from_options(recipe=args.recipe, policy=args.policy, budget=args.budget,
                                                  recent_share=args.recent_share, budget_floor=0, prefill=args.prefill)
-    app = create_app(model, tok, model_name="m", eviction=eviction, kv_memory=args.kv_memory << 20,
-                     prefill_chunk=128, prefix_memory=args.store << 20)
+    app = create_app(model, tok, model_name="m", eviction=eviction,
+                     options=EngineOptions(kv_memory=args.kv_memory << 20, prefill_chunk=128,
+                                           prefix_memory=args.store << 20))
     with running_server(app) as url:
         rows = asyncio.run(drive_chats(url, tok, "m", convs, args.max_tokens, args.concurrency))
         after = scrape(url)

@@ -19,7 +19,7 @@ import torch
 from h2okv import load_model
 from h2okv.eval.haystack import essays_folder
 from h2okv.eval.output import write_json
-from h2okv.serve.engine import Engine, GenerationRequest
+from h2okv.serve.engine import Engine, EngineOptions, GenerationRequest
 
 
 def chat_ids(tokenizer, messages) -> list[int]:
@@ -55,8 +55,8 @@ def main() -> None:
     essay = (essays_folder() / "addiction.txt").read_text() + "\n\n" + (essays_folder() / "apple.txt").read_text()
     document = tok.decode(tok(essay, add_special_tokens=False)["input_ids"][:args.tokens])
     budget = args.budget or None
-    engines = {"store": Engine(model, tok, prefill_chunk=512, prefix_memory=1 << 30),
-               "no store": Engine(model, tok, prefill_chunk=512)}
+    engines = {"store": Engine(model, tok, EngineOptions(prefill_chunk=512, prefix_memory=1 << 30)),
+               "no store": Engine(model, tok, EngineOptions(prefill_chunk=512))}
     rows = []
     for engine in engines.values():
         engine.start()

@@ -34,6 +34,7 @@ from h2okv.bench.memory import current_rss, release_free_heap
 from h2okv.eval.haystack import essays_folder
 from h2okv.eval.output import write_json
 from h2okv.serve import EvictionDefaults, create_app, running_server
+from h2okv.serve.engine import EngineOptions
 from h2okv.serve.memory import bytes_per_slot
 
 MIB = 1 << 20
@@ -187,8 +188,9 @@ def main() -> None:
         eviction = EvictionDefaults.from_options(recipe=args.recipe, budget=args.budget)
     else:
         eviction = EvictionDefaults(policy=args.policy, budget=args.budget)
-    app = create_app(model, tok, model_name="smollm2", eviction=eviction, positions="rolling",
-                     prefix_memory=args.prefix_cache_memory, prefill_chunk=args.prefill_chunk)
+    app = create_app(model, tok, model_name="smollm2", eviction=eviction,
+                     options=EngineOptions(positions="rolling", prefix_memory=args.prefix_cache_memory,
+                                           prefill_chunk=args.prefill_chunk))
     engine = app.state.engine
     messages = [{"role": "system", "content": "Answer briefly from this essay.\n\n" + essay_chunk(tok, args.essay_tokens)}]
     rows = []

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
+from dataclasses import dataclass
 
 import httpx
 
@@ -109,27 +110,48 @@ def per_turn(rows: list[dict], turns: int) -> list[dict]:
     return out
 
 
-def chat_bench(model, tokenizer, *, policies: list[str], kv_memory: int, conversations_count: int, turns: int,
-               doc_tokens: int, max_tokens: int, prefix_memory: int, concurrency: int, budget: dict | None = None,
-               prefill_chunk: int = 128, model_name: str = "bench", seed: int = 0, progress=print,
-               source: str | None = None, recipes: list[str] = (), convs: list[dict] | None = None) -> dict:
+@dataclass(frozen=True)
+class ChatBenchOptions:
+    """One ``serve-bench --profile chat`` run: ``conversations`` of ``turns`` turns over documents of
+    about ``doc_tokens`` tokens, every policy and recipe served with a prefix store of
+    ``prefix_memory`` bytes and without, at the same ``kv_memory``."""
+
+    policies: tuple[str, ...]
+    kv_memory: int
+    conversations: int
+    turns: int
+    doc_tokens: int
+    max_tokens: int  # new tokens a turn
+    prefix_memory: int
+    concurrency: int  # conversations at once
+    budget: dict | None = None  # heavy/recent/ratios, for the evicting policies (a recipe splits the total)
+    recipes: tuple[str, ...] = ()
+    prefill_chunk: int = 128
+    seed: int = 0
+    model_name: str = "bench"
+
+
+def chat_bench(model, tokenizer, options: ChatBenchOptions, progress=print, source: str | None = None,
+               convs: list[dict] | None = None) -> dict:
     """Every policy and recipe with the prefix store and without, on the same conversations
-    (``convs``, e.g. ``doc_chat.coqa_chats``'s, else the essays' hidden numbers)."""
+    (``convs``, e.g. ``doc_chat.coqa_chats``'s, else the essays' hidden numbers, cut from ``source``)."""
     from h2okv.bench.serve import server_settings
     from h2okv.serve.api.app import create_app
     from h2okv.serve.api.server import running_server
+    from h2okv.serve.engine import EngineOptions
 
+    o = options
     if convs is None:
-        convs = conversations(tokenizer, conversations_count, doc_tokens, turns, seed, source)
+        convs = conversations(tokenizer, o.conversations, o.doc_tokens, o.turns, o.seed, source)
     results = []
-    for policy, eviction in server_settings(policies, recipes, budget):
-        for store in (prefix_memory, 0):
-            app = create_app(model, tokenizer, model_name=model_name, eviction=eviction, kv_memory=kv_memory,
-                             prefill_chunk=prefill_chunk, prefix_memory=store)
+    for policy, eviction in server_settings(list(o.policies), list(o.recipes), o.budget):
+        for store in (o.prefix_memory, 0):
+            engine_options = EngineOptions(kv_memory=o.kv_memory, prefill_chunk=o.prefill_chunk, prefix_memory=store)
+            app = create_app(model, tokenizer, model_name=o.model_name, eviction=eviction, options=engine_options)
             with running_server(app) as url:
-                rows = asyncio.run(drive_chats(url, tokenizer, model_name, convs, max_tokens, concurrency))
+                rows = asyncio.run(drive_chats(url, tokenizer, o.model_name, convs, o.max_tokens, o.concurrency))
                 after = scrape(url)
-            row = {"policy": policy, "prefix_cache_memory": store, "turns": per_turn(rows, turns),
+            row = {"policy": policy, "prefix_cache_memory": store, "turns": per_turn(rows, o.turns),
                    "correct": sum(r["correct"] for r in rows), "answered": sum(r["ok"] for r in rows),
                    "score_mean": round(statistics.fmean(r["score"] for r in rows), 4) if rows else None,
                    "prefix_hits": int(after.get("h2okv_prefix_cache_hits_total", 0)),
@@ -137,10 +159,10 @@ def chat_bench(model, tokenizer, *, policies: list[str], kv_memory: int, convers
                    "kv_bytes_peak": int(after["h2okv_kv_bytes_peak"]), "rows": rows}
             results.append(row)
             progress(format_chat_row(row))
-    return {"config": {"profile": "chat", "kv_memory": kv_memory, "conversations": conversations_count,
-                       "turns": turns, "doc_tokens": doc_tokens, "max_tokens": max_tokens,
-                       "prefix_cache_memory": prefix_memory, "concurrency": concurrency, "budget": budget or {},
-                       "prefill_chunk": prefill_chunk, "seed": seed},
+    return {"config": {"profile": "chat", "kv_memory": o.kv_memory, "conversations": o.conversations,
+                       "turns": o.turns, "doc_tokens": o.doc_tokens, "max_tokens": o.max_tokens,
+                       "prefix_cache_memory": o.prefix_memory, "concurrency": o.concurrency, "budget": o.budget or {},
+                       "prefill_chunk": o.prefill_chunk, "seed": o.seed},
             "results": results}
 
 
@@ -180,11 +202,12 @@ def plot_chat(results: list[dict], path: str) -> str:
 
 def run_chat(args, model, tokenizer, policies, budget, recipes=()) -> int:
     """``serve-bench --profile chat`` once ``bench.serve.run`` has checked the settings and loaded the model."""
-    result = chat_bench(model, tokenizer, policies=policies, kv_memory=args.kv_memory, conversations_count=args.requests,
-                        turns=args.turns, doc_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
-                        prefix_memory=args.prefix_cache_memory, concurrency=args.concurrency, budget=budget,
-                        prefill_chunk=args.chunk_size, model_name=args.model or "smollm2", seed=args.seed,
-                        recipes=recipes)
+    options = ChatBenchOptions(
+        policies=tuple(policies), kv_memory=args.kv_memory, conversations=args.requests, turns=args.turns,
+        doc_tokens=args.prompt_tokens, max_tokens=args.max_tokens, prefix_memory=args.prefix_cache_memory,
+        concurrency=args.concurrency, budget=budget, recipes=tuple(recipes), prefill_chunk=args.chunk_size,
+        seed=args.seed, model_name=args.model or "smollm2")
+    result = chat_bench(model, tokenizer, options)
     result["command"] = bench_command(args) + f" --turns {args.turns} --prefix-cache-memory {args.prefix_cache_memory}"
     if args.json:
         print(f"wrote {write_json(result, args.json)}")

@@ -245,34 +245,57 @@ def server_settings(policies: list[str], recipes: list[str], budget: dict | None
     return out
 
 
-def bench(model, tokenizer, *, policies: list[str], kv_memory: int, requests: int, concurrency: int,
-          prompt_tokens: int | None, max_tokens: int, budget: dict | None = None, prefill_chunk: int = 128,
-          max_batch: int = 64, model_name: str = "bench", schedules: tuple[str, ...] = ("budget",),
-          step_tokens: int = 512, arrival_rate: float | None = None, seed: int = 0, task: str | None = None,
-          progress=print, recipes: list[str] = ()) -> dict:
+@dataclass(frozen=True)
+class ServeBenchOptions:
+    """One ``serve-bench`` run: the servers it starts (every schedule x every policy, then recipe, at
+    the same ``kv_memory``) and the load it drives at each (``serve-bench``'s flags of the same names;
+    ``--chunk-size`` is ``prefill_chunk``)."""
+
+    policies: tuple[str, ...]
+    kv_memory: int  # bytes, every server's
+    requests: int
+    concurrency: int
+    max_tokens: int
+    prompt_tokens: int | None = None  # Hamlet cuts of this many tokens; None with a ``task``
+    budget: dict | None = None  # heavy/recent/ratios, for the evicting policies (a recipe splits the total)
+    recipes: tuple[str, ...] = ()
+    prefill_chunk: int = 128
+    max_batch: int = 64
+    schedules: tuple[str, ...] = ("budget",)
+    step_tokens: int = 512
+    arrival_rate: float | None = None  # requests per second, Poisson; None: all at once
+    seed: int = 0
+    task: str | None = None  # served reasoning problems (e.g. gsm8k), graded, instead of Hamlet cuts
+    model_name: str = "bench"
+
+
+def bench(model, tokenizer, options: ServeBenchOptions, progress=print) -> dict:
     """Serve ``model`` once per (schedule, policy) at the same ``kv_memory``; drive each with the same
     prompts (and arrival times): Hamlet cuts of ``prompt_tokens`` generating ``max_tokens`` each, or,
     with ``task``, that task's problems, graded."""
     from h2okv.serve.api.app import create_app
     from h2okv.serve.api.server import running_server
+    from h2okv.serve.engine import EngineOptions
 
+    o = options
     problems = None
-    if task:
-        payloads, problems = reasoning_payloads(tokenizer, task, requests, max_tokens, model_name)
+    if o.task:
+        payloads, problems = reasoning_payloads(tokenizer, o.task, o.requests, o.max_tokens, o.model_name)
     else:
-        payloads = [{"model": model_name, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
-                     "ignore_eos": True} for p in hamlet_prompts(tokenizer, requests, prompt_tokens)]
-    arrivals = None if arrival_rate is None else poisson_arrivals(requests, arrival_rate, seed)
+        payloads = [{"model": o.model_name, "prompt": p, "max_tokens": o.max_tokens, "temperature": 0.0,
+                     "ignore_eos": True} for p in hamlet_prompts(tokenizer, o.requests, o.prompt_tokens)]
+    arrivals = None if o.arrival_rate is None else poisson_arrivals(o.requests, o.arrival_rate, o.seed)
     rows = []
-    for schedule in schedules:
-        for policy, eviction in server_settings(policies, recipes, budget):
-            app = create_app(model, tokenizer, model_name=model_name, eviction=eviction, kv_memory=kv_memory,
-                             max_batch=max_batch, max_queue=max(256, requests), prefill_chunk=prefill_chunk,
-                             schedule=schedule, step_tokens=step_tokens)
+    for schedule in o.schedules:
+        for policy, eviction in server_settings(list(o.policies), list(o.recipes), o.budget):
+            engine_options = EngineOptions(kv_memory=o.kv_memory, max_batch=o.max_batch,
+                                           max_queue=max(256, o.requests), prefill_chunk=o.prefill_chunk,
+                                           schedule=schedule, step_tokens=o.step_tokens)
+            app = create_app(model, tokenizer, model_name=o.model_name, eviction=eviction, options=engine_options)
             engine = app.state.engine
             load_before = os.getloadavg()[0]
             with running_server(app) as url:
-                report = asyncio.run(drive(url, payloads, concurrency, arrivals=arrivals))
+                report = asyncio.run(drive(url, payloads, o.concurrency, arrivals=arrivals))
                 after = scrape(url)
             probe = engine.reservation(_probe_request(payloads[0], eviction, engine))
             queued = list(engine.queue_times)
@@ -295,10 +318,10 @@ def bench(model, tokenizer, *, policies: list[str], kv_memory: int, requests: in
             rows.append(row)
             progress(format_row(row))
     return {
-        "config": {"kv_memory": kv_memory, "requests": requests, "concurrency": concurrency,
-                   "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "budget": budget or {},
-                   "prefill_chunk": prefill_chunk, "max_batch": max_batch, "schedules": list(schedules),
-                   "step_tokens": step_tokens, "arrival_rate": arrival_rate, "seed": seed, "task": task,
+        "config": {"kv_memory": o.kv_memory, "requests": o.requests, "concurrency": o.concurrency,
+                   "prompt_tokens": o.prompt_tokens, "max_tokens": o.max_tokens, "budget": o.budget or {},
+                   "prefill_chunk": o.prefill_chunk, "max_batch": o.max_batch, "schedules": list(o.schedules),
+                   "step_tokens": o.step_tokens, "arrival_rate": o.arrival_rate, "seed": o.seed, "task": o.task,
                    "bytes_per_token": app.state.engine.slot_bytes, "device": str(model.device),
                    "dtype": str(model.dtype).removeprefix("torch."),
                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()},
@@ -420,12 +443,13 @@ def run(args, run_chat=None) -> int:
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     if args.profile == "chat":  # bench/chat.py, which the command line sends here with its loaded pieces
         return run_chat(args, model, tokenizer, policies, budget, recipes)
-    result = bench(model, tokenizer, policies=policies, kv_memory=kv_memory, requests=args.requests,
-                   concurrency=args.concurrency, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
-                   budget=budget, prefill_chunk=args.chunk_size, max_batch=args.max_batch,
-                   model_name=args.model or "smollm2", schedules=schedules, step_tokens=args.step_tokens,
-                   arrival_rate=args.arrival_rate, seed=args.seed, task=getattr(args, "task", None),
-                   recipes=recipes)
+    options = ServeBenchOptions(
+        policies=tuple(policies), kv_memory=kv_memory, requests=args.requests, concurrency=args.concurrency,
+        max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens, budget=budget, recipes=tuple(recipes),
+        prefill_chunk=args.chunk_size, max_batch=args.max_batch, schedules=schedules, step_tokens=args.step_tokens,
+        arrival_rate=args.arrival_rate, seed=args.seed, task=getattr(args, "task", None),
+        model_name=args.model or "smollm2")
+    result = bench(model, tokenizer, options)
     result["command"] = bench_command(args)
     if args.json:
         print(f"wrote {write_json(result, args.json)}")

@@ -262,14 +262,17 @@ def serving_line(eviction, kv_memory: int | None, prefix_memory: int) -> str:
 
 def _create_app(args, model, tokenizer, executor):
     from h2okv.serve import create_app
+    from h2okv.serve.api.limits import ServerLimits
+    from h2okv.serve.engine import EngineOptions
 
+    options = EngineOptions(kv_memory=args.kv_memory_bytes, max_batch=args.max_batch, max_queue=args.max_queue,
+                            prefill_chunk=args.chunk_size, schedule=args.schedule, step_tokens=args.step_tokens,
+                            positions=args.positions, prefix_memory=args.prefix_cache_memory)
+    limits = ServerLimits(max_prompt_tokens=args.max_prompt_tokens, request_timeout=args.request_timeout,
+                          max_n=args.max_n, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout)
     return create_app(model, tokenizer, model_name=args.served_model_name or args.model or "smollm2",
-                      eviction=args.eviction, kv_memory=args.kv_memory_bytes, max_batch=args.max_batch,
-                      max_queue=args.max_queue, prefill_chunk=args.chunk_size, api_key=args.api_key,
-                      request_timeout=args.request_timeout, max_prompt_tokens=args.max_prompt_tokens,
-                      schedule=args.schedule, step_tokens=args.step_tokens, executor=executor,
-                      max_n=args.max_n, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
-                      positions=args.positions, prefix_memory=args.prefix_cache_memory, sampling=args.sampling)
+                      eviction=args.eviction, options=options, limits=limits, api_key=args.api_key,
+                      executor=executor, sampling=args.sampling)
 
 
 def run_bench(args) -> int:

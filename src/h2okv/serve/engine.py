@@ -35,6 +35,7 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -53,7 +54,7 @@ from h2okv.serve.types import EngineStats, Event, GenerationRequest, Handle, Obs
 
 log = logging.getLogger("h2okv.serve")
 
-__all__ = ["SCHEDULES", "Engine", "GenerationRequest"]
+__all__ = ["SCHEDULES", "Engine", "EngineOptions", "GenerationRequest"]
 
 
 def ranked_length(request: GenerationRequest) -> int:
@@ -113,35 +114,59 @@ class Sequence:
         return SeqState(self.uid, self.request.policy, self.reservation, width, self.next_chunk > 0)
 
 
-class Engine:
-    def __init__(self, model, tokenizer, *, kv_memory: int | None = None, max_batch: int = 32,
-                 max_queue: int = 256, prefill_chunk: int = 128, schedule: str = "budget",
-                 step_tokens: int = 512, observer: Observer | None = None, executor=None,
-                 prefill: str = "chunked", positions: str = "true", prefix_memory: int = 0,
-                 cache_options: dict[str, dict] | None = None):
-        if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or step_tokens < 1:
+@dataclass(frozen=True)
+class EngineOptions:
+    """How an engine admits, batches and schedules requests: ``h2okv serve``'s flags of the same
+    names (``--chunk-size`` is ``prefill_chunk``, ``--prefix-cache-memory`` ``prefix_memory``). The
+    cache settings that come with the server's eviction settings (the prefill mode, a recipe's head
+    split) are ``Engine``'s own arguments."""
+
+    kv_memory: int | None = None  # bytes of KV cache the running requests may reserve; None: no limit
+    max_batch: int = 32  # sequences running at once (prefilling or decoding)
+    max_queue: int = 256  # requests waiting for admission; past it, submissions are refused
+    prefill_chunk: int = 128  # prompt tokens a sequence feeds per prefill forward
+    schedule: str = "budget"  # SCHEDULES: prompts share forwards within step_tokens, or one at a time
+    step_tokens: int = 512  # prompt tokens (pads included) one engine step may prefill
+    positions: str = "true"  # every cache's position scheme (H2OCache(positions=...))
+    prefix_memory: int = 0  # bytes of the prefix store; 0: off
+
+    def validate(self) -> None:
+        if self.max_batch < 1 or self.max_queue < 0 or self.prefill_chunk < 1 or self.step_tokens < 1:
             raise ValueError("max_batch, prefill_chunk and step_tokens must be >= 1, max_queue >= 0")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        self.schedule = schedule
-        self.step_tokens = step_tokens
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+
+
+class Engine:
+    """``prefill`` and ``cache_options``: every request's prefill mode and the extra ``H2OCache``
+    keywords by policy spec (``EvictionDefaults.prefill`` / ``cache_options()``). ``executor``: one
+    that is not a plain ``Executor`` of ``model`` (``serve --tp``: ``tp.Leader``)."""
+
+    def __init__(self, model, tokenizer, options: EngineOptions | None = None, *, prefill: str = "chunked",
+                 cache_options: dict[str, dict] | None = None, observer: Observer | None = None, executor=None):
+        options = options or EngineOptions()
+        options.validate()
+        self.options = options
+        self.schedule = options.schedule
+        self.step_tokens = options.step_tokens
         self.observer = observer or Observer()
         # every model run and cache change goes through the executor (plain-data calls, see executor.py);
         # ``serve --tp`` passes one that also sends each call to the other ranks (tp.py)
         self.executor = executor if executor is not None else \
-            Executor(model, prefill_chunk, prefill, positions, cache_options)
+            Executor(model, options.prefill_chunk, prefill, options.positions, cache_options)
         # late prefill ranks a prompt once, at the end of the call that feeds it: so it is fed whole
         self.whole_prompts = prefill == "late"
         self.cache_options = dict(cache_options or {})
-        self.positions = positions
+        self.positions = options.positions
         self.tokenizer = tokenizer
         self.device = model.device
-        self.kv_memory = kv_memory
-        self.max_batch = max_batch
-        self.max_queue = max_queue
-        self.prefill_chunk = prefill_chunk
+        self.kv_memory = options.kv_memory
+        self.max_batch = options.max_batch
+        self.max_queue = options.max_queue
+        self.prefill_chunk = options.prefill_chunk
         self.slot_bytes = self.executor.slot_bytes()
-        self.scheduler = Scheduler(schedule, kv_memory, self.slot_bytes, max_batch, step_tokens)
+        self.scheduler = Scheduler(options.schedule, options.kv_memory, self.slot_bytes, options.max_batch,
+                                   options.step_tokens)
         self.tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
         self.eos_ids = eos_ids(model, tokenizer)
         # the embedding's rows (the config's count: a tensor-parallel embedding holds a shard of them)
@@ -159,7 +184,8 @@ class Engine:
         self.stats = EngineStats()
         # the prefix store: saved states, resumed by prompts that start with their tokens; its
         # blocks are the prefill's chunks, so a prompt resumed at a block reads the chunks a cold read does
-        self.prefixes = PrefixIndex(prefix_memory, block=prefill_chunk) if prefix_memory else None
+        self.prefixes = PrefixIndex(options.prefix_memory, block=options.prefill_chunk) if options.prefix_memory \
+            else None
         self.queue_times: deque[float] = deque(maxlen=10_000)  # seconds waited by the latest admissions
 
     # -- client side (any thread) ----------------------------------------------------------------

@@ -18,6 +18,7 @@ a prompt of token ids about 1 MB. Anything bigger is not a prompt this server co
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 
@@ -26,6 +27,19 @@ from h2okv.serve.api.errors import APIError
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_BODY_TIMEOUT_S = 30.0
 DRAIN_BYTES = 64 << 20  # past this, an over-long body is cut off (the client may see a reset)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one request may ask of a server: ``h2okv serve``'s flags of the same names
+    (``create_app`` resolves the context and prompt limits against the model)."""
+
+    max_context: int | None = None  # tokens of prompt + completion; None: the model's own limit
+    max_prompt_tokens: int | None = None  # the longest prompt; None: what the context leaves
+    request_timeout: float | None = None  # seconds; then a request ends with finish_reason "timeout"
+    max_n: int = 8  # choices per request (each a running sequence; never more than max_batch)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S  # seconds for a request body to arrive
 
 
 class BodyTooLarge(Exception):
