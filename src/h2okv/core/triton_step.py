@@ -19,6 +19,7 @@ Triton's interpreter), the first step says so in one warning and every later one
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -52,8 +53,9 @@ def decode_dense(layer, state, query, k_new, v_new, scaling: float, rule: Decode
     b = slot.shape[0]
     recent_start = state.recent_start.reshape(b)
     sinks = state.sinks.reshape(b) if state.sinks is not None else recent_start  # a dummy pointer
-    out = _launch(layer, query, k_new, v_new, scaling, rule, False, slot, victim, recent_start, sinks,
-                  state.sinks is not None)
+    rows = _Rows(general=False, slot=slot, victim=victim, recent_start=recent_start, sinks=sinks,
+                 has_sinks=state.sinks is not None)
+    out = _launch(layer, query, k_new, v_new, scaling, rule, rows)
     if out is not None:
         state.recent_start += 1
         state.next_free = victim
@@ -66,10 +68,26 @@ def decode_general(layer, query, k_new, v_new, scaling: float, rule: DecodeRule)
     a slot only when it is then over its budget. No device sync: no live-slot count
     (``decode.at_budget``) is needed. None as ``decode_dense``."""
     dummy = layer.n_real
-    return _launch(layer, query, k_new, v_new, scaling, rule, True, dummy, dummy, dummy, layer.sinks, True)
+    rows = _Rows(general=True, slot=dummy, victim=dummy, recent_start=dummy, sinks=layer.sinks, has_sinks=True)
+    return _launch(layer, query, k_new, v_new, scaling, rule, rows)
 
 
-def _launch(layer, query, k_new, v_new, scaling, rule, general, slot, victim, recent_start, sinks, has_sinks):
+@dataclass(frozen=True)
+class _Rows:
+    """The per-row pointers a launch hands the kernel besides the layer's own: the dense step's
+    free ``slot``, where it writes the ``victim`` (the next free slot) and the window's
+    ``recent_start``; the ``general`` step finds its own slot and window, so these are then dummy
+    pointers. ``sinks`` is read only with ``has_sinks`` (else a dummy pointer too)."""
+
+    general: bool
+    slot: torch.Tensor
+    victim: torch.Tensor
+    recent_start: torch.Tensor
+    sinks: torch.Tensor
+    has_sinks: bool
+
+
+def _launch(layer, query, k_new, v_new, scaling, rule, rows: _Rows):
     if _failed is not None:  # another layer's launch failed here: every layer steps eager
         return None
     b, hkv, cap, d = layer.keys.shape
@@ -79,12 +97,12 @@ def _launch(layer, query, k_new, v_new, scaling, rule, general, slot, victim, re
     keys, values = layer.keys, layer.values
     try:  # a kernel that cannot compile (or get its resources) fails here, before it writes anything
         _kernels().decode_step_kernel[(b * hkv,)](
-            query, k_new, v_new, keys, values, layer.score, layer.ordinal, layer.valid.view(torch.uint8), slot,
-            victim, layer.n_real, recent_start, sinks, layer.heavy, layer.recent, out,
+            query, k_new, v_new, keys, values, layer.score, layer.ordinal, layer.valid.view(torch.uint8), rows.slot,
+            rows.victim, layer.n_real, rows.recent_start, rows.sinks, layer.heavy, layer.recent, out,
             keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
             layer.score.stride(0), layer.score.stride(1),
             hkv, hq // hkv, cap, d, dv, scaling, rule.decay, rule.weight,
-            GENERAL=general, ACC=rule.acc, KEY=rule.key, HAS_SINKS=has_sinks, IEEE=query.dtype == torch.float32,
+            GENERAL=rows.general, ACC=rule.acc, KEY=rule.key, HAS_SINKS=rows.has_sinks, IEEE=query.dtype == torch.float32,
             BLOCK_G=_block(hq // hkv), BLOCK_N=BLOCK_N, BLOCK_D=_block(d), BLOCK_DV=_block(dv),
         )
     except Exception as exc:  # noqa: BLE001 - whatever Triton raises, the eager step is the answer
