@@ -39,6 +39,8 @@ def test_bench_compares_policies_at_the_same_kv_memory(tiny, tmp_path, capsys):
         assert row["kv_bytes_in_use_after"] == 0 and row["kv_bytes_peak"] <= kv_memory
         assert row["latency_p50_s"] <= row["latency_p95_s"]
         assert 0 < row["itl_p50_s"] <= row["itl_p95_s"] and row["queue_p50_s"] <= row["queue_p95_s"]
+        assert row["engine_steps"] > 0 and 0 < row["outside_forward_share"] < 1  # the engine's time outside the model
+        assert 0 < row["outside_forward_ms_p50"] <= row["outside_forward_ms_p99"]
     summary = result["summary"]
     budget_rows = [r for r in result["results"] if r["schedule"] == "budget"]
     tokens = {r["policy"]: r["tokens_per_s"] for r in budget_rows}

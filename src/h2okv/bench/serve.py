@@ -299,6 +299,7 @@ def bench(model, tokenizer, options: ServeBenchOptions, progress=print) -> dict:
                 after = scrape(url)
             probe = engine.reservation(_probe_request(payloads[0], eviction, engine))
             queued = list(engine.queue_times)
+            steps = engine.stats.steps.summary()
             row = {
                 "policy": policy,
                 "schedule": schedule,
@@ -311,6 +312,10 @@ def bench(model, tokenizer, options: ServeBenchOptions, progress=print) -> dict:
                 "kv_bytes_peak": int(after["h2okv_kv_bytes_peak"]),
                 "kv_bytes_in_use_after": int(after["h2okv_kv_bytes_in_use"]),
                 "evicted_tokens": int(after["h2okv_evicted_tokens_total"]),
+                # the engine's steps: the share of their time outside the model's forward, and that time per step
+                "engine_steps": steps["steps"],
+                "outside_forward_share": steps["outside_share"],
+                **{f"outside_forward_ms_{stat}": steps[f"outside_ms_{stat}"] for stat in ("mean", "p50", "p99")},
                 # the machine may be shared: 1-minute load averages around the run, for context
                 "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
                 **(grade(report.results, problems) if problems else {}),
@@ -372,7 +377,8 @@ def format_row(row: dict) -> str:
             f"{row['tokens_per_s']} tok/s, TTFT p50 {row['ttft_p50_s']} s p95 {row['ttft_p95_s']} s, "
             f"ITL p50 {row['itl_p50_s']} s p95 {row['itl_p95_s']} s, queue p95 {row['queue_p95_s']} s, "
             f"max batch {row['max_concurrent_batch']}, KV/request {row['kv_bytes_per_request'] / 2**20:.2f} MiB, "
-            f"peak KV {row['kv_bytes_peak'] / 2**20:.2f} MiB")
+            f"peak KV {row['kv_bytes_peak'] / 2**20:.2f} MiB, outside the forward {row['outside_forward_share']:.1%} "
+            f"of step time ({row['outside_forward_ms_p50']} ms a step, p50)")
 
 
 def bench_command(args) -> str:

@@ -181,6 +181,7 @@ class Engine:
         self._stopping = False
         self._draining = False
         self._busy = False
+        self._forward_s = 0.0  # this step's seconds in the executor's forward calls (_forward)
         self.stats = EngineStats()
         # the prefix store: saved states, resumed by prompts that start with their tokens; its
         # blocks are the prefill's chunks, so a prompt resumed at a block reads the chunks a cold read does
@@ -341,6 +342,7 @@ class Engine:
                         self._cond.wait(timeout=0.5)
                         continue
                 self._busy = True
+                started, self._forward_s = time.perf_counter(), 0.0
                 try:
                     self._iteration()
                 except Exception:  # a bug in the bookkeeping: fail what is running, keep serving
@@ -352,8 +354,21 @@ class Engine:
                     if self.prefixes is not None:
                         self.prefixes.clear()  # the executor's saved states went with the reset
                 self._publish()
+                self.stats.steps.add(time.perf_counter() - started, self._forward_s)
                 self._busy = False
             self._shutdown()
+
+    def _forward(self, call, *args):
+        """``call(*args)``, one of the executor's forward calls (``prefill``, ``decode``), its time
+        counted as the step's forward (``EngineStats.steps``)."""
+        start = time.perf_counter()
+        try:
+            out = call(*args)
+            if self.device.type == "cuda":  # a CUDA forward returns before it has run: wait, to count it
+                torch.cuda.synchronize(self.device)
+            return out
+        finally:
+            self._forward_s += time.perf_counter() - start
 
     def _iteration(self) -> None:
         self._drop_cancelled()
@@ -447,7 +462,7 @@ class Engine:
                     self._open(seq)
                 start, stop = seq.chunks[seq.next_chunk]
                 parts.append((seq.uid, req.prompt_ids[start:stop], start))
-            logits = self.executor.prefill(parts)
+            logits = self._forward(self.executor.prefill, parts)
         except Exception as exc:  # these requests' failure (the shared forward's), not the engine's
             log.exception("prefill failed")
             for seq in self._isolate(seqs):
@@ -506,7 +521,7 @@ class Engine:
         try:
             self._open(seq)
             for start, stop in seq.chunks[:seq.next_chunk + 1]:
-                self.executor.prefill([(seq.uid, req.prompt_ids[start:stop], start)])
+                self._forward(self.executor.prefill, [(seq.uid, req.prompt_ids[start:stop], start)])
                 if stop == seq.held_until:
                     self.executor.set_budget(seq.uid)
             return True
@@ -519,8 +534,8 @@ class Engine:
     def _decode_step(self, policy: str) -> None:
         rows = list(self._batches[policy])
         try:
-            logits = self.executor.decode(policy, [s.uid for s in rows], [s.generated[-1] for s in rows],
-                                          [s.tokens_fed for s in rows])
+            logits = self._forward(self.executor.decode, policy, [s.uid for s in rows],
+                                   [s.generated[-1] for s in rows], [s.tokens_fed for s in rows])
         except Exception as exc:
             log.exception("decode step failed")
             for seq in rows:

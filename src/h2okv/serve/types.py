@@ -7,6 +7,7 @@ import asyncio
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -114,6 +115,42 @@ class Handle:
                 return "".join(parts), event
 
 
+STEP_WINDOW = 10_000  # the latest steps whose times outside the forward the percentiles are over
+
+
+@dataclass
+class StepTimes:
+    """Where the engine's steps' time goes: each step's wall time (one iteration of its loop, from
+    dropping cancelled requests to publishing these stats) and the part of it spent in the executor's
+    forward calls (``prefill``, ``decode``). The rest, outside the forward, is the engine's own work
+    per step: scheduling, sampling, detokenizing, stop checks, routing events."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    forward_seconds: float = 0.0
+    outside: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))  # seconds, the latest steps'
+
+    def add(self, seconds: float, forward_seconds: float) -> None:
+        self.steps += 1
+        self.seconds += seconds
+        self.forward_seconds += forward_seconds
+        self.outside.append(seconds - forward_seconds)
+
+    def summary(self) -> dict:
+        """Totals (seconds), the share of step time outside the forward, and the time outside it per
+        step in milliseconds: the mean over all steps, p50 and p99 over the latest ``STEP_WINDOW``."""
+        latest = sorted(self.outside)  # sorted() copies the deque without letting the engine thread in
+        outside = self.seconds - self.forward_seconds
+
+        def ms(q: float) -> float | None:
+            return round(1e3 * latest[min(len(latest) - 1, int(q * len(latest)))], 4) if latest else None
+
+        return {"steps": self.steps, "step_s": round(self.seconds, 4), "forward_s": round(self.forward_seconds, 4),
+                "outside_share": round(outside / self.seconds, 4) if self.seconds else None,
+                "outside_ms_mean": round(1e3 * outside / self.steps, 4) if self.steps else None,
+                "outside_ms_p50": ms(0.5), "outside_ms_p99": ms(0.99)}
+
+
 @dataclass
 class EngineStats:
     running: int = 0
@@ -134,6 +171,7 @@ class EngineStats:
     prefix_misses: int = 0
     prefix_entries: int = 0
     prefix_bytes: int = 0
+    steps: StepTimes = field(default_factory=StepTimes)  # the engine's step times, inside and outside the forward
 
 
 class Observer:

@@ -58,6 +58,11 @@ class _EngineCollector:
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("h2okv_generated_tokens", "Tokens generated", value=s.generated_tokens)
+        steps = s.steps  # (three floats the engine thread adds to: a scrape may see one step half-added)
+        yield CounterMetricFamily("h2okv_engine_steps", "Engine steps (iterations of its loop)", value=steps.steps)
+        yield CounterMetricFamily("h2okv_engine_step_seconds", "Wall time of the engine's steps", value=steps.seconds)
+        yield CounterMetricFamily("h2okv_engine_forward_seconds", "Of which in the model's forward calls (the rest is "
+                                  "scheduling, sampling, detokenizing, routing)", value=steps.forward_seconds)
         yield CounterMetricFamily("h2okv_evicted_tokens", "Tokens evicted from running requests' caches",
                                   value=s.evicted_tokens)
         yield CounterMetricFamily("h2okv_prefix_cache_hits", "Prompts that resumed a stored state",
