@@ -1,8 +1,9 @@
 """The shape of the package, read from the source files: who may import whom, no import circle,
-and a command line whose parser loads no heavy library."""
+a command line whose parser loads no heavy library, and no function with a long parameter list."""
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -109,3 +110,78 @@ def test_help_loads_no_heavy_library(code):
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(SRC), "PATH": ""})
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+# -- parameter lists ----------------------------------------------------------------------------
+
+MAX_PARAMETERS = 10  # more is a settings object's job (CacheSettings, GenerationOptions, GridSpec...)
+
+
+def parameter_count(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """The parameters a caller fills in one by one: positional and keyword-only, a method's
+    ``self``/``cls`` not counted; ``*args``/``**kwargs`` are not counted either (as ruff's and
+    pylint's too-many-arguments): they pass a group through whole."""
+    args = node.args
+    names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
+    return len(names) - (names[:1] in (["self"], ["cls"]))
+
+
+def exempt(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """A Triton kernel (``@triton.jit``: its arguments are the pointers, strides and constants of
+    one launch) and a function that builds argparse parsers (``register``, ``add_*_args``)."""
+    kernel = any(ast.unparse(d.func if isinstance(d, ast.Call) else d) == "triton.jit" for d in node.decorator_list)
+    return kernel or node.name == "register" or re.fullmatch(r"add_\w+_args", node.name) is not None
+
+
+def functions(tree: ast.AST, prefix: str = ""):
+    """``(qualified name, node)`` of every function under ``tree``: methods, nested functions and
+    functions defined under an ``if`` included."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield f"{prefix}{node.name}", node
+            yield from functions(node, f"{prefix}{node.name}.")
+        elif isinstance(node, ast.ClassDef):
+            yield from functions(node, f"{prefix}{node.name}.")
+        else:
+            yield from functions(node, prefix)
+
+
+FUNCTIONS = {f"{name}.{qualname}": node for name, path in MODULES.items()
+             for qualname, node in functions(ast.parse(path.read_text(encoding="utf-8")))}
+
+
+def test_parameter_count_and_exemptions():
+    source = """
+class A:
+    def method(self, a, /, b, *rest, c, **more): ...
+    @classmethod
+    def build(cls, a): ...
+def plain(a, b=1, *, c): ...
+@triton.jit
+def kernel(A, B): ...
+@triton.jit(do_not_specialize=["n"])
+def specialized(A, n): ...
+@torch.jit.script
+def scripted(a): ...
+def add_cache_args(parser, names): ...
+def add_cache(parser, names): ...
+"""
+    found = dict(functions(ast.parse(source)))
+    assert {name: parameter_count(node) for name, node in found.items()} == {
+        "A.method": 3, "A.build": 1, "plain": 3, "kernel": 2, "specialized": 2, "scripted": 1, "add_cache_args": 2,
+        "add_cache": 2}
+    assert {name for name, node in found.items() if exempt(node)} == {"kernel", "specialized", "add_cache_args"}
+
+
+def test_the_functions_are_read_from_the_sources():
+    # a check that finds nothing proves nothing: methods and kernels are seen, a kernel is exempt
+    assert parameter_count(FUNCTIONS["h2okv.core.cache.H2OCache.__init__"]) >= 2
+    kernel = FUNCTIONS["h2okv.core.triton_kernels.decode_step_kernel"]
+    assert parameter_count(kernel) > MAX_PARAMETERS and exempt(kernel)
+    assert len(FUNCTIONS) > 500
+
+
+def test_no_function_takes_more_than_ten_parameters():
+    over = {name: parameter_count(node) for name, node in FUNCTIONS.items()
+            if parameter_count(node) > MAX_PARAMETERS and not exempt(node)}
+    assert over == {}
