@@ -28,7 +28,7 @@ def greedy(model, ids, cache, new=NEW, **kwargs):
 
 def held_above_budget(cache) -> int:
     """The most live tokens any (row, layer, head) holds above its budget as ranked (kvzip's tail)."""
-    return max(int((layer.live_slots() - (layer.slot_budget() - layer.tail_slots)).max()) for layer in cache.layers)
+    return max(int((layer.live_slots() - (layer.slot_budget() - layer.probe.tail_slots)).max()) for layer in cache.layers)
 
 
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
@@ -38,7 +38,7 @@ def test_every_recipe_runs_in_generate_within_its_budget(recipe):
     new = greedy(model, ids, cache)
     assert new.shape == (2, NEW)
     assert cache.budget()[0] == cache.budget()[1] in (19, 20)  # a fifth of each prompt, rounded by its split
-    assert not any(layer.awaiting_probe for layer in cache.layers)  # ranked, not held whole
+    assert not any(layer.probe.awaiting for layer in cache.layers)  # ranked, not held whole
     # the tokens read after a ranking by reconstruction are kvzip's tail, above the budget
     assert held_above_budget(cache) <= (NEW - 1 if cache.policy.ranks_by_reconstruction else 0)
     assert cache.stats()["above_budget_tokens"] == max(held_above_budget(cache), 0)
@@ -101,11 +101,11 @@ def test_a_prompt_of_one_call_is_ranked_before_the_next_call_only():
     model, ids = tiny_model(), random_ids(40)
     cache = H2OCache(model, recipe="document", budget=0.2, budget_floor=0, tokenizer=Tok())
     greedy(model, ids, cache, new=1)  # one new token: no second call, the prompt stays whole
-    assert all(layer.awaiting_probe for layer in cache.layers)
+    assert all(layer.probe.awaiting for layer in cache.layers)
     assert "not ranked yet" in cache.summary()
     with torch.inference_mode():
         model(input_ids=ids[:, :1], **cache_arg(cache))  # the next call ranks it first
-    assert not any(layer.awaiting_probe for layer in cache.layers)
+    assert not any(layer.probe.awaiting for layer in cache.layers)
     assert cache.get_seq_length() == 41
 
 
@@ -115,7 +115,7 @@ def test_the_tokenizer_comes_from_the_models_folder(tiny_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     cache = H2OCache(model, recipe="document", budget=0.2, budget_floor=0)
     greedy(model, random_ids(40), cache, new=3)
-    assert cache.tokenizer is not None and not cache.layers[0].awaiting_probe
+    assert cache.tokenizer is not None and not cache.layers[0].probe.awaiting
 
 
 def test_errors_are_one_line():

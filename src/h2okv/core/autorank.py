@@ -6,7 +6,7 @@ installs this pre-hook on its model (once per model) so that no separate call is
 
 - a cache's first call (the prompt) is remembered: its ids are the text the probe repeats;
 - the next call that is not one of the pass's own probe calls finds the cache read and not ranked
-  (``awaiting_probe``): the hook runs the pass on the remembered ids (``rank_by_probes``), and
+  (``layer.probe.awaiting``): the hook runs the pass on the remembered ids (``rank_by_probes``), and
   the call (``generate``'s first decode step) then reads on top of the ranked cache.
 
 Ranking when the next call arrives, not at the end of the prompt's own call, leaves every
@@ -51,11 +51,11 @@ def _before_call(model, args, kwargs):
     if policy is None or not policy.ranks_by_reconstruction or not hasattr(cache, "prompt_ids"):
         return None  # not an H2OCache ranked by reconstruction
     layers = cache.layers
-    if any(layer.probe_best is not None for layer in layers):
+    if any(layer.probe.best is not None for layer in layers):
         return None  # the pass's own probe calls
     if not layers[0].is_initialized:
         _remember_prompt(cache, args, kwargs)
-    elif all(layer.awaiting_probe for layer in layers):
+    elif all(layer.probe.awaiting for layer in layers):
         _rank(model, cache)
     return None
 

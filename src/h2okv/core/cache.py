@@ -128,9 +128,7 @@ class H2OCache(Cache):
             raise H2OError("compileable=True takes true positions only (rolling positions are not traced)")
         self.layer_config = dataclasses.replace(self.layer_config, compileable=bool(compileable))
         for layer in self.layers:
-            layer.config = self.layer_config
-            if layer.is_initialized:
-                layer.refresh()
+            layer.set_config(self.layer_config)
 
     # -- rows: generate's beam search and batch expansion, the server's continuous batching -----
     def select_rows(self, index) -> None:
@@ -219,11 +217,7 @@ class H2OCache(Cache):
             raise H2OError("set_budgets needs every layer to have run, its heads on their rows' budgets")
         self.row_budgets.fix([BudgetSpec.build(self.policy, h, r, None, None).resolve(0) for h, r in budgets])
         for layer in running:
-            layer.to_dense()
-            layer.heavy, layer.recent, layer.sinks = (t.to(layer.device) for t in (
-                self.row_budgets.heavy, self.row_budgets.recent, self.row_budgets.sinks))
-            layer.over_budget = True
-            layer.refresh()
+            layer.set_budgets(self.row_budgets.heavy, self.row_budgets.recent, self.row_budgets.sinks)
 
     def trim(self) -> None:
         """Give back every layer's free slots after its last live one (nothing moves, so each row
@@ -231,14 +225,13 @@ class H2OCache(Cache):
         for layer in self.layers:
             if layer.is_initialized:
                 layer.trim()
-                layer.refresh()
+                layer.changed()
 
     def fit_capacity(self, capacity: int) -> None:
         """Give every layer exactly ``capacity`` slots per (sequence, head); see ``SlotStorage.resize``."""
         for layer in self.layers:
             if layer.is_initialized:
-                layer.resize(capacity)
-                layer.refresh()
+                layer.fit_capacity(capacity)
 
     @property
     def rows(self) -> int:
@@ -287,7 +280,11 @@ class H2OCache(Cache):
     # -- budgets: fixed per row by the first forward call (the prompt), shared by all layers -----
     @property
     def max_budget(self) -> int | float:
-        return self.row_budgets.max_budget
+        """The most slots any (row, layer, KV head) may hold: the layers' own once they have run
+        (a cache-wide or adaptive head split, kvzip's tail, give layers budgets of their own), the
+        rows' before (inf before the first call or for a policy that keeps everything)."""
+        running = [layer.max_budget for layer in self.layers if layer.is_initialized]
+        return max(running) if running else self.row_budgets.max_budget
 
     def budget(self) -> list[int] | None:
         """Slots per (layer, head) for each sequence, or None for ``full`` / before the first call."""
@@ -305,7 +302,7 @@ class H2OCache(Cache):
         """The most live tokens a (row, KV head) of ``layer`` holds above its budget (kvzip's tail)."""
         if not layer.has_budget or not layer.config.policy.evicts:
             return 0
-        return max(0, int((layer.live_slots() - (layer.slot_budget() - layer.tail_slots)).max()))
+        return max(0, int((layer.live_slots() - (layer.slot_budget() - layer.probe.tail_slots)).max()))
 
     def stats(self) -> dict:
         layers = [layer for layer in self.layers if layer.is_initialized]
@@ -343,7 +340,7 @@ class H2OCache(Cache):
             # read after its ranking, kept whole for ``tail`` tokens), 0 for every other policy
             "above_budget_tokens": max((self._above_budget(layer) for layer in layers), default=0),
             # kvzip: the prompt has been read and waits for the reconstruction pass (core/autorank.py)
-            "awaiting_ranking": bool(layers) and all(layer.awaiting_probe for layer in layers),
+            "awaiting_ranking": bool(layers) and all(layer.probe.awaiting for layer in layers),
         }
 
     def summary(self) -> str:

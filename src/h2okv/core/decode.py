@@ -145,7 +145,7 @@ def choose_stepper(layer):
 def tail_fills_flat(layer, room: tuple[int, int] | None) -> bool:
     """Whether ``layer`` is a ranked kvzip layer of uneven head budgets filling its tail with a
     step or more to go before any head may evict: ``TailFill`` holds it flat meanwhile."""
-    if not getattr(layer, "probed", False) or filling_room(layer, room) < 1:
+    if not layer.probe.ranked or filling_room(layer, room) < 1:
         return False
     budget = layer.slot_budget()
     return bool((budget != budget.flatten()[0]).any())
@@ -179,7 +179,7 @@ class FillingStep:
             self.room -= 1
         elif layer.config.policy.evicts:
             evict(layer, 1)
-            layer.refresh()
+            layer.changed()
         return out
 
 
@@ -232,7 +232,7 @@ class TailFill:
         self.room -= 1
         if self.room == 0:  # a head may evict from the next step on: dense, and choose again
             layer.to_dense()
-            layer.refresh()
+            layer.changed()
         return out
 
 
@@ -261,7 +261,7 @@ class GrowFirst:
 
     def decode(self, layer, query, k_new, v_new, scaling):
         layer.ensure_free(1)
-        layer.refresh()
+        layer.changed()
         return layer.stepper.decode(layer, query, k_new, v_new, scaling)
 
 

@@ -3,7 +3,7 @@
 ``update`` only hands the new key/value states over (``PENDING`` in ``attention.py``); the work of
 a forward call happens in ``attend``, called from the registered attention function, because that
 is where the query is available. ``attend`` routes a plain decode step to the layer's stepper
-(``decode.py``, chosen by ``refresh`` whenever the rows or buffers change), a
+(``decode.py``, chosen again by ``changed`` whenever the rows, budgets or buffers change), a
 token-by-token call to ``scan.py``, and everything else, chunk by chunk, to ``step.chunk_step``.
 """
 
@@ -34,6 +34,17 @@ from h2okv.policies import Policy
 GROWTH_MIN = 8
 # late prefill's query block when the chunk size is 1 (it bounds memory; it changes no result)
 LATE_BLOCK = 512
+
+
+@dataclass
+class ProbeState:
+    """A layer's part in the reconstruction pass (policy ``kvzip``, ``core/reconstruction.py``),
+    kept apart from the slots: the generic layer only asks whether it awaits or is in a pass."""
+
+    awaiting: bool = False  # the prompt is read and held whole until the pass ranks it
+    ranked: bool = False  # the pass has ranked it (a later call is read as any other)
+    best: torch.Tensor | None = None  # while probing: each slot's best probe score
+    tail_slots: int = 0  # once ranked: the slots kvzip's tail adds above the budget (rank_by_probe)
 
 
 @dataclass(frozen=True)
@@ -67,16 +78,13 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         # its value (a recompilation every step); ``tokens_seen`` is its int
         self.seen = torch.zeros((), dtype=torch.long)
         self.peak_capacity = 0
-        self.stepper = None  # how a decode step runs (decode.py), chosen by refresh()
+        self.stepper = None  # how a decode step runs (decode.py), chosen by changed()
         self._budget_cap: int | float | None = None  # max_budget, once the rows' budgets are fixed
         # the most live slots a (sequence, head) may hold, and the ``valid`` it was counted on:
         # see ``_live_bound``
         self._live_max, self._live_of = 0, None
         # kvzip: the prompt is held whole until ``h2okv.reconstruct`` ranks it (``rank_by_probe``)
-        self.awaiting_probe = False
-        self.probed = False
-        self.probe_best: torch.Tensor | None = None  # while probing: each slot's best probe score
-        self.tail_slots = 0  # once ranked: the slots kvzip's tail adds above the budget (rank_by_probe)
+        self.probe = ProbeState()
         # rows may hold more than their budget (``H2OCache.set_budgets`` lowered it): until a call
         # brings them down, room for a call is counted from the live slots, not the budget
         self.over_budget = False
@@ -94,7 +102,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.awaiting_probe and self.probe_best is None:  # refused before anything changes
+        if self.probe.awaiting and self.probe.best is None:  # refused before anything changes
             raise H2OError(f"policy {self.config.policy.spec!r} ranks the prompt by reconstruction: call "
                            f"h2okv.reconstruct(model, cache, prompt_ids, tokenizer) after the prompt's forward call")
         # the attention function picks these up (see attention.py); K/V are written into slots
@@ -130,9 +138,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         self.peak_capacity = 0
         self.stepper = None
         self.ragged = None
-        self.awaiting_probe = self.probed = False
-        self.probe_best = None
-        self.tail_slots = 0
+        self.probe = ProbeState()
 
     def reorder_cache(self, beam_idx):
         self.select_rows(torch.as_tensor(beam_idx))
@@ -147,12 +153,32 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         raise H2OError("H2OCache cannot be cropped: evicted tokens are gone (assisted decoding is not supported)")
 
-    def refresh(self) -> None:
-        """Derive again what depends on the rows, budgets and buffers: the largest budget and the
-        decode stepper (one device sync). Every change of them ends here, so nothing else
-        invalidates state."""
+    def changed(self) -> None:
+        """The rows, budgets, buffers or layout changed (``version`` moves): derive again, here and
+        nowhere else, what depends on them: the largest budget and the decode stepper (one device
+        sync; the stepper may flatten the layer). Every method that makes such a change ends here."""
+        super().changed()
         self._budget_cap = None
         self.stepper = choose_stepper(self) if self.has_budget else None
+
+    def set_config(self, config: LayerConfig) -> None:
+        """Run under ``config`` from now on (``H2OCache.set_compileable``: the steppers change)."""
+        self.config = config
+        if self.is_initialized:
+            self.changed()
+
+    def set_budgets(self, heavy: torch.Tensor, recent: torch.Tensor, sinks: torch.Tensor) -> None:
+        """New per-row budgets ``[B]`` (``H2OCache.set_budgets``); nothing is evicted now: the next
+        call of two tokens or more ranks what is held and brings each row down to them."""
+        self.to_dense()
+        self.heavy, self.recent, self.sinks = (t.to(self.device) for t in (heavy, recent, sinks))
+        self.over_budget = True
+        self.changed()
+
+    def fit_capacity(self, capacity: int) -> None:
+        """Exactly ``capacity`` slots per (sequence, head) (``SlotStorage.resize``), then derive again."""
+        self.resize(capacity)
+        self.changed()
 
     def copy_rows(self, index: torch.Tensor, rows: RowBudgets) -> SlotLayer:
         """A new layer holding a copy of rows ``index`` and reading its budgets from ``rows``."""
@@ -227,7 +253,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         we read padding from it and nothing else: causality among new tokens and the model's
         sliding window are applied from the slots' ordinals.
         """
-        if self.probe_best is not None:
+        if self.probe.best is not None:
             return self._attend_probe(query, key_new, value_new, new_mask, scaling, sliding_window)
         if sliding_window is not None and self.tokens_seen <= sliding_window:
             # no query of the call lies a window past any token yet (ordinals < tokens_seen): the
@@ -288,7 +314,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
 
     def _finish_call(self, out, order):
         """The decode stepper, and ``out`` ``[B, Hq, q, D]`` back in the call's token order as ``[B, q, Hq, D]``."""
-        self.refresh()
+        self.changed()
         if order is not None:
             out = torch.empty_like(out).scatter_(2, order[:, None, :, None].expand_as(out), out)
         return out.transpose(1, 2).contiguous()
@@ -308,7 +334,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         config = self.config
         block = config.chunk_size if config.chunk_size > 1 else LATE_BLOCK
         init = self._prefill_scores(query, key_new, value_new, nonpad, scaling)
-        if init is None and config.policy.ranks_by_reconstruction and not self.probed:
+        if init is None and config.policy.ranks_by_reconstruction and not self.probe.ranked:
             # the probe will rank this call: its attention mass is not needed (fused attention);
             # kvzip:question=W starts the scores at the question's attention instead
             init = self._prefill_scores(query, key_new, value_new, nonpad, scaling, config.policy.question_scores)
@@ -323,8 +349,8 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
                 None if nonpad is None else nonpad[:, start:stop], scaling, sliding_window,
                 None if init is None else init[:, :, start:stop], evicts=False,
             ))
-        if config.policy.ranks_by_reconstruction and not self.probed:
-            self.awaiting_probe = True  # held whole: the reconstruction pass ranks it (rank_by_probe)
+        if config.policy.ranks_by_reconstruction and not self.probe.ranked:
+            self.probe.awaiting = True  # held whole: the reconstruction pass ranks it (rank_by_probe)
             return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
         if self.config.policy.evicts:
             if self.config.head_budgets == "adaptive":
@@ -337,22 +363,22 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
     def _attend_probe(self, query, key_new, value_new, new_mask, scaling, sliding_window):
         """A probe call: attend over the live slots and the probe, keep nothing, record the scores."""
         check_probe_call(new_mask, sliding_window)
-        if not self.awaiting_probe:
+        if not self.probe.awaiting:
             raise H2OError("reconstruct needs a cache that has read the prompt and not been ranked yet")
         self.tokens_seen -= key_new.shape[2]  # read, never kept: positions go on from the prompt
         block = self.config.chunk_size if self.config.chunk_size > 1 else LATE_BLOCK
         out, best = probe_attention(self, query, key_new, value_new, scaling, block)
-        torch.maximum(self.probe_best, best, out=self.probe_best)
+        torch.maximum(self.probe.best, best, out=self.probe.best)
         return out.transpose(1, 2).contiguous()
 
     def start_probe(self) -> None:
         """The reconstruction pass begins: probe calls record each slot's best score from now on."""
-        self.probe_best = torch.zeros(self.valid.shape, dtype=torch.float32, device=self.device)
+        self.probe.best = torch.zeros(self.valid.shape, dtype=torch.float32, device=self.device)
 
     def take_probe_scores(self) -> None:
         """The pass is over: every live slot's score becomes its reconstruction score
         (``rank_by_probe`` evicts)."""
-        best, self.probe_best = self.probe_best, None
+        best, self.probe.best = self.probe.best, None
         if self.config.policy.question:  # the question's attention, set by _attend_late
             best = torch.maximum(best, self.score)
         best = self.config.policy.smooth_probe(torch.where(self.valid, best, torch.zeros_like(best)), self.ordinal,
@@ -360,7 +386,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         self.score.copy_(best)
 
     def stop_probe(self) -> None:
-        self.probe_best = None
+        self.probe.best = None
 
     def ranking(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(key, candidate)`` ``[B, H, cap]`` of this layer's slots (``_rank``)."""
@@ -369,7 +395,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
     def rank_by_probe(self, head_heavy=None) -> None:
         """Evict to the budget once, by the probe's scores (``take_probe_scores``); ``head_heavy``
         ``[B, H]``: this layer's share of a cache-wide allocation (``head_budgets="layers"``)."""
-        self.awaiting_probe, self.probed = False, True
+        self.probe.awaiting, self.probe.ranked = False, True
         self.heavy = self.ranked_heavy()
         if head_heavy is not None:
             self._set_head_heavy(head_heavy)
@@ -382,8 +408,8 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         # budget, unless the ranking made room for them inside it (``ranked_heavy``)
         policy = self.config.policy
         self.recent = self.recent + policy.tail
-        self.tail_slots = 0 if policy.tail_in_budget else policy.tail
-        self.refresh()
+        self.probe.tail_slots = 0 if policy.tail_in_budget else policy.tail
+        self.changed()
 
     def ranked_heavy(self) -> torch.Tensor:
         """``[B]``: the heavy slots the reconstruction ranking keeps: the budget's, less kvzip's

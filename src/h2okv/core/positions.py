@@ -111,7 +111,7 @@ class RollingPositions:
         else:
             start = self._compact(layers, n_real, real)
         for layer in flat:  # and the decode stepper chosen again (it flattens them back)
-            layer.refresh()
+            layer.changed()
         within = torch.cumsum(nonpad.long(), dim=-1) - 1
         return (start[:, None] + within).masked_fill(~nonpad, 0)
 

@@ -98,7 +98,7 @@ def reconstruct(model, cache, context: torch.Tensor, tokenizer, start: int = 0,
     if context.dim() != 2 or cache.get_seq_length() != context.shape[1] or cache.rows != context.shape[0]:
         raise H2OError(f"reconstruct needs the [rows, tokens] ids the cache has read: it holds {cache.rows} rows "
                        f"of {cache.get_seq_length()} tokens, got shape {tuple(context.shape)}")
-    if not all(layer.awaiting_probe for layer in cache.layers):
+    if not all(layer.probe.awaiting for layer in cache.layers):
         raise H2OError("reconstruct needs a cache that has read the prompt in one call and not been ranked yet")
     rank_by_probes(model, cache, probes(tokenizer, context.to(model.device), start, chunk_size))
 

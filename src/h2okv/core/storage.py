@@ -56,6 +56,8 @@ class SlotStorage:
     peak_capacity: int
     ragged: RaggedSlots | None = None  # see the module docstring
     stepper = None  # SlotLayer's decode stepper
+    #: moves on every change of the rows or buffers that something is derived from (``changed``)
+    version: int = 0
 
     def flatten(self, widths: torch.Tensor) -> None:
         """Keep each (row, head)'s first ``widths`` slots only (``[B * H]``; its live slots must be
@@ -218,7 +220,7 @@ class SlotStorage:
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, tensor.index_select(0, index))
-        self.refresh()
+        self.changed()
 
     def append_rows(self, other: SlotStorage) -> None:
         """Append ``other``'s rows after ours; both are brought to the larger capacity first."""
@@ -236,7 +238,7 @@ class SlotStorage:
                 raise RuntimeError(f"cannot join a prefilled cache with one that has not run ({name})")
             if mine is not None:
                 setattr(self, name, torch.cat([mine, theirs.to(self.device)]))
-        self.refresh()
+        self.changed()
 
     def add_empty_rows(self, heavy: torch.Tensor, recent: torch.Tensor, sinks: torch.Tensor) -> None:
         """Append ``len(heavy)`` rows with no token yet (every slot free) and these budgets."""
@@ -252,7 +254,7 @@ class SlotStorage:
             self.sinks = torch.cat([self.sinks, sinks.to(self.device)])
         if self.head_heavy is not None:  # a new row starts uniform; its first ranked call shares it out
             self.head_heavy = torch.cat([self.head_heavy, heavy.to(self.device)[:, None].expand(k, self.keys.shape[1])])
-        self.refresh()
+        self.changed()
 
     def trim(self) -> None:
         """Cut the free slots after the last live one (of any row and head); nothing moves."""
@@ -262,5 +264,7 @@ class SlotStorage:
         if used < self.capacity:
             self.resize(used)
 
-    def refresh(self) -> None:  # pragma: no cover - SlotLayer overrides
-        """Derive again what depends on the rows and buffers (``SlotLayer``: its decode stepper)."""
+    def changed(self) -> None:
+        """The rows or buffers changed: ``version`` moves (``SlotLayer`` also derives its decode
+        stepper again)."""
+        self.version += 1

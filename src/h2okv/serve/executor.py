@@ -388,7 +388,7 @@ class Executor:
                        use_cache=True, **self._keep_last)
             # a head of one token is read as a decode step, held whole with nothing to rank (a
             # two-token prompt, e.g. [0, 0], stopped here with a 500 under the default recipe)
-            if all(layer.awaiting_probe for layer in cache.layers):
+            if all(layer.probe.awaiting for layer in cache.layers):
                 rank_by_probes(self.model, cache, [torch.tensor([call], dtype=torch.long, device=device)
                                                    for call in spec.probe])
             out = self.model(input_ids=torch.tensor([last], dtype=torch.long, device=device),
