@@ -23,6 +23,7 @@ from h2okv.core.budget import H2OBudgetWarning
 from h2okv.core.compat import cache_arg
 from h2okv.core.native import build
 from h2okv.core.native.rules import c_decode_rule, native_rule
+from h2okv.core.runtime import RUNTIME
 from h2okv.core.scan import ScanPlan, ScanState, scan_block
 from h2okv.core.step import last_real_query
 from h2okv.policies import H2OPolicy, make_policy
@@ -36,7 +37,7 @@ C_DECODE_POLICIES = ["h2o:decay=0.8", "snapkv:decay=0.9", "rkv", "rkv:weight=0.5
 
 def needs_native():
     if build.library() is None:
-        pytest.skip(f"no native kernels here: {build.BUILD.error}")
+        pytest.skip(f"no native kernels here: {build.build_info().error}")
 
 
 def scan_inputs(seed, b=2, hkv=2, g=3, blk=6, cap=5, n=20):
@@ -472,7 +473,6 @@ def test_fused_step_that_cannot_compile_warns_once_and_decodes_eager(monkeypatch
     says why in one warning and every step (that one too) runs eager, with eager's results."""
     import h2okv.core.decode as decode
     import h2okv.core.triton_kernels as triton_kernels
-    import h2okv.core.triton_step as triton_step
 
     class Uncompilable:
         launches = 0
@@ -484,7 +484,7 @@ def test_fused_step_that_cannot_compile_warns_once_and_decodes_eager(monkeypatch
             return launch
 
     want = run_tiny("h2o", "eager", scores=True)
-    monkeypatch.setattr(triton_step, "_failed", None)
+    monkeypatch.setattr(RUNTIME, "triton_step_failure", None)
     monkeypatch.setattr(triton_kernels, "decode_step_kernel", Uncompilable())
     monkeypatch.setattr(decode, "triton_on", lambda device: True)
     with pytest.warns(UserWarning, match=r"fused Triton decode step cannot run here \(RuntimeError: PassManager::run failed\)"):

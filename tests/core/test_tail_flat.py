@@ -41,7 +41,7 @@ def run(model, ids, spec, kernel):
 @pytest.mark.parametrize("spec", ["kvzip", "kvzip:tail=5"])
 def test_a_filling_tail_holds_its_live_tokens_and_decodes_as_the_dense_layout(monkeypatch, kernel, spec):
     if kernel == "native" and build.library() is None:
-        pytest.skip(f"no native kernels here: {build.BUILD.error}")
+        pytest.skip(f"no native kernels here: {build.build_info().error}")
     model = tiny_model("llama", num_attention_heads=8, num_key_value_heads=4, initializer_range=0.3)
     ids = torch.randint(2, 90, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(1))
     flat = run(model, ids, spec, kernel)

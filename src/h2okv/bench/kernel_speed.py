@@ -124,7 +124,7 @@ def scoring_costs(model, ids: torch.Tensor, kernels: list[str], budget: float, r
 def native_build() -> dict | None:
     from h2okv.core.native import build
 
-    info = build.BUILD
+    info = build.build_info()
     if info is None:
         return None
     return {"path": info.path, "build_seconds": info.seconds, "cached": info.cached, "error": info.error}

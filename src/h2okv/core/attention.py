@@ -34,6 +34,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from h2okv.core.feed_forward import slice_feed_forward, unslice_feed_forward
 from h2okv.core.kernels import triton_on
+from h2okv.core.runtime import RUNTIME
 from h2okv.errors import H2OError
 
 ATTN_NAME = "h2o"
@@ -79,19 +80,18 @@ def h2o_attention_forward(module, query, key, value, attention_mask, dropout=0.0
     return out, None
 
 
-# each prepared config's attention implementation before ``prepare_model``, by identity (configs are
-# not hashable); an entry leaves with its config, so a later config at the same address is not taken for it
-_PREVIOUS: dict[int, tuple[weakref.ref, str | None]] = {}
-
-
 def _remember(config, implementation) -> None:
+    """Record ``config``'s attention implementation before ``prepare_model`` (``RUNTIME``), by
+    identity (configs are not hashable); the entry leaves with its config, so a later config at
+    the same address is not taken for it."""
     key = id(config)
-    _PREVIOUS[key] = (weakref.ref(config, lambda _ref: _PREVIOUS.pop(key, None)), implementation)
+    RUNTIME.previous_attention[key] = (
+        weakref.ref(config, lambda _ref: RUNTIME.previous_attention.pop(key, None)), implementation)
 
 
 def previous_implementation(config) -> str | None:
     """The attention implementation ``config`` had before ``prepare_model`` (None: not known)."""
-    entry = _PREVIOUS.get(id(config))
+    entry = RUNTIME.previous_attention.get(id(config))
     return entry[1] if entry is not None and entry[0]() is config else None
 
 
@@ -284,7 +284,7 @@ def restore_model(model) -> None:
     the feed-forward whole again (``unslice_feed_forward``). An ``H2OCache`` built on the model
     before must not be used after: the model no longer hands it its keys."""
     for config in _configs(model):
-        entry = _PREVIOUS.pop(id(config), None)
+        entry = RUNTIME.previous_attention.pop(id(config), None)
         if entry is not None and entry[0]() is config and config._attn_implementation == ATTN_NAME:
             # each config by itself, not ``set_attn_implementation``: a composite model's sub-configs
             # may each have had their own, and each was checked by transformers when first set

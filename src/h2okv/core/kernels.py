@@ -19,11 +19,11 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 
+from h2okv.core.runtime import RUNTIME
 from h2okv.errors import H2OError
 
 KERNELS = ("auto", "eager", "native", "triton")
 ENV = "H2OKV_KERNELS"
-_choice: str | None = None
 
 
 def check_kernels(name: str) -> str:
@@ -33,23 +33,21 @@ def check_kernels(name: str) -> str:
 
 
 def get_kernels() -> str:
-    return _choice or check_kernels(os.environ.get(ENV) or "auto")
+    return RUNTIME.kernels or check_kernels(os.environ.get(ENV) or "auto")
 
 
 def set_kernels(name: str | None) -> None:
     """Choose the kernels for this process (None: back to ``$H2OKV_KERNELS`` / auto)."""
-    global _choice
-    _choice = None if name is None else check_kernels(name)
+    RUNTIME.kernels = None if name is None else check_kernels(name)
 
 
 @contextmanager
 def use_kernels(name: str):
-    global _choice
-    saved, _choice = _choice, check_kernels(name)
+    saved, RUNTIME.kernels = RUNTIME.kernels, check_kernels(name)
     try:
         yield
     finally:
-        _choice = saved
+        RUNTIME.kernels = saved
 
 
 def native_on(device) -> bool:
@@ -76,9 +74,9 @@ def unavailable_reason(name: str, device) -> str | None:
     if name == "native":
         if device.type != "cpu":
             return "native kernels are CPU only"
-        from h2okv.core.native.build import BUILD, library
+        from h2okv.core.native.build import build_info, library
 
-        return None if library() is not None else (BUILD.error if BUILD else "not built")
+        return None if library() is not None else (build_info().error if build_info() else "not built")
     if name == "triton":
         if device.type != "cuda":
             return "triton kernels need a CUDA device"

@@ -24,10 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from h2okv.core.native.rules import DecodeRule, c_decode_rule
+from h2okv.core.runtime import RUNTIME
 from h2okv.core.triton_attention import BLOCK_N, _block, _kernels
 from h2okv.errors import first_line
-
-_failed: str | None = None  # why the kernel could not run here: then every step stays eager
 
 
 def decode_rule(layer, general: bool = False) -> DecodeRule | None:
@@ -35,7 +34,7 @@ def decode_rule(layer, general: bool = False) -> DecodeRule | None:
     rule; for the ``general`` step also a budget per head, which it does not know). The kernel
     knows the C decode step's rules (``native/rules.py``: ``c_decode_rule``), decay and ``rkv``
     included."""
-    rule = c_decode_rule(layer.config.policy) if _failed is None and layer.has_budget else None
+    rule = c_decode_rule(layer.config.policy) if RUNTIME.triton_step_failure is None and layer.has_budget else None
     if rule is None or (general and layer.head_heavy is not None):
         return None
     tensors = (layer.score, layer.ordinal, layer.valid, layer.n_real, layer.heavy, layer.recent, layer.sinks)
@@ -88,7 +87,7 @@ class _Rows:
 
 
 def _launch(layer, query, k_new, v_new, scaling, rule, rows: _Rows):
-    if _failed is not None:  # another layer's launch failed here: every layer steps eager
+    if RUNTIME.triton_step_failure is not None:  # another layer's launch failed here: every layer steps eager
         return None
     b, hkv, cap, d = layer.keys.shape
     hq, dv = query.shape[1], layer.values.shape[-1]
@@ -112,8 +111,8 @@ def _launch(layer, query, k_new, v_new, scaling, rule, rows: _Rows):
 
 
 def _give_up(exc: Exception) -> None:
-    global _failed
-    _failed = f"{type(exc).__name__}: {first_line(exc)}"
-    warnings.warn(f"h2okv: the fused Triton decode step cannot run here ({_failed}); using the eager step",
+    RUNTIME.triton_step_failure = f"{type(exc).__name__}: {first_line(exc)}"
+    warnings.warn(f"h2okv: the fused Triton decode step cannot run here ({RUNTIME.triton_step_failure}); "
+                  f"using the eager step",
                   stacklevel=3)
     return None

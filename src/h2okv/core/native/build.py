@@ -4,7 +4,8 @@ The library is compiled at first use into ``<cache root>/kernels/`` under a name
 source, the compiler, its flags and the CPU (``-march=native``), so an edit, another compiler or
 another machine sharing the cache gets its own build. Where no compiler is found or the build
 fails, ``library()`` returns None after one warning and the core runs its eager path. Build time
-is kept in ``BUILD`` (what the bench reports as the first-call cost).
+is kept in ``build_info()`` (what the bench reports as the first-call cost); both live in the
+core's ``RUNTIME`` (``core/runtime.py``), which ``reset()`` clears.
 """
 
 from __future__ import annotations
@@ -20,17 +21,19 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
+from h2okv.core.runtime import RUNTIME
 from h2okv.paths import cache_root
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c11", "-shared", "-fPIC")
 _I64, _F32P, _I64P, _U8P = ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
-SIGNATURES = {
-    "scan_block": [_F32P, _F32P, _U8P, _F32P, _I64P] + [_I64] * 10 + [ctypes.c_int] * 3 + [_F32P],
-    "decode_dense": [_F32P] * 6 + [_I64P, _U8P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _F32P] + [_I64] * 6
-    + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_float, _F32P, _F32P],
-}
+SIGNATURES = MappingProxyType({  # read-only: a table, not state
+    "scan_block": (_F32P, _F32P, _U8P, _F32P, _I64P) + (_I64,) * 10 + (ctypes.c_int,) * 3 + (_F32P,),
+    "decode_dense": (_F32P,) * 6 + (_I64P, _U8P, _I64P, _I64P, _I64P, _I64P, _I64P, _I64P, _F32P) + (_I64,) * 6
+    + (ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_float, _F32P, _F32P),
+})
 
 
 @dataclass
@@ -39,10 +42,6 @@ class BuildInfo:
     seconds: float = 0.0  # compile time of this process's build (0 when a cached build was loaded)
     cached: bool = False
     error: str | None = None
-
-
-BUILD: BuildInfo | None = None
-_LIB = None
 
 
 def _compiler() -> str | None:
@@ -87,9 +86,8 @@ def _build(cc: str, target: Path) -> float:
 
 def library():
     """The loaded kernels (``ctypes.CDLL``), or None where they cannot be built (warned once)."""
-    global BUILD, _LIB
-    if BUILD is not None:
-        return _LIB
+    if RUNTIME.native_build is not None:
+        return RUNTIME.native_library
     cc = _compiler()
     try:
         if cc is None:
@@ -101,14 +99,18 @@ def library():
         for name, args in SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
-        BUILD, _LIB = BuildInfo(str(target), seconds, cached), lib
+        RUNTIME.native_build, RUNTIME.native_library = BuildInfo(str(target), seconds, cached), lib
     except OSError as exc:
-        BUILD, _LIB = BuildInfo(error=str(exc)), None
+        RUNTIME.native_build, RUNTIME.native_library = BuildInfo(error=str(exc)), None
         warnings.warn(f"h2okv: native CPU kernels unavailable ({exc}); using the eager path", stacklevel=2)
-    return _LIB
+    return RUNTIME.native_library
+
+
+def build_info() -> BuildInfo | None:
+    """How the library was built or why it could not be (None: not tried yet)."""
+    return RUNTIME.native_build
 
 
 def reset() -> None:
     """Forget the loaded library (tests: build again under another compiler or cache root)."""
-    global BUILD, _LIB
-    BUILD, _LIB = None, None
+    RUNTIME.native_build, RUNTIME.native_library = None, None

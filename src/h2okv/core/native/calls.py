@@ -6,16 +6,13 @@ import torch
 
 from h2okv.core.native.build import library
 from h2okv.core.native.rules import KEY_RKV, DecodeRule, c_decode_rule, native_rule
-
-_loaded = None
+from h2okv.core.runtime import RUNTIME
 
 
 def _kernels():
-    """The built library, looked up once: a decode step then enters no other module."""
-    global _loaded
-    if _loaded is None:
-        _loaded = library()
-    return _loaded
+    """The built library (``RUNTIME``: one attribute read on a decode step, and ``reset`` clears
+    it: a second cache of it here once outlived the reset)."""
+    return RUNTIME.native_library if RUNTIME.native_build is not None else library()
 
 
 def scan_rule(policy, probs: torch.Tensor, state) -> tuple[int, int] | None:

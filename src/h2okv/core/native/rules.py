@@ -14,15 +14,17 @@ tests/policies/test_declared_rules.py holds every policy's hooks to its declarat
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import NamedTuple
 
 ACC_NONE, ACC_ADD, ACC_REPLACE, ACC_DECAY = 0, 1, 2, 3
 KEY_SCORE, KEY_MEAN, KEY_ORDINAL, KEY_RKV = 0, 1, 2, 3
 
-FOLDS = {"add": ACC_ADD, "replace": ACC_REPLACE}
-RANKS = {"score": KEY_SCORE, "mean": KEY_MEAN, "ordinal": KEY_ORDINAL}
-C_DECODE_FOLDS = {**FOLDS, "decay": ACC_DECAY}
-C_DECODE_RANKS = {**RANKS, "rkv": KEY_RKV}
+# read-only tables (MappingProxyType): the kernels' vocabulary, not state
+FOLDS = MappingProxyType({"add": ACC_ADD, "replace": ACC_REPLACE})
+RANKS = MappingProxyType({"score": KEY_SCORE, "mean": KEY_MEAN, "ordinal": KEY_ORDINAL})
+C_DECODE_FOLDS = MappingProxyType({**FOLDS, "decay": ACC_DECAY})
+C_DECODE_RANKS = MappingProxyType({**RANKS, "rkv": KEY_RKV})
 
 
 class DecodeRule(NamedTuple):
