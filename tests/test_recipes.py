@@ -214,3 +214,15 @@ def test_read_context_ranks_a_document_before_any_question():
     plain = H2OCache(model, budget=0.25, budget_floor=0)
     read_context(model, None, plain, context[0].tolist())
     assert plain.get_seq_length() == 60 and plain.budget() == [14]  # 7 + 7: each half rounds down
+
+
+def test_a_recipe_is_read_in_its_own_module_only():
+    """What a recipe means is expanded in h2okv.recipes (``expand``, ``recipe_runs``,
+    ``recipe_policy``): no other module reads a recipe's settings itself."""
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src" / "h2okv"
+    readers = sorted(str(path.relative_to(src)) for path in src.rglob("*.py") if path.name != "recipes.py"
+                     and any(needle in path.read_text(encoding="utf-8")
+                             for needle in ("get_recipe(", "RECIPES[", ".settings[\"policy\"]", "Recipe(")))
+    assert readers == []

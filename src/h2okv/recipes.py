@@ -112,6 +112,11 @@ def owns_head_split(recipe_policy: str, policy) -> bool:
     return make_policy(policy).name == make_policy(recipe_policy).name
 
 
+def recipe_policy(name: str) -> str:
+    """The policy recipe ``name`` runs (as its expansion says)."""
+    return expand(name)["policy"]
+
+
 def recipe_runs(names: list[str]) -> list[tuple[str, dict, str]]:
     """``(policy, cache keywords but the policy, recipe name)`` for each recipe in ``names``: how an
     evaluation grid runs a recipe beside its plain policies."""

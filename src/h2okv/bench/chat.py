@@ -179,7 +179,7 @@ def plot_chat(results: list[dict], path: str) -> str:
     dashed, its accuracy in the legend; ``results`` are ``chat_bench`` rows (several runs may be
     merged)."""
     from h2okv.eval.plots import new_figure, policy_color, save_figure
-    from h2okv.recipes import RECIPES
+    from h2okv.recipes import RECIPES, recipe_policy
 
     fig, axes = new_figure(width=6.4, height=4.0)
     ax = axes[0][0]
@@ -187,7 +187,7 @@ def plot_chat(results: list[dict], path: str) -> str:
         turns = [t for t in row["turns"] if t["ttft_median_s"] is not None]
         stored = bool(row["prefix_cache_memory"])
         name = row["policy"]
-        color = policy_color(RECIPES[name].settings["policy"] if name in RECIPES else name)
+        color = policy_color(recipe_policy(name) if name in RECIPES else name)
         ax.plot([t["turn"] for t in turns], [t["ttft_median_s"] for t in turns], marker="o", color=color,
                 linestyle="-" if stored else "--",
                 label=f"{name}, {'store' if stored else 'no store'}: {row['correct']}/{row['answered']} right")

@@ -31,7 +31,7 @@ from h2okv.eval.greedy import greedy_rows
 from h2okv.eval.reasoning_data import Problem
 from h2okv.generation import chat_prompt_ids, new_cache
 from h2okv.policies import policy_class
-from h2okv.recipes import get_recipe
+from h2okv.recipes import recipe_policy, recipe_runs
 
 PIECE_FORMAT = "h2okv-reasoning/1"
 EXPORT_FORMAT = "h2okv-reasoning-prompts/1"  # read by tools/peer/run_kvpress.py
@@ -61,8 +61,8 @@ class Setup:
         protect = {"protect_prompt": True} if self.protect_prompt and policy_class(policy).evicts else {}
         if self.recipe is None:
             return protect
-        settings = dict(get_recipe(self.recipe).settings)
-        if settings.pop("policy") != policy:
+        own, settings, _ = recipe_runs([self.recipe])[0]
+        if own != policy:
             return protect
         settings.pop("recent_share", None)  # the piece's own recent_share, set from the recipe
         return {**settings, **protect}
@@ -75,7 +75,7 @@ def config_label(policy: str, recent_share: float, recipe: str | None = None, pr
     if not policy_class(policy).evicts:
         return policy
     suffix = " protect-prompt" if protect_prompt else ""
-    if recipe is not None and get_recipe(recipe).settings["policy"] == policy:
+    if recipe is not None and recipe_policy(recipe) == policy:
         return f"{policy} recipe={recipe}{suffix}"
     if recent_share == DEFAULT_RECENT_SHARE:
         return f"{policy}{suffix}"

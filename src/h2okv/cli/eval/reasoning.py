@@ -88,16 +88,17 @@ def run(args) -> int:
     from h2okv.eval.reasoning_data import load_problems
     from h2okv.eval.reasoning_report import plot_accuracy, summarize, summary_table
     from h2okv.models import load_model
-    from h2okv.recipes import get_recipe
+    from h2okv.recipes import recipe_runs
 
-    recipe = get_recipe(args.recipe) if args.recipe else None
+    recipe = recipe_runs([args.recipe])[0] if args.recipe else None  # (its policy, its keywords, its name)
     policies = parse_policies(args.policies or ("full" if recipe else DEFAULT_POLICIES))
     if recipe is not None:
-        if args.recent_share not in (0.5, recipe.settings["recent_share"]):  # 0.5: the flag's default
-            raise H2OError(f"--recent-share {args.recent_share:g} differs from recipe {recipe.name}'s "
-                           f"{recipe.settings['recent_share']:g}: give one or the other")
-        args.recent_share = recipe.settings["recent_share"]
-        policies = list(dict.fromkeys([*policies, recipe.settings["policy"]]))
+        own, settings, name = recipe
+        if args.recent_share not in (0.5, settings["recent_share"]):  # 0.5: the flag's default
+            raise H2OError(f"--recent-share {args.recent_share:g} differs from recipe {name}'s "
+                           f"{settings['recent_share']:g}: give one or the other")
+        args.recent_share = settings["recent_share"]
+        policies = list(dict.fromkeys([*policies, own]))
     budgets = parse_kv_budgets(args.budgets)
     if args.offset < 0:
         raise H2OError(f"--offset must be >= 0, got {args.offset}")
@@ -111,7 +112,7 @@ def run(args) -> int:
     setup = Setup(model=args.model or model.name_or_path, task=args.task, style=args.prompt,
                   max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                   recent_share=args.recent_share,
-                  recipe=recipe.name if recipe else None, protect_prompt=args.protect_prompt)
+                  recipe=args.recipe, protect_prompt=args.protect_prompt)
     if args.export_prompts:
         return export(args, model, tokenizer, setup, problems, budgets)
     save = (lambda piece: write_json(piece, args.json)) if args.json else None

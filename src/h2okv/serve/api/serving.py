@@ -36,7 +36,7 @@ from fastapi import Request
 from h2okv.chat import history_length
 from h2okv.errors import H2OError
 from h2okv.policies import make_policy, policy_class
-from h2okv.recipes import get_recipe
+from h2okv.recipes import expand
 from h2okv.serve.api.errors import APIError
 from h2okv.serve.api.formatting import CompletionLogprobs, chat_logprobs, merge_completion_logprobs
 from h2okv.serve.api.sampling_defaults import SamplingDefaults
@@ -208,8 +208,8 @@ class Serving:
             return False
         try:
             h2o = body.h2o
-            recipe = get_recipe(h2o.recipe).settings["policy"] if h2o and h2o.recipe else None
-            return make_policy((h2o.policy if h2o else None) or recipe or self.eviction.policy).evicts
+            asked = expand(h2o.recipe if h2o else None, policy=h2o.policy if h2o else None)  # its policy over the recipe's
+            return make_policy(asked.get("policy") or self.eviction.policy).evicts
         except (H2OError, ValueError):
             return False
 
