@@ -1,16 +1,19 @@
 """The engine's per-step time outside the model forward, on the tests' tiny model.
 
 ``--requests`` (64) requests of ``--max-tokens`` (1,000) new tokens each (``ignore_eos``, greedy,
-prompts of ``--prompt-tokens`` cut from Hamlet) are submitted at once to one in-process ``Engine``
-with room for all of them (``max_batch`` = the request count), run as the server runs it: with its
-``ServeMetrics`` observer, and every request's events read by an asyncio loop on another thread.
-The model is ``tests/serve/conftest.py``'s (``tiny_chat_model(layers=3, initializer_range=0.3)``):
-a forward of microseconds per row, so whatever the engine itself costs per step shows.
+prompts of ``--prompt-tokens`` cut from Hamlet; ``--policy h2o`` at 64 + 64 slots, or ``full``) are
+submitted at once to one in-process ``Engine`` with room for all of them, run as the server runs it:
+its ``ServeMetrics`` observer, every request's events sent to an asyncio event loop. The model is
+``tests/serve/conftest.py``'s (``tiny_chat_model(layers=3, initializer_range=0.3)``): a decode
+forward of 64 rows takes ~2 ms on one CPU thread, so whatever the engine itself costs a step shows.
 
-The engine times each step and, inside it, the executor's forward calls (``EngineStats.steps``);
-the rest is its own work: scheduling, sampling, detokenizing, stop checks, event routing. Printed
-and written (``--json``) per run: the share of step time outside the forward, and the outside
-time per step (mean, p50, p99, ms).
+The engine times each step and the executor's forward calls inside it (``EngineStats.steps``); the
+rest is its own work: scheduling, sampling, detokenizing, stop checks, routing events, and the
+executor's calls that move rows between caches (``join``, ``keep``: timed here, reported beside).
+Printed and written (``--json``) per run: the share of step time outside the forward and the time
+outside it per step (mean, p50, p99, ms). ``--reader after`` (the default) reads the events once
+the run is over, so the engine runs alone; ``during`` reads them on the loop's thread as they come,
+as the server does, whose work then takes the GIL between the engine's steps.
 
 ``--before REF`` measures ``src/h2okv/serve`` as of the git commit ``REF`` too (the rest of the
 tree as it is now), in turns with the current code, each run in a process of its own, so that
@@ -56,8 +59,11 @@ def measure(args) -> dict:
     requests = [GenerationRequest(ids, args.max_tokens, args.policy, heavy=args.heavy if evicting else None,
                                   recent=args.recent if evicting else None, temperature=0.0, ignore_eos=True)
                 for ids in hamlet_prompts(tok, args.requests, args.prompt_tokens)]
+    # the events go to an event loop, as the server's do (Handle.push_all); read as they come
+    # (--reader during, the server's way) or once the run is over (after: the engine's own cost alone)
     loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
+    if args.reader == "during":
+        threading.Thread(target=loop.run_forever, daemon=True).start()
 
     async def read(handle) -> int:
         events = 0
@@ -68,18 +74,39 @@ def measure(args) -> dict:
     async def read_all(handles) -> list[int]:
         return await asyncio.gather(*(read(h) for h in handles))
 
+    cache_s = [0.0]
+
+    def timed(call):
+        def run(*call_args):
+            start = time.perf_counter()
+            try:
+                return call(*call_args)
+            finally:
+                cache_s[0] += time.perf_counter() - start
+        return run
+
+    for name in ("join", "keep"):  # executor calls outside the forward that copy cache rows, not the engine's Python
+        setattr(engine.executor, name, timed(getattr(engine.executor, name)))
     engine.start()
     try:
         start = time.perf_counter()
         handles = engine.submit_many(requests, loop)
-        events = asyncio.run_coroutine_threadsafe(read_all(handles), loop).result()
+        if args.reader == "during":
+            events = asyncio.run_coroutine_threadsafe(read_all(handles), loop).result()
+        else:  # no other thread runs Python meanwhile
+            for handle in handles:
+                handle.finished.wait()
         wall = time.perf_counter() - start
+        if args.reader == "after":
+            events = loop.run_until_complete(read_all(handles))
     finally:
         engine.stop()
-        loop.call_soon_threadsafe(loop.stop)
+        if args.reader == "during":
+            loop.call_soon_threadsafe(loop.stop)
     steps = engine.stats.steps.summary()
     return {"wall_s": round(wall, 3), "tokens": engine.stats.generated_tokens, "text_events": sum(events),
-            "tokens_per_s": round(engine.stats.generated_tokens / wall, 1), **steps}
+            "tokens_per_s": round(engine.stats.generated_tokens / wall, 1), **steps,
+            "join_keep_s": round(cache_s[0], 4)}
 
 
 def source_at(ref: str, into: Path) -> Path:
@@ -104,11 +131,12 @@ def run_child(src: Path, argv: list[str]) -> dict:
 def line(label: str, r: dict) -> str:
     return (f"{label:>7}: {r['outside_share']:.1%} of step time outside the forward; outside per step "
             f"mean {r['outside_ms_mean']:.3f} ms, p50 {r['outside_ms_p50']:.3f} ms, p99 {r['outside_ms_p99']:.3f} ms; "
-            f"forward {r['forward_s']:.2f} s of {r['step_s']:.2f} s over {r['steps']} steps; "
+            f"forward {r['forward_s']:.2f} s of {r['step_s']:.2f} s over {r['steps']} steps (executor join/keep "
+            f"{r['join_keep_s']:.2f} s of the rest); "
             f"{r['tokens_per_s']:.0f} tokens/s")
 
 
-MEASURED = ("requests", "max_tokens", "prompt_tokens", "policy", "heavy", "recent", "threads")
+MEASURED = ("requests", "max_tokens", "prompt_tokens", "policy", "heavy", "recent", "threads", "reader")
 
 
 def main(argv=None) -> int:
@@ -120,6 +148,10 @@ def main(argv=None) -> int:
     parser.add_argument("--heavy", type=int, default=64)
     parser.add_argument("--recent", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--reader", choices=("after", "during"), default="after",
+                        help="after (default): the events wait on the event loop until the run ends, so the engine "
+                        "runs alone; during: the loop's thread reads them as they come, as the server's does (its "
+                        "work then takes the GIL from the engine)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each code, in turns (default 1)")
     parser.add_argument("--before", default=None, metavar="REF", help="also measure src/h2okv/serve as of REF")
     parser.add_argument("--json", default=None, help="write the runs here")
