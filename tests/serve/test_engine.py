@@ -93,10 +93,10 @@ def test_prefill_schedules(model_tok, monkeypatch, schedule):
     first_token_step, per_step, steps, partial, rows = {}, [0], [0], [], []
     advance, prefill, iteration = eng._advance, eng.executor.prefill, eng._iteration
 
-    def record_advance(seq, logits, token):
+    def record_advance(seq, *args):
         if not seq.generated:
             first_token_step[len(seq.request.prompt_ids)] = steps[0]
-        advance(seq, logits, token)
+        return advance(seq, *args)
 
     def record_prefill(parts):
         per_step[-1] += len(parts) * max(len(ids) for _, ids, _ in parts)
@@ -462,14 +462,19 @@ def test_stop_sequences_and_incremental_text():
     def decode(ids):  # bytes per id, decoded like a byte-level tokenizer
         return "".join(table[i] for i in ids).encode("latin-1").decode("utf-8", errors="replace")
 
-    stream = TextStream(decode, ["EN", "cab"])
-    assert stream.push(1) == ("ab", False)
-    assert stream.push(2) == ("", False)  # "c" could start "cab": held back
-    assert stream.push(6) == ("cx", False)
-    assert stream.push(3) == ("", False)  # half a euro sign: held back
-    assert stream.push(4) == ("\u20ac", False)
-    piece, stopped = stream.push(5)
-    assert (piece, stopped) == ("", True) and stream.text == "abcx\u20ac"
+    stream, sent = TextStream(decode, ["EN", "cab"]), []
+
+    def push(token):
+        piece, stopped = stream.push(token)
+        sent.append(piece)
+        return piece, stopped
+
+    assert push(1) == ("ab", False)
+    assert push(2) == ("", False)  # "c" could start "cab": held back
+    assert push(6) == ("cx", False)
+    assert push(3) == ("", False)  # half a euro sign: held back
+    assert push(4) == ("\u20ac", False)
+    assert push(5) == ("", True) and "".join(sent) == "abcx\u20ac" and stream.flush() == ""
 
 
 def test_prefill_chunks_and_reservations():

@@ -2,6 +2,8 @@
 executor's forward calls, which ``/metrics``, ``serve-bench`` and ``tools/measure/engine_overhead.py``
 report as the time the engine spends outside the model."""
 
+import gc
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from h2okv.serve.api.metrics import ServeMetrics
@@ -35,6 +37,10 @@ def test_the_engine_times_every_step_and_the_forward_calls_inside_it(model_tok):
     finally:
         engine.stop()
     assert done.usage["completion_tokens"] == 12 and len(decodes) == 11  # the first token comes from the prefill
+    # the figures a pass over every row publishes (at most every PUBLISH_EVERY_S) are back to 0 once idle
+    stats = engine.stats
+    assert (stats.running, stats.full_kv_bytes, stats.reserved_bytes, stats.kv_bytes) == (0, 0, 0, 0)
+    assert gc.get_freeze_count() > 0  # what lived when the engine started is out of the collector's sight
     steps = engine.stats.steps
     assert steps.steps >= len(decodes) and len(steps.outside) == steps.steps
     assert 0 < steps.forward_seconds < steps.seconds and min(steps.outside) >= 0

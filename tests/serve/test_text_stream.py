@@ -97,7 +97,7 @@ def test_a_served_generation_decodes_linear_ids(model_tok):
     model, tok = model_tok
     eng = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK))
     counting = Counting()
-    eng.decode = counting  # what each request's Output decodes with
+    eng.detokenize = counting  # what each request's Output decodes with
     eng.start()
     try:
         req = GenerationRequest(prompt(20, 1), 500, "h2o", 8, 8, temperature=1.0, seed=3, ignore_eos=True)

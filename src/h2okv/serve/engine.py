@@ -30,6 +30,7 @@ fails that batch's requests. Errors are ``ServeError``s by kind (``errors.py``).
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import threading
@@ -50,9 +51,29 @@ from h2okv.serve.memory import Reservation, prefill_chunks, reservation
 from h2okv.serve.outputs import Output, choose, eos_ids
 from h2okv.serve.prefix import Entry, PrefixIndex, block_checkpoints
 from h2okv.serve.scheduler import SCHEDULES, Scheduler, SchedulerState, SeqState
+from h2okv.serve.text import plain_decoder
 from h2okv.serve.types import EngineStats, Event, GenerationRequest, Handle, Observer
 
 log = logging.getLogger("h2okv.serve")
+
+PUBLISH_EVERY_S = 0.1  # the stats that take a pass over every row are refreshed this often (and on any change)
+
+
+def freeze_heap() -> None:
+    """Once per process, when its first engine starts: collect, then move every object alive (the
+    model, the tokenizer, the libraries) out of the garbage collector's sight. A full collection
+    scanned them all, in whichever engine step it fell: 0.2 s in tools/measure/engine_overhead.py's
+    process, 0.4 s with the test suite's modules loaded, once every few hundred steps of a 64-row
+    batch (a hundred times a decode step's forward on the tests' tiny model). It now scans what
+    came since; later objects are collected as before."""
+    global _heap_frozen
+    if not _heap_frozen:
+        _heap_frozen = True
+        gc.collect()
+        gc.freeze()
+
+
+_heap_frozen = False
 
 __all__ = ["SCHEDULES", "Engine", "EngineOptions", "GenerationRequest"]
 
@@ -94,6 +115,7 @@ class Sequence:
         self.tail = policy.tail  # tokens read after the ranking kept on top
         self.evicts = policy.evicts
         self.policy_name = policy.name  # the store's metrics label: names are few, specs with options are not
+        self._fed: SeqState | None = None  # its state once its prompt is fed (``state``)
 
     @property
     def generated(self) -> list[int]:
@@ -106,12 +128,18 @@ class Sequence:
         return self.chunks[self.next_chunk - 1][1] if self.next_chunk else 0
 
     def state(self) -> SeqState:
-        """What the scheduler knows of it."""
+        """What the scheduler knows of it (asked several times a step: once its prompt is fed, the
+        answer no longer changes and is kept)."""
+        if self._fed is not None:
+            return self._fed
         width = 0
         if self.next_chunk < len(self.chunks):
             start, stop = self.chunks[self.next_chunk]
             width = stop - start
-        return SeqState(self.uid, self.request.policy, self.reservation, width, self.next_chunk > 0)
+        state = SeqState(self.uid, self.request.policy, self.reservation, width, self.next_chunk > 0)
+        if self.next_chunk == len(self.chunks) > 0:  # fed: a prefill starts over only part-way (_isolate)
+            self._fed = state
+        return state
 
 
 @dataclass(frozen=True)
@@ -159,6 +187,9 @@ class Engine:
         self.cache_options = dict(cache_options or {})
         self.positions = options.positions
         self.tokenizer = tokenizer
+        # tokenizer.decode(ids, skip_special_tokens=True), fast (text.py): what the requests' Outputs
+        # detokenize with, under tokenizer_lock, which the engine takes once a step for all its rows
+        self.detokenize = plain_decoder(tokenizer)
         self.device = model.device
         self.kv_memory = options.kv_memory
         self.max_batch = options.max_batch
@@ -181,7 +212,9 @@ class Engine:
         self._stopping = False
         self._draining = False
         self._busy = False
+        self._cancels = False  # a handle was cancelled since _drop_cancelled last looked (wake)
         self._forward_s = 0.0  # this step's seconds in the executor's forward calls (_forward)
+        self._published_rows, self._published_at = 0, 0.0  # when _publish last counted every row
         self.stats = EngineStats()
         # the prefix store: saved states, resumed by prompts that start with their tokens; its
         # blocks are the prefill's chunks, so a prompt resumed at a block reads the chunks a cold read does
@@ -191,8 +224,9 @@ class Engine:
 
     # -- client side (any thread) ----------------------------------------------------------------
     def decode(self, ids: list[int]) -> str:
+        """``ids``' text, from any thread."""
         with self.tokenizer_lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
+            return self.detokenize(ids)
 
     def reservation(self, request: GenerationRequest) -> Reservation:
         budget = request.budget
@@ -285,7 +319,7 @@ class Engine:
         return [seq.handle for seq in seqs]
 
     def _sequence(self, request: GenerationRequest, handle: Handle) -> Sequence:
-        output = Output(request, self.decode, self.device)
+        output = Output(request, self.detokenize, self.device)
         # a question-aware policy reads its prompt in one call (its cache still evicts chunk by chunk)
         call = len(request.prompt_ids) if self.reads_question(request) else self.chunk_for(request)
         seq = Sequence(request, handle, self.reservation(request), next(self.uids), max(1, call), output)
@@ -296,7 +330,9 @@ class Engine:
         return seq
 
     def wake(self) -> None:
+        """A handle was cancelled (``Handle.cancel``): it is dropped at the next step."""
         with self._cond:
+            self._cancels = True
             self._cond.notify()
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -304,6 +340,7 @@ class Engine:
         if self._thread is not None:
             return
         self._stopping = False
+        freeze_heap()
         self._thread = threading.Thread(target=self._run, name="h2okv-engine", daemon=True)
         self._thread.start()
 
@@ -397,6 +434,9 @@ class Engine:
 
     def _drop_cancelled(self) -> None:
         with self._cond:
+            if not self._cancels:  # no handle was cancelled since the last look: no row to check
+                return
+            self._cancels = False
             for seq in [s for s in self._waiting if s.handle.cancelled.is_set()]:
                 self._waiting.remove(seq)
                 self._finish(seq, Event("cancelled"), "cancelled")
@@ -420,13 +460,17 @@ class Engine:
         for seq in expired:
             if seq in self._prefilling:
                 self._prefilling.remove(seq)
-            self._finish(seq, seq.output.end("timeout"), "timeout")
+            with self.tokenizer_lock:  # its last text is decoded
+                event = seq.output.end("timeout")
+            self._finish(seq, event, "timeout")
         if expired:
             for policy in list(self._batches):
                 self._compact(policy)
 
     def _admit(self) -> None:
         with self._cond:
+            if not self._waiting:  # the usual step: no state to build, no question to ask
+                return
             # no more than the batch has room for can be admitted: the scheduler sees only those
             room = max(0, self.max_batch - len(self._active()))
             count = self.scheduler.admit(self._scheduler_state(itertools.islice(self._waiting, room)))
@@ -534,8 +578,11 @@ class Engine:
     def _decode_step(self, policy: str) -> None:
         rows = list(self._batches[policy])
         try:
+            # each row feeds its last token at its position (tokens_fed, written out: a property per row costs)
+            fed = [(s.output.generated, len(s.request.prompt_ids)) for s in rows]
             logits = self._forward(self.executor.decode, policy, [s.uid for s in rows],
-                                   [s.generated[-1] for s in rows], [s.tokens_fed for s in rows])
+                                   [generated[-1] for generated, _ in fed],
+                                   [prompt + len(generated) - 1 for generated, prompt in fed])
         except Exception as exc:
             log.exception("decode step failed")
             for seq in rows:
@@ -558,8 +605,8 @@ class Engine:
 
     def _advance_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """The next token of each of ``seqs`` (row ``i`` of ``logits`` ``[rows, vocab]`` is
-        ``seqs[i]``'s), chosen for all rows at once (one copy to the host), then each row's events;
-        a row that fails fails alone."""
+        ``seqs[i]``'s), chosen for all rows at once (one copy to the host), then each row's events,
+        sent together (``Handle.push_all``); a row that fails fails alone."""
         try:
             tokens = choose([seq.output for seq in seqs], logits)
         except Exception as exc:  # the step's sampling as a whole, not one row's
@@ -567,29 +614,37 @@ class Engine:
             for seq in seqs:
                 self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
             return
-        for seq, row, token in zip(seqs, logits, tokens, strict=True):
-            try:
-                self._advance(seq, row, token)
-            except Exception as exc:
-                log.exception("token step failed")
-                self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
+        now = time.monotonic()  # when the rows' tokens arrive: all at once
+        texts, gaps = [], []
+        with self.tokenizer_lock:  # the rows' text is decoded (Output.emit)
+            for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+                try:
+                    # a row's logits only for its logprobs: a view per row per step costs more than its text
+                    event = self._advance(seq, token, logits[i] if seq.request.top_logprobs is not None else None)
+                except Exception as exc:
+                    log.exception("token step failed")
+                    self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
+                    continue
+                if seq.last_token_at is None:
+                    self.observer.first_token(now - seq.submitted)
+                else:
+                    gaps.append(now - seq.last_token_at)
+                seq.last_token_at = now
+                if event is not None:
+                    texts.append((seq.handle, event))
+        self.observer.inter_tokens(gaps)
+        Handle.push_all(texts)
 
-    def _advance(self, seq: Sequence, logits: torch.Tensor, token: int) -> None:
-        """Record ``token``, the next token of ``seq`` (chosen from its ``logits``), and tell its
-        client what it gives (``outputs.py``)."""
+    def _advance(self, seq: Sequence, token: int, logits: torch.Tensor | None) -> Event | None:
+        """Record ``token``, the next token of ``seq`` (chosen from its ``logits``); the text event
+        to send its client, if any (``outputs.py``; the last event ends the request here)."""
         seq.output.record(token)
         self.stats.generated_tokens += 1
-        now = time.monotonic()
-        if seq.last_token_at is None:
-            self.observer.first_token(now - seq.submitted)
-        else:
-            self.observer.inter_token(now - seq.last_token_at)
-        seq.last_token_at = now
-        event = seq.output.emit(logits, token, self.eos_ids)
+        event = seq.output.emit(token, self.eos_ids, logits)
         if event is not None and event.final:
             self._finish(seq, event, "completed")
-        elif event is not None:
-            seq.handle.push(event)
+            return None
+        return event
 
     # -- the prefix store ------------------------------------------------------------------------------
     @staticmethod
@@ -735,13 +790,20 @@ class Engine:
             s.waiting = len(self._waiting)
         s.kv_bytes = kv
         s.kv_bytes_peak = max(s.kv_bytes_peak, kv)
+        if self.prefixes is not None:
+            s.prefix_hits, s.prefix_misses = self.prefixes.hits, self.prefixes.misses
+            s.prefix_entries, s.prefix_bytes = len(self.prefixes), self.prefixes.bytes
+        # the figures that take a pass over every row: when the rows change, else at most every
+        # PUBLISH_EVERY_S (each step, 64 rows cost a tenth of a decode step's forward; a finished row
+        # is counted by _finish)
+        now = time.monotonic()
+        if len(active) == self._published_rows and now < self._published_at + PUBLISH_EVERY_S:
+            return
+        self._published_rows, self._published_at = len(active), now
         for seq in active:
             self._count_evicted(seq)
         s.full_kv_bytes = sum(seq.tokens_fed for seq in active) * self.slot_bytes
         s.reserved_bytes = self.scheduler.footprint(self._scheduler_state()) * self.slot_bytes if active else 0
-        if self.prefixes is not None:
-            s.prefix_hits, s.prefix_misses = self.prefixes.hits, self.prefixes.misses
-            s.prefix_entries, s.prefix_bytes = len(self.prefixes), self.prefixes.bytes
 
     def _shutdown(self) -> None:
         with self._cond:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from h2okv.serve.sampling import INVALID, make_generator, sample_batch
+from h2okv.serve.sampling import GREEDY_BELOW, INVALID, make_generator, sample_batch
 from h2okv.serve.text import TextStream
 from h2okv.serve.types import Event, GenerationRequest, TokenLogprob
 
@@ -37,9 +37,10 @@ class Output:
             raise ValueError("the next-token probabilities contain nan (an inf or nan logit)")
         self.generated.append(token)
 
-    def emit(self, logits: torch.Tensor, token: int, eos_ids: set[int]) -> Event | None:
-        """The event ``token`` (just chosen from ``logits`` and recorded) gives: ``"done"`` when the
-        generation ends here, ``"text"`` when text is safe to send, None while it is held back."""
+    def emit(self, token: int, eos_ids: set[int], logits: torch.Tensor | None = None) -> Event | None:
+        """The event ``token`` (just chosen from ``logits``, this request's row, needed only when it
+        asks for logprobs, and recorded) gives: ``"done"`` when the generation ends here, ``"text"``
+        when text is safe to send, None while it is held back."""
         req = self.request
         if req.top_logprobs is not None:
             self.logprobs.append(logprob_of(logits, token, req.top_logprobs))
@@ -51,7 +52,7 @@ class Output:
         if len(self.generated) >= req.max_tokens:
             return self.done(piece + self.text.flush(), "length")
         if piece:
-            return Event("text", piece, logprobs=self._take_logprobs())
+            return Event("text", piece, logprobs=None if req.top_logprobs is None else self._take_logprobs())
         return None
 
     def done(self, text: str, reason: str) -> Event:
@@ -77,8 +78,10 @@ class Output:
 def choose(outputs: list[Output], logits: torch.Tensor) -> list[int]:
     """The next token of each request: row ``i`` of ``logits`` ``[rows, vocab]`` is ``outputs[i]``'s
     (sampled together: one copy to the host for the step)."""
-    return sample_batch(logits, [o.request.temperature for o in outputs], [o.request.top_p for o in outputs],
-                        [o.generator for o in outputs])
+    temperatures = [o.request.temperature for o in outputs]
+    if max(temperatures) < GREEDY_BELOW:  # every row greedy: what sample_batch gives, without its per-row pass
+        return logits.argmax(-1).tolist()
+    return sample_batch(logits, temperatures, [o.request.top_p for o in outputs], [o.generator for o in outputs])
 
 
 def logprob_of(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:

@@ -92,6 +92,30 @@ class Handle:
         except RuntimeError:  # the client's event loop is gone (server shut down)
             pass
 
+    @staticmethod
+    def push_all(pushes: list[tuple[Handle, Event]]) -> None:
+        """``handle.push(event)`` for each pair, in order, with one wake-up per event loop: each
+        ``call_soon_threadsafe`` writes to the loop's self-pipe (a system call, and the loop's thread
+        then wakes to take the GIL), which, once per row, cost a step of 64 rows more than its forward
+        (``tools/measure/engine_overhead.py``)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for handle, event in pushes:
+            loop = handle._loop
+            if loop is None:
+                handle.push(event)
+                continue
+            if event.final:
+                handle.finished.set()
+            if loop in by_loop:
+                by_loop[loop].append((handle._queue, event))
+            else:
+                by_loop[loop] = [(handle._queue, event)]
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_each, items)
+            except RuntimeError:  # that client's event loop is gone (server shut down)
+                pass
+
     async def next(self) -> Event:
         return await self._queue.get()
 
@@ -113,6 +137,11 @@ class Handle:
             parts.append(event.text)
             if event.final:
                 return "".join(parts), event
+
+
+def _put_each(items: list[tuple[asyncio.Queue, Event]]) -> None:
+    for queue_, event in items:
+        queue_.put_nowait(event)
 
 
 STEP_WINDOW = 10_000  # the latest steps whose times outside the forward the percentiles are over
@@ -181,3 +210,8 @@ class Observer:
     def queued(self, seconds: float) -> None: ...
     def first_token(self, seconds: float) -> None: ...
     def inter_token(self, seconds: float) -> None: ...
+
+    def inter_tokens(self, gaps: list[float]) -> None:
+        """A step's gaps, one per row that generated its second token or a later one."""
+        for seconds in gaps:
+            self.inter_token(seconds)
