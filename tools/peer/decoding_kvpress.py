@@ -115,7 +115,9 @@ def reasoning_row(setup: dict, problem: dict, result: dict, policy: str, budget:
     return {**setup, "policy": policy, "budget": budget, "id": problem["id"], "prompt_tokens": len(problem["prompt_ids"]),
             "new_tokens": len(result["token_ids"]), "finish": result["finish"], "predicted": None,
             "gold": problem["gold"], "correct": None, "kv_bytes": result["kv_bytes"], "kv_slots": result["kv_slots"],
-            "text": result["text"]}
+            "text": result["text"],
+            # what ran, as our rows record their CacheSettings: the peer's configuration by its label
+            "settings": {"policy": policy, "budget": budget}}
 
 
 def read_piece(out: str | None, setup: dict) -> dict:
