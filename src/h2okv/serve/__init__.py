@@ -14,6 +14,8 @@ import importlib
 
 _EXPORTS = {
     "Engine": "h2okv.serve.engine",
+    "EngineOptions": "h2okv.serve.engine",
+    "ServerLimits": "h2okv.serve.api.limits",
     "GenerationRequest": "h2okv.serve.types",
     "EvictionDefaults": "h2okv.serve.eviction",
     "create_app": "h2okv.serve.api.app",
@@ -21,7 +23,8 @@ _EXPORTS = {
     "serve_forever": "h2okv.serve.api.server",
 }
 
-__all__ = ["Engine", "EvictionDefaults", "GenerationRequest", "create_app", "running_server", "serve_forever"]
+__all__ = ["Engine", "EngineOptions", "EvictionDefaults", "GenerationRequest", "ServerLimits", "create_app",
+           "running_server", "serve_forever"]
 
 
 def __getattr__(name: str):
