@@ -169,24 +169,23 @@ class CacheSettings:
                            f"{policy.spec!r} with chunk_size {self.chunk_size}: use prefill=late (--prefill late)")
 
     # -- what the value means ----------------------------------------------------------------------------
-    def policy_object(self, built=None):
+    def policy_object(self):
         """The policy (a fresh one for a spec; the very object for a ``Policy`` given as such)."""
         from h2okv.policies import Policy, make_policy
 
-        if isinstance(self.policy, Policy):
-            return self.policy
-        return built if built is not None else make_policy(self.policy, seed=self.seed)
+        return self.policy if isinstance(self.policy, Policy) else make_policy(self.policy, seed=self.seed)
 
     @property
     def policy_spec(self) -> str:
         return self.policy if isinstance(self.policy, str) else self.policy.spec
 
-    def budget_parts(self) -> dict:
-        """The budget as the heavy/recent keywords it stands for (none: the paper's 10% + 10%)."""
+    def budget_parts(self, policy=None) -> dict:
+        """The budget as the heavy/recent keywords it stands for (none: the paper's 10% + 10%);
+        ``policy``: this value's policy when the caller has built it already."""
         from h2okv.budget_spec import budget_keywords
 
         if self.budget is not None:
-            return budget_keywords(self.budget, self.recent_share, self.policy_object())
+            return budget_keywords(self.budget, self.recent_share, policy or self.policy_object())
         return {name: getattr(self, name) for name in PART_NAMES if getattr(self, name) is not None}
 
     def budget_spec(self, policy=None):
@@ -194,7 +193,7 @@ class CacheSettings:
         from h2okv.budget_spec import BudgetSpec
 
         policy = policy or self.policy_object()
-        return BudgetSpec.build(policy, floor=self.budget_floor, **self.budget_parts())
+        return BudgetSpec.build(policy, floor=self.budget_floor, **self.budget_parts(policy))
 
     def resolve(self, prompt_len: int) -> tuple[int | None, int | None]:
         """``(heavy, recent)`` slots for a prompt of ``prompt_len`` tokens; ``(None, None)`` for a
@@ -213,10 +212,6 @@ class CacheSettings:
             if f.name not in row and value != f.default:
                 row[f.name] = value
         return row
-
-    def keywords(self) -> dict:
-        """``H2OCache``'s keywords for this value (a recipe is already expanded into them)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "recipe"}
 
 
 # the keywords a recipe may set (h2okv.recipes); the rest are given as they are

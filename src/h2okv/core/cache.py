@@ -99,14 +99,9 @@ class H2OCache(Cache):
             settings = CacheSettings.build(policy, **keywords)
         #: what this cache was built with (``h2okv.settings``); stats() records it
         self.settings = settings
-        self.recipe = settings.recipe
         self.policy = settings.policy_object()
         self.spec = settings.budget_spec(self.policy)
         self.policy.bind(model)
-        self.prefill = settings.prefill
-        self.recent_share = settings.recent_share  # for stats(): what a budget= was split by
-        self.chunk_size = settings.chunk_size
-        self.head_budgets, self.head_floor = settings.head_budgets, float(settings.head_floor)
         compileable, protect_prompt = settings.compileable, settings.protect_prompt
         num_layers = prepare_model(model)
         # what every layer is built with; the row budgets are the one state they share
@@ -121,11 +116,21 @@ class H2OCache(Cache):
         if self.policy.ranks_by_reconstruction:
             autorank.install_hook(model)
 
+    # what the cache was built with, read from its settings (one copy of them)
+    recipe = property(lambda self: self.settings.recipe)
+    prefill = property(lambda self: self.settings.prefill)
+    #: for stats(): what a budget= was split by (None: a budget given in parts)
+    recent_share = property(lambda self: self.settings.recent_share)
+    chunk_size = property(lambda self: self.settings.chunk_size)
+    head_budgets = property(lambda self: self.settings.head_budgets)
+    head_floor = property(lambda self: float(self.settings.head_floor))
+
     def set_compileable(self, compileable: bool) -> None:
         """Switch the decode steps at the budget to (or from) the tensor ops ``torch.compile``
         traces, e.g. after an eager prefill; every layer chooses its stepper again."""
         if compileable and self.rolling is not None:
             raise H2OError("compileable=True takes true positions only (rolling positions are not traced)")
+        self.settings = self.settings.replace(compileable=bool(compileable))  # what stats() records
         self.layer_config = dataclasses.replace(self.layer_config, compileable=bool(compileable))
         for layer in self.layers:
             layer.set_config(self.layer_config)

@@ -10,9 +10,9 @@ from h2okv.core.budget import BudgetSpec, budget_keywords
 from h2okv.policies import make_policy
 from h2okv.recipes import expand
 from h2okv.settings import DEFAULT_BUDGET_FLOOR, CacheSettings, budget_of
+from h2okv.settings import PART_NAMES as PART_FIELDS  # the older spelling of a budget
 
-# the older spelling of a budget, and the one-argument spelling (budget + its recent share)
-PART_FIELDS = ("heavy", "recent", "heavy_ratio", "recent_ratio")
+# the older spelling and the one-argument spelling (budget + its recent share)
 BUDGET_FIELDS = (*PART_FIELDS, "budget", "recent_share")
 
 
