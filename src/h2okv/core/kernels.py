@@ -76,7 +76,10 @@ def unavailable_reason(name: str, device) -> str | None:
             return "native kernels are CPU only"
         from h2okv.core.native.build import build_info, library
 
-        return None if library() is not None else (build_info().error if build_info() else "not built")
+        if library() is not None:
+            return None
+        info = build_info()  # recorded by the library() call just made
+        return info.error if info else "not built"
     if name == "triton":
         if device.type != "cuda":
             return "triton kernels need a CUDA device"
