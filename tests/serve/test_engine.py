@@ -265,7 +265,7 @@ def test_decode_batch_rows_keep_their_state(model_tok):
         cache = H2OCache(model, policy="h2o", heavy=3 + i, recent=4, chunk_size=CHUNK)
         model(torch.tensor([prompt(n, i)]), **cache_arg(cache))
         caches.append((n, [(layer.keys.clone(), layer.valid.clone()) for layer in cache.layers]))
-        batch.add(i, cache, 3 + i + 4 + 1)
+        batch.add([i], cache, 3 + i + 4 + 1)
     assert batch.capacity == 10 and all(layer.capacity == 10 for layer in batch.cache.layers)
     assert batch.cache.row_budgets.heavy.tolist() == [3, 4, 5]
     batch.keep([0, 2], 9)
@@ -299,7 +299,7 @@ def test_joined_rows_evict_exactly_as_alone(model_tok):
     for i, (n, heavy, recent) in enumerate(rows):
         cache, token = prefilled(i)
         alone_caches.append(prefilled(i)[0])
-        batch.add(i, cache, min(heavy + recent + 1, n + 8))
+        batch.add([i], cache, min(heavy + recent + 1, n + 8))
         last.append(token)
     for step in range(6):
         positions = torch.tensor([[n + step] for n, _, _ in rows])

@@ -13,7 +13,7 @@ from h2okv.serve.executor import Executor
 from h2okv.tools.tiny_chat import tiny_chat_model
 
 CHUNK = 16
-CALLS = ("open", "prefill", "join", "decode", "keep", "close", "reset")
+CALLS = ("open", "prefill", "join", "join_many", "decode", "keep", "close", "reset")
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_replaying_the_calls_reproduces_every_logit(model_tok):
     finally:
         engine.stop()
     log = engine.executor.log
-    assert {name for name, _, _ in log} >= {"open", "prefill", "join", "decode", "keep", "close"}
+    assert {name for name, _, _ in log} >= {"open", "prefill", "join_many", "decode", "keep", "close"}
     follower = Executor(model, CHUNK)
     with torch.inference_mode():
         for name, blob, result in log:
@@ -153,6 +153,47 @@ def test_shared_forward_rows_evolve_as_alone(model_tok, policy, heavy, recent):
                 joined.append(uid)
     assert any(len(set(w)) > 1 and len(w) >= 3 for w in widths)  # really shared and really padded
     assert shared.prefilling(policy) == [] and shared.rows(policy) == joined
+
+
+@pytest.mark.parametrize("policy", ["h2o", "full"])
+def test_rows_joined_together_decode_as_rows_joined_one_by_one(model_tok, policy):
+    """``join_many`` (the rows of prompts that end in one forward, in any order, beside a prompt that
+    goes on) leaves the caches ``join`` one by one leaves: every later logit is the same, and a
+    follower's ``keep``, whose uids arrive as new int objects, finds its rows by value."""
+    model, _ = model_tok
+    lengths = {1000: 16, 1001: 40, 1002: 12, 1003: 16}  # uids past 256: ints that are not cached objects
+    ids = {uid: prompt(n, uid) for uid, n in lengths.items()}
+    together, one_by_one = Executor(model, CHUNK), Executor(model, CHUNK)
+    heavy = {uid: None if policy == "full" else 3 + uid % 3 for uid in lengths}
+    order = [1002, 1000, 1003]  # not the group's order; 1001 is part-way through its prompt
+    with torch.inference_mode():
+        for ex in (together, one_by_one):
+            for uid in lengths:
+                ex.open(uid, policy, heavy[uid], heavy[uid], 0)
+            ex.prefill([(uid, ids[uid][:CHUNK], 0) for uid in lengths])
+        together.join_many(order, 60)
+        for uid in order:
+            one_by_one.join(uid, 60)
+        assert together.rows(policy) == one_by_one.rows(policy) == order
+        assert together.prefilling(policy) == one_by_one.prefilling(policy) == [1001]
+        fed = {uid: ids[uid][-1] for uid in order}
+        for step in range(3):
+            for ex in (together, one_by_one):
+                ex.prefill([(1001, ids[1001][CHUNK + 8 * step:CHUNK + 8 * step + 8], CHUNK + 8 * step)])
+            args = (policy, order, [fed[u] for u in order], [lengths[u] + step for u in order])
+            logits = together.decode(*args)
+            assert torch.equal(logits, one_by_one.decode(*args))
+            fed = dict(zip(order, logits.argmax(-1).tolist(), strict=True))
+        kept = [int(str(uid)) for uid in (1002, 1003)]  # as a tensor-parallel follower unpickles them
+        for ex in (together, one_by_one):
+            ex.keep(policy, kept, 60)
+        args = (policy, kept, [fed[u] for u in kept], [lengths[u] + 3 for u in kept])
+        assert torch.equal(together.decode(*args), one_by_one.decode(*args))
+        assert together.kv_bytes() == one_by_one.kv_bytes()
+        for bad in ([1001, 1001], [7]):  # twice, never opened
+            with pytest.raises(ValueError, match="not distinct open"):
+                together.join_many(bad, 60)
+    assert together.rows(policy) == kept and together.prefilling(policy) == [1001]
 
 
 def test_a_group_row_must_take_part_in_each_call(model_tok):

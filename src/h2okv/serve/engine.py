@@ -528,10 +528,10 @@ class Engine:
             ended.append(seq)
         if ended:
             self._advance_rows(ended, torch.stack([logits[seq.uid] for seq in ended]))
-        for seq in ended:
-            if not seq.done:
-                self.executor.join(seq.uid, seq.reservation.slots)
-                self._batches.setdefault(seq.request.policy, []).append(seq)
+        joining = [seq for seq in ended if not seq.done]
+        if joining:  # together: one copy of the batch (executor.join_many)
+            self.executor.join_many([seq.uid for seq in joining], max(seq.reservation.slots for seq in joining))
+            self._batches.setdefault(joining[0].request.policy, []).extend(joining)
 
     def _open(self, seq: Sequence) -> None:
         """Open ``seq`` in the executor as ``_look_up`` planned it; a history held whole and resumed

@@ -20,8 +20,9 @@ moves every row's real tokens to the front and pads never become live slots nor 
 ``generate`` with left padding), so each row evolves as it would alone. A prompt not seen before
 joins as a new row with its own budget (``H2OCache.add_rows``); every row already in the group must take part in every
 call of its policy (a row left out would have to feed pads, and a pad-only step is not a no-op for
-every policy), which the engine's scheduler guarantees. ``join`` copies a finished prompt's row
-into its policy's decode batch; ``join`` and ``close`` then cut the group's free tail slots, so
+every policy), which the engine's scheduler guarantees. ``join_many`` copies the rows of prompts
+that finished in one forward into their policy's decode batch together; it and ``close`` then cut
+the group's free tail slots, so
 the group holds at most ``rows * max(min(prompt, budget) + chunk)`` slots (see ``memory.py``).
 
 **Ranked by reconstruction** (policy ``kvzip``). Such a prompt's ranked part (the whole prompt, or
@@ -79,19 +80,16 @@ class PrefillGroup:
     cache: H2OCache | None = None
     uids: list[int] = field(default_factory=list)
 
-    def drop(self, uid: int, take: bool = False) -> H2OCache | None:
-        """Remove ``uid``'s row; with ``take``, return it as a batch-1 cache."""
+    def drop(self, uid: int) -> None:
+        """Remove ``uid``'s row."""
         i = self.uids.index(uid)
         if len(self.uids) == 1:
-            taken, self.cache, self.uids = self.cache, None, []
-            return taken
-        taken = self.cache.take_rows([i]) if take and self.cache is not None else None
-        rest = [j for j in range(len(self.uids)) if j != i]
+            self.cache, self.uids = None, []
+            return
         if self.cache is not None:
-            self.cache.select_rows(rest)
+            self.cache.select_rows([j for j in range(len(self.uids)) if j != i])
             self.cache.trim()
         del self.uids[i]
-        return taken
 
 
 @dataclass(frozen=True)
@@ -250,19 +248,56 @@ class Executor:
 
     def join(self, uid: int, capacity: int) -> None:
         """The prefilled ``uid`` becomes the last row of its policy's decode batch, which then has
-        ``max(capacity, current)`` slots per row."""
-        policy = self._specs[uid].policy
-        for own in (self._ranked, self._resumed):
-            if uid in own:
-                self._batches.setdefault(policy, DecodeBatch(policy)).add(uid, own.pop(uid), capacity)
-                return
+        ``max(capacity, current)`` slots per row (``join_many`` of one)."""
+        self._join([uid], capacity)
+
+    def join_many(self, uids: list[int], capacity: int) -> None:
+        """The prefilled ``uids`` (one policy) become the last rows of its decode batch, in that
+        order, which then has ``max(capacity, current)`` slots per row. The rows a prefill group
+        gives up are copied out of it in one ``take_rows`` (none when they are the whole group, in
+        its order) and the batch grows once: joined one by one, a batch that gains n rows in a step
+        was copied n times (``H2OCache.append_rows``). The same caches as ``join`` one by one."""
+        self._join(uids, capacity)
+
+    def _join(self, uids: list[int], capacity: int) -> None:
+        if not uids:
+            return
+        if len(set(uids)) != len(uids) or any(uid not in self._specs for uid in uids):
+            raise ValueError(f"sequences {uids} are not distinct open sequences")
+        policy = self._specs[uids[0]].policy
+        if any(self._specs[uid].policy != policy for uid in uids):
+            raise ValueError(f"sequences {uids} are not all of policy {policy!r}")
         group = self._groups.get(policy)
-        if group is None or uid not in group.uids or group.cache is None:
-            raise ValueError(f"sequence {uid} has not been prefilled")
-        cache = group.drop(uid, take=True)
-        if not group.uids:
-            del self._groups[policy]
-        self._batches.setdefault(policy, DecodeBatch(policy)).add(uid, cache, capacity)
+        own = {uid for uid in uids if uid in self._ranked or uid in self._resumed}
+        grouped = [uid for uid in uids if uid not in own]
+        if grouped and (group is None or group.cache is None or not set(grouped) <= set(group.uids)):
+            raise ValueError(f"sequences {grouped} have not been prefilled")
+        # runs of consecutive uids from one source, in order: the group's rows of a run in one copy
+        pieces: list[tuple[list[int], H2OCache | None]] = []  # (uids, their own cache; None: the group's)
+        for uid in uids:
+            if uid in own:
+                pieces.append(([uid], self._ranked[uid] if uid in self._ranked else self._resumed[uid]))
+            elif pieces and pieces[-1][1] is None:
+                pieces[-1][0].append(uid)
+            else:
+                pieces.append(([uid], None))
+        whole = group is not None and grouped == group.uids and len(pieces) == 1
+        caches = [group.cache if whole else group.cache.take_rows([group.uids.index(u) for u in run])
+                  if cache is None else cache for run, cache in pieces]
+        for uid in own:  # from here on nothing raises before the batch takes them
+            self._ranked.pop(uid, None)
+            self._resumed.pop(uid, None)
+        if group is not None and grouped:
+            if whole or len(grouped) == len(group.uids):
+                del self._groups[policy]
+            else:
+                gone = set(grouped)
+                group.cache.select_rows([i for i, u in enumerate(group.uids) if u not in gone])
+                group.cache.trim()
+                group.uids = [u for u in group.uids if u not in gone]
+        batch = self._batches.setdefault(policy, DecodeBatch(policy))
+        for (run, _), cache in zip(pieces, caches, strict=True):
+            batch.add(run, cache, capacity)
 
     def decode(self, policy: str, uids: list[int], ids: list[int], positions: list[int]) -> torch.Tensor:
         """One decode step of ``policy``'s batch: row ``i`` (``uids`` must be the batch's rows, in

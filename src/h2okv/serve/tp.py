@@ -59,7 +59,7 @@ LOCAL_ONLY = frozenset({"kv_bytes", "rows", "prefilling", "sequences", "saved_by
 # the executor promises always succeeds) still frees rank 0's caches and ends every request with
 # its final event. Any other call (a forward) then raises ``GroupBroken``: alone, it would wait in
 # a collective for ranks that are gone.
-CACHE_ONLY = frozenset({"open", "join", "keep", "close", "reset", "forget"})
+CACHE_ONLY = frozenset({"open", "join", "join_many", "keep", "close", "reset", "forget"})
 
 
 class GroupBroken(RuntimeError):
