@@ -35,8 +35,8 @@ RANK_RULES = {"score": lambda score, ordinal, n, keys, rule: score,
 OTHER_VALUES = {"decay": 0.8, "weight": 0.5, "kernel": 3, "copies": 0.5, "window": 8, "pool": "max", "chunk": 4,
                 "future": 16, "sinks": 2, "tail": 0, "question": 4, "tail_in_budget": 1, "heads": "shared"}
 SPECS = [*sorted(POLICIES),
-         *(f"{name}:{option}={OTHER_VALUES[option]}" for name, cls in sorted(POLICIES.items())
-           for option in cls.options if option in OTHER_VALUES),
+         *(f"{name}:{opt.name}={OTHER_VALUES[opt.name]}" for name, cls in sorted(POLICIES.items())
+           for opt in cls.options() if opt.name in OTHER_VALUES),
          "rkv:weight=0.5,decay=0.7"]
 HOOKS = ("accumulate", "eviction_key")  # the hooks a ScoreRule stands for
 
@@ -69,7 +69,7 @@ def undeclared_hooks(cls) -> list[str]:
 
 
 def test_every_option_of_every_policy_is_held_to_its_rule():
-    assert {option for cls in POLICIES.values() for option in cls.options} <= OTHER_VALUES.keys()
+    assert {opt.name for cls in POLICIES.values() for opt in cls.options()} <= OTHER_VALUES.keys()
     assert FOLD_RULES.keys() == C_DECODE_FOLDS.keys() and RANK_RULES.keys() == C_DECODE_RANKS.keys()
 
 

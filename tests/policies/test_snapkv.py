@@ -13,9 +13,9 @@ def test_pooling_a_padded_row_equals_pooling_it_alone():
     real = torch.tensor([12, 5, 9])
     mass[1, :, 5:] = 0.0  # pads see nothing
     mass[2, :, 9:] = 0.0
-    batch = policy.pool(mass, real)
+    batch = policy.smooth(mass, real)
     for row, n in enumerate(real.tolist()):
-        alone = policy.pool(mass[row:row + 1, :, :n], torch.tensor([n]))
+        alone = policy.smooth(mass[row:row + 1, :, :n], torch.tensor([n]))
         assert torch.equal(batch[row, :, :n], alone[0])
 
 
@@ -30,7 +30,7 @@ def test_max_pooling_keeps_a_chosen_tokens_span_and_is_named_in_the_spec():
     assert make_policy("snapkv").spec == "snapkv:window=32,kernel=7"
     mass = torch.zeros(2, 1, 12)
     mass[:, 0, 6] = 1.0
-    pooled = policy.pool(mass, torch.tensor([12, 8]))
+    pooled = policy.smooth(mass, torch.tensor([12, 8]))
     assert pooled[0, 0].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0]
     assert pooled[1, 0].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0]  # row 1 ends at 8: no pad is a neighbour
 

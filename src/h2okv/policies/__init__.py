@@ -48,28 +48,34 @@ def refuse_reconstruction(spec: str, where: str) -> None:
 
 
 def parse_policy_spec(spec: str) -> tuple[type[Policy], dict]:
-    """``"snapkv:window=16"`` -> (SnapKVPolicy, {"window": 16}); one-line errors for bad specs."""
+    """``"snapkv:window=16"`` -> (SnapKVPolicy, {"window": 16}); one-line errors for bad specs. The
+    values are read by the options' types; the policy checks them when it is built."""
     name, _, rest = str(spec).strip().partition(":")
     cls = POLICIES.get(name.strip())
     if cls is None:
         raise H2OError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    declared = {opt.name: opt for opt in cls.options()}
     options: dict = {}
     for i, part in enumerate(p.strip() for p in rest.split(",") if p.strip()) if rest else []:
         key, eq, value = part.partition("=")
         if not eq:  # positional: the policy's first option
-            if i or not cls.options:
+            if i or not declared:
                 raise H2OError(f"policy {name!r}: cannot read option {part!r}; write NAME=VALUE")
             # ``h2o:shared``: a heads choice names itself, whatever the policy declares first
-            key = "heads" if cls.ranks_heads and part in HEADS_CHOICES else next(iter(cls.options))
+            key = "heads" if "heads" in declared and part in HEADS_CHOICES else next(iter(declared))
             value = part
         key = key.strip()
-        if key not in cls.options:
-            raise H2OError(f"policy {name!r} has no option {key!r}" + (f"; it has {', '.join(cls.options)}" if cls.options else ""))
-        try:
-            options[key] = cls.options[key](value)
-        except ValueError:
-            raise H2OError(f"policy {name!r}: option {key}={value!r} is not a {cls.options[key].__name__}") from None
+        options[key] = known_option(cls, key).read(cls.name, value)
     return cls, options
+
+
+def known_option(cls: type[Policy], key: str):
+    """``cls``'s option ``key``, or the one-line error that lists the options it has."""
+    for opt in cls.options():
+        if opt.name == key:
+            return opt
+    names = [opt.name for opt in cls.options()]
+    raise H2OError(f"policy {cls.name!r} has no option {key!r}" + (f"; it has {', '.join(names)}" if names else ""))
 
 
 def policy_class(spec: str) -> type[Policy]:
@@ -78,9 +84,13 @@ def policy_class(spec: str) -> type[Policy]:
 
 
 def make_policy(spec: str | Policy, seed: int = 0, **options) -> Policy:
+    """The policy ``spec`` names (a ``Policy`` as it is), with ``options`` given as Python values
+    over the spec's: ``make_policy("snapkv", window=16)`` is ``SnapKVPolicy(window=16)``, checked alike."""
     if isinstance(spec, Policy):
         return spec
     cls, parsed = parse_policy_spec(spec)
+    for key in options:
+        known_option(cls, key)
     return cls(seed=seed, **{**parsed, **options})
 
 

@@ -27,14 +27,32 @@ or ``eviction_key`` says its ``decode_rule`` anew, and one that adds ``prefill_s
 holds every registered policy to this). A policy ranked by a reconstruction pass (``kvzip``)
 follows ``ReconstructionPolicy`` (``reconstruction.py``) as well.
 
-A policy's options are declared once, as ``Option``s in ``declared`` (name, type, default, check):
-``make_policy`` parses them, ``__init__`` checks and sets them, ``spec`` writes them back.
+A policy is a dataclass and its options are its fields, each declared once with ``option``: name,
+type (int, float or str) and default as any field's, the check and what a value must be in the
+field's metadata. ``make_policy`` reads a spec's text by them, ``__post_init__`` checks every value
+(given as keywords in Python or parsed from a spec, the same way), ``spec`` writes them back, and
+every error names the policy and the option. ``heads`` is such a field too (``heads_option``)::
+
+    @dataclass(eq=False)
+    class SnapKVPolicy(HeavyHitters):
+        window: int = option(32, check=lambda v: v >= 1, must_be=">= 1")
+        pool: str = option("avg", choices=("avg", "max"), shown=False)
+        heads: str = heads_option()
+
+The fields' order is the spec's (``snapkv:16`` sets ``window``). A dataclass puts inherited fields
+first, so a policy that takes another's hooks but not all its options derives from a class without
+fields (``HeavyHitters``: h2o's hooks) and declares each of its options itself, in its own order.
+``@dataclass(eq=False)``: a policy is one object, hashed by identity (a frozen ``LayerConfig`` that
+holds one hashes it).
 """
 
 from __future__ import annotations
 
+import functools
+import numbers
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import Field, dataclass, field, fields
+from typing import ClassVar
 
 import torch
 
@@ -70,61 +88,135 @@ class ScoreRule:
     weight: float = 0.0
 
 
+# the types an option may have: a spec's text is read as one of them
+OPTION_TYPES = {kind.__name__: kind for kind in (int, float, str)}
+# what a value given in Python may be, for each type (a bool is not a number here)
+ACCEPTED = {int: numbers.Integral, float: numbers.Real, str: str}
+
+
+def option(default, *, check: Callable[[object], bool] | None = None, must_be: str = "",
+           choices: tuple | None = None, shown: bool = True):
+    """A policy option, declared once as a dataclass field: ``kernel: int = option(1, check=lambda
+    v: v % 2 == 1, must_be="odd")``. ``check`` is what a valid value passes and ``must_be`` says it
+    in the one-line error; ``choices`` gives both at once. ``shown``: always written into ``spec``
+    (False: only when it is not the default, so an option added later leaves older specs as they were)."""
+    if choices is not None:
+        names = [str(choice) for choice in choices]
+        check = tuple(choices).__contains__
+        must_be = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+    if check is None or not must_be:
+        raise TypeError("an option says what a value must be: give check= and must_be=, or choices=")
+    return field(default=default, metadata={"option": {"check": check, "must_be": must_be, "shown": shown}})
+
+
+HEADS_CHOICES = {"own": False, "shared": True}
+
+
+def heads_option():
+    """``heads=own`` (each KV head keeps its own tokens, the default) or ``heads=shared``: the field
+    of every policy that ranks slots (declared last, so a spec writes it last).
+
+    Shared: the rank of a slot is the mean of the policy's key over the layer's KV heads, so every
+    head evicts the same slot. Heads start with the same (empty) slot layout and every write and
+    eviction then treats them alike, so the layouts stay aligned and the mean at slot level is the
+    mean per token."""
+    return option("own", choices=tuple(HEADS_CHOICES), shown=False)
+
+
 @dataclass(frozen=True)
 class Option:
-    """One option of a policy, declared once: ``make_policy`` parses it (``snapkv:window=16``), the
-    policy checks and sets it, and ``spec`` writes it back."""
+    """One option of a policy as its field declares it (``option``): what ``make_policy`` reads a
+    spec's text by, and what every value is checked against."""
 
     name: str
     type: type
     default: object
-    check: Callable[[object], bool] = lambda value: True
-    rule: str = ""  # what a value must be, for the one-line error
-    attribute: str | None = None  # the attribute it sets (default: its name)
-    shown: bool = True  # written into ``spec`` always (False: only when it is not the default)
+    check: Callable[[object], bool]
+    must_be: str  # what a value must be, for the one-line error
+    shown: bool
+
+    def read(self, policy: str, text: str):
+        """The value a spec's ``text`` gives (its check follows when the policy is built)."""
+        try:
+            return self.type(text)
+        except ValueError:
+            raise H2OError(f"policy {policy!r}: option {self.name}={text!r} is not a {self.type.__name__}") from None
+
+    def accept(self, policy: str, value):
+        """``value`` as the option's type if it is one (an int where a float is asked) and passes the
+        check, else a one-line error naming the policy and the option."""
+        if isinstance(value, bool) or not isinstance(value, ACCEPTED[self.type]):
+            raise H2OError(f"policy {policy!r}: option {self.name}={value!r} is not a {self.type.__name__}")
+        value = self.type(value)
+        if not self.check(value):
+            raise H2OError(f"{policy} {self.name} must be {self.must_be}, got {value!r}")
+        return value
 
 
+@functools.cache
+def options_of(cls: type) -> tuple[Option, ...]:
+    """The options ``cls``'s fields declare, in field order; a ``TypeError`` for a class whose
+    declaration would not work (once per class: the classes do not change)."""
+    for part in cls.__mro__:
+        if any(isinstance(value, Field) for value in vars(part).values()):
+            raise TypeError(f"{part.__name__} declares fields: decorate it with @dataclass(eq=False)")
+    if cls.__hash__ is None:
+        raise TypeError(f"{cls.__name__}: declare it with @dataclass(eq=False), not @dataclass")
+    found = []
+    for f in fields(cls):
+        if "option" not in f.metadata:
+            continue
+        kind = OPTION_TYPES.get(f.type) if isinstance(f.type, str) else f.type
+        if kind not in OPTION_TYPES.values():
+            raise TypeError(f"{cls.__name__}.{f.name}: an option is an int, a float or a str, not {f.type}")
+        found.append(Option(f.name, kind, f.default, **f.metadata["option"]))
+        found[-1].accept(cls.name, f.default)  # a default that fails its own check is a typo
+    return tuple(found)
+
+
+@dataclass(eq=False)
 class Policy:
-    name: str = ""
+    """The base of every policy (see the module docstring); a dataclass whose fields are its options
+    (none here) and the ``seed`` of a policy that draws (``random``)."""
+
+    #: the random policy's seed; a keyword, so that a policy's first option is its first argument
+    seed: int = field(default=0, kw_only=True)
+
+    name: ClassVar[str] = ""
     #: whether the attention must produce per-slot probability mass (score-based policies); the
     #: others can use the fused SDPA kernel
-    needs_scores: bool = False
+    needs_scores: ClassVar[bool] = False
     #: ``full`` never evicts
-    evicts: bool = True
+    evicts: ClassVar[bool] = True
     #: first tokens of a sequence that are never evicted (attention sinks); the core protects
     #: ``min(sink_tokens, heavy)`` of them so a candidate always remains
-    sink_tokens: int = 0
+    sink_tokens: ClassVar[int] = 0
     #: which queries of a chunk add to the scores: "all" real queries, or only each row's "last"
-    score_queries: str = "all"
+    score_queries: ClassVar[str] = "all"
     #: whether ``eviction_key`` depends only on its arguments (not on how many calls came before
     #: or the buffer's shape), so the per-token scan (``core/scan.py``) may rank keys in its own layout
-    scan_safe: bool = True
-    #: the policy's own options, in order (the first may be given without its name)
-    declared: tuple[Option, ...] = ()
-    #: whether it takes ``heads=own|shared`` (the ranking policies; see ``heads_option``)
-    ranks_heads: bool = False
-    #: the options ``make_policy`` accepts (name -> type): ``declared``, then ``heads`` (derived)
-    options: dict[str, type] = {}
-    #: rank by the mean over the layer's KV heads (one kept set per layer); see ``heads_option``
-    shared_heads: bool = False
+    scan_safe: ClassVar[bool] = True
+    #: rank by the mean over the layer's KV heads (one kept set per layer): ``heads=shared``
+    #: (``heads_option``), set when such a policy is built
+    shared_heads = False
     #: the prompt is ranked by a reconstruction pass (``h2okv.reconstruct``): such a policy is a
     #: ``ReconstructionPolicy`` (``reconstruction.py``), and the core asks its probe hooks only then
-    ranks_by_reconstruction: bool = False
+    ranks_by_reconstruction: ClassVar[bool] = False
     #: tokens kept whole on top of the budget after that ranking (``ReconstructionPolicy.tail``);
-    #: here as well because the server sizes every request by it (``serve/engine.py``)
-    tail: int = 0
+    #: here as well because the server sizes every request by it (``serve/engine.py``). Not
+    #: annotated: ``kvzip``'s option of that name is a field, placed where its class declares it
+    tail = 0
     #: ``prefill_scores`` ranks a whole multi-token call before it is chunked (``snapkv``, ``expected``)
-    ranks_upfront: bool = False
+    ranks_upfront: ClassVar[bool] = False
     #: ``key_scores`` gives a written token a starting score from its key (``knorm``)
-    scores_keys: bool = False
+    scores_keys: ClassVar[bool] = False
     #: ``eviction_key`` also reads the layer's keys and which slots are live (``rkv``: how alike a
     #: key is to the others kept): the core then passes ``keys`` ``[B, H, cap, D]`` and ``valid``
     #: ``[B, H, cap]`` as keywords (the other policies' key is asked without them)
-    ranks_by_keys: bool = False
+    ranks_by_keys: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        cls.options = {o.name: o.type for o in cls.declared} | ({"heads": str} if cls.ranks_heads else {})
         # Fail closed: a class that changes how scores fold or rank must say which rule the kernels
         # may run (or None: the tensor-op step), or the C and Triton steps would run its parent's
         # rule, not its hooks. Nothing is derived from the overrides: a missing declaration is an error.
@@ -134,32 +226,25 @@ class Policy:
             raise TypeError(f"{cls.__name__} overrides {hooks}: declare its decode_rule() in the same class "
                             f"(None runs the tensor-op step; the kernels otherwise run the parent's rule)")
 
-    def __init__(self, seed: int = 0, **options):
-        self.seed = seed
-        unknown = set(options) - set(self.options)
-        if unknown:
-            raise H2OError(f"policy {self.name!r} has no option {', '.join(sorted(unknown))}")
-        if "heads" in options:
-            self.shared_heads = heads_option(self.name, options["heads"])
-        for option in self.declared:
-            value = option.type(options.get(option.name, option.default))
-            if not option.check(value):
-                raise H2OError(f"{self.name} {option.name} must be {option.rule}, got {value}")
-            setattr(self, option.attribute or option.name, value)
+    def __post_init__(self):
+        # a value given in Python is held to what a spec's would be: its type, then its check
+        values = {opt.name: opt.accept(self.name, getattr(self, opt.name)) for opt in self.options()}
+        for name, value in values.items():
+            setattr(self, name, value)
+        if "heads" in values:
+            self.shared_heads = HEADS_CHOICES[values["heads"]]
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.spec})"
+    @classmethod
+    def options(cls) -> tuple[Option, ...]:
+        """The policy's options, read from its fields in order (the first may be given without its name)."""
+        return options_of(cls)
 
     @property
     def spec(self) -> str:
         """The name with its options, as ``make_policy`` parses it (e.g. ``snapkv:window=16``)."""
-        options = self.spec_options() + (["heads=shared"] if self.shared_heads else [])
-        return f"{self.name}:{','.join(options)}" if options else self.name
-
-    def spec_options(self) -> list[str]:
-        """The policy's own options as ``NAME=VALUE`` strings (``heads`` is added by ``spec``)."""
-        values = [(o, getattr(self, o.attribute or o.name)) for o in self.declared]
-        return [f"{o.name}={value}" for o, value in values if o.shown or value != o.default]
+        values = [(opt, getattr(self, opt.name)) for opt in self.options()]
+        written = [f"{opt.name}={value}" for opt, value in values if opt.shown or value != opt.default]
+        return f"{self.name}:{','.join(written)}" if written else self.name
 
     def decode_rule(self) -> ScoreRule | None:
         """The rule ``accumulate`` and ``eviction_key`` follow, from this policy's options, or None:
@@ -201,17 +286,3 @@ class Policy:
         None (the default: they start at zero). Asked whenever tokens are written. See ``knorm.py``."""
         return None
 
-
-HEADS_CHOICES = {"own": False, "shared": True}
-
-
-def heads_option(policy: str, value: str) -> bool:
-    """``heads=own`` (each KV head keeps its own tokens, the default) or ``heads=shared``.
-
-    Shared: the rank of a slot is the mean of the policy's key over the layer's KV heads, so every
-    head evicts the same slot. Heads start with the same (empty) slot layout and every write and
-    eviction then treats them alike, so the layouts stay aligned and the mean at slot level is the
-    mean per token."""
-    if value not in HEADS_CHOICES:
-        raise H2OError(f"policy {policy!r}: heads must be own or shared, got {value!r}")
-    return HEADS_CHOICES[value]

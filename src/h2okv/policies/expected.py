@@ -25,28 +25,31 @@ evaluation the question arrives after the ranking.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from h2okv.errors import H2OError
-from h2okv.policies.base import Option
-from h2okv.policies.h2o import H2OPolicy
-
-DEFAULT_FUTURE = 512
-DEFAULT_SINKS = 4
+from h2okv.policies.base import heads_option, option
+from h2okv.policies.h2o import HeavyHitters
 
 
-class ExpectedAttentionPolicy(H2OPolicy):
+@dataclass(eq=False)
+class ExpectedAttentionPolicy(HeavyHitters):
     name = "expected"
     ranks_upfront = True
-    declared = (
-        Option("future", int, DEFAULT_FUTURE, lambda v: v >= 1, ">= 1"),
-        Option("sinks", int, DEFAULT_SINKS, lambda v: v >= 0, ">= 0", attribute="sink_tokens"),
-    )
+    future: int = option(512, check=lambda v: v >= 1, must_be=">= 1")
+    sinks: int = option(4, check=lambda v: v >= 0, must_be=">= 0")
+    heads: str = heads_option()
 
-    def __init__(self, seed: int = 0, **options):
-        super().__init__(seed, **options)
+    def __post_init__(self):
+        super().__post_init__()
         self.rope = None  # the model's RoPE, set by ``bind``
         self._mean_turn = None  # (rope, cos, sin): RoPE's rotation averaged over the future
+
+    @property
+    def sink_tokens(self) -> int:
+        return self.sinks  # the core protects ``sink_tokens``; the spec calls them ``sinks``
 
     def bind(self, model) -> None:
         from h2okv.core.rope import RopeRotation, rotary_module

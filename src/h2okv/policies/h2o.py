@@ -10,18 +10,24 @@ however much the first steps gave it. The C decode step knows this fold ("decay"
 scan (a decay per call, not per token) and Triton do not, and run the tensor-op step.
 """
 
-from h2okv.policies.base import Option, Policy, ScoreRule
+from dataclasses import dataclass
 
-# how the score folds older mass: 1 keeps it all (the sum); below 1, a geometric window
-DECAY = Option("decay", float, 1.0, lambda v: 0.0 < v <= 1.0, "in (0, 1]", shown=False)
+from h2okv.policies.base import Policy, ScoreRule, heads_option, option
 
 
-class H2OPolicy(Policy):
-    name = "h2o"
+def decay_option():
+    """``decay``: how the score keeps older mass, 1 all of it (the sum), below 1 a geometric window
+    (a field of ``h2o`` and of the policies that decode as it and take the option)."""
+    return option(1.0, check=lambda v: 0.0 < v <= 1.0, must_be="in (0, 1]", shown=False)
+
+
+class HeavyHitters(Policy):
+    """h2o's hooks without its options: the base of ``h2o`` and of the policies that decode as it
+    (``snapkv``, ``rkv``, ``expected``, ``kvzip``), each a dataclass declaring its own options in the
+    order its spec writes them (a dataclass puts inherited fields first)."""
+
     needs_scores = True
-    ranks_heads = True
-    declared = (DECAY,)
-    decay = 1.0  # subclasses that declare their own options and not this one keep the sum
+    decay = 1.0  # a policy without the ``decay`` option keeps the sum
 
     def decode_rule(self):
         # below 1 the score fades first: "decay", which only the C and Triton decode steps know
@@ -34,3 +40,10 @@ class H2OPolicy(Policy):
 
     def eviction_key(self, score, ordinal, n_real, layer_idx=0):
         return score
+
+
+@dataclass(eq=False)
+class H2OPolicy(HeavyHitters):
+    name = "h2o"
+    decay: float = decay_option()
+    heads: str = heads_option()

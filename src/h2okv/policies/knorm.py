@@ -10,17 +10,20 @@ through them the later layers' keys, still differ). Norms are taken after RoPE, 
 pairs of coordinates and so leaves them unchanged. Question-agnostic: the question plays no part.
 """
 
+from dataclasses import dataclass
+
 import torch
 
-from h2okv.policies.base import Policy, ScoreRule
+from h2okv.policies.base import Policy, ScoreRule, heads_option
 
 NORM_MAX = 60000.0  # below float16's largest finite value
 
 
+@dataclass(eq=False)
 class KnormPolicy(Policy):
     name = "knorm"
-    ranks_heads = True
     scores_keys = True
+    heads: str = heads_option()
 
     def decode_rule(self):
         # the kernels start a slot at 0, not at its key's score: they never run it (``scores_keys``)

@@ -46,29 +46,30 @@ A cache with this policy must be ranked by ``h2okv.reconstruct`` before it decod
 after the prompt without one is a one-line error, never a silent full cache.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from h2okv.policies.base import Option
-from h2okv.policies.h2o import H2OPolicy
+from h2okv.policies.base import heads_option, option
+from h2okv.policies.h2o import HeavyHitters
 from h2okv.policies.reconstruction import ReconstructionPolicy
 from h2okv.policies.window import window_probs
 
 SINKS = 4
 
 
-class KVzipPolicy(ReconstructionPolicy, H2OPolicy):
+@dataclass(eq=False)
+class KVzipPolicy(ReconstructionPolicy, HeavyHitters):
     """Ranked by the probe (``ReconstructionPolicy``), then decoded as ``h2o`` (its rule and hooks)."""
 
     name = "kvzip"
     sink_tokens = SINKS
-    ranks_heads = True
-    declared = (
-        Option("kernel", int, 1, lambda v: v >= 1 and v % 2 == 1, "an odd number >= 1", shown=False),
-        Option("tail", int, 256, lambda v: v >= 0, "an integer >= 0", shown=False),
-        Option("question", int, 0, lambda v: v >= 0, "an integer >= 0", shown=False),
-        Option("tail_in_budget", int, 0, lambda v: v in (0, 1), "0 or 1", shown=False),
-    )
+    kernel: int = option(1, check=lambda v: v >= 1 and v % 2 == 1, must_be="an odd number >= 1", shown=False)
+    tail: int = option(256, check=lambda v: v >= 0, must_be="an integer >= 0", shown=False)
+    question: int = option(0, check=lambda v: v >= 0, must_be="an integer >= 0", shown=False)
+    tail_in_budget: int = option(0, choices=(0, 1), shown=False)
+    heads: str = heads_option()
 
     def question_scores(self, query, key_new, old_keys, old_valid, new_real, scaling):
         """``(old [B, Hkv, cap], new [B, Hkv, n])`` for the call the probe will rank (``question=W``):

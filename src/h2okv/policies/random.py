@@ -9,8 +9,8 @@ class RandomPolicy(Policy):
     name = "random"
     scan_safe = False  # its draws follow the buffer's shape: keep the slot-by-slot path
 
-    def __init__(self, seed: int = 0, **options):
-        super().__init__(seed, **options)
+    def __post_init__(self):
+        super().__post_init__()
         self._generator: dict[tuple[torch.device, int], torch.Generator] = {}
 
     def decode_rule(self):

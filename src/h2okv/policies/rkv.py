@@ -37,18 +37,18 @@ the tensor-op steps.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
-from h2okv.policies.base import Option
-from h2okv.policies.h2o import DECAY, H2OPolicy
+from h2okv.policies.base import heads_option, option
+from h2okv.policies.h2o import HeavyHitters, decay_option
 
-DEFAULT_WEIGHT = 0.1  # R-KV's lambda: the importance's share of the key
 NORM_EPS = 1e-12  # a zero key has no direction: its unit key is zero, alike to nothing
 
 
-class RKVPolicy(H2OPolicy):
+@dataclass(eq=False)
+class RKVPolicy(HeavyHitters):
     name = "rkv"
     ranks_by_keys = True
     # The per-token scan (core/scan.py) ranks in its own layout (old slots, then the call's
@@ -57,12 +57,15 @@ class RKVPolicy(H2OPolicy):
     # not on the calls before or the buffer's shape. The scan hands it its keys and live set
     # (bias 0), so it stays True.
     scan_safe = True
-    # decay (h2o.py): importance from the latest queries, as R-KV's observation window takes it
-    declared = (Option("weight", float, DEFAULT_WEIGHT, lambda v: 0.0 <= v <= 1.0, "in [0, 1]"), DECAY,
-                # R-KV's max pooling of the importance over neighbouring kept tokens (1: none)
-                Option("kernel", int, 1, lambda v: v >= 1 and v % 2 == 1, "an odd number >= 1", shown=False),
-                # R-KV's threshold (0.5) for "alike": each key's latest copy is spared (0: off)
-                Option("copies", float, 0.0, lambda v: 0.0 <= v < 1.0, "in [0, 1)", shown=False))
+    # R-KV's lambda: the importance's share of the key
+    weight: float = option(0.1, check=lambda v: 0.0 <= v <= 1.0, must_be="in [0, 1]")
+    # importance from the latest queries (h2o.py), as R-KV's observation window takes it
+    decay: float = decay_option()
+    # R-KV's max pooling of the importance over neighbouring kept tokens (1: none)
+    kernel: int = option(1, check=lambda v: v >= 1 and v % 2 == 1, must_be="an odd number >= 1", shown=False)
+    # R-KV's threshold (0.5) for "alike": each key's latest copy is spared (0: off)
+    copies: float = option(0.0, check=lambda v: 0.0 <= v < 1.0, must_be="in [0, 1)", shown=False)
+    heads: str = heads_option()
 
     def decode_rule(self):
         """h2o's fold (its decay) and the rank "rkv", which the C and Triton decode steps compute

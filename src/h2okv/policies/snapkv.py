@@ -24,31 +24,36 @@ over everything still kept.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from h2okv.policies.base import Option
-from h2okv.policies.h2o import DECAY, H2OPolicy
+from h2okv.policies.base import heads_option, option
+from h2okv.policies.h2o import HeavyHitters, decay_option
 from h2okv.policies.window import window_probs
 
-DEFAULT_WINDOW = 32
-DEFAULT_KERNEL = 7
 TIE_BREAK = 1e-3  # of a token's own score, added to its block's mean (``chunk``)
 
 
-class SnapKVPolicy(H2OPolicy):
+@dataclass(eq=False)
+class SnapKVPolicy(HeavyHitters):
     name = "snapkv"
     ranks_upfront = True
-    declared = (
-        Option("window", int, DEFAULT_WINDOW, lambda v: v >= 1, ">= 1"),
-        Option("kernel", int, DEFAULT_KERNEL, lambda v: v >= 1 and v % 2 == 1, "an odd number >= 1"),
-        # max: a token takes its best neighbour's mass, so a chosen token keeps the whole span
-        # around it (a value of many tokens, a UUID); avg (SnapKV's): smoothed
-        Option("pool", str, "avg", lambda v: v in ("avg", "max"), "avg or max", attribute="pooling", shown=False),
-        # ChunkKV: whole blocks of this many tokens share one score (0: token by token)
-        Option("chunk", int, 0, lambda v: v >= 0, ">= 0", shown=False),
-        DECAY,  # decode steps re-rank by the latest queries (h2o.py): SnapKV's window, kept moving
-    )
+    window: int = option(32, check=lambda v: v >= 1, must_be=">= 1")
+    kernel: int = option(7, check=lambda v: v >= 1 and v % 2 == 1, must_be="an odd number >= 1")
+    # max: a token takes its best neighbour's mass, so a chosen token keeps the whole span around it
+    # (a value of many tokens, a UUID); avg (SnapKV's): smoothed
+    pool: str = option("avg", choices=("avg", "max"), shown=False)
+    # ChunkKV: whole blocks of this many tokens share one score (0: token by token)
+    chunk: int = option(0, check=lambda v: v >= 0, must_be=">= 0", shown=False)
+    decay: float = decay_option()  # decode steps re-rank by the latest queries: SnapKV's window, kept moving
+    heads: str = heads_option()
+
+    @property
+    def pooling(self) -> str:
+        """``pool`` under the name the core's streamed probe reads (``core/layer.py``)."""
+        return self.pool
 
     def prefill_scores(self, query, key_new, old_keys, old_valid, new_real, scaling, value_new=None, old_values=None,
                        old_in_order=None):
@@ -63,9 +68,9 @@ class SnapKVPolicy(H2OPolicy):
         old, new = mass[..., :cap], mass[..., cap:]
         if self.kernel > 1 and n > 1:
             if old_in_order is None or not bool((old_in_order > 0).any()):
-                new = self.pool(new, new_real)
+                new = self.smooth(new, new_real)
             else:  # nothing evicted yet: the old slots are the tokens before the call, in order
-                old, new = self.pool_across(old, new, old_in_order, new_real)
+                old, new = self.smooth_across(old, new, old_in_order, new_real)
         if self.chunk > 1 and n > 1:
             new = self.chunk_mean(new, new_real)
         return old, new
@@ -86,7 +91,7 @@ class SnapKVPolicy(H2OPolicy):
         shared = means.expand(b, hkv, blocks, c).reshape(b, hkv, blocks * c)[..., :n]
         return (shared + TIE_BREAK * new).masked_fill(~real[:, None], 0.0)
 
-    def pool_across(self, old, new, held, new_real):
+    def smooth_across(self, old, new, held, new_real):
         """Pool the held old slots and the call's tokens as one sequence where a row's old slots
         ``0 .. held - 1`` are its first tokens in order (``held`` ``[B]``; -1: the row's call is
         pooled alone, its old slots as they are), so a span that straddles
@@ -96,19 +101,19 @@ class SnapKVPolicy(H2OPolicy):
         for b in range(old.shape[0]):
             h, r = int(held[b]), int(new_real[b])
             if h < 0:
-                new[b:b + 1] = self.pool(new[b:b + 1], new_real[b:b + 1])
+                new[b:b + 1] = self.smooth(new[b:b + 1], new_real[b:b + 1])
                 continue
             joined = torch.cat([old[b, :, :h], new[b, :, :r]], dim=-1)[None]
-            pooled = self.pool(joined, torch.tensor([h + r], device=joined.device))[0]
+            pooled = self.smooth(joined, torch.tensor([h + r], device=joined.device))[0]
             old[b, :, :h], new[b, :, :r] = pooled[:, :h], pooled[:, h:]
         return old, new
 
-    def pool(self, new, new_real):
-        """Each new token's mass averaged with its neighbours' in token order (the call's tokens
-        are in order; old slots are not, unless nothing was evicted: ``pool_across``), over the
-        row's real tokens only: rows are pooled by their real length, so a padded row is pooled
-        exactly as it would be alone (a pad's zero counted among a last token's neighbours would
-        lower it)."""
+    def smooth(self, new, new_real):
+        """Each new token's mass averaged with its neighbours' (``pool=max``: the largest of them) in
+        token order (the call's tokens are in order; old slots are not, unless nothing was evicted:
+        ``smooth_across``), over the row's real tokens only: rows are pooled by their real length,
+        so a padded row is pooled exactly as it would be alone (a pad's zero counted among a last
+        token's neighbours would lower it). Named apart from the ``pool`` option it reads."""
         b, hkv, n = new.shape
         pooled = torch.zeros_like(new)  # a pad's score: it is never kept as a real token
         for length in new_real.unique().tolist():
@@ -116,7 +121,7 @@ class SnapKVPolicy(H2OPolicy):
                 continue
             rows = (new_real == length).nonzero().flatten()
             part = new[rows, :, :length].reshape(-1, 1, length)
-            if self.pooling == "max":
+            if self.pool == "max":
                 smoothed = F.max_pool1d(part, self.kernel, stride=1, padding=self.kernel // 2)
             else:
                 smoothed = F.avg_pool1d(part, self.kernel, stride=1, padding=self.kernel // 2, count_include_pad=False)

@@ -6,14 +6,17 @@ each row's last real token of the chunk. The recent window and the budget split 
 as for every policy.
 """
 
-from h2okv.policies.base import Policy, ScoreRule
+from dataclasses import dataclass
+
+from h2okv.policies.base import Policy, ScoreRule, heads_option
 
 
+@dataclass(eq=False)
 class TOVAPolicy(Policy):
     name = "tova"
     needs_scores = True
-    ranks_heads = True
     score_queries = "last"
+    heads: str = heads_option()
 
     def decode_rule(self):
         return ScoreRule(fold="replace", rank="score")
