@@ -32,7 +32,7 @@ from h2okv.recipes import expand
 
 # the defaults that other modules also name; kept here so importing them loads no torch
 DEFAULT_CHUNK = 512
-PREFILL_MODES = ("chunked", "late")
+PREFILL_MODES = ("chunked", "late", "streamed")
 HEAD_SPLITS = ("uniform", "adaptive", "layers")
 DEFAULT_HEAD_FLOOR = 0.2  # Ada-KV's safeguard share (core/head_budget.py)
 PART_NAMES = ("heavy", "recent", "heavy_ratio", "recent_ratio")
@@ -68,7 +68,9 @@ class CacheSettings:
     seed: int = _setting(0, "the random policy's seed", kind="int", flag=False)  # commands' --seed samples
     prefill: str = _setting(
         "chunked", "chunked: evict after every prefill chunk (bounded: budget + chunk slots); late: read the whole "
-                   "prompt with exact attention, then rank once (a layer holds budget + prompt while it runs)",
+                   "prompt with exact attention, then rank once (a layer holds budget + prompt while it runs); "
+                   "streamed: read a long prompt through the model in pieces of the chunk size, each ranked by the "
+                   "prompt's last tokens (snapkv's window): memory budget + one piece at any length",
         kind="choice", choices=PREFILL_MODES, recipe_sets=True)
     positions: str = _setting(
         "true", "true or rolling (rolling:shift, rolling:order): rolling keeps positions inside the model's context "
@@ -137,12 +139,24 @@ class CacheSettings:
         set_("recent_share", share)
         BudgetSpec.build(chosen, floor=self.budget_floor, **parts)  # the parts' own rules
         self._check_head_split(chosen)
+        if self.prefill == "streamed":
+            self._check_streamed(chosen)
         if chosen.ranks_by_reconstruction and self.prefill != "late":
             raise H2OError(f"policy {chosen.spec!r} ranks the whole prompt after reading it: use prefill=late "
                            f"(--prefill late)")
         if check_positions(chosen, self.positions) is not None and self.compileable:
             raise H2OError("compileable=True takes true positions only: the rolling positions' hook reads padding "
                            "from a 2D mask, and generate hands a compileable cache a 4D one")
+
+    def _check_streamed(self, policy) -> None:
+        """A streamed prefill ranks each piece by the prompt's last ``window`` tokens
+        (``core/streamed.py``): a window policy, one split per layer, true positions."""
+        if not isinstance(getattr(policy, "window", None), int) or not policy.ranks_upfront:
+            raise H2OError(f"prefill=streamed ranks each piece by the prompt's last tokens, which needs a policy with "
+                           f"an observation window (snapkv), not {policy.spec!r}")
+        if self.head_budgets != "uniform" or self.positions != "true" or self.protect_prompt or self.chunk_size < 2:
+            raise H2OError("prefill=streamed takes uniform head budgets, true positions, no protect_prompt and "
+                           "chunk_size >= 2")
 
     def _check_head_split(self, policy) -> None:
         mode, floor = self.head_budgets, self.head_floor

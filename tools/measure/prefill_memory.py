@@ -1,5 +1,6 @@
-"""One prompt read in one call, per length and recipe: the live peak memory above the weights, the
-K/V held after it, and the time, each cell in a process of its own; a JSON and a plot.
+"""One prompt read, per length and recipe: the live peak memory above the weights, the K/V held
+after it, and the time, each cell in a process of its own; a JSON and a plot. A recipe reads the
+prompt in one call; ``RECIPE+streamed`` in pieces (``prefill="streamed"``, ``core/streamed.py``).
 
 Why a process each: the peak is the resident set's high-water mark over the call (``measure_peak``),
 and a process that ran a longer prompt before would count what glibc kept of it. Why
@@ -10,6 +11,7 @@ what the tokens say. The weights are touched by a short call first (they are mem
 
     python tools/measure/prefill_memory.py --lengths 2048,4096,8192,16384 --recipes bounded,full \\
         --json docs/results/longctx/prefill-memory-0.5b.json --plot docs/figures/prefill-memory.png
+    python tools/measure/prefill_memory.py --recipes bounded+streamed --budget 410 ...  # 410 slots at every length
 
 Cells already in ``--json`` are skipped (run it again to resume).
 """
@@ -39,7 +41,7 @@ def one(model_name: str, length: int, recipe: str, budget: float, threads: int, 
 
         attention.slice_feed_forward = lambda model: 0
 
-    from h2okv import H2OCache, load_model
+    from h2okv import CacheSettings, H2OCache, load_model
     from h2okv.bench.memory import measure_peak
     from h2okv.core.compat import cache_arg
 
@@ -47,10 +49,13 @@ def one(model_name: str, length: int, recipe: str, budget: float, threads: int, 
     torch.set_grad_enabled(False)
     model, _ = load_model(model_name)
     ids = torch.randint(100, 20_000, (1, length), generator=torch.Generator().manual_seed(0))
-    cache = H2OCache(model, policy="full") if recipe == "full" else H2OCache(model, recipe=recipe, budget=budget)
+    name, _, prefill = recipe.partition("+")  # "bounded+streamed": the recipe with another prefill mode
+    settings = CacheSettings.build("full") if name == "full" else CacheSettings.from_recipe(name, budget)
+    cache = H2OCache(model, settings.replace(prefill=prefill) if prefill else settings)
     model(input_ids=ids[:, :64], use_cache=False)  # touch the memory-mapped weights outside the measure
     start = time.perf_counter()
     with measure_peak() as peak:
+        # prefill=streamed: the cache's hook reads all but the last piece in pieces (core/streamed.py)
         model(input_ids=ids, **cache_arg(cache), use_cache=True, logits_to_keep=1)
     return {"model": model_name, "context": length, "recipe": recipe, "budget": None if recipe == "full" else budget,
             "peak_mib": round(peak.peak_bytes / 2**20, 1), "method": peak.method,
@@ -66,8 +71,9 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for i, recipe in enumerate(sorted({r["recipe"] for r in rows})):
-        mine = sorted((r for r in rows if r["recipe"] == recipe), key=lambda r: r["context"])
+    for i, (recipe, budget) in enumerate(sorted({(r["recipe"], str(r["budget"])) for r in rows})):
+        mine = sorted((r for r in rows if (r["recipe"], str(r["budget"])) == (recipe, budget)), key=lambda r: r["context"])
+        recipe = recipe if budget == "None" else f"{recipe} at {budget}"
         lengths, color = [r["context"] for r in mine], f"C{i}"
         axes[0].plot(lengths, [r["peak_mib"] for r in mine], marker="o", color=color,
                      label=f"{recipe}: peak above the weights")
@@ -90,8 +96,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--model", default="qwen2.5-0.5b")
     parser.add_argument("--lengths", default="2048,4096,8192,16384")
-    parser.add_argument("--recipes", default="bounded,full", help="recipes, and 'full' for the full cache")
-    parser.add_argument("--budget", type=float, default=0.2)
+    parser.add_argument("--recipes", default="bounded,full",
+                        help="recipes, 'full' for the full cache; RECIPE+MODE: the recipe with prefill MODE (bounded+streamed)")
+    parser.add_argument("--budget", type=lambda v: int(v) if v.isdigit() else float(v), default=0.2,
+                        help="a fraction of the prompt (0.2) or slots per layer and KV head (410)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--allocator", choices=("returning", "default"), default="returning",
                         help="returning: glibc hands freed blocks of 1 MiB or more back (the live peak); default: as is")
@@ -109,8 +117,9 @@ def main() -> int:
         return 0
     out = Path(args.json)
     rows = json.loads(out.read_text()) if out.exists() else []
-    done = {(r["model"], r["context"], r["recipe"]) for r in rows}
-    cells = [(n, r) for n in lengths for r in recipes if (args.model, n, r) not in done]
+    done = {(r["model"], r["context"], r["recipe"], r["budget"]) for r in rows}
+    cells = [(n, r) for n in lengths for r in recipes
+             if (args.model, n, r, None if r == "full" else args.budget) not in done]
     env = {**os.environ, **(RETURNING if args.allocator == "returning" else {})}
     for length, recipe in tqdm(cells, desc="prefill memory", unit="cell"):
         child = subprocess.run([sys.executable, __file__, "--one", "--model", args.model, "--lengths", str(length),

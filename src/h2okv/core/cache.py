@@ -9,7 +9,7 @@ import math
 import torch
 from transformers.cache_utils import Cache
 
-from h2okv.core import autorank
+from h2okv.core import autorank, streamed
 from h2okv.core.attention import prepare_model
 from h2okv.core.budget import BudgetSpec, RowBudgets
 from h2okv.core.layer import LayerConfig, SlotLayer
@@ -54,6 +54,11 @@ class H2OCache(Cache):
       holds ``budget + n`` slots for a call of ``n`` tokens (about the K/V the model computes for
       the call anyway); after the call, the budget + 1. The prefill's outputs are a full cache's.
       A prompt fed in several calls is ranked at the end of each call.
+    - ``"streamed"``: flat in the prompt's length. The prompt is read through the whole model in
+      pieces of ``chunk_size`` tokens, each ranked by the prompt's last ``window`` tokens read on
+      top and never kept (``core/streamed.py``): budget + one piece of K/V and one piece of
+      activations, where one call holds every token's hidden states. A ``snapkv`` policy;
+      ``model.generate`` streams by itself (a forward pre-hook), a padded batch reads chunked.
 
     ``stats()["peak_capacity"]`` reports the most slots each layer ever allocated.
 
@@ -115,6 +120,8 @@ class H2OCache(Cache):
         self.tokenizer, self.prompt_ids = tokenizer, None
         if self.policy.ranks_by_reconstruction:
             autorank.install_hook(model)
+        if settings.prefill == "streamed":  # model.generate streams the prompt by itself (core/streamed.py)
+            streamed.install_hook(model)
 
     # what the cache was built with, read from its settings (one copy of them)
     recipe = property(lambda self: self.settings.recipe)

@@ -24,6 +24,7 @@ from h2okv.core.reconstruction import check_probe_call, probe_attention
 from h2okv.core.scan import can_scan, token_scan
 from h2okv.core.step import chunk_step, evict, policy_key, protected
 from h2okv.core.storage import SlotStorage
+from h2okv.core.streamed import pool_in_order
 from h2okv.errors import H2OError
 from h2okv.policies import Policy
 
@@ -85,6 +86,10 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         self._live_max, self._live_of = 0, None
         # kvzip: the prompt is held whole until ``h2okv.reconstruct`` ranks it (``rank_by_probe``)
         self.probe = ProbeState()
+        # a streamed prefill's part for the next call (core/streamed.py): "hold" (read a piece
+        # whole, evict nothing), "probe" (read the prompt's last tokens on top, rank, evict, keep
+        # nothing) or None (any other call)
+        self.stream: str | None = None
         # rows may hold more than their budget (``H2OCache.set_budgets`` lowered it): until a call
         # brings them down, room for a call is counted from the live slots, not the budget
         self.over_budget = False
@@ -139,6 +144,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         self.stepper = None
         self.ragged = None
         self.probe = ProbeState()
+        self.stream = None
 
     def reorder_cache(self, beam_idx):
         self.select_rows(torch.as_tensor(beam_idx))
@@ -255,6 +261,8 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         """
         if self.probe.best is not None:
             return self._attend_probe(query, key_new, value_new, new_mask, scaling, sliding_window)
+        if self.stream == "probe":
+            return self._attend_stream_probe(query, key_new, value_new, new_mask, scaling, sliding_window)
         if sliding_window is not None and self.tokens_seen <= sliding_window:
             # no query of the call lies a window past any token yet (ordinals < tokens_seen): the
             # window hides nothing, so the layer may take the steps without one (the decode path)
@@ -293,6 +301,10 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         config, q_len = self.config, query.shape[2]
         if q_len > 1 and config.prefill == "late":
             return self._attend_late(query, key_new, value_new, nonpad, scaling, sliding_window)
+        if q_len > 1 and self.stream == "hold":  # a streamed piece: the probe that follows ranks it
+            self.ensure_free(q_len)
+            init = torch.zeros(key_new.shape[:3], dtype=torch.float32, device=self.device)
+            return self._read_whole(query, key_new, value_new, nonpad, scaling, sliding_window, init)
         chunk = config.chunk_size if q_len > 1 else 1
         if chunk == 1 and q_len > 1 and can_scan(self, nonpad, sliding_window):
             # per-token eviction over the whole call: the logits at once, the recurrence per token
@@ -332,7 +344,6 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         """
         n = query.shape[2]
         config = self.config
-        block = config.chunk_size if config.chunk_size > 1 else LATE_BLOCK
         init = self._prefill_scores(query, key_new, value_new, nonpad, scaling)
         if init is None and config.policy.ranks_by_reconstruction and not self.probe.ranked:
             # the probe will rank this call: its attention mass is not needed (fused attention);
@@ -341,6 +352,22 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
             if init is None:
                 init = torch.zeros(key_new.shape[:3], dtype=torch.float32, device=self.device)
         self.ensure_free(n)
+        out = self._read_whole(query, key_new, value_new, nonpad, scaling, sliding_window, init)
+        if config.policy.ranks_by_reconstruction and not self.probe.ranked:
+            self.probe.awaiting = True  # held whole: the reconstruction pass ranks it (rank_by_probe)
+            return out
+        if self.config.policy.evicts:
+            if self.config.head_budgets == "adaptive":
+                self._share_out(self.score, self.ordinal, self.valid, self.n_real, self.keys)
+            evict(self, n)
+        self.shrink_to_budget()
+        return out
+
+    def _read_whole(self, query, key_new, value_new, nonpad, scaling, sliding_window, init):
+        """Write and attend a whole call, nothing evicted (room for it made by the caller); the
+        queries in blocks of the chunk size, so a probability block is ``[chunk x (live + n)]``."""
+        n = query.shape[2]
+        block = self.config.chunk_size if self.config.chunk_size > 1 else LATE_BLOCK
         outputs = []
         for start in range(0, n, block):
             stop = min(start + block, n)
@@ -349,14 +376,6 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
                 None if nonpad is None else nonpad[:, start:stop], scaling, sliding_window,
                 None if init is None else init[:, :, start:stop], evicts=False,
             ))
-        if config.policy.ranks_by_reconstruction and not self.probe.ranked:
-            self.probe.awaiting = True  # held whole: the reconstruction pass ranks it (rank_by_probe)
-            return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
-        if self.config.policy.evicts:
-            if self.config.head_budgets == "adaptive":
-                self._share_out(self.score, self.ordinal, self.valid, self.n_real, self.keys)
-            evict(self, n)
-        self.shrink_to_budget()
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
     # -- reconstruction (policy kvzip; core/reconstruction.py) ----------------------------------------
@@ -369,6 +388,33 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         block = self.config.chunk_size if self.config.chunk_size > 1 else LATE_BLOCK
         out, best = probe_attention(self, query, key_new, value_new, scaling, block)
         torch.maximum(self.probe.best, best, out=self.probe.best)
+        return out.transpose(1, 2).contiguous()
+
+    # -- streamed prefill (core/streamed.py) --------------------------------------------------------
+    def set_stream(self, part: str | None) -> None:
+        """The next call is a streamed prefill's ``"hold"`` (a piece read whole) or ``"probe"`` (the
+        prompt's last tokens ranking it), or neither (None)."""
+        if part not in (None, "hold", "probe"):
+            raise ValueError(f"a streamed call is a hold, a probe or neither, not {part!r}")
+        self.stream = part
+
+    def _attend_stream_probe(self, query, key_new, value_new, new_mask, scaling, sliding_window):
+        """The prompt's last tokens read on top of the held slots: attend as a prefill call would,
+        rank every live slot by the mass their queries pay it (pooled in prompt order as the policy
+        pools), evict to the budget, keep none of the probe's tokens."""
+        check_probe_call(new_mask, sliding_window)
+        if not self.is_initialized or not self.has_budget:
+            raise H2OError("a streamed probe follows a piece read into the cache")
+        self.to_dense()
+        self.tokens_seen -= key_new.shape[2]  # read, never kept: positions go on from the piece
+        block = self.config.chunk_size if self.config.chunk_size > 1 else LATE_BLOCK
+        out, mass = probe_attention(self, query, key_new, value_new, scaling, block, reduce="sum")
+        policy = self.config.policy
+        mass = torch.where(self.valid, mass, torch.zeros_like(mass))
+        self.score.copy_(pool_in_order(mass, self.ordinal, self.valid, getattr(policy, "kernel", 1),
+                                       getattr(policy, "pooling", "avg")))
+        evict(self, self.capacity)  # any m > 1: every row down to its budget at once
+        self.changed()
         return out.transpose(1, 2).contiguous()
 
     def start_probe(self) -> None:

@@ -170,8 +170,11 @@ def chat_head_length(tokenizer, ids: list[int]) -> int:
 
 
 # -- the probe call inside a layer (SlotLayer's probe route) -------------------------------------
-def probe_attention(layer, query, key_new, value_new, scaling: float, block: int):
-    """``(out [B, Hq, n, Dv], best [B, Hkv, cap])`` of a probe call over ``layer``'s live slots."""
+def probe_attention(layer, query, key_new, value_new, scaling: float, block: int, reduce: str = "max"):
+    """``(out [B, Hq, n, Dv], best [B, Hkv, cap])`` of a probe call over ``layer``'s live slots:
+    ``best`` is each slot's largest probability from any probe query of its KV head's group
+    (KVzip's), or with ``reduce="sum"`` their sum (SnapKV's window mass: the streamed prefill's
+    ranking, ``core/streamed.py``)."""
     b, hq, n, d = query.shape
     hkv, cap = key_new.shape[1], layer.capacity
     g = hq // hkv
@@ -189,7 +192,10 @@ def probe_attention(layer, query, key_new, value_new, scaling: float, block: int
         allowed = torch.cat([live.expand(b, hkv, m, cap), sees_new.expand(b, hkv, m, n)], dim=-1)
         logits.masked_fill_(~allowed[:, :, None], float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        best = torch.maximum(best, probs[..., :cap].amax(dim=(2, 3)))
+        if reduce == "sum":
+            best += probs[..., :cap].sum(dim=(2, 3))
+        else:
+            best = torch.maximum(best, probs[..., :cap].amax(dim=(2, 3)))
         out = torch.matmul(probs.view(b, hkv, g * m, cap + n).to(values.dtype), values)
         outputs.append(out.view(b, hq, m, values.shape[-1]))
     return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0], best
