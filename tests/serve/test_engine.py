@@ -241,8 +241,9 @@ def test_request_ended_mid_shared_prefill_frees_its_row(model_tok, how):
     engine.executor.prefill = record
     engine.start()
     try:
+        # a deadline far off, which the victim's then passes (its clock moved; the others' never)
         handles = engine.submit_many([GenerationRequest(prompt(n, 60 + i), 8, "h2o", 5, 5, temperature=0.0,
-                                                        ignore_eos=True) for i, n in enumerate(lengths)])
+                                                        ignore_eos=True, timeout=600.0) for i, n in enumerate(lengths)])
         results = [h.result_blocking()[1] for h in handles]
     finally:
         engine.stop()

@@ -50,9 +50,10 @@ from h2okv.serve.executor import Executor
 from h2okv.serve.memory import Reservation, prefill_chunks, reservation
 from h2okv.serve.outputs import Output, choose, eos_ids
 from h2okv.serve.prefix import Entry, PrefixIndex, block_checkpoints
+from h2okv.serve.sampling import GREEDY_BELOW, INVALID
 from h2okv.serve.scheduler import SCHEDULES, Scheduler, SchedulerState, SeqState
 from h2okv.serve.text import plain_decoder
-from h2okv.serve.types import EngineStats, Event, GenerationRequest, Handle, Observer
+from h2okv.serve.types import EngineStats, Event, GenerationRequest, Handle, Observer, TextEnd
 
 log = logging.getLogger("h2okv.serve")
 
@@ -105,9 +106,10 @@ class Sequence:
         self.restarts = 0  # times its prefill started over after a shared forward failed
         self.uid = uid  # the executor's name for this sequence
         self.done = False
+        self.decoding = False  # a row of its policy's decode batch (DecodeRows)
         self.submitted = time.monotonic()
         self.deadline = None if request.timeout is None else self.submitted + request.timeout
-        self.last_token_at: float | None = None
+        self.last_token_at: float | None = None  # its first token's time (a decode row's later ones: its batch's)
         self.evicted_counted = 0  # tokens evicted so far, as already added to the engine's counter
         self.probe: list[list[int]] | None = None  # a policy ranked by reconstruction: its probe calls
         self.ranked = len(request.prompt_ids)  # ... and the prompt's first tokens they rank
@@ -140,6 +142,70 @@ class Sequence:
         if self.next_chunk == len(self.chunks) > 0:  # fed: a prefill starts over only part-way (_isolate)
             self._fed = state
         return state
+
+
+class DecodeRows:
+    """The engine's side of one policy's decode batch (the executor's ``DecodeBatch``: the same
+    rows in the same order): its sequences and, in lists parallel to them, what a step feeds,
+    counts and hands on, so that a step's bookkeeping is a few operations over whole lists
+    (``Engine._decoded``), not attribute lookups and calls per row. Rebuilt when rows leave."""
+
+    def __init__(self):
+        self.seqs: list[Sequence] = []
+        self.uids: list[int] = []
+        self.feed: list[int] = []  # each row's last token: what it feeds next ...
+        self.positions: list[int] = []  # ... at this position
+        self.left: list[int] = []  # the tokens each row may still generate (max_tokens)
+        self.generated: list[list[int]] = []  # each row's Output.generated (the same lists)
+        self.handles: list[Handle] = []
+        self.outputs: list[Output] = []
+        self.special: list[int] = []  # rows whose outputs are not plain: their text is decoded in the step
+        self.sampled = False  # a row samples (else every row's choice is its argmax)
+        self.loop: asyncio.AbstractEventLoop | None = None  # the event loop of every row's handle, if one
+        self.stamp = 0.0  # when the batch's last step chose its rows' tokens
+        self.fresh: dict[int, float] = {}  # uid -> its first token's time, rows not stepped since joining
+        self.dropped = False  # a row finished since the rows were built (Engine._compact)
+        self._states: tuple[SeqState, ...] | None = None
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def add(self, seq: Sequence, fresh: bool = True) -> None:
+        """``seq`` (prefilled, its first token chosen) becomes the last row; ``fresh``: its last
+        token is its first (the gap to its next one is counted from that one's time)."""
+        out, req = seq.output, seq.request
+        if not out.plain:
+            self.special.append(len(self.seqs))
+        self.sampled = self.sampled or req.temperature >= GREEDY_BELOW
+        loop = seq.handle.loop
+        self.loop = loop if not self.seqs or (self.loop is loop) else None
+        seq.decoding = True
+        self.seqs.append(seq)
+        self.uids.append(seq.uid)
+        self.feed.append(out.generated[-1])
+        self.positions.append(len(req.prompt_ids) + len(out.generated) - 1)
+        self.left.append(req.max_tokens - len(out.generated))
+        self.generated.append(out.generated)
+        self.handles.append(seq.handle)
+        self.outputs.append(out)
+        if fresh:
+            self.fresh[seq.uid] = seq.last_token_at
+        self._states = None
+
+    def running(self) -> DecodeRows:
+        """The rows that have not finished, in order (``dropped`` rows gone)."""
+        rows = DecodeRows()
+        for seq in self.seqs:
+            if not seq.done:
+                rows.add(seq, fresh=seq.uid in self.fresh)
+        rows.stamp = self.stamp
+        return rows
+
+    def states(self) -> tuple[SeqState, ...]:
+        """What the scheduler sees of the rows (a decode row's state no longer changes: kept)."""
+        if self._states is None:
+            self._states = tuple(seq.state() for seq in self.seqs)
+        return self._states
 
 
 @dataclass(frozen=True)
@@ -198,7 +264,9 @@ class Engine:
         self.slot_bytes = self.executor.slot_bytes()
         self.scheduler = Scheduler(options.schedule, options.kv_memory, self.slot_bytes, options.max_batch,
                                    options.step_tokens)
-        self.tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
+        # HF fast tokenizers are not safe to share across threads; reentrant: a plain request's handle
+        # without an event loop decodes its text on the engine's thread, at once (Handle._take)
+        self.tokenizer_lock = threading.RLock()
         self.eos_ids = eos_ids(model, tokenizer)
         # the embedding's rows (the config's count: a tensor-parallel embedding holds a shard of them)
         self.vocab = getattr(model.config.get_text_config(), "vocab_size", None) or \
@@ -207,7 +275,8 @@ class Engine:
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
         self._prefilling: list[Sequence] = []
-        self._batches: dict[str, list[Sequence]] = {}  # policy -> its decode rows, as the executor's
+        self._batches: dict[str, DecodeRows] = {}  # policy -> its decode rows, as the executor's
+        self._timed: set[Sequence] = set()  # the admitted sequences with a deadline (_end_expired)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._draining = False
@@ -303,7 +372,7 @@ class Engine:
         for request in requests:
             self.check_request(request)
             self.check_fits(request)
-        seqs = [self._sequence(request, Handle(self, loop)) for request in requests]
+        seqs = [self._sequence(request, loop) for request in requests]
         with self._cond:
             if self._draining:
                 raise ServeError(ErrorKind.UNAVAILABLE, "the server is shutting down", code="shutting_down")
@@ -318,8 +387,10 @@ class Engine:
             self._cond.notify()
         return [seq.handle for seq in seqs]
 
-    def _sequence(self, request: GenerationRequest, handle: Handle) -> Sequence:
+    def _sequence(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None) -> Sequence:
         output = Output(request, self.detokenize, self.device)
+        # a plain request's text is decoded by its handle, out of the engine's step (outputs.py)
+        handle = Handle(self, loop, output.text if output.plain else None, self.tokenizer_lock)
         # a question-aware policy reads its prompt in one call (its cache still evicts chunk by chunk)
         call = len(request.prompt_ids) if self.reads_question(request) else self.chunk_for(request)
         seq = Sequence(request, handle, self.reservation(request), next(self.uids), max(1, call), output)
@@ -421,16 +492,16 @@ class Engine:
         self.stats.batch_size_max = max(self.stats.batch_size_max, decoded)
 
     def _scheduler_state(self, waiting=(), spent: int = 0) -> SchedulerState:
+        batches = list(self._batches.values())
+        decoding = batches[0].states() if len(batches) == 1 else tuple(s for rows in batches for s in rows.states())
         return SchedulerState(waiting=tuple(s.state() for s in waiting),
-                              prefilling=tuple(s.state() for s in self._prefilling),
-                              decoding=tuple(s.state() for rows in self._batches.values() for s in rows),
-                              spent=spent)
-
-    def _decoding(self, seq: Sequence) -> bool:
-        return any(s is seq for s in self._batches.get(seq.request.policy, ()))
+                              prefilling=tuple(s.state() for s in self._prefilling), decoding=decoding, spent=spent)
 
     def _active(self) -> list[Sequence]:
-        return self._prefilling + [s for rows in self._batches.values() for s in rows]
+        return self._prefilling + [s for rows in self._batches.values() for s in rows.seqs]
+
+    def _running(self) -> int:
+        return len(self._prefilling) + sum(len(rows) for rows in self._batches.values())
 
     def _drop_cancelled(self) -> None:
         with self._cond:
@@ -444,7 +515,7 @@ class Engine:
             self._prefilling.remove(seq)
             self._finish(seq, Event("cancelled"), "cancelled")
         for policy, rows in list(self._batches.items()):
-            for seq in rows:
+            for seq in rows.seqs:
                 if seq.handle.cancelled.is_set():
                     self._finish(seq, Event("cancelled"), "cancelled")
             self._compact(policy)
@@ -456,7 +527,8 @@ class Engine:
             expired = [s for s in self._waiting if s.deadline is not None and now > s.deadline]
             for seq in expired:
                 self._waiting.remove(seq)
-        expired += [s for s in self._active() if s.deadline is not None and now > s.deadline]
+        if self._timed:  # else no running sequence has a deadline: no pass over the rows
+            expired += [s for s in self._active() if s.deadline is not None and now > s.deadline]
         for seq in expired:
             if seq in self._prefilling:
                 self._prefilling.remove(seq)
@@ -472,11 +544,13 @@ class Engine:
             if not self._waiting:  # the usual step: no state to build, no question to ask
                 return
             # no more than the batch has room for can be admitted: the scheduler sees only those
-            room = max(0, self.max_batch - len(self._active()))
+            room = max(0, self.max_batch - self._running())
             count = self.scheduler.admit(self._scheduler_state(itertools.islice(self._waiting, room)))
             for _ in range(count):
                 seq = self._waiting.popleft()
                 self._prefilling.append(seq)
+                if seq.deadline is not None:
+                    self._timed.add(seq)
                 waited = time.monotonic() - seq.submitted
                 self.queue_times.append(waited)
                 self.observer.queued(waited)
@@ -531,7 +605,9 @@ class Engine:
         joining = [seq for seq in ended if not seq.done]
         if joining:  # together: one copy of the batch (executor.join_many)
             self.executor.join_many([seq.uid for seq in joining], max(seq.reservation.slots for seq in joining))
-            self._batches.setdefault(joining[0].request.policy, []).extend(joining)
+            rows = self._batches.setdefault(joining[0].request.policy, DecodeRows())
+            for seq in joining:
+                rows.add(seq)
 
     def _open(self, seq: Sequence) -> None:
         """Open ``seq`` in the executor as ``_look_up`` planned it; a history held whole and resumed
@@ -576,37 +652,88 @@ class Engine:
             self.executor.close(seq.uid)
 
     def _decode_step(self, policy: str) -> None:
-        rows = list(self._batches[policy])
-        try:
-            # each row feeds its last token at its position (tokens_fed, written out: a property per row costs)
-            fed = [(s.output.generated, len(s.request.prompt_ids)) for s in rows]
-            logits = self._forward(self.executor.decode, policy, [s.uid for s in rows],
-                                   [generated[-1] for generated, _ in fed],
-                                   [prompt + len(generated) - 1 for generated, prompt in fed])
+        rows = self._batches[policy]
+        try:  # each row feeds its last token at its position (DecodeRows keeps both, for the whole batch)
+            logits = self._forward(self.executor.decode, policy, rows.uids, rows.feed, rows.positions)
         except Exception as exc:
             log.exception("decode step failed")
-            for seq in rows:
+            for seq in rows.seqs:
                 self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
             self._compact(policy)
             return
-        self._advance_rows(rows, logits)
+        self._decoded(rows, logits)
         self._compact(policy)
 
     def _compact(self, policy: str) -> None:
-        rows = self._batches.get(policy, [])
-        keep = [s for s in rows if not s.done]
-        if len(keep) == len(rows):
+        rows = self._batches.get(policy)
+        if rows is None or not rows.dropped:
             return
-        self.executor.keep(policy, [s.uid for s in keep], max((s.reservation.slots for s in keep), default=0))
-        if keep:
-            self._batches[policy] = keep
+        rows = rows.running()
+        self.executor.keep(policy, rows.uids, max((s.reservation.slots for s in rows.seqs), default=0))
+        if rows:
+            self._batches[policy] = rows
         else:
             del self._batches[policy]
 
+    def _decoded(self, rows: DecodeRows, logits: torch.Tensor) -> None:
+        """A decode step's tokens (row ``i`` of ``logits`` ``[rows, vocab]`` is ``rows.seqs[i]``'s),
+        chosen for all rows at once (one copy to the host). A plain row whose token ends nothing
+        (most rows, most steps) only records it and hands it to its handle, whose side decodes
+        its text (``types.Handle``): list operations over the whole batch, and one wake-up of the
+        batch's event loop. The other rows (stop strings or logprobs: their text decides and is
+        decoded here; a token that ends its row: EOS, ``max_tokens``; a sampled NaN) go through
+        ``_advance`` one by one, as every row did."""
+        try:
+            tokens = choose(rows.outputs, logits) if rows.sampled else logits.argmax(-1).tolist()
+        except Exception as exc:  # the step's sampling as a whole, not one row's
+            log.exception("sampling failed")
+            for seq in rows.seqs:
+                self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
+            return
+        now = time.monotonic()  # when the rows' tokens arrive: all at once
+        fresh, count = rows.fresh, len(tokens)
+        gaps = [(now - first, 1) for first in fresh.values()]
+        if count > len(fresh):  # the rest got their last tokens together, at the batch's last step
+            gaps.append((now - rows.stamp, count - len(fresh)))
+        fresh.clear()
+        rows.stamp = now
+        self.observer.inter_token_runs(gaps)
+        left = rows.left = [k - 1 for k in rows.left]
+        rows.feed, rows.positions = tokens, [p + 1 for p in rows.positions]
+        look = rows.special
+        if 0 in left or not self.eos_ids.isdisjoint(tokens) or (rows.sampled and INVALID in tokens):
+            eos = self.eos_ids
+            look = sorted({*look, *(i for i, (t, k) in enumerate(zip(tokens, left, strict=True))
+                                    if k == 0 or t in eos or t == INVALID)})
+        if not look:  # the usual step: every row plain, going on
+            for generated, token in zip(rows.generated, tokens, strict=True):
+                generated.append(token)
+            self.stats.generated_tokens += count
+            items = list(zip(rows.handles, tokens, strict=True))
+            if rows.loop is not None:
+                Handle.send(rows.loop, items)
+            else:
+                Handle.push_all(items)
+            return
+        skip = set(look)
+        items = []
+        for i, (generated, handle, token) in enumerate(zip(rows.generated, rows.handles, tokens, strict=True)):
+            if i not in skip:
+                generated.append(token)
+                items.append((handle, token))
+        self.stats.generated_tokens += count - len(look)
+        seqs = rows.seqs
+        with self.tokenizer_lock:  # the rows' text that is decoded here (Output.emit)
+            for i in look:
+                seq = seqs[i]
+                # a row's logits only for its logprobs: a view per row per step costs more than its text
+                self._advance(seq, tokens[i], logits[i] if seq.request.top_logprobs is not None else None, items)
+        Handle.push_all(items)
+
     def _advance_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """The next token of each of ``seqs`` (row ``i`` of ``logits`` ``[rows, vocab]`` is
-        ``seqs[i]``'s), chosen for all rows at once (one copy to the host), then each row's events,
-        sent together (``Handle.push_all``); a row that fails fails alone."""
+        """The first token of each of ``seqs``, whose prompts ended in one prefill forward (row
+        ``i`` of ``logits`` ``[rows, vocab]`` is ``seqs[i]``'s), chosen for all rows at once, then
+        each row's item, sent together (``Handle.push_all``); a row that fails fails alone."""
         try:
             tokens = choose([seq.output for seq in seqs], logits)
         except Exception as exc:  # the step's sampling as a whole, not one row's
@@ -615,36 +742,33 @@ class Engine:
                 self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
             return
         now = time.monotonic()  # when the rows' tokens arrive: all at once
-        texts, gaps = [], []
-        with self.tokenizer_lock:  # the rows' text is decoded (Output.emit)
+        items = []
+        with self.tokenizer_lock:  # the rows' text that is decoded here (Output.emit)
             for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
-                try:
-                    # a row's logits only for its logprobs: a view per row per step costs more than its text
-                    event = self._advance(seq, token, logits[i] if seq.request.top_logprobs is not None else None)
-                except Exception as exc:
-                    log.exception("token step failed")
-                    self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}")
-                    continue
-                if seq.last_token_at is None:
+                if self._advance(seq, token, logits[i] if seq.request.top_logprobs is not None else None, items):
                     self.observer.first_token(now - seq.submitted)
-                else:
-                    gaps.append(now - seq.last_token_at)
-                seq.last_token_at = now
-                if event is not None:
-                    texts.append((seq.handle, event))
-        self.observer.inter_tokens(gaps)
-        Handle.push_all(texts)
+                    seq.last_token_at = now
+        Handle.push_all(items)
 
-    def _advance(self, seq: Sequence, token: int, logits: torch.Tensor | None) -> Event | None:
-        """Record ``token``, the next token of ``seq`` (chosen from its ``logits``); the text event
-        to send its client, if any (``outputs.py``; the last event ends the request here)."""
-        seq.output.record(token)
-        self.stats.generated_tokens += 1
-        event = seq.output.emit(token, self.eos_ids, logits)
-        if event is not None and event.final:
-            self._finish(seq, event, "completed")
-            return None
-        return event
+    def _advance(self, seq: Sequence, token: int, logits: torch.Tensor | None, items: list) -> bool:
+        """Record ``token``, the next token of ``seq`` (chosen from its ``logits``), and add what
+        its handle is to get to ``items`` (``outputs.py``; the final one ends the request here).
+        False: the row failed."""
+        try:
+            seq.output.record(token)
+            self.stats.generated_tokens += 1
+            item = seq.output.emit(token, self.eos_ids, logits)
+        except Exception as exc:
+            log.exception("token step failed")
+            self._fail(seq, f"generation failed: {type(exc).__name__}: {exc}", items=items)
+            return False
+        if item is None:
+            return True
+        if type(item) is not int and item.final:
+            self._finish(seq, item, "completed", items)
+        else:
+            items.append((seq.handle, item))
+        return True
 
     # -- the prefix store ------------------------------------------------------------------------------
     @staticmethod
@@ -753,22 +877,30 @@ class Engine:
         for gone in self.prefixes.add(Entry(entry, namespace, ids, size, truncatable=not seq.evicts)):
             self.executor.forget(gone)
 
-    def _fail(self, seq: Sequence, message: str, kind: ErrorKind = ErrorKind.INTERNAL) -> None:
-        self._finish(seq, Event("error", error=ServeError(kind, message)), "failed")
+    def _fail(self, seq: Sequence, message: str, kind: ErrorKind = ErrorKind.INTERNAL, items: list | None = None,
+              ) -> None:
+        self._finish(seq, Event("error", error=ServeError(kind, message)), "failed", items)
 
-    def _finish(self, seq: Sequence, event: Event, outcome: str) -> None:
+    def _finish(self, seq: Sequence, event: Event | TextEnd, outcome: str, items: list | None = None) -> None:
+        """End ``seq`` with its final ``event``: pushed now, or added to the step's ``items``."""
         if seq.done:
             return
         seq.done = True
+        self._timed.discard(seq)
         self._count_evicted(seq)  # its last steps, fed since the last publish (a finished row is not active)
         # a history held whole was saved at its end; the next turn resumes that, not this state
-        if outcome == "completed" and self.prefixes is not None and seq.generated and self._decoding(seq) \
+        if outcome == "completed" and self.prefixes is not None and seq.generated and seq.decoding \
                 and seq.held_until is None:
             self._store(seq, seq.request.prompt_ids + seq.generated[:-1])
-        if not self._decoding(seq):  # a decode row is dropped by _compact, with the rest of its batch
+        if seq.decoding:  # a decode row is dropped by _compact, with the rest of its batch
+            self._batches[seq.request.policy].dropped = True
+        else:
             self.executor.close(seq.uid)
         self.stats.finished[outcome] += 1
-        seq.handle.push(event)
+        if items is None:
+            seq.handle.push(event)
+        else:
+            items.append((seq.handle, event))
 
     def _count_evicted(self, seq) -> None:
         """Add what ``seq`` evicted since it was last counted: an evicting cache holds its budget (and
@@ -782,10 +914,10 @@ class Engine:
         seq.evicted_counted = evicted
 
     def _publish(self) -> None:
-        active = self._active()
+        running = self._running()
         kv = self.executor.kv_bytes()
         s = self.stats
-        s.running = len(active)
+        s.running = running
         with self._cond:
             s.waiting = len(self._waiting)
         s.kv_bytes = kv
@@ -797,9 +929,10 @@ class Engine:
         # PUBLISH_EVERY_S (each step, 64 rows cost a tenth of a decode step's forward; a finished row
         # is counted by _finish)
         now = time.monotonic()
-        if len(active) == self._published_rows and now < self._published_at + PUBLISH_EVERY_S:
+        if running == self._published_rows and now < self._published_at + PUBLISH_EVERY_S:
             return
-        self._published_rows, self._published_at = len(active), now
+        self._published_rows, self._published_at = running, now
+        active = self._active()
         for seq in active:
             self._count_evicted(seq)
         s.full_kv_bytes = sum(seq.tokens_fed for seq in active) * self.slot_bytes

@@ -3,10 +3,15 @@
 Per request, an ``Output`` holds the request's own seeded generator (``choose`` samples a step's
 rows together, each with its own: ``sampling.py``), records its tokens (and their logprobs when
 asked), and decides whether the generation ends (EOS, a stop string, ``max_tokens``) and which text
-is safe to send (``text.py``). It turns that into ``Event``s; the engine only routes them.
-``sampling.py`` and ``text.py`` stay modules of their own: each is one rule (how to pick a token;
-which decoded text may leave) with tests of its own, and this module is the per-token decision that
-uses both.
+is safe to send (``text.py``). It turns that into what the engine pushes to the request's
+``Handle``. A *plain* request (no stop strings, no logprobs) needs no text to decide anything: its
+output hands on its token ids and a ``TextEnd``, and its handle decodes them where the client takes
+them (``types.Handle``), out of the engine's step, as vLLM's output processor detokenizes outside
+its engine core. A request with stop strings is decoded in the step: whether it goes on depends on
+its text, and a row that fed a token past its stop would leave a cache (the prefix store's saved
+state) that no longer matches what it answered. ``sampling.py`` and ``text.py`` stay modules of
+their own: each is one rule (how to pick a token; which decoded text may leave) with tests of its
+own, and this module is the per-token decision that uses both.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 
 from h2okv.serve.sampling import GREEDY_BELOW, INVALID, make_generator, sample_batch
 from h2okv.serve.text import TextStream
-from h2okv.serve.types import Event, GenerationRequest, TokenLogprob
+from h2okv.serve.types import Event, GenerationRequest, TextEnd, TokenLogprob
 
 
 class Output:
@@ -28,6 +33,8 @@ class Output:
         self.generated: list[int] = []
         self.generator = make_generator(request.seed, device)
         self.text = TextStream(decode, request.stops)
+        # no stop strings, no logprobs: its text is decoded by its handle, not in the engine's step
+        self.plain = not request.stops and request.top_logprobs is None
         self.logprobs: list[TokenLogprob] = []  # not yet handed out
         self.cached_tokens = 0  # prompt tokens resumed from the prefix store, not read again
 
@@ -37,11 +44,20 @@ class Output:
             raise ValueError("the next-token probabilities contain nan (an inf or nan logit)")
         self.generated.append(token)
 
-    def emit(self, token: int, eos_ids: set[int], logits: torch.Tensor | None = None) -> Event | None:
-        """The event ``token`` (just chosen from ``logits``, this request's row, needed only when it
-        asks for logprobs, and recorded) gives: ``"done"`` when the generation ends here, ``"text"``
-        when text is safe to send, None while it is held back."""
+    def emit(self, token: int, eos_ids: set[int], logits: torch.Tensor | None = None) -> Event | TextEnd | int | None:
+        """What ``token`` (just chosen from ``logits``, this request's row, needed only when it asks
+        for logprobs, and recorded) gives its handle: the final event (an ``Event`` ``"done"``, a
+        ``TextEnd`` for a plain request) when the generation ends here; else, for a plain request,
+        the token itself, whose text its handle decodes; for another, a ``"text"`` event when text
+        is safe to send, None while it is held back. A plain request's token that ends nothing
+        gives the token: the engine's step hands those on without asking (``Engine._decoded``)."""
         req = self.request
+        if self.plain:
+            if token in eos_ids and not req.ignore_eos:
+                return self.finish("stop")
+            if len(self.generated) >= req.max_tokens:
+                return self.finish("length", (token,))
+            return token
         if req.top_logprobs is not None:
             self.logprobs.append(logprob_of(logits, token, req.top_logprobs))
         if token in eos_ids and not req.ignore_eos:
@@ -64,9 +80,14 @@ class Output:
         return Event("done", text, finish_reason=reason, usage=usage, token_ids=list(self.generated),
                      logprobs=self._take_logprobs())
 
-    def end(self, reason: str) -> Event:
+    def finish(self, reason: str, ids: tuple[int, ...] = ()) -> TextEnd:
+        """A plain request's final event: its text (``ids``', then what its stream held back) is
+        its handle's to add."""
+        return TextEnd(self.done("", reason), ids)
+
+    def end(self, reason: str) -> Event | TextEnd:
         """End now (e.g. ``"timeout"``) with what was generated so far."""
-        return self.done(self.text.flush(), reason)
+        return self.finish(reason) if self.plain else self.done(self.text.flush(), reason)
 
     def _take_logprobs(self) -> list[TokenLogprob] | None:
         if self.request.top_logprobs is None:

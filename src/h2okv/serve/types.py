@@ -64,6 +64,25 @@ class Event:
         return self.kind != "text"
 
 
+class TextEnd:
+    """A plain request's final ``event`` as the engine sends it (``Output.finish``): its text is
+    still to come, on the reading side (``Handle``): the text of ``ids`` (the last token, when the
+    generation ends on ``max_tokens``), then whatever the request's text stream held back."""
+
+    __slots__ = ("event", "ids")
+    final = True
+
+    def __init__(self, event: Event, ids: tuple[int, ...] = ()):
+        self.event, self.ids = event, ids
+
+
+class TextSource(Protocol):
+    """What a ``Handle`` turns a plain request's token ids into text with (``text.TextStream``)."""
+
+    def push(self, token_id: int) -> tuple[str, bool]: ...
+    def flush(self) -> str: ...
+
+
 class Waker(Protocol):
     def wake(self) -> None: ...
 
@@ -72,49 +91,75 @@ class Handle:
     """The client side of one request: a stream of ``Event``s, and ``cancel()``.
 
     With an asyncio ``loop`` the events arrive on an ``asyncio.Queue`` (``await handle.next()``),
-    else on a thread-safe queue (``handle.next_blocking()``). ``engine``: woken on ``cancel()``."""
+    else on a thread-safe queue (``handle.next_blocking()``). ``engine``: woken on ``cancel()``.
 
-    def __init__(self, engine: Waker, loop: asyncio.AbstractEventLoop | None = None):
+    The engine pushes ``Event``s, or, for a plain request (no stop strings, no logprobs: ``text``
+    given), its token ids and a ``TextEnd``: their text is decoded here, on the side that takes them
+    in (the event loop's thread, else the engine's at once), under ``text_lock``, in the order they
+    came. The events that reach the queue are the same either way: a text event for each token
+    whose text is settled, then the final one with the rest; what the engine saves is the decoding
+    and the stop-free text checks, out of its step (``push_all``)."""
+
+    def __init__(self, engine: Waker, loop: asyncio.AbstractEventLoop | None = None,
+                 text: TextSource | None = None, text_lock: threading.Lock | None = None):
         self._engine = engine
         self._loop = loop
         self._queue: asyncio.Queue | queue.Queue = asyncio.Queue() if loop is not None else queue.Queue()
+        self._text = text
+        self._text_lock = text_lock if text_lock is not None else threading.Lock()
         self.cancelled = threading.Event()
         self.finished = threading.Event()
 
-    def push(self, event: Event) -> None:
-        if event.final:
-            self.finished.set()
-        if self._loop is None:
-            self._queue.put(event)
-            return
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-        except RuntimeError:  # the client's event loop is gone (server shut down)
-            pass
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        return self._loop
+
+    def push(self, item: Event | TextEnd | int) -> None:
+        Handle.push_all([(self, item)])
 
     @staticmethod
-    def push_all(pushes: list[tuple[Handle, Event]]) -> None:
-        """``handle.push(event)`` for each pair, in order, with one wake-up per event loop: each
+    def push_all(pushes: list[tuple[Handle, Event | TextEnd | int]]) -> None:
+        """``handle.push(item)`` for each pair, in order, with one wake-up per event loop: each
         ``call_soon_threadsafe`` writes to the loop's self-pipe (a system call, and the loop's thread
         then wakes to take the GIL), which, once per row, cost a step of 64 rows more than its forward
-        (``tools/measure/engine_overhead.py``)."""
+        (``tools/measure/engine_overhead.py``). A handle without a loop takes its items at once."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for handle, event in pushes:
+        for handle, item in pushes:
+            if type(item) is not int and item.final:
+                handle.finished.set()
             loop = handle._loop
             if loop is None:
-                handle.push(event)
-                continue
-            if event.final:
-                handle.finished.set()
-            if loop in by_loop:
-                by_loop[loop].append((handle._queue, event))
+                handle._take(item)
+            elif loop in by_loop:
+                by_loop[loop].append((handle, item))
             else:
-                by_loop[loop] = [(handle._queue, event)]
+                by_loop[loop] = [(handle, item)]
         for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_each, items)
-            except RuntimeError:  # that client's event loop is gone (server shut down)
-                pass
+            Handle.send(loop, items)
+
+    @staticmethod
+    def send(loop: asyncio.AbstractEventLoop, items: list[tuple[Handle, int]]) -> None:
+        """Token ids of plain requests whose handles all take them on ``loop``, in one wake-up (the
+        engine's usual step: ``push_all`` without its pass over the items)."""
+        try:
+            loop.call_soon_threadsafe(_take_each, items)
+        except RuntimeError:  # that client's event loop is gone (server shut down)
+            pass
+
+    def _take(self, item: Event | TextEnd | int) -> None:
+        """Queue what ``item`` gives the client (nothing, for a token whose text is held back)."""
+        if type(item) is int:
+            with self._text_lock:
+                piece = self._text.push(item)[0]
+            if not piece:
+                return
+            item = Event("text", piece)
+        elif type(item) is TextEnd:
+            with self._text_lock:
+                text = "".join([self._text.push(token)[0] for token in item.ids]) + self._text.flush()
+            item.event.text = text + item.event.text
+            item = item.event
+        self._queue.put_nowait(item)
 
     async def next(self) -> Event:
         return await self._queue.get()
@@ -139,9 +184,9 @@ class Handle:
                 return "".join(parts), event
 
 
-def _put_each(items: list[tuple[asyncio.Queue, Event]]) -> None:
-    for queue_, event in items:
-        queue_.put_nowait(event)
+def _take_each(items: list[tuple[Handle, Event | TextEnd | int]]) -> None:
+    for handle, item in items:
+        handle._take(item)
 
 
 STEP_WINDOW = 10_000  # the latest steps whose times outside the forward the percentiles are over
@@ -211,7 +256,9 @@ class Observer:
     def first_token(self, seconds: float) -> None: ...
     def inter_token(self, seconds: float) -> None: ...
 
-    def inter_tokens(self, gaps: list[float]) -> None:
-        """A step's gaps, one per row that generated its second token or a later one."""
-        for seconds in gaps:
-            self.inter_token(seconds)
+    def inter_token_runs(self, runs: list[tuple[float, int]]) -> None:
+        """A step's gaps between two tokens of a request, as ``(seconds, rows)``: the rows of a
+        decode batch that stepped together share one gap."""
+        for seconds, rows in runs:
+            for _ in range(rows):
+                self.inter_token(seconds)

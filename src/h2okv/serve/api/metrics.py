@@ -97,10 +97,10 @@ class _EngineCollector:
 
 class StepHistogram:
     """A histogram the engine thread adds a whole step's observations to at once: one bisect and one
-    add per value, under one lock a step. ``prometheus_client.Histogram.observe`` takes its lock and
-    walks the buckets per value (~2 us): for the inter-token gaps of a 64-row batch, 0.1 ms a step
-    (``tools/measure/engine_overhead.py``). Exposed as Prometheus histograms are (``_bucket``,
-    ``_count``, ``_sum``)."""
+    add per distinct value (the rows of a decode batch share one gap), under one lock a step.
+    ``prometheus_client.Histogram.observe`` takes its lock and walks the buckets per value (~2 us):
+    for the inter-token gaps of a 64-row batch, 0.1 ms a step (``tools/measure/engine_overhead.py``).
+    Exposed as Prometheus histograms are (``_bucket``, ``_count``, ``_sum``)."""
 
     def __init__(self, name: str, doc: str, bounds: tuple[float, ...] = LATENCY_BUCKETS):
         self.name, self.doc, self.bounds = name, doc, tuple(bounds)
@@ -109,10 +109,15 @@ class StepHistogram:
         self._lock = threading.Lock()
 
     def observe_many(self, values: list[float]) -> None:
+        self.observe_runs([(value, 1) for value in values])
+
+    def observe_runs(self, runs: list[tuple[float, int]]) -> None:
+        """``(value, count)`` pairs: each value observed ``count`` times (a decode batch's rows share
+        one inter-token gap: one bisect for all of them)."""
         with self._lock:
-            for value in values:
-                self.counts[bisect.bisect_left(self.bounds, value)] += 1  # le: value <= bound
-            self.total += sum(values)
+            for value, count in runs:
+                self.counts[bisect.bisect_left(self.bounds, value)] += count  # le: value <= bound
+                self.total += value * count
 
     def collect(self):
         with self._lock:
@@ -145,8 +150,8 @@ class ServeMetrics(Observer):
     def inter_token(self, seconds: float) -> None:
         self.itl.observe_many([seconds])
 
-    def inter_tokens(self, gaps: list[float]) -> None:
-        self.itl.observe_many(gaps)
+    def inter_token_runs(self, runs: list[tuple[float, int]]) -> None:
+        self.itl.observe_runs(runs)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
