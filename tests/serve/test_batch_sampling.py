@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from h2okv.serve.sampling import GREEDY_BELOW, INVALID, make_generator, sample_batch
+from h2okv.serve.sampling import GREEDY_BELOW, INVALID, argmax_ids, make_generator, sample_batch
 
 SETTINGS = [(0.0, 1.0), (1e-6, 0.5), (0.5, 1.0), (1.0, 0.9), (2.0, 0.3), (1.0, 5e-324), (0.7, 1.0), (0.0, 0.9)]
 
@@ -111,3 +111,16 @@ def test_one_device_sync_a_step():
     one_copy = syncs(lambda: logits.argmax(-1).tolist())
     assert one_copy >= 1
     assert syncs(lambda: sample_batch(logits, [t for t, _ in SETTINGS], [p for _, p in SETTINGS], gens)) == one_copy
+
+
+def test_the_argmax_of_cpu_float32_logits_is_torchs():
+    """``argmax_ids`` (numpy's argmax for float32 logits on the CPU, torch's otherwise) picks what
+    ``logits.argmax(-1)`` picks: the first of tied maxima, the first NaN, a row of -inf's first."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 259, generator=g)
+    logits[1, [3, 200]] = 50.0  # a tie
+    logits[2, [7, 9]] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, 5] = float("inf")
+    for rows in (logits, logits.double(), logits.half(), torch.randn(8, 2, 259, generator=g)[:, -1]):
+        assert argmax_ids(rows) == rows.argmax(-1).tolist()

@@ -50,7 +50,7 @@ from h2okv.serve.executor import Executor
 from h2okv.serve.memory import Reservation, prefill_chunks, reservation
 from h2okv.serve.outputs import Output, choose, eos_ids
 from h2okv.serve.prefix import Entry, PrefixIndex, block_checkpoints
-from h2okv.serve.sampling import GREEDY_BELOW, INVALID
+from h2okv.serve.sampling import GREEDY_BELOW, INVALID, argmax_ids
 from h2okv.serve.scheduler import SCHEDULES, Scheduler, SchedulerState, SeqState
 from h2okv.serve.text import plain_decoder
 from h2okv.serve.types import EngineStats, Event, GenerationRequest, Handle, Observer, TextEnd
@@ -160,6 +160,7 @@ class DecodeRows:
         self.handles: list[Handle] = []
         self.outputs: list[Output] = []
         self.special: list[int] = []  # rows whose outputs are not plain: their text is decoded in the step
+        self.heeds_eos: list[bool] = []  # rows that EOS ends (not ignore_eos)
         self.sampled = False  # a row samples (else every row's choice is its argmax)
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop of every row's handle, if one
         self.stamp = 0.0  # when the batch's last step chose its rows' tokens
@@ -177,6 +178,7 @@ class DecodeRows:
         if not out.plain:
             self.special.append(len(self.seqs))
         self.sampled = self.sampled or req.temperature >= GREEDY_BELOW
+        self.heeds_eos.append(not req.ignore_eos)
         loop = seq.handle.loop
         self.loop = loop if not self.seqs or (self.loop is loop) else None
         seq.decoding = True
@@ -684,7 +686,7 @@ class Engine:
         decoded here; a token that ends its row: EOS, ``max_tokens``; a sampled NaN) go through
         ``_advance`` one by one, as every row did."""
         try:
-            tokens = choose(rows.outputs, logits) if rows.sampled else logits.argmax(-1).tolist()
+            tokens = choose(rows.outputs, logits) if rows.sampled else argmax_ids(logits)
         except Exception as exc:  # the step's sampling as a whole, not one row's
             log.exception("sampling failed")
             for seq in rows.seqs:
@@ -701,34 +703,40 @@ class Engine:
         left = rows.left = [k - 1 for k in rows.left]
         rows.feed, rows.positions = tokens, [p + 1 for p in rows.positions]
         look = rows.special
-        if 0 in left or not self.eos_ids.isdisjoint(tokens) or (rows.sampled and INVALID in tokens):
-            eos = self.eos_ids
-            look = sorted({*look, *(i for i, (t, k) in enumerate(zip(tokens, left, strict=True))
-                                    if k == 0 or t in eos or t == INVALID)})
+        eos = self.eos_ids
+        if 0 in left or (rows.sampled and INVALID in tokens) or (not eos.isdisjoint(tokens) and any(rows.heeds_eos)):
+            look = sorted({*look, *(i for i, (t, k, heeds) in enumerate(zip(tokens, left, rows.heeds_eos, strict=True))
+                                    if k == 0 or t == INVALID or (heeds and t in eos))})
         if not look:  # the usual step: every row plain, going on
             for generated, token in zip(rows.generated, tokens, strict=True):
                 generated.append(token)
             self.stats.generated_tokens += count
-            items = list(zip(rows.handles, tokens, strict=True))
-            if rows.loop is not None:
-                Handle.send(rows.loop, items)
-            else:
-                Handle.push_all(items)
+            self._send(rows, list(zip(rows.handles, tokens, strict=True)))
             return
         skip = set(look)
-        items = []
+        plain = []
         for i, (generated, handle, token) in enumerate(zip(rows.generated, rows.handles, tokens, strict=True)):
             if i not in skip:
                 generated.append(token)
-                items.append((handle, token))
+                plain.append((handle, token))
         self.stats.generated_tokens += count - len(look)
-        seqs = rows.seqs
+        seqs, items = rows.seqs, []
         with self.tokenizer_lock:  # the rows' text that is decoded here (Output.emit)
             for i in look:
                 seq = seqs[i]
                 # a row's logits only for its logprobs: a view per row per step costs more than its text
                 self._advance(seq, tokens[i], logits[i] if seq.request.top_logprobs is not None else None, items)
+        self._send(rows, plain)
         Handle.push_all(items)
+
+    @staticmethod
+    def _send(rows: DecodeRows, items: list[tuple[Handle, int]]) -> None:
+        """Plain rows' token ids to their handles: in one wake-up of the batch's event loop when its
+        rows share one (``Handle.send``: no pass over the items), else by ``Handle.push_all``."""
+        if rows.loop is not None:
+            Handle.send(rows.loop, items)
+        else:
+            Handle.push_all(items)
 
     def _advance_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """The first token of each of ``seqs``, whose prompts ended in one prefill forward (row

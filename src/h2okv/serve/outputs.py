@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from h2okv.serve.sampling import GREEDY_BELOW, INVALID, make_generator, sample_batch
+from h2okv.serve.sampling import GREEDY_BELOW, INVALID, argmax_ids, make_generator, sample_batch
 from h2okv.serve.text import TextStream
 from h2okv.serve.types import Event, GenerationRequest, TextEnd, TokenLogprob
 
@@ -101,7 +101,7 @@ def choose(outputs: list[Output], logits: torch.Tensor) -> list[int]:
     (sampled together: one copy to the host for the step)."""
     temperatures = [o.request.temperature for o in outputs]
     if max(temperatures) < GREEDY_BELOW:  # every row greedy: what sample_batch gives, without its per-row pass
-        return logits.argmax(-1).tolist()
+        return argmax_ids(logits)
     return sample_batch(logits, temperatures, [o.request.top_p for o in outputs], [o.generator for o in outputs])
 
 

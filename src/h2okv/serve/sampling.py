@@ -19,6 +19,15 @@ GREEDY_BELOW = 1e-5
 INVALID = -1  # the choice of a row whose distribution holds a NaN (an inf or NaN logit)
 
 
+def argmax_ids(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax of ``logits`` ``[rows, vocab]`` (the first, on a tie; a NaN wins, as in
+    torch), on the host. Float32 logits on the CPU go through numpy: torch's argmax costs ~37 us for
+    64 rows of the tests' 259-token vocabulary on one thread, numpy's ~6 us, once a decode step."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
 def make_generator(seed: int | None, device) -> torch.Generator:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed if seed is not None else secrets.randbits(63))
