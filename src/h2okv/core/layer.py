@@ -514,6 +514,13 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         if ranked is None:
             return None
         old, new = ranked
+        if self.config.prefill == "streamed" and self.capacity:
+            # the pieces streamed before were evicted (their slots are out of prompt order, which
+            # the policy's pool reads them in): pool them in prompt order, as each probe did, or a
+            # value of many tokens the probes kept whole loses the pieces with little mass of their own
+            policy = self.config.policy
+            old = pool_in_order(torch.where(self.valid, old, torch.zeros_like(old)), self.ordinal, self.valid,
+                                getattr(policy, "kernel", 1), getattr(policy, "pooling", "avg"))
         self.score.copy_(old)
         return new
 
