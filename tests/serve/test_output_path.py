@@ -88,29 +88,44 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(256) for _ in range(n)]
 
 
-def _run(model_tok, requests: list[GenerationRequest], loop: bool) -> list[list[Event]]:
+async def _read(handle: Handle) -> list[Event]:
+    events = []
+    while not events or not events[-1].final:
+        events.append(await handle.next())
+    return events
+
+
+def _run(model_tok, requests: list[GenerationRequest], loop: str | None) -> list[list[Event]]:
     """Every event of each request, submitted at once to one engine (one decode batch), read from an
-    event loop on a thread of its own (the server's way) or without one."""
+    event loop on a thread of its own as they come (``"thread"``, the server's way), from one that
+    runs once the engine is done (``"late"``: every step's items wait), or without one."""
     model, tok = model_tok
-    engine = Engine(model, tok, EngineOptions(prefill_chunk=16, max_batch=len(requests)))
+    # 32 prompt tokens a step: prompts end, and rows join the batch, step after step while others decode
+    engine = Engine(model, tok, EngineOptions(prefill_chunk=16, step_tokens=32, max_batch=len(requests)))
     engine.start()
     try:
-        if not loop:
+        if loop is None:
             handles = engine.submit_many(requests)
             return [_drain(lambda h=h: h.next_blocking(timeout=60)) for h in handles]
         event_loop = asyncio.new_event_loop()
+        errors = []  # a callback that raised (the engine's items are handed over in callbacks)
+        event_loop.set_exception_handler(lambda _, context: errors.append(context))
+        if loop == "late":
+            try:
+                handles = engine.submit_many(requests, event_loop)
+                assert all(h.finished.wait(60) for h in handles)
+                events = [event_loop.run_until_complete(_read(h)) for h in handles]
+                assert errors == []
+                return events
+            finally:
+                event_loop.close()
         thread = threading.Thread(target=event_loop.run_forever, daemon=True)
         thread.start()
         try:
             handles = engine.submit_many(requests, event_loop)
-
-            async def read(handle):
-                events = []
-                while not events or not events[-1].final:
-                    events.append(await handle.next())
-                return events
-
-            return [asyncio.run_coroutine_threadsafe(read(h), event_loop).result(60) for h in handles]
+            events = [asyncio.run_coroutine_threadsafe(_read(h), event_loop).result(60) for h in handles]
+            assert errors == []
+            return events
         finally:
             event_loop.call_soon_threadsafe(event_loop.stop)
             thread.join(10)
@@ -130,12 +145,12 @@ def _seen(events: list[Event]) -> list[tuple]:
     return [(e.kind, e.text, e.finish_reason, e.usage, e.token_ids) for e in events]
 
 
-@pytest.mark.parametrize("loop", [False, True])
+@pytest.mark.parametrize("loop", [None, "thread", "late"])
 def test_a_plain_requests_text_decoded_by_its_handle_is_the_text_decoded_in_the_step(model_tok, loop):
     """The same greedy requests, plain (their handles decode their ids) and with a stop string that
-    never matches (decoded in the engine's step, as every request was), all in one batch: the same
-    events, one by one: text pieces (multi-byte characters cut across tokens among them), EOS and
-    ``max_tokens`` ends, usage and token ids."""
+    never matches (decoded in the engine's step, as every request was): the same events, one by
+    one: text pieces (multi-byte characters cut across tokens among them), EOS and ``max_tokens``
+    ends, usage and token ids."""
     # (prompt length, seed, max_tokens, ignore_eos, budget): the greedy answers to (7, 2) and (12, 6)
     # end in EOS after 19 and 11 tokens
     shapes = [(30, 0, 40, True, 6), (7, 2, 40, False, None), (50, 1, 1, True, 6), (12, 6, 60, False, None),
@@ -143,8 +158,8 @@ def test_a_plain_requests_text_decoded_by_its_handle_is_the_text_decoded_in_the_
     plain = [GenerationRequest(_prompt(n, seed), steps, "full" if budget is None else "h2o", budget, budget,
                                temperature=0.0, ignore_eos=ignore) for n, seed, steps, ignore, budget in shapes]
     checked = [_with_stops(r, [NEVER]) for r in plain]
-    runs = _run(model_tok, plain + checked, loop)
-    mine, theirs = runs[:len(plain)], runs[len(plain):]
+    # plain rows alone: their steps take the engine's usual path (every row plain, one send a step)
+    mine, theirs = _run(model_tok, plain, loop), _run(model_tok, checked, None)
     assert [_seen(e) for e in mine] == [_seen(e) for e in theirs]
     reasons = {events[-1].finish_reason for events in mine}
     assert reasons == {"stop", "length"}  # an EOS came (ignore_eos off) and max_tokens ended others
@@ -162,7 +177,7 @@ def test_a_stop_string_stops_its_row_exactly_beside_plain_rows(model_tok):
     its tokens end at the one that completed the stop; the plain rows answer as alone."""
     base = [GenerationRequest(_prompt(20 + 5 * i, 100 + i), 48, "h2o", 8, 8, temperature=0.0, ignore_eos=True)
             for i in range(4)]
-    alone = _run(model_tok, base, loop=False)
+    alone = _run(model_tok, base, loop=None)
     texts = ["".join(e.text for e in events) for events in alone]
     model, tok = model_tok
     stops = []
@@ -171,7 +186,7 @@ def test_a_stop_string_stops_its_row_exactly_beside_plain_rows(model_tok):
                     and "\ufffd" not in text[i:i + 3])
         stops.append(stop)
     mixed = base[:2] + [_with_stops(r, [stop]) for r, stop in zip(base[2:], stops[2:], strict=True)]
-    runs = _run(model_tok, mixed, loop=True)
+    runs = _run(model_tok, mixed, loop="thread")
     for i in (0, 1):
         assert _seen(runs[i]) == _seen(alone[i])
     for i in (2, 3):

@@ -157,7 +157,7 @@ class DecodeRows:
         self.positions: list[int] = []  # ... at this position
         self.left: list[int] = []  # the tokens each row may still generate (max_tokens)
         self.generated: list[list[int]] = []  # each row's Output.generated (the same lists)
-        self.handles: list[Handle] = []
+        self.handles: tuple[Handle, ...] = ()  # a tuple: a step's ids go to them as they are (Handle.send)
         self.outputs: list[Output] = []
         self.special: list[int] = []  # rows whose outputs are not plain: their text is decoded in the step
         self.heeds_eos: list[bool] = []  # rows that EOS ends (not ignore_eos)
@@ -184,23 +184,33 @@ class DecodeRows:
         seq.decoding = True
         self.seqs.append(seq)
         self.uids.append(seq.uid)
-        self.feed.append(out.generated[-1])
+        # a new list: the last step's, sent to the handles as it is, must not grow (Handle.send)
+        self.feed = [*self.feed, out.generated[-1]]
         self.positions.append(len(req.prompt_ids) + len(out.generated) - 1)
         self.left.append(req.max_tokens - len(out.generated))
         self.generated.append(out.generated)
-        self.handles.append(seq.handle)
+        self.handles = (*self.handles, seq.handle)
         self.outputs.append(out)
         if fresh:
             self.fresh[seq.uid] = seq.last_token_at
         self._states = None
 
     def running(self) -> DecodeRows:
-        """The rows that have not finished, in order (``dropped`` rows gone)."""
+        """The rows that have not finished, in order (``dropped`` rows gone): each list cut at once."""
+        keep = [i for i, seq in enumerate(self.seqs) if not seq.done]
         rows = DecodeRows()
-        for seq in self.seqs:
-            if not seq.done:
-                rows.add(seq, fresh=seq.uid in self.fresh)
+        for name in ("seqs", "uids", "feed", "positions", "left", "generated", "outputs", "heeds_eos"):
+            column = getattr(self, name)
+            setattr(rows, name, [column[i] for i in keep])
+        rows.handles = tuple(self.handles[i] for i in keep)
+        special = set(self.special)
+        rows.special = [j for j, i in enumerate(keep) if i in special]
+        rows.sampled = self.sampled and any(seq.request.temperature >= GREEDY_BELOW for seq in rows.seqs)
+        loops = {handle.loop for handle in rows.handles}
+        rows.loop = loops.pop() if len(loops) == 1 else None
         rows.stamp = self.stamp
+        uids = set(rows.uids)
+        rows.fresh = {uid: first for uid, first in self.fresh.items() if uid in uids}
         return rows
 
     def states(self) -> tuple[SeqState, ...]:
@@ -711,14 +721,15 @@ class Engine:
             for generated, token in zip(rows.generated, tokens, strict=True):
                 generated.append(token)
             self.stats.generated_tokens += count
-            self._send(rows, list(zip(rows.handles, tokens, strict=True)))
+            self._send(rows, rows.handles, tokens)
             return
         skip = set(look)
-        plain = []
+        handles, ids = [], []
         for i, (generated, handle, token) in enumerate(zip(rows.generated, rows.handles, tokens, strict=True)):
             if i not in skip:
                 generated.append(token)
-                plain.append((handle, token))
+                handles.append(handle)
+                ids.append(token)
         self.stats.generated_tokens += count - len(look)
         seqs, items = rows.seqs, []
         with self.tokenizer_lock:  # the rows' text that is decoded here (Output.emit)
@@ -726,17 +737,19 @@ class Engine:
                 seq = seqs[i]
                 # a row's logits only for its logprobs: a view per row per step costs more than its text
                 self._advance(seq, tokens[i], logits[i] if seq.request.top_logprobs is not None else None, items)
-        self._send(rows, plain)
+        self._send(rows, tuple(handles), ids)
         Handle.push_all(items)
 
     @staticmethod
-    def _send(rows: DecodeRows, items: list[tuple[Handle, int]]) -> None:
+    def _send(rows: DecodeRows, handles: tuple[Handle, ...], ids: list[int]) -> None:
         """Plain rows' token ids to their handles: in one wake-up of the batch's event loop when its
-        rows share one (``Handle.send``: no pass over the items), else by ``Handle.push_all``."""
+        rows share one (``Handle.send``: no pass over the rows, no object per row: in a run whose
+        client reads late they pile up, and tuples per row made the garbage collector run every
+        few steps), else by ``Handle.push_all``."""
         if rows.loop is not None:
-            Handle.send(rows.loop, items)
+            Handle.send(rows.loop, handles, ids)
         else:
-            Handle.push_all(items)
+            Handle.push_all(list(zip(handles, ids, strict=True)))
 
     def _advance_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """The first token of each of ``seqs``, whose prompts ended in one prefill forward (row

@@ -135,14 +135,18 @@ class Handle:
             else:
                 by_loop[loop] = [(handle, item)]
         for loop, items in by_loop.items():
-            Handle.send(loop, items)
+            try:
+                loop.call_soon_threadsafe(_take_each, items)
+            except RuntimeError:  # that client's event loop is gone (server shut down)
+                pass
 
     @staticmethod
-    def send(loop: asyncio.AbstractEventLoop, items: list[tuple[Handle, int]]) -> None:
-        """Token ids of plain requests whose handles all take them on ``loop``, in one wake-up (the
-        engine's usual step: ``push_all`` without its pass over the items)."""
+    def send(loop: asyncio.AbstractEventLoop, handles: tuple[Handle, ...], ids: list[int]) -> None:
+        """``ids[i]``, a plain request's token, to ``handles[i]``, every one of which takes its items
+        on ``loop``: one wake-up, and no pass over the rows nor an object per row (the engine's
+        usual step; neither sequence may change afterwards)."""
         try:
-            loop.call_soon_threadsafe(_take_each, items)
+            loop.call_soon_threadsafe(_take_ids, handles, ids)
         except RuntimeError:  # that client's event loop is gone (server shut down)
             pass
 
@@ -187,6 +191,11 @@ class Handle:
 def _take_each(items: list[tuple[Handle, Event | TextEnd | int]]) -> None:
     for handle, item in items:
         handle._take(item)
+
+
+def _take_ids(handles: tuple[Handle, ...], ids: list[int]) -> None:
+    for handle, token in zip(handles, ids, strict=True):
+        handle._take(token)
 
 
 STEP_WINDOW = 10_000  # the latest steps whose times outside the forward the percentiles are over
