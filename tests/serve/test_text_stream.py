@@ -63,6 +63,17 @@ def test_the_pieces_are_the_whole_decode_cut_at_the_first_stop(ids, stops):
     assert ("".join(pieces), stopped) == (text, stops_here)
 
 
+@settings(max_examples=300, deadline=None)
+@given(ids=id_lists)
+def test_push_plain_sends_what_push_sends_without_stops(ids):
+    """A plain request's handle pushes with ``push_plain``: the pieces ``push`` gives a stream
+    without stop strings, one by one, and the same flush."""
+    plain, general = TextStream(decode, []), TextStream(decode, [])
+    for token in ids:
+        assert plain.push_plain(token) == general.push(token)[0]
+    assert plain.flush() == general.flush()
+
+
 def test_text_that_could_start_a_stop_waits():
     ids = encode("ab 中文")
     pieces, stopped = stream(ids, ["b é", "文😀"])

@@ -77,9 +77,10 @@ class TextEnd:
 
 
 class TextSource(Protocol):
-    """What a ``Handle`` turns a plain request's token ids into text with (``text.TextStream``)."""
+    """What a ``Handle`` turns a plain request's token ids into text with (``text.TextStream``
+    without stop strings)."""
 
-    def push(self, token_id: int) -> tuple[str, bool]: ...
+    def push_plain(self, token_id: int) -> str: ...
     def flush(self) -> str: ...
 
 
@@ -143,8 +144,9 @@ class Handle:
     @staticmethod
     def send(loop: asyncio.AbstractEventLoop, handles: tuple[Handle, ...], ids: list[int]) -> None:
         """``ids[i]``, a plain request's token, to ``handles[i]``, every one of which takes its items
-        on ``loop``: one wake-up, and no pass over the rows nor an object per row (the engine's
-        usual step; neither sequence may change afterwards)."""
+        on ``loop`` and decodes under one ``text_lock`` (one engine's): one wake-up, and no pass
+        over the rows nor an object per row (the engine's usual step; neither sequence may change
+        afterwards)."""
         try:
             loop.call_soon_threadsafe(_take_ids, handles, ids)
         except RuntimeError:  # that client's event loop is gone (server shut down)
@@ -154,13 +156,13 @@ class Handle:
         """Queue what ``item`` gives the client (nothing, for a token whose text is held back)."""
         if type(item) is int:
             with self._text_lock:
-                piece = self._text.push(item)[0]
+                piece = self._text.push_plain(item)
             if not piece:
                 return
             item = Event("text", piece)
         elif type(item) is TextEnd:
             with self._text_lock:
-                text = "".join([self._text.push(token)[0] for token in item.ids]) + self._text.flush()
+                text = "".join([self._text.push_plain(token) for token in item.ids]) + self._text.flush()
             item.event.text = text + item.event.text
             item = item.event
         self._queue.put_nowait(item)
@@ -194,8 +196,15 @@ def _take_each(items: list[tuple[Handle, Event | TextEnd | int]]) -> None:
 
 
 def _take_ids(handles: tuple[Handle, ...], ids: list[int]) -> None:
-    for handle, token in zip(handles, ids, strict=True):
-        handle._take(token)
+    """``Handle._take`` of each id, written out (a step's worth of rows, on the client's thread):
+    the handles of one ``send`` share their lock, taken once."""
+    if not handles:
+        return
+    with handles[0]._text_lock:
+        for handle, token in zip(handles, ids, strict=True):
+            piece = handle._text.push_plain(token)
+            if piece:
+                handle._queue.put_nowait(Event("text", piece))
 
 
 STEP_WINDOW = 10_000  # the latest steps whose times outside the forward the percentiles are over
