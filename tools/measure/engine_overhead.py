@@ -8,12 +8,15 @@ its ``ServeMetrics`` observer, every request's events sent to an asyncio event l
 forward of 64 rows takes ~2 ms on one CPU thread, so whatever the engine itself costs a step shows.
 
 The engine times each step and the executor's forward calls inside it (``EngineStats.steps``); the
-rest is its own work: scheduling, sampling, detokenizing, stop checks, routing events, and the
-executor's calls that move rows between caches (``join``, ``keep``: timed here, reported beside).
-Printed and written (``--json``) per run: the share of step time outside the forward and the time
-outside it per step (mean, p50, p99, ms). ``--reader after`` (the default) reads the events once
-the run is over, so the engine runs alone; ``during`` reads them on the loop's thread as they come,
-as the server does, whose work then takes the GIL between the engine's steps.
+rest is its own work: scheduling, sampling, stop checks, routing events, detokenizing what decides
+a step (stop strings), and the executor's calls that move rows between caches (``join``,
+``join_many``, ``keep``: timed here, reported beside). A plain request's text (these requests: no
+stop strings) is decoded by its handle, on the thread that takes its events in. Printed and written
+(``--json``) per run: the share of step time outside the forward and the time outside it per step
+(mean, p50, p99, ms). ``--reader after`` (the default) reads the events once the run is over, so
+the engine runs alone; the time that reading takes (decoding included) is reported beside
+(``read_after_s``). ``during`` reads them on the loop's thread as they come, as the server does,
+whose work (decoding included) then shares the GIL, and on one core the CPU, with the engine's.
 
 ``--before REF`` measures ``src/h2okv/serve`` as of the git commit ``REF`` too (the rest of the
 tree as it is now), in turns with the current code, each run in a process of its own, so that
@@ -85,8 +88,9 @@ def measure(args) -> dict:
                 cache_s[0] += time.perf_counter() - start
         return run
 
-    for name in ("join", "keep"):  # executor calls outside the forward that copy cache rows, not the engine's Python
-        setattr(engine.executor, name, timed(getattr(engine.executor, name)))
+    for name in ("join", "join_many", "keep"):  # executor calls outside the forward that copy cache rows
+        if hasattr(engine.executor, name):  # (an older serve/ has no join_many)
+            setattr(engine.executor, name, timed(getattr(engine.executor, name)))
     engine.start()
     try:
         start = time.perf_counter()
@@ -97,8 +101,11 @@ def measure(args) -> dict:
             for handle in handles:
                 handle.finished.wait()
         wall = time.perf_counter() - start
+        read_after = None
         if args.reader == "after":
+            start = time.perf_counter()
             events = loop.run_until_complete(read_all(handles))
+            read_after = round(time.perf_counter() - start, 3)
     finally:
         engine.stop()
         if args.reader == "during":
@@ -106,7 +113,7 @@ def measure(args) -> dict:
     steps = engine.stats.steps.summary()
     return {"wall_s": round(wall, 3), "tokens": engine.stats.generated_tokens, "text_events": sum(events),
             "tokens_per_s": round(engine.stats.generated_tokens / wall, 1), **steps,
-            "join_keep_s": round(cache_s[0], 4)}
+            "join_keep_s": round(cache_s[0], 4), "read_after_s": read_after}
 
 
 def source_at(ref: str, into: Path) -> Path:
@@ -133,7 +140,8 @@ def line(label: str, r: dict) -> str:
             f"mean {r['outside_ms_mean']:.3f} ms, p50 {r['outside_ms_p50']:.3f} ms, p99 {r['outside_ms_p99']:.3f} ms; "
             f"forward {r['forward_s']:.2f} s of {r['step_s']:.2f} s over {r['steps']} steps (executor join/keep "
             f"{r['join_keep_s']:.2f} s of the rest); "
-            f"{r['tokens_per_s']:.0f} tokens/s")
+            f"{r['tokens_per_s']:.0f} tokens/s"
+            + ("" if r.get("read_after_s") is None else f"; events read after the run in {r['read_after_s']:.2f} s"))
 
 
 MEASURED = ("requests", "max_tokens", "prompt_tokens", "policy", "heavy", "recent", "threads", "reader")
