@@ -17,7 +17,7 @@ from h2okv.tools.tiny import tiny_model
 EXPECTED = {
     "prompt": {"policy": "kvzip:question=32", "prefill": "late", "head_budgets": "layers", "head_floor": 0.0,
                "recent_share": 0.01},
-    "bounded": {"policy": "snapkv:kernel=31,pool=max", "prefill": "chunked", "recent_share": 0.078},
+    "bounded": {"policy": "snapkv:kernel=31,pool=max", "prefill": "streamed", "recent_share": 0.078},
     "document": {"policy": "kvzip", "prefill": "late", "head_budgets": "layers", "head_floor": 0.0,
                  "recent_share": 0.01},
     "generation": {"policy": "rkv", "prefill": "chunked", "recent_share": 0.5},
@@ -190,7 +190,7 @@ def test_summary_is_one_line_with_the_recipe_and_the_bytes(llama):
 
 def test_recipe_runs_name_the_policy_and_its_settings():
     runs = recipe_runs(["bounded", "document"])
-    assert runs[0] == ("snapkv:kernel=31,pool=max", {"prefill": "chunked", "recent_share": 0.078}, "bounded")
+    assert runs[0] == ("snapkv:kernel=31,pool=max", {"prefill": "streamed", "recent_share": 0.078}, "bounded")
     assert runs[1][0] == "kvzip" and runs[1][1]["head_budgets"] == "layers" and runs[1][2] == "document"
     assert set(RECIPE_NAMES) == set(RECIPES) == set(EXPECTED)
 

@@ -154,9 +154,8 @@ class CacheSettings:
         if not isinstance(getattr(policy, "window", None), int) or not policy.ranks_upfront:
             raise H2OError(f"prefill=streamed ranks each piece by the prompt's last tokens, which needs a policy with "
                            f"an observation window (snapkv), not {policy.spec!r}")
-        if self.head_budgets != "uniform" or self.positions != "true" or self.protect_prompt or self.chunk_size < 2:
-            raise H2OError("prefill=streamed takes uniform head budgets, true positions, no protect_prompt and "
-                           "chunk_size >= 2")
+        if self.head_budgets != "uniform" or self.positions != "true" or self.protect_prompt:
+            raise H2OError("prefill=streamed takes uniform head budgets, true positions and no protect_prompt")
 
     def _check_head_split(self, policy) -> None:
         mode, floor = self.head_budgets, self.head_floor

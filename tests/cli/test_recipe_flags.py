@@ -81,7 +81,7 @@ def test_retrieval_runs_a_recipe_beside_full(capsys, tmp_path, tiny_dir):
     cells = json.loads(rows.read_text())
     assert [c["policy"] for c in cells] == ["full", "snapkv:kernel=31,pool=max"]  # full by default
     recipe = cells[1]
-    assert (recipe["recipe"], recipe["recent_share"], recipe["prefill"], recipe["budget"]) == ("bounded", 0.078, "chunked", 0.5)
+    assert (recipe["recipe"], recipe["recent_share"], recipe["prefill"], recipe["budget"]) == ("bounded", 0.078, "streamed", 0.5)
     assert "recipe bounded" in out
 
 
@@ -116,7 +116,7 @@ def test_longctx_recipes_and_options_reach_only_their_runs():
     assert configs[0] == Config("full", 1.0, {})  # full keeps everything: no option reaches it
     assert configs[1] == Config("kvzip", 0.2, {"prefill": "late", "head_budgets": "layers"})
     # the grid's --cache-option does not reach the recipe's run: it keeps its own configuration
-    assert configs[2] == Config("snapkv:kernel=31,pool=max", 0.2, {"prefill": "chunked", "recent_share": 0.078}, "bounded")
+    assert configs[2] == Config("snapkv:kernel=31,pool=max", 0.2, {"prefill": "streamed", "recent_share": 0.078}, "bounded")
 
 
 def test_lm_eval_model_takes_a_recipe(tiny_dir):

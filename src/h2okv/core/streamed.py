@@ -64,7 +64,7 @@ def read_streamed(model, cache, ids: torch.Tensor) -> int:
     returns how many tokens were read (0: the prompt fits one piece, nothing was read). The caller
     then reads ``ids[:, returned:]`` (``model.generate`` given all of ``ids`` feeds only those).
     The budget is fixed by the whole prompt first, so a fraction is of the prompt, not of a piece."""
-    if cache.prefill != "streamed":
+    if cache.prefill != "streamed" or cache.chunk_size < 2:  # chunk_size=1: read as if decoded, no pieces
         return 0
     ids = torch.as_tensor(ids)
     if ids.dim() != 2:

@@ -49,7 +49,7 @@ class EvictionDefaults:
                                        budget_floor=budget_floor, **budget)
         # the recipe's head split goes with the recipe's own policy (CacheSettings.build keeps it so)
         split = settings.head_budgets != "uniform"
-        return cls(policy=settings.policy_spec, prefill=settings.prefill, recipe=recipe,
+        return cls(policy=settings.policy_spec, prefill=_reading(None, settings.prefill), recipe=recipe,
                    budget=settings.budget, recent_share=settings.recent_share, budget_floor=settings.budget_floor,
                    head_budgets=settings.head_budgets, head_floor=settings.head_floor if split else None,
                    **{name: getattr(settings, name) for name in PART_FIELDS})
@@ -119,7 +119,8 @@ class EvictionDefaults:
 def _reading(policy: str | None, prefill: str | None) -> str | None:
     """The prefill mode a server's policy runs with: a policy ranked by reconstruction (``kvzip``)
     reads every prompt in one call, whatever ``--prefill`` says for the others (the executor opens
-    such a sequence late)."""
+    such a sequence late). A streamed prefill (``bounded``) is read chunked: the engine schedules a
+    prompt's chunks across its steps itself, and a request may run another policy."""
     if policy is not None and make_policy(policy).ranks_by_reconstruction:
         return "late"
-    return prefill
+    return "chunked" if prefill == "streamed" else prefill
