@@ -151,7 +151,7 @@ class CacheSettings:
     def _check_streamed(self, policy) -> None:
         """A streamed prefill ranks each piece by the prompt's last ``window`` tokens
         (``core/streamed.py``): a window policy, one split per layer, true positions."""
-        if not isinstance(getattr(policy, "window", None), int) or not policy.ranks_upfront:
+        if not policy.streams:
             raise H2OError(f"prefill=streamed ranks each piece by the prompt's last tokens, which needs a policy with "
                            f"an observation window (snapkv), not {policy.spec!r}")
         if self.head_budgets != "uniform" or self.positions != "true" or self.protect_prompt:

@@ -8,9 +8,10 @@ from transformers import DynamicCache
 
 from h2okv import CacheSettings, H2OCache
 from h2okv.core.compat import cache_arg
-from h2okv.core.streamed import pool_in_order, read_streamed, streamed_tokens
+from h2okv.core.streamed import read_streamed, streamed_tokens
 from h2okv.errors import H2OError
 from h2okv.generation import generate
+from h2okv.policies.pooling import pool_in_order
 from h2okv.tools.tiny import random_ids, tiny_model
 
 POLICY = "snapkv:kernel=5,pool=max"  # window 32

@@ -24,7 +24,6 @@ from h2okv.core.reconstruction import check_probe_call, probe_attention
 from h2okv.core.scan import can_scan, token_scan
 from h2okv.core.step import chunk_step, evict, policy_key, protected
 from h2okv.core.storage import SlotStorage
-from h2okv.core.streamed import pool_in_order
 from h2okv.errors import H2OError
 from h2okv.policies import Policy
 
@@ -409,10 +408,8 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         self.tokens_seen -= key_new.shape[2]  # read, never kept: positions go on from the piece
         block = self.config.chunk_size if self.config.chunk_size > 1 else LATE_BLOCK
         out, mass = probe_attention(self, query, key_new, value_new, scaling, block, reduce="sum")
-        policy = self.config.policy
         mass = torch.where(self.valid, mass, torch.zeros_like(mass))
-        self.score.copy_(pool_in_order(mass, self.ordinal, self.valid, getattr(policy, "kernel", 1),
-                                       getattr(policy, "pooling", "avg")))
+        self.score.copy_(self.config.policy.smooth_held(mass, self.ordinal, self.valid))
         evict(self, self.capacity)  # any m > 1: every row down to its budget at once
         self.changed()
         return out.transpose(1, 2).contiguous()
@@ -518,9 +515,8 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
             # the pieces streamed before were evicted (their slots are out of prompt order, which
             # the policy's pool reads them in): pool them in prompt order, as each probe did, or a
             # value of many tokens the probes kept whole loses the pieces with little mass of their own
-            policy = self.config.policy
-            old = pool_in_order(torch.where(self.valid, old, torch.zeros_like(old)), self.ordinal, self.valid,
-                                getattr(policy, "kernel", 1), getattr(policy, "pooling", "avg"))
+            old = self.config.policy.smooth_held(torch.where(self.valid, old, torch.zeros_like(old)), self.ordinal,
+                                                 self.valid)
         self.score.copy_(old)
         return new
 

@@ -32,7 +32,6 @@ or embeddings instead of ids are read in one call, chunked, as ``prefill="chunke
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from h2okv.core.compat import cache_arg, passed_cache, without_grad
 from h2okv.errors import H2OError
@@ -43,7 +42,7 @@ _HOOKED = "_h2okv_streamed_hook"
 def probe_window(policy) -> int:
     """How many of a prompt's last tokens probe each piece: the policy's observation window."""
     window = getattr(policy, "window", None)
-    if not isinstance(window, int) or window < 1:
+    if not policy.streams or not isinstance(window, int) or window < 1:
         raise H2OError(f"prefill=streamed ranks each piece by the prompt's last tokens, which needs a policy "
                        f"with an observation window (snapkv), not {policy.spec!r}")
     return window
@@ -92,30 +91,6 @@ def read_streamed(model, cache, ids: torch.Tensor) -> int:
                 for layer in cache.layers:
                     layer.set_stream(None)
     return upto
-
-
-def pool_in_order(scores: torch.Tensor, ordinal: torch.Tensor, valid: torch.Tensor, kernel: int,
-                  mode: str) -> torch.Tensor:
-    """``scores`` ``[B, H, cap]`` of live slots, each pooled (``"max"`` or ``"avg"``) with the
-    ``kernel`` live slots around it in prompt order (``ordinal``): a span of many tokens (a UUID)
-    ranks as one, as the policy's pool does over a call read whole. Free slots stay 0 and are
-    nobody's neighbour (they sort last)."""
-    if kernel <= 1:
-        return scores
-    order = torch.argsort(torch.where(valid, ordinal, torch.iinfo(ordinal.dtype).max), dim=-1, stable=True)
-    ranked = scores.gather(-1, order)
-    b, h, n = ranked.shape
-    flat = ranked.reshape(b * h, 1, n)
-    if mode == "max":
-        pooled = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
-    else:
-        # the mean over live neighbours only: a free slot's 0 must not lower a row's last tokens
-        live = valid.gather(-1, order).reshape(b * h, 1, n).to(scores.dtype)
-        total = F.avg_pool1d(flat * live, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
-        count = F.avg_pool1d(live, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
-        pooled = total / count.clamp(min=1e-9)
-    smoothed = torch.empty_like(scores).scatter_(-1, order, pooled.view(b, h, n))
-    return torch.where(valid, smoothed, torch.zeros_like(smoothed))
 
 
 def install_hook(model) -> None:

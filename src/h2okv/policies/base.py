@@ -208,6 +208,9 @@ class Policy:
     tail = 0
     #: ``prefill_scores`` ranks a whole multi-token call before it is chunked (``snapkv``, ``expected``)
     ranks_upfront: ClassVar[bool] = False
+    #: ranks a prompt's piece by the mass a probe's queries pay it (``smooth_held`` pools it):
+    #: ``prefill="streamed"`` (``core/streamed.py``) takes such a policy
+    streams: ClassVar[bool] = False
     #: ``key_scores`` gives a written token a starting score from its key (``knorm``)
     scores_keys: ClassVar[bool] = False
     #: ``eviction_key`` also reads the layer's keys and which slots are live (``rkv``: how alike a

@@ -49,10 +49,10 @@ after the prompt without one is a one-line error, never a silent full cache.
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from h2okv.policies.base import heads_option, option
 from h2okv.policies.h2o import HeavyHitters
+from h2okv.policies.pooling import pool_in_order
 from h2okv.policies.reconstruction import ReconstructionPolicy
 from h2okv.policies.window import window_probs
 
@@ -86,12 +86,4 @@ class KVzipPolicy(ReconstructionPolicy, HeavyHitters):
     def smooth_probe(self, scores: torch.Tensor, ordinal: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """``scores`` ``[B, H, cap]`` (each live slot's reconstruction score), each the largest of the
         ``kernel`` live tokens around it in prompt order (``ordinal``); free slots stay 0."""
-        if self.kernel == 1:
-            return scores
-        # prompt order: live slots by ordinal, free ones last (their 0 never raises a neighbour)
-        order = torch.argsort(torch.where(valid, ordinal, torch.iinfo(ordinal.dtype).max), dim=-1, stable=True)
-        ranked = scores.gather(-1, order)
-        b, h, n = ranked.shape
-        pooled = F.max_pool1d(ranked.reshape(b * h, 1, n), self.kernel, stride=1, padding=self.kernel // 2)
-        smoothed = torch.empty_like(scores).scatter_(-1, order, pooled.view(b, h, n))
-        return torch.where(valid, smoothed, torch.zeros_like(smoothed))
+        return pool_in_order(scores, ordinal, valid, self.kernel, "max")

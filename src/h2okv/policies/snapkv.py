@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from h2okv.policies.base import heads_option, option
 from h2okv.policies.h2o import HeavyHitters, decay_option
+from h2okv.policies.pooling import pool_in_order
 from h2okv.policies.window import window_probs
 
 TIE_BREAK = 1e-3  # of a token's own score, added to its block's mean (``chunk``)
@@ -40,6 +41,7 @@ TIE_BREAK = 1e-3  # of a token's own score, added to its block's mean (``chunk``
 class SnapKVPolicy(HeavyHitters):
     name = "snapkv"
     ranks_upfront = True
+    streams = True
     window: int = option(32, check=lambda v: v >= 1, must_be=">= 1")
     kernel: int = option(7, check=lambda v: v >= 1 and v % 2 == 1, must_be="an odd number >= 1")
     # max: a token takes its best neighbour's mass, so a chosen token keeps the whole span around it
@@ -50,10 +52,11 @@ class SnapKVPolicy(HeavyHitters):
     decay: float = decay_option()  # decode steps re-rank by the latest queries: SnapKV's window, kept moving
     heads: str = heads_option()
 
-    @property
-    def pooling(self) -> str:
-        """``pool`` under the name the core's streamed probe reads (``core/layer.py``)."""
-        return self.pool
+    def smooth_held(self, scores: torch.Tensor, ordinal: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """``scores`` ``[B, H, cap]`` of the held slots (a streamed probe's mass), pooled as a call's
+        tokens are (``kernel``, ``pool``) but over the live slots in prompt order: after an
+        eviction the slots are out of order (``policies/pooling.py``)."""
+        return pool_in_order(scores, ordinal, valid, self.kernel, self.pool)
 
     def prefill_scores(self, query, key_new, old_keys, old_valid, new_real, scaling, value_new=None, old_values=None,
                        old_in_order=None):
