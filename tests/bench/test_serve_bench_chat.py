@@ -102,7 +102,8 @@ def test_a_recipe_runs_beside_the_policies_and_its_document_is_ranked_once():
     from h2okv.bench.serve import server_settings
 
     (label, eviction), = server_settings([], ["document"], {"heavy_ratio": 0.1, "recent_ratio": 0.1})
-    assert (label, eviction.policy, eviction.budget, eviction.head_budgets) == ("document", "kvzip", 0.2, "layers")
+    settings = eviction.settings
+    assert (label, settings.policy, settings.budget, settings.head_budgets) == ("document", "kvzip", 0.2, "layers")
     model, tok = tiny_chat_model(layers=2, max_positions=2048)
     options = ChatBenchOptions(policies=(), recipes=("document",), kv_memory=64 << 20, conversations=1, turns=2,
                                doc_tokens=150, max_tokens=4, prefix_memory=64 << 20, concurrency=1,

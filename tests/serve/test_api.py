@@ -280,7 +280,7 @@ def test_load_32_concurrent_streams(model_tok):
     """32 concurrent streaming clients against a KV limit that fits only some at once: every stream
     is complete and well formed, and afterwards no KV memory is held."""
     model, tok = model_tok
-    eviction = EvictionDefaults(policy="h2o", heavy=8, recent=8)
+    eviction = EvictionDefaults.from_options(policy="h2o", heavy=8, recent=8)
     probe = create_app(model, tok, model_name=NAME).state.engine.slot_bytes
     kv_memory = 12 * 17 * probe  # 12 requests of 16 + 1 slots, less one prefill chunk's overshoot
     app = create_app(model, tok, model_name=NAME, eviction=eviction,

@@ -125,7 +125,7 @@ def test_kvzip_refusals_are_one_line(model_tok):
     with pytest.raises(ValueError, match="fed whole"):
         executor.prefill([(3, prompt(20, 0), 5)])
     # the server's defaults resolve a per-request kvzip like any other policy
-    assert EvictionDefaults(policy="h2o", heavy=8, recent=8).resolve(100, policy="kvzip") == ("kvzip", 8, 8)
+    assert EvictionDefaults.from_options(policy="h2o", heavy=8, recent=8).resolve(100, policy="kvzip") == ("kvzip", 8, 8)
 
 
 def test_a_two_token_prompt_is_held_whole_not_a_500(model_tok):

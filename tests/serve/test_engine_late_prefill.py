@@ -64,6 +64,6 @@ def test_late_prefill_reserves_the_prompt(model_tok):
 
 def test_bad_prefill_mode_is_refused(model_tok):
     with pytest.raises(H2OError, match="prefill must be one of chunked, late"):
-        EvictionDefaults(prefill="early").validate()
+        EvictionDefaults.from_options(prefill="early")
     with pytest.raises(ValueError, match="prefill must be one of"):
         Engine(*model_tok, prefill="early")

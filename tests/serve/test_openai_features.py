@@ -28,7 +28,7 @@ def model_tok():
 @pytest.fixture(scope="module")
 def server(model_tok):
     model, tok = model_tok
-    app = create_app(model, tok, model_name=NAME, api_key=KEY, eviction=EvictionDefaults(policy="h2o", heavy=8, recent=8),
+    app = create_app(model, tok, model_name=NAME, api_key=KEY, eviction=EvictionDefaults.from_options(policy="h2o", heavy=8, recent=8),
                      options=EngineOptions(prefill_chunk=32), limits=ServerLimits(max_prompt_tokens=200))
     with running_server(app) as url:
         yield url

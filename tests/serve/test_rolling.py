@@ -16,7 +16,7 @@ from h2okv.tools.tiny_chat import tiny_chat_model
 
 NAME = "tiny"
 LIMIT = 64
-EVICTION = EvictionDefaults(policy="h2o", heavy=8, recent=8)
+EVICTION = EvictionDefaults.from_options(policy="h2o", heavy=8, recent=8)
 
 
 @pytest.fixture(scope="module")

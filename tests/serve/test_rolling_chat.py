@@ -25,7 +25,7 @@ def model_tok():
 
 def test_a_rolling_conversation_resumes_every_turn_and_its_state_stops_growing(model_tok):
     model, tok = model_tok
-    app = create_app(model, tok, model_name=NAME, eviction=EvictionDefaults(policy="h2o", budget=BUDGET),
+    app = create_app(model, tok, model_name=NAME, eviction=EvictionDefaults.from_options(policy="h2o", budget=BUDGET),
                      options=EngineOptions(prefill_chunk=16, positions="rolling", prefix_memory=64 << 20),
                      limits=ServerLimits(max_prompt_tokens=4096))
     engine = app.state.engine

@@ -51,7 +51,7 @@ def tp1(tp_group):
     """The same checkpoint and settings served by one process, in this one (no rank to start)."""
     model, tok = load_model(str(tp_group.checkpoint), cache=False)
     app = create_app(model, tok, model_name=NAME,
-                     eviction=EvictionDefaults(policy="h2o", heavy=SERVE_HEAVY, recent=SERVE_RECENT),
+                     eviction=EvictionDefaults.from_options(policy="h2o", heavy=SERVE_HEAVY, recent=SERVE_RECENT),
                      options=EngineOptions(prefill_chunk=SERVE_CHUNK, prefix_memory=SERVE_PREFIX_MEMORY))
     with running_server(app) as url:
         yield url

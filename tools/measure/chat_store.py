@@ -68,7 +68,7 @@ def main() -> None:
 
         eviction = EvictionDefaults.from_options(recipe=DEFAULT_RECIPE)  # its budget and floor too
     elif args.recipe is None and args.policy == "full":
-        eviction = EvictionDefaults(policy="full", budget_floor=0)
+        eviction = EvictionDefaults.from_options(policy="full", budget_floor=0)
     else:
         eviction = EvictionDefaults.from_options(recipe=args.recipe, policy=args.policy, budget=args.budget,
                                                  recent_share=args.recent_share, budget_floor=0, prefill=args.prefill)

@@ -187,7 +187,7 @@ def main() -> None:
     if args.recipe:
         eviction = EvictionDefaults.from_options(recipe=args.recipe, budget=args.budget)
     else:
-        eviction = EvictionDefaults(policy=args.policy, budget=args.budget)
+        eviction = EvictionDefaults.from_options(policy=args.policy, budget=args.budget)
     app = create_app(model, tok, model_name="smollm2", eviction=eviction,
                      options=EngineOptions(positions="rolling", prefix_memory=args.prefix_cache_memory,
                                            prefill_chunk=args.prefill_chunk))

@@ -233,7 +233,8 @@ def server_settings(policies: list[str], recipes: list[str], budget: dict | None
     from h2okv.serve.eviction import EvictionDefaults
 
     budget = budget or {}
-    out = [(policy, EvictionDefaults(policy=policy, budget_floor=0, **(budget if make_policy(policy).evicts else {})))
+    out = [(policy, EvictionDefaults.from_options(policy=policy, budget_floor=0,
+                                                  **(budget if make_policy(policy).evicts else {})))
            for policy in policies]
     total = None
     if "heavy" in budget or "recent" in budget:
@@ -443,8 +444,7 @@ def run(args, run_chat=None) -> int:
     budget = {k: getattr(args, k) for k in ("heavy", "recent", "heavy_ratio", "recent_ratio")
               if getattr(args, k, None) is not None}
     recipes = parse_recipes(args.recipe) if getattr(args, "recipe", None) else []
-    for _, eviction in server_settings(policies, recipes, budget):  # validate before the slow model load
-        eviction.validate()
+    server_settings(policies, recipes, budget)  # each built, so checked, before the slow model load
     kv_memory = args.kv_memory  # bytes: the command line parsed them (h2okv.sizes.parse_bytes)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     if args.profile == "chat":  # bench/chat.py, which the command line sends here with its loaded pieces

@@ -170,12 +170,11 @@ def run_serve(args) -> int:
     if args.policy is not None:
         check_policy(args.policy, reconstruction=True)
     # no --recipe and no --policy: the default recipe (a chat's question ranks its document)
-    # no --recipe and no --policy: the default recipe (a chat's question ranks its document)
     recipe = DEFAULT_RECIPE if args.recipe is None and args.policy is None else args.recipe
+    # one CacheSettings, checked as it is built: before the (slow) model load
     eviction = EvictionDefaults.from_options(recipe=recipe, policy=args.policy, prefill=args.prefill,
                                              budget=args.budget, recent_share=args.recent_share,
                                              budget_floor=args.budget_floor, **budget_from_args(args))
-    eviction.validate()  # before the (slow) model load
     check_positions(policy_class(eviction.policy), args.positions)
     if args.max_queue < 0:
         raise H2OError(f"--max-queue must be >= 0, got {args.max_queue}")

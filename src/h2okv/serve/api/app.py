@@ -52,8 +52,7 @@ def create_app(
     with eviction, prompts may exceed the context length (``max_prompt_tokens``). ``sampling``: the
     temperature / top_p of requests that give none (default: the model's generation config, else
     OpenAI's 1 and 1; ``h2okv serve`` adds the built-in models' own)."""
-    eviction = eviction or EvictionDefaults()
-    eviction.validate()
+    eviction = eviction or EvictionDefaults()  # checked when built (CacheSettings)
     options, limits = options or EngineOptions(), limits or ServerLimits()
     if limits.request_timeout is not None and not limits.request_timeout > 0:
         raise ValueError("request_timeout must be > 0")
