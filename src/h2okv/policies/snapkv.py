@@ -55,8 +55,12 @@ class SnapKVPolicy(HeavyHitters):
     def smooth_held(self, scores: torch.Tensor, ordinal: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """``scores`` ``[B, H, cap]`` of the held slots (a streamed probe's mass), pooled as a call's
         tokens are (``kernel``, ``pool``) but over the live slots in prompt order: after an
-        eviction the slots are out of order (``policies/pooling.py``)."""
-        return pool_in_order(scores, ordinal, valid, self.kernel, self.pool)
+        eviction the slots are out of order (``policies/pooling.py``). A thousandth of each slot's
+        own mass breaks the ties the pool makes (a kept span shares its best token's score): a
+        row's choice among equals must not depend on how many slots the batch's widest row evicts
+        at once (``topk`` of another ``k`` picks other equals), so a row alone keeps what it keeps
+        in a batch."""
+        return pool_in_order(scores, ordinal, valid, self.kernel, self.pool) + TIE_BREAK * scores
 
     def prefill_scores(self, query, key_new, old_keys, old_valid, new_real, scaling, value_new=None, old_values=None,
                        old_in_order=None):
