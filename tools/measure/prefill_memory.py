@@ -82,12 +82,12 @@ def plot(rows: list[dict], path: str) -> None:
         axes[1].plot(lengths, [r["prefill_s"] for r in mine], marker="o", color=color, label=recipe)
     for ax, label in zip(axes, ("MiB", "seconds (one thread)"), strict=True):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("prompt tokens, read in one call")
+        ax.set_xlabel("prompt tokens")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="upper left")
     axes[0].set_title("memory of one prefill")
-    axes[1].set_title("prefill time")
+    axes[1].set_title("prefill time (a shared core: see the bench for ratios)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
