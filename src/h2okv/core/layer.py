@@ -362,11 +362,17 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         self.shrink_to_budget()
         return out
 
+    @property
+    def query_block(self) -> int:
+        """How many queries a whole call (late, held or a probe) attends at once: the chunk size,
+        so a probability block is ``[chunk x (live + n)]`` (``LATE_BLOCK`` for ``chunk_size=1``)."""
+        return self.config.chunk_size if self.config.chunk_size > 1 else LATE_BLOCK
+
     def _read_whole(self, query, key_new, value_new, nonpad, scaling, sliding_window, init):
         """Write and attend a whole call, nothing evicted (room for it made by the caller); the
         queries in blocks of the chunk size, so a probability block is ``[chunk x (live + n)]``."""
         n = query.shape[2]
-        block = self.config.chunk_size if self.config.chunk_size > 1 else LATE_BLOCK
+        block = self.query_block
         outputs = []
         for start in range(0, n, block):
             stop = min(start + block, n)
@@ -384,7 +390,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         if not self.probe.awaiting:
             raise H2OError("reconstruct needs a cache that has read the prompt and not been ranked yet")
         self.tokens_seen -= key_new.shape[2]  # read, never kept: positions go on from the prompt
-        block = self.config.chunk_size if self.config.chunk_size > 1 else LATE_BLOCK
+        block = self.query_block
         out, best = probe_attention(self, query, key_new, value_new, scaling, block)
         torch.maximum(self.probe.best, best, out=self.probe.best)
         return out.transpose(1, 2).contiguous()
@@ -406,7 +412,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
             raise H2OError("a streamed probe follows a piece read into the cache")
         self.to_dense()
         self.tokens_seen -= key_new.shape[2]  # read, never kept: positions go on from the piece
-        block = self.config.chunk_size if self.config.chunk_size > 1 else LATE_BLOCK
+        block = self.query_block
         out, mass = probe_attention(self, query, key_new, value_new, scaling, block, reduce="sum")
         mass = torch.where(self.valid, mass, torch.zeros_like(mass))
         self.score.copy_(self.config.policy.smooth_held(mass, self.ordinal, self.valid))

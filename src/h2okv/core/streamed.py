@@ -39,15 +39,6 @@ from h2okv.errors import H2OError
 _HOOKED = "_h2okv_streamed_hook"
 
 
-def probe_window(policy) -> int:
-    """How many of a prompt's last tokens probe each piece: the policy's observation window."""
-    window = getattr(policy, "window", None)
-    if not policy.streams or not isinstance(window, int) or window < 1:
-        raise H2OError(f"prefill=streamed ranks each piece by the prompt's last tokens, which needs a policy "
-                       f"with an observation window (snapkv), not {policy.spec!r}")
-    return window
-
-
 def streamed_tokens(prompt_len: int, chunk_size: int, window: int) -> int:
     """How many of a prompt's first tokens ``read_streamed`` reads: whole pieces of ``chunk_size``
     before the last piece and the probe's ``window`` tokens (0 when there is one piece)."""
@@ -71,7 +62,7 @@ def read_streamed(model, cache, ids: torch.Tensor) -> int:
     if cache.get_seq_length() != 0:
         raise H2OError("read_streamed reads a prompt into an empty cache; this one has read "
                        f"{cache.get_seq_length()} tokens")
-    window = probe_window(cache.policy)
+    window = cache.policy.window  # a streaming policy's observation window (CacheSettings checked it)
     upto = streamed_tokens(ids.shape[1], cache.chunk_size, window)
     if upto == 0:
         return 0
@@ -107,10 +98,9 @@ def _before_call(model, args, kwargs):
         return None
     if any(layer.stream is not None for layer in cache.layers):
         return None  # read_streamed's own calls
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    mask = kwargs.get("attention_mask")
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or args:
-        return None
+    ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+    if args or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return None  # positional arguments or embeddings: read in one call, chunked
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.all())):
         return None  # padding: read in one call, chunked
     upto = read_streamed(model, cache, ids)
