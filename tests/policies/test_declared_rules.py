@@ -159,7 +159,12 @@ def test_only_reconstruction_policies_carry_the_probe_hooks():
     for cls in POLICIES.values():
         assert cls.ranks_by_reconstruction == issubclass(cls, ReconstructionPolicy)
         if not cls.ranks_by_reconstruction:
-            assert not any(hasattr(cls, m) for m in ("smooth_probe", "question_scores", "question", "tail_in_budget"))
+            assert not any(hasattr(cls, m) for m in ("smooth_probe", "question_scores", "question", "tail",
+                                                     "tail_in_budget"))
+            assert make_policy(cls.name).slots_above_budget == 0
+    # kvzip's tail is held on top of the budget (the server reserves it), unless it counts inside
+    assert make_policy("kvzip:tail=12").slots_above_budget == 12
+    assert make_policy("kvzip:tail=12,tail_in_budget=1").slots_above_budget == 0
     # the core asks those hooks only of such a policy: the pass refuses any other before it starts
     with pytest.raises(H2OError, match="ranks by reconstruction"):
         rank_by_probes(None, SimpleNamespace(policy=make_policy("h2o"), layers=[]), [])

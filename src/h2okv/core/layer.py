@@ -457,7 +457,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         # budget, unless the ranking made room for them inside it (``ranked_heavy``)
         policy = self.config.policy
         self.recent = self.recent + policy.tail
-        self.probe.tail_slots = 0 if policy.tail_in_budget else policy.tail
+        self.probe.tail_slots = policy.slots_above_budget
         self.changed()
 
     def ranked_heavy(self) -> torch.Tensor:

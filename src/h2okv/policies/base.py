@@ -202,10 +202,6 @@ class Policy:
     #: the prompt is ranked by a reconstruction pass (``h2okv.reconstruct``): such a policy is a
     #: ``ReconstructionPolicy`` (``reconstruction.py``), and the core asks its probe hooks only then
     ranks_by_reconstruction: ClassVar[bool] = False
-    #: tokens kept whole on top of the budget after that ranking (``ReconstructionPolicy.tail``);
-    #: here as well because the server sizes every request by it (``serve/engine.py``). Not
-    #: annotated: ``kvzip``'s option of that name is a field, placed where its class declares it
-    tail = 0
     #: ``prefill_scores`` ranks a whole multi-token call before it is chunked (``snapkv``, ``expected``)
     ranks_upfront: ClassVar[bool] = False
     #: ranks a prompt's piece by the mass a probe's queries pay it (``smooth_held`` pools it):
@@ -248,6 +244,12 @@ class Policy:
         values = [(opt, getattr(self, opt.name)) for opt in self.options()]
         written = [f"{opt.name}={value}" for opt, value in values if opt.shown or value != opt.default]
         return f"{self.name}:{','.join(written)}" if written else self.name
+
+    @property
+    def slots_above_budget(self) -> int:
+        """Slots a (row, head) may hold on top of its budget: 0, except a reconstruction-ranked
+        policy's tail (``ReconstructionPolicy``). The server sizes every request by it."""
+        return 0
 
     def decode_rule(self) -> ScoreRule | None:
         """The rule ``accumulate`` and ``eviction_key`` follow, from this policy's options, or None:

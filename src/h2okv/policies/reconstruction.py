@@ -23,6 +23,10 @@ class ReconstructionPolicy(Policy):
     #: reconstruction alone ranks
     question: int = 0
 
+    @property
+    def slots_above_budget(self) -> int:
+        return 0 if self.tail_in_budget else self.tail
+
     def smooth_probe(self, scores: torch.Tensor, ordinal: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """The probe's per-slot scores ``[B, H, cap]``, reshaped before the one eviction (``kvzip``'s
         ``kernel``); as they are by default."""

@@ -114,7 +114,7 @@ class Sequence:
         self.probe: list[list[int]] | None = None  # a policy ranked by reconstruction: its probe calls
         self.ranked = len(request.prompt_ids)  # ... and the prompt's first tokens they rank
         policy = make_policy(request.policy)
-        self.tail = policy.tail  # tokens read after the ranking kept on top
+        self.tail = policy.slots_above_budget  # kvzip: tokens read after the ranking kept on top
         self.evicts = policy.evicts
         self.policy_name = policy.name  # the store's metrics label: names are few, specs with options are not
         self._fed: SeqState | None = None  # its state once its prompt is fed (``state``)
@@ -312,7 +312,7 @@ class Engine:
     def reservation(self, request: GenerationRequest) -> Reservation:
         budget = request.budget
         if budget is not None:  # kvzip keeps up to ``tail`` tokens read after its ranking on top of it
-            budget += make_policy(request.policy).tail
+            budget += make_policy(request.policy).slots_above_budget
         return reservation(len(request.prompt_ids), request.max_tokens, budget, self.chunk_for(request))
 
     def reads_question(self, request: GenerationRequest) -> bool:
