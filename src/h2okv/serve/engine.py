@@ -253,8 +253,6 @@ class Engine:
         options = options or EngineOptions()
         options.validate()
         self.options = options
-        self.schedule = options.schedule
-        self.step_tokens = options.step_tokens
         self.observer = observer or Observer()
         # every model run and cache change goes through the executor (plain-data calls, see executor.py);
         # ``serve --tp`` passes one that also sends each call to the other ranks (tp.py)
@@ -263,16 +261,11 @@ class Engine:
         # late prefill ranks a prompt once, at the end of the call that feeds it: so it is fed whole
         self.whole_prompts = prefill == "late"
         self.cache_options = dict(cache_options or {})
-        self.positions = options.positions
         self.tokenizer = tokenizer
         # tokenizer.decode(ids, skip_special_tokens=True), fast (text.py): what the requests' Outputs
         # detokenize with, under tokenizer_lock, which the engine takes once a step for all its rows
         self.detokenize = plain_decoder(tokenizer)
         self.device = model.device
-        self.kv_memory = options.kv_memory
-        self.max_batch = options.max_batch
-        self.max_queue = options.max_queue
-        self.prefill_chunk = options.prefill_chunk
         self.slot_bytes = self.executor.slot_bytes()
         self.scheduler = Scheduler(options.schedule, options.kv_memory, self.slot_bytes, options.max_batch,
                                    options.step_tokens)
@@ -331,18 +324,18 @@ class Engine:
         ranked by reconstruction (its peak is then the prompt, as ``reservation`` counts it), else
         ``prefill_chunk``."""
         whole = self.whole_prompts or policy_class(request.policy).ranks_by_reconstruction
-        return max(1, len(request.prompt_ids)) if whole else self.prefill_chunk
+        return max(1, len(request.prompt_ids)) if whole else self.options.prefill_chunk
 
     def check_fits(self, request: GenerationRequest) -> None:
         """Raise an ``INVALID_REQUEST`` ``ServeError`` for a request that could never fit under
         ``kv_memory``."""
         res = self.reservation(request)
         need = self.scheduler.alone_bytes(res)
-        if self.kv_memory is not None and need > self.kv_memory:
+        if self.options.kv_memory is not None and need > self.options.kv_memory:
             raise ServeError(
                 ErrorKind.INVALID_REQUEST,
                 f"this request needs {need} bytes of KV cache ({res.slots} slots per layer/head), more than "
-                f"the server's --kv-memory {self.kv_memory}; lower max_tokens or use an evicting policy",
+                f"the server's --kv-memory {self.options.kv_memory}; lower max_tokens or use an evicting policy",
                 param="max_tokens", code="kv_memory_exceeded",
             )
 
@@ -369,7 +362,7 @@ class Engine:
             if policy.ranks_by_reconstruction and len(request.prompt_ids) < 2:
                 raise H2OError(f"policy {policy.spec!r} ranks all but the prompt's last token by reconstruction: "
                                f"it needs at least 2 prompt tokens")
-            check_positions(policy, self.positions)
+            check_positions(policy, self.options.positions)
         except (H2OError, ValueError, TypeError) as exc:
             raise invalid(f"h2o: {exc}", "h2o") from None
 
@@ -390,7 +383,7 @@ class Engine:
                 raise ServeError(ErrorKind.UNAVAILABLE, "the server is shutting down", code="shutting_down")
             if self._stopping or self._thread is None:
                 raise ServeError(ErrorKind.UNAVAILABLE, "the engine is not running", code="engine_stopped")
-            if len(self._waiting) + len(seqs) > self.max_queue:
+            if len(self._waiting) + len(seqs) > self.options.max_queue:
                 raise ServeError(ErrorKind.OVERLOADED,
                                  f"server busy: {len(self._waiting)} requests already waiting (--max-queue)",
                                  code="queue_full")
@@ -556,7 +549,7 @@ class Engine:
             if not self._waiting:  # the usual step: no state to build, no question to ask
                 return
             # no more than the batch has room for can be admitted: the scheduler sees only those
-            room = max(0, self.max_batch - self._running())
+            room = max(0, self.options.max_batch - self._running())
             count = self.scheduler.admit(self._scheduler_state(itertools.islice(self._waiting, room)))
             for _ in range(count):
                 seq = self._waiting.popleft()
@@ -859,7 +852,7 @@ class Engine:
                 saves.add(cut)
             chunked = seq.chunk < len(prompt) and not policy_class(req.policy).ranks_by_reconstruction
             if seq.evicts and chunked:
-                saves.update(block_checkpoints(done, cut, self.prefill_chunk))
+                saves.update(block_checkpoints(done, cut, self.options.prefill_chunk))
         seq.checkpoints = frozenset(saves)
         pieces = [(done, cut), (cut, len(prompt))] if cut < len(prompt) else [(done, len(prompt))]
         seq.chunks = [(lo + a, lo + b) for lo, hi in pieces for a, b in prefill_chunks(hi - lo, seq.chunk)]

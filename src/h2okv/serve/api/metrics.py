@@ -47,7 +47,7 @@ class _EngineCollector:
             ("h2okv_kv_full_bytes", "KV bytes a full cache would hold for the running requests' tokens",
              s.full_kv_bytes),
             ("h2okv_kv_bytes_reserved", "KV bytes reserved by admission for running requests", s.reserved_bytes),
-            ("h2okv_kv_bytes_limit", "The --kv-memory limit (0: none)", self.engine.kv_memory or 0),
+            ("h2okv_kv_bytes_limit", "The --kv-memory limit (0: none)", self.engine.options.kv_memory or 0),
             ("h2okv_batch_size", "Sequences decoded in the last engine iteration", s.batch_size),
             ("h2okv_batch_size_max", "Most sequences decoded in one engine iteration", s.batch_size_max),
             ("h2okv_draining", "1 while the server drains for shutdown (new requests get 503)", int(s.draining)),

@@ -288,8 +288,9 @@ class Serving:
     def model_list(self) -> dict:
         """``/v1/models``: the one model, with the server's eviction and scheduling settings."""
         e = self.engine
-        settings = {**self.eviction.describe(), "kv_memory": e.kv_memory, "max_batch": e.max_batch,
-                    "prefill_chunk": e.prefill_chunk, "schedule": e.schedule, "step_tokens": e.step_tokens,
+        settings = {**self.eviction.describe(), "kv_memory": e.options.kv_memory, "max_batch": e.options.max_batch,
+                    "prefill_chunk": e.options.prefill_chunk, "schedule": e.options.schedule,
+                    "step_tokens": e.options.step_tokens,
                     "max_context": self.limits.context, "max_prompt_tokens": self.limits.prompt,
                     "request_timeout": self.limits.request_timeout, "max_n": self.limits.max_n,
                     **self.sampling.describe()}
