@@ -55,6 +55,9 @@ def test_every_change_moves_the_version_and_chooses_the_stepper_again(llama):
     {"policy": "snapkv", "budget": 16, "head_budgets": "adaptive"},
     {"recipe": "document", "budget": 0.3, "budget_floor": 0},
     {"recipe": "prompt", "budget": 0.3, "budget_floor": 0},
+    {"recipe": "bounded", "budget": 0.3, "budget_floor": 0, "chunk_size": 64},
+    {"recipe": "generation", "budget": 32},
+    {"recipe": "stream", "budget": 32},
     {"policy": "full"},
 ])
 def test_the_cache_s_largest_budget_is_its_layers(settings):
