@@ -82,6 +82,11 @@ class CacheSettings:
     head_floor: float = _setting(DEFAULT_HEAD_FLOOR, "with uneven head budgets, the share of a uniform head's slots "
                                                      "every head keeps first", kind="share", recipe_sets=True)
     compileable: bool = _setting(False, "decode steps at the budget as one compiled graph", kind="switch", flag=False)
+    kv_bits: int | None = _setting(None, "store the kept keys and values in 8, 4 or 2 bits, per token in groups of "
+                                         "--kv-group channels with a float16 scale and low each (none: the model's "
+                                         "dtype)", kind="int", shown="none")
+    kv_group: int = _setting(32, "channels that share one scale with --kv-bits (at most the head dimension)",
+                             kind="positive")
     protect_prompt: bool = _setting(False, "keep the prompt whole: the budget applies to the generated tokens (the "
                                            "KV reported counts both)", kind="switch")
     #: the recipe the value was expanded from (a label: its keywords are already in the fields)
@@ -144,9 +149,24 @@ class CacheSettings:
         if chosen.ranks_by_reconstruction and self.prefill != "late":
             raise H2OError(f"policy {chosen.spec!r} ranks the whole prompt after reading it: use prefill=late "
                            f"(--prefill late)")
+        self._check_kv_bits(chosen)
         if check_positions(chosen, self.positions) is not None and self.compileable:
             raise H2OError("compileable=True takes true positions only: the rolling positions' hook reads padding "
                            "from a 2D mask, and generate hands a compileable cache a 4D one")
+
+    def _check_kv_bits(self, policy) -> None:
+        from h2okv.core.positions import check_positions
+        from h2okv.core.quant import BITS
+
+        if self.kv_bits is None:
+            return
+        if isinstance(self.kv_bits, bool) or self.kv_bits not in BITS:
+            raise H2OError(f"kv_bits must be one of {', '.join(map(str, BITS))} (or none), got {self.kv_bits!r}")
+        if isinstance(self.kv_group, bool) or not isinstance(self.kv_group, int) or self.kv_group < 1:
+            raise H2OError(f"kv_group must be a whole number >= 1, got {self.kv_group!r}")
+        if check_positions(policy, self.positions) is not None:
+            raise H2OError("kv_bits takes true positions: rolling positions rotate the kept keys in place, and a "
+                           "quantized key would be coded again at every rotation")
 
     def _check_streamed(self, policy) -> None:
         """A streamed prefill ranks each piece by the prompt's last ``window`` tokens

@@ -66,5 +66,6 @@ def test_the_eager_step_adds_only_the_eviction_rule_and_the_policys_hooks():
     with use_kernels("eager"), torch.inference_mode():
         kwargs = cache_arg(cache)
         entered = files_entered(lambda: model(input_ids=token, **kwargs, use_cache=True))
-    assert entered == {"core/attention.py", "core/layer.py", "core/decode.py", "core/step.py",
+    # storage.py: the slots' own write and read (``write_kv``, ``kv``: coded where they are quantized)
+    assert entered == {"core/attention.py", "core/layer.py", "core/decode.py", "core/step.py", "core/storage.py",
                        "policies/base.py", "policies/h2o.py", "core/feed_forward.py"}

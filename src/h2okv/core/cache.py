@@ -14,11 +14,27 @@ from h2okv.core.attention import prepare_model
 from h2okv.core.budget import BudgetSpec, RowBudgets
 from h2okv.core.layer import LayerConfig, SlotLayer
 from h2okv.core.positions import RollingPositions, check_positions
+from h2okv.core.quant import SlotCodec
 from h2okv.errors import H2OError
 from h2okv.policies import Policy
 from h2okv.settings import DEFAULT_CHUNK, PREFILL_MODES, CacheSettings
 
 __all__ = ["DEFAULT_CHUNK", "PREFILL_MODES", "H2OCache"]
+
+
+def slot_codec(model, settings: CacheSettings) -> SlotCodec | None:
+    """The layers' slot coding for ``settings.kv_bits`` (None: the model's dtype), checked against
+    the model's head dimension."""
+    if settings.kv_bits is None:
+        return None
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    codec = SlotCodec(settings.kv_bits, min(settings.kv_group, head_dim))  # a group is at most a head's vector
+    try:
+        codec.groups(head_dim)
+    except ValueError as err:
+        raise H2OError(str(err)) from None
+    return codec
 
 
 class H2OCache(Cache):
@@ -111,7 +127,7 @@ class H2OCache(Cache):
         num_layers = prepare_model(model)
         # what every layer is built with; the row budgets are the one state they share
         self.layer_config = LayerConfig(self.policy, self.prefill, self.chunk_size, self.head_budgets, self.head_floor,
-                                        compileable=bool(compileable))
+                                        compileable=bool(compileable), codec=slot_codec(model, settings))
         self.row_budgets = RowBudgets(self.policy, self.spec, bool(protect_prompt))
         super().__init__(layers=[SlotLayer(i, self.layer_config, self.row_budgets) for i in range(num_layers)])
         scheme = check_positions(self.policy, settings.positions)

@@ -114,10 +114,13 @@ def choose_stepper(layer):
     """The stepper for ``layer``'s decode steps as its rows stand now (see the module docstring)."""
     room = room_range(layer)  # counted once: whether every row is at its budget, and how far below
     device = layer.device
-    triton = triton_on(device) and not layer.config.compileable
+    # quantized slots (core/quant.py): the tensor-op steps, which read them through ``layer.kv()``;
+    # the C and Triton steps and the flat layouts read float slots
+    kernels = layer.codec is None and not layer.config.compileable
+    triton = triton_on(device) and kernels
     fused = fused_mass_on(device) and not layer.config.compileable
     if room != (0, 0):
-        if not triton and not layer.config.compileable and tail_fills_flat(layer, room):
+        if not triton and kernels and tail_fills_flat(layer, room):
             return TailFill(layer, filling_room(layer, room))
         rule = triton_step.decode_rule(layer, general=True) if triton else None
         return TritonStep(None, rule) if rule is not None else FillingStep(fused=fused, room=filling_room(layer, room))
@@ -128,7 +131,7 @@ def choose_stepper(layer):
     packed = state.widths is not None and state.max_width <= layer.capacity
     if layer.config.compileable:  # tensor ops torch.compile traces; the compiler makes the kernels
         return EagerStep(state, dense)
-    if (dense or packed) and native_on(device):
+    if (dense or packed) and kernels and native_on(device):
         rule = native.decode_rule(layer)
         if rule is not None:
             if packed:  # each head's own slots only, from now on
@@ -281,7 +284,7 @@ class EagerStep:
         if not self.dense:
             shielded |= ~layer.valid
         rank = eviction_rank(policy, layer.layer_idx, layer.score, layer.ordinal, state.n_real_key, shielded,
-                             layer.keys, layer.valid)
+                             layer.rank_keys(), layer.valid)
         victims = rank.argmin(dim=-1, keepdim=True)
         layer.valid.scatter_(2, victims, False)
         state.next_free = victims if self.dense else None
@@ -292,14 +295,14 @@ def write_and_attend(layer, slot, ordinal, query, k_new, v_new, scaling, masked:
     """Write the token into ``slot`` ``[B, H, 1]``, attend over the live slots (``masked``: free
     slots are hidden), fold the mass into the scores and count the token; ``[B, 1, Hq, Dv]``."""
     policy = layer.config.policy
-    b, hkv, _, d = k_new.shape
-    layer.keys.scatter_(2, slot.unsqueeze(-1).expand(b, hkv, 1, d), k_new)
-    layer.values.scatter_(2, slot.unsqueeze(-1).expand(b, hkv, 1, v_new.shape[-1]), v_new)
+    b, hkv = k_new.shape[:2]
+    layer.write_kv(slot, k_new, v_new)
     layer.ordinal.scatter_(2, slot, ordinal.expand(b, hkv, 1))
     fresh = policy.key_scores(k_new)
     layer.score.scatter_(2, slot, 0.0 if fresh is None else fresh)
     layer.valid.scatter_(2, slot, True)
-    out, mass = slot_attention(query, layer.keys, layer.values, layer.valid[:, :, None, :] if masked else None,
+    keys, values = layer.kv()
+    out, mass = slot_attention(query, keys, values, layer.valid[:, :, None, :] if masked else None,
                                scaling, need_mass=policy.needs_scores, fused=fused)
     if mass is not None:
         policy.accumulate(layer.score, mass)

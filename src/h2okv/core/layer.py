@@ -20,10 +20,11 @@ from h2okv.core.attention import set_pending
 from h2okv.core.budget import RowBudgets
 from h2okv.core.decode import choose_stepper
 from h2okv.core.head_budget import allocate
+from h2okv.core.quant import SlotCodec
 from h2okv.core.reconstruction import check_probe_call, probe_attention
 from h2okv.core.scan import can_scan, token_scan
 from h2okv.core.step import chunk_step, evict, policy_key, protected
-from h2okv.core.storage import SlotStorage
+from h2okv.core.storage import CODEC_TENSORS, SlotStorage
 from h2okv.errors import H2OError
 from h2okv.policies import Policy
 
@@ -57,6 +58,7 @@ class LayerConfig:
     head_budgets: str  # "uniform", "adaptive" or "layers"
     head_floor: float
     compileable: bool = False  # decode steps at the budget in tensor ops torch.compile can trace
+    codec: SlotCodec | None = None  # quantized slots (``kv_bits``, core/quant.py); None: the model's dtype
 
 
 class SlotLayer(SlotStorage, CacheLayerMixin):
@@ -99,7 +101,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         return self.config.compileable
 
     def lazy_initialization(self, key_states, value_states):
-        self.init_buffers(key_states, value_states)
+        self.init_buffers(key_states, value_states, self.config.codec)
         self.stepper = None
         self.is_initialized = True
 
@@ -258,6 +260,8 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         we read padding from it and nothing else: causality among new tokens and the model's
         sliding window are applied from the slots' ordinals.
         """
+        if self.codec is not None:  # the call's tokens as their slots will give them back (quant.py)
+            key_new, value_new = self.codec.roundtrip(key_new), self.codec.roundtrip(value_new)
         if self.probe.best is not None:
             return self._attend_probe(query, key_new, value_new, new_mask, scaling, sliding_window)
         if self.stream == "probe":
@@ -357,7 +361,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
             return out
         if self.config.policy.evicts:
             if self.config.head_budgets == "adaptive":
-                self._share_out(self.score, self.ordinal, self.valid, self.n_real, self.keys)
+                self._share_out(self.score, self.ordinal, self.valid, self.n_real, self.rank_keys())
             evict(self, n)
         self.shrink_to_budget()
         return out
@@ -439,7 +443,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
 
     def ranking(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(key, candidate)`` ``[B, H, cap]`` of this layer's slots (``_rank``)."""
-        return self._rank(self.score, self.ordinal, self.valid, self.n_real, self.keys)
+        return self._rank(self.score, self.ordinal, self.valid, self.n_real, self.rank_keys())
 
     def rank_by_probe(self, head_heavy=None) -> None:
         """Evict to the budget once, by the probe's scores (``take_probe_scores``); ``head_heavy``
@@ -449,7 +453,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         if head_heavy is not None:
             self._set_head_heavy(head_heavy)
         elif self.config.head_budgets == "adaptive":
-            self._share_out(self.score, self.ordinal, self.valid, self.n_real, self.keys)
+            self._share_out(self.score, self.ordinal, self.valid, self.n_real, self.rank_keys())
         evict(self, self.capacity)  # any m > 1: every row down to its budget at once
         self.shrink_to_budget()
         # what is read after the ranking (question, answer) is kept whole for ``tail`` tokens: the
@@ -493,9 +497,10 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         real = torch.ones(b, n, dtype=torch.bool, device=self.device) if nonpad is None else nonpad
         n_end = self.n_real + real.sum(-1)
         ordinals = (self.n_real[:, None] + torch.arange(n, device=self.device))[:, None].expand(b, h, n)
+        held = self.rank_keys()
         self._share_out(torch.cat([self.score, fresh.float()], -1), torch.cat([self.ordinal, ordinals], -1),
                         torch.cat([self.valid, real[:, None].expand(b, h, n)], -1), n_end,
-                        torch.cat([self.keys, key_new], 2))
+                        None if held is None else torch.cat([held, key_new], 2))
 
     def _prefill_scores(self, query, key_new, value_new, nonpad, scaling, hook=None):
         """Let the policy rank a multi-token call before it is chunked (SnapKV); None for most.
@@ -508,11 +513,12 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
             return None
         n = query.shape[2]
         real = nonpad.sum(-1) if nonpad is not None else torch.full((query.shape[0],), n, device=self.device)
+        old_keys, old_values = self.kv()
         if hook is not None:
-            ranked = hook(query, key_new, self.keys, self.valid, real, scaling)
+            ranked = hook(query, key_new, old_keys, self.valid, real, scaling)
         else:
-            ranked = policy.prefill_scores(query, key_new, self.keys, self.valid, real, scaling,
-                                           value_new=value_new, old_values=self.values,
+            ranked = policy.prefill_scores(query, key_new, old_keys, self.valid, real, scaling,
+                                           value_new=value_new, old_values=old_values,
                                            old_in_order=self.held_in_order())
         if ranked is None:
             return None
@@ -536,16 +542,25 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         return torch.where(whole.flatten(1).all(-1), self.n_real, torch.full_like(self.n_real, -1))
 
     # -- accounting ------------------------------------------------------------------------------
+    def rank_keys(self) -> torch.Tensor | None:
+        """The keys a policy's rank reads: the held keys for a policy that ranks by them (``rkv``),
+        dequantized where the slots are quantized; None where no rank reads them (then nothing is
+        dequantized for it)."""
+        if self.codec is not None and not self.config.policy.ranks_by_keys:
+            return None
+        return self.float_keys()
+
     def kv_bytes(self) -> int:
+        """The bytes the slots' keys and values take, quantized slots' scales included."""
         if not self.is_initialized:
             return 0
         held = self.ragged if self.ragged is not None else self  # flat: each head's own slots only
-        return held.keys.numel() * held.keys.element_size() + held.values.numel() * held.values.element_size()
+        names = ("keys", "values") + (CODEC_TENSORS if self.codec is not None else ())
+        return sum(getattr(held, name).numel() * getattr(held, name).element_size() for name in names)
 
     def full_kv_bytes(self) -> int:
         """What a plain cache would hold: every position seen, for every row and head."""
         if not self.is_initialized:
             return 0
-        keys = self.ragged.keys if self.ragged is not None else self.keys
-        b, h = (self.ragged.shape[:2] if self.ragged is not None else keys.shape[:2])
-        return 2 * b * h * self.tokens_seen * keys.shape[-1] * keys.element_size()
+        b, h = self.ragged.shape[:2] if self.ragged is not None else self.keys.shape[:2]
+        return b * h * self.tokens_seen * sum(self.head_dims) * torch.empty((), dtype=self.dtype).element_size()

@@ -178,8 +178,9 @@ def probe_attention(layer, query, key_new, value_new, scaling: float, block: int
     b, hq, n, d = query.shape
     hkv, cap = key_new.shape[1], layer.capacity
     g = hq // hkv
-    keys = torch.cat([layer.keys, key_new], dim=2)
-    values = torch.cat([layer.values, value_new], dim=2)
+    held_keys, held_values = layer.kv()
+    keys = torch.cat([held_keys, key_new], dim=2)
+    values = torch.cat([held_values, value_new], dim=2)
     live = layer.valid[:, :, None, :]  # [B, Hkv, 1, cap]
     best = torch.zeros(b, hkv, cap, dtype=torch.float32, device=query.device)
     outputs = []

@@ -102,8 +102,9 @@ def token_scan(layer, query, key_new, value_new, scaling) -> torch.Tensor:
     hkv, cap = key_new.shape[1], layer.capacity
     g = hq // hkv
     device = layer.device
-    keys = torch.cat([layer.keys, key_new], dim=2)
-    values = torch.cat([layer.values, value_new], dim=2)
+    held_keys, held_values = layer.kv()
+    keys = torch.cat([held_keys, key_new], dim=2)
+    values = torch.cat([held_values, value_new], dim=2)
     total = cap + n
     n0 = int(layer.n_real[0])
     recent, sinks = int(layer.recent[0]), int(layer.sinks[0])
@@ -145,8 +146,8 @@ def token_scan(layer, query, key_new, value_new, scaling) -> torch.Tensor:
     valid = bias == 0
     capacity = min(total, int(layer.max_budget) + 1)
     order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)[..., :capacity]
-    layer.keys = keys.gather(2, order[..., None].expand(-1, -1, -1, d))
-    layer.values = values.gather(2, order[..., None].expand(-1, -1, -1, values.shape[-1]))
+    layer.store_kv(keys.gather(2, order[..., None].expand(-1, -1, -1, d)),
+                   values.gather(2, order[..., None].expand(-1, -1, -1, values.shape[-1])))
     layer.score = score.gather(2, order)
     layer.ordinal = ordinal.gather(2, order)
     layer.valid = valid.gather(2, order)

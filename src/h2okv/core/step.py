@@ -67,7 +67,7 @@ def evict(layer, m: int) -> None:
     shielded = ~layer.valid | protected(layer.ordinal, (layer.n_real - layer.recent).view(rows), layer.sinks.view(rows))
     # ranked before the early return below: a random policy draws the same numbers either way
     rank = eviction_rank(layer.config.policy, layer.layer_idx, layer.score, layer.ordinal, layer.n_real.view(rows),
-                         shielded, layer.keys, layer.valid)
+                         shielded, layer.rank_keys(), layer.valid)
     if m == 1:
         n_evict = 1
         victims = rank.argmin(dim=-1, keepdim=True)
@@ -108,9 +108,7 @@ def chunk_step(layer, query, k_new, v_new, nonpad, scaling, sliding_window, init
     else:
         slot_of_token = torch.argsort(layer.valid.to(torch.int8), dim=-1, stable=True)[..., :m]
 
-    idx = slot_of_token[..., None]
-    layer.keys.scatter_(2, idx.expand(-1, -1, -1, d), k_new)
-    layer.values.scatter_(2, idx.expand(-1, -1, -1, v_new.shape[-1]), v_new)
+    layer.write_kv(slot_of_token, k_new, v_new)
     real = nonpad if nonpad is not None else torch.ones(b, m, dtype=torch.bool, device=device)
     ordinals = layer.n_real[:, None] + torch.arange(m, device=device)  # [B, m]
     layer.ordinal.scatter_(2, slot_of_token, ordinals[:, None, :].expand(b, hkv, m))
@@ -134,7 +132,8 @@ def chunk_step(layer, query, k_new, v_new, nonpad, scaling, sliding_window, init
     weight = nonpad
     if need_mass and policy.score_queries == "last" and m > 1:
         weight = last_real_query(real)
-    out, mass = slot_attention(query, layer.keys, layer.values, allowed, scaling, need_mass=need_mass, query_weight=weight)
+    keys, values = layer.kv()
+    out, mass = slot_attention(query, keys, values, allowed, scaling, need_mass=need_mass, query_weight=weight)
     if mass is not None:
         fold_mass(policy, layer.score, mass, weight)
 

@@ -23,9 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
+from h2okv.core.quant import SCALE_DTYPE
+
 # per-slot tensors [B, H, capacity(, D)] and per-row vectors [B]
 SLOT_TENSORS = ("keys", "values", "score", "ordinal", "valid")
 ROW_VECTORS = ("n_real", "heavy", "recent", "sinks", "head_heavy")
+# quantized slots (``core/quant.py``): ``keys`` and ``values`` hold the codes, and these each
+# group's float16 scale and low, [B, H, capacity, G]: slot tensors like the others
+CODEC_TENSORS = ("key_scale", "key_low", "value_scale", "value_low")
 
 
 @dataclass
@@ -55,6 +60,8 @@ class SlotStorage:
     is_initialized: bool
     peak_capacity: int
     ragged: RaggedSlots | None = None  # see the module docstring
+    codec = None  # a SlotCodec when the slots are quantized (``core/quant.py``), else None
+    slot_tensors = SLOT_TENSORS  # the per-slot tensors every row and capacity operation moves
     stepper = None  # SlotLayer's decode stepper
     #: moves on every change of the rows or buffers that something is derived from (``changed``)
     version: int = 0
@@ -63,6 +70,8 @@ class SlotStorage:
         """Keep each (row, head)'s first ``widths`` slots only (``[B * H]``; its live slots must be
         among them): the dense slot tensors are dropped (None until ``to_dense``)."""
         b, h, cap = self.valid.shape
+        if self.codec is not None:  # the flat steps (native, kvzip's tail) read float slots
+            raise RuntimeError("quantized slots are kept dense")
         if int(widths.max()) > cap:  # a width past the buffer would shift every later head's offset
             raise RuntimeError(f"cannot flatten: a head's width {int(widths.max())} exceeds the capacity {cap}")
         base = torch.cumsum(widths, 0) - widths
@@ -117,11 +126,26 @@ class SlotStorage:
         dense[ragged.kept()] = flat
         return dense
 
-    def init_buffers(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def init_buffers(self, key_states: torch.Tensor, value_states: torch.Tensor, codec=None) -> None:
         b, h, _, d = key_states.shape
+        dv = value_states.shape[-1]
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states.new_zeros((b, h, 0, d))
-        self.values = value_states.new_zeros((b, h, 0, value_states.shape[-1]))
+        self.head_dims = (d, dv)
+        self.codec = codec
+        if codec is None:
+            self.slot_tensors = SLOT_TENSORS
+            self.keys = key_states.new_zeros((b, h, 0, d))
+            self.values = value_states.new_zeros((b, h, 0, dv))
+        else:
+            self.slot_tensors = SLOT_TENSORS + CODEC_TENSORS
+            codes = {"dtype": torch.uint8, "device": self.device}
+            self.keys = torch.zeros((b, h, 0, codec.code_width(d)), **codes)
+            self.values = torch.zeros((b, h, 0, codec.code_width(dv)), **codes)
+            scales = {"dtype": SCALE_DTYPE, "device": self.device}
+            self.key_scale = torch.zeros((b, h, 0, codec.groups(d)), **scales)
+            self.key_low = torch.zeros((b, h, 0, codec.groups(d)), **scales)
+            self.value_scale = torch.zeros((b, h, 0, codec.groups(dv)), **scales)
+            self.value_low = torch.zeros((b, h, 0, codec.groups(dv)), **scales)
         self.score = torch.zeros((b, h, 0), dtype=torch.float32, device=self.device)
         self.ordinal = torch.zeros((b, h, 0), dtype=torch.long, device=self.device)
         self.valid = torch.zeros((b, h, 0), dtype=torch.bool, device=self.device)
@@ -129,6 +153,46 @@ class SlotStorage:
         # heavy/recent/sinks are set by the first forward call (the prompt fixes the budget)
         self.heavy = self.recent = self.sinks = None
         self.head_heavy = None
+
+    # -- the keys and values as attention reads them --------------------------------------------
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` ``[B, H, capacity, D]`` in the model's dtype: the slot tensors
+        themselves, or for quantized slots their dequantized copies (``core/quant.py``)."""
+        if self.codec is None:
+            return self.keys, self.values
+        return self.float_keys(), self.codec.decode(self.values, self.value_scale, self.value_low, self.dtype)
+
+    def float_keys(self) -> torch.Tensor:
+        if self.codec is None:
+            return self.keys
+        return self.codec.decode(self.keys, self.key_scale, self.key_low, self.dtype)
+
+    def write_kv(self, slot: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Write token ``j``'s key and value ``[B, H, m, D]`` into slot ``slot[..., j]`` ``[B, H, m]``
+        (coded, for quantized slots)."""
+        if self.codec is None:
+            parts = (("keys", k_new), ("values", v_new))
+        else:
+            (k_codes, k_scale, k_low), (v_codes, v_scale, v_low) = self.codec.encode(k_new), self.codec.encode(v_new)
+            parts = (("keys", k_codes), ("key_scale", k_scale), ("key_low", k_low),
+                     ("values", v_codes), ("value_scale", v_scale), ("value_low", v_low))
+        for name, part in parts:
+            getattr(self, name).scatter_(2, slot[..., None].expand(*slot.shape, part.shape[-1]), part)
+
+    def bytes_per_slot(self) -> int:
+        """What one slot's key and value take (a quantized slot's scales and lows included)."""
+        d, dv = self.head_dims
+        if self.codec is None:
+            return (d + dv) * torch.empty((), dtype=self.dtype).element_size()
+        return self.codec.bytes_per_vector(d) + self.codec.bytes_per_vector(dv)
+
+    def store_kv(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace every slot's key and value by ``keys`` / ``values`` ``[B, H, capacity, D]``."""
+        if self.codec is None:
+            self.keys, self.values = keys, values
+            return
+        self.keys, self.key_scale, self.key_low = self.codec.encode(keys)
+        self.values, self.value_scale, self.value_low = self.codec.encode(values)
 
     @property
     def capacity(self) -> int:
@@ -175,7 +239,7 @@ class SlotStorage:
         if capacity == current:
             return
         if capacity > current:
-            for name in SLOT_TENSORS:
+            for name in self.slot_tensors:
                 old = getattr(self, name)
                 shape = list(old.shape)
                 shape[2] = capacity
@@ -185,7 +249,7 @@ class SlotStorage:
             self.peak_capacity = max(self.peak_capacity, capacity)
             return
         if not bool(self.valid[..., capacity:].any()):
-            for name in SLOT_TENSORS:
+            for name in self.slot_tensors:
                 setattr(self, name, getattr(self, name)[:, :, :capacity].clone())  # clone: free the rest
             return
         live = int(self.valid.sum(-1).max())
@@ -200,7 +264,7 @@ class SlotStorage:
         order = torch.argsort((~self.valid).view(torch.uint8), dim=-1, stable=True)
         if capacity is not None:
             order = order[..., :capacity]
-        for name in SLOT_TENSORS:
+        for name in self.slot_tensors:
             tensor = getattr(self, name)
             index = order if tensor.dim() == 3 else order[..., None].expand(*order.shape, tensor.shape[-1])
             moved = tensor.gather(2, index)
@@ -216,7 +280,7 @@ class SlotStorage:
             return
         self.to_dense()
         index = index.to(self.device)
-        for name in SLOT_TENSORS + ROW_VECTORS:
+        for name in self.slot_tensors + ROW_VECTORS:
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, tensor.index_select(0, index))
@@ -232,7 +296,9 @@ class SlotStorage:
         if (self.head_heavy is None) != (other.head_heavy is None):
             for part in (self, other):  # a uniform row is a row whose heads all have its heavy part
                 part.head_heavy = part.heads_heavy()
-        for name in SLOT_TENSORS + ROW_VECTORS:
+        if self.codec != other.codec:
+            raise RuntimeError(f"cannot join caches of other slot codings ({self.codec} and {other.codec})")
+        for name in self.slot_tensors + ROW_VECTORS:
             mine, theirs = getattr(self, name), getattr(other, name)
             if (mine is None) != (theirs is None):
                 raise RuntimeError(f"cannot join a prefilled cache with one that has not run ({name})")
@@ -244,7 +310,7 @@ class SlotStorage:
         """Append ``len(heavy)`` rows with no token yet (every slot free) and these budgets."""
         k = int(heavy.shape[0])
         self.to_dense()
-        for name in SLOT_TENSORS:
+        for name in self.slot_tensors:
             old = getattr(self, name)
             setattr(self, name, torch.cat([old, old.new_zeros((k, *old.shape[1:]))]))  # zeros: free slots
         self.n_real = torch.cat([self.n_real, self.n_real.new_zeros(k)])

@@ -37,9 +37,7 @@ def row_kv(cache, row: int) -> tuple[int, int]:
         if not layer.is_initialized:
             continue
         live = layer.live_slots()[row]  # [H]
-        keys = layer.ragged.keys if layer.ragged is not None else layer.keys  # either layout: [..., D]
-        per_slot = 2 * keys.shape[-1] * keys.element_size()  # K and V of one head
-        total += int(live.sum()) * per_slot
+        total += int(live.sum()) * layer.bytes_per_slot()  # K and V of one head
         most = max(most, int(live.max()))
     return total, most
 

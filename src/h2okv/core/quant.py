@@ -1,0 +1,106 @@
+"""Quantized slots: a kept token's key and value vectors in 8, 4 or 2 bits (``kv_bits``).
+
+Each slot is quantized on its own, per token, in groups of ``group`` channels: a group's codes are
+``round((x - low) / scale)`` in ``[0, 2**bits - 1]``, with its ``low`` (the group's minimum) and
+``scale`` stored in float16 beside the codes (asymmetric min-max, as KIVI's values and HQQ's
+groups). Codes of 4 and 2 bits are packed two and four to a byte.
+
+Per token and not per channel (KIVI quantizes keys per channel, across tokens): a slot is evicted
+and written alone, every step, so a scale shared with other slots would have to be re-fitted, and
+every slot of its group re-coded, whenever one of them leaves. Per token, a write codes one slot
+and an eviction touches nothing.
+
+The layer reads its slots back through ``decode`` (``SlotStorage.kv``): attention, scoring and
+eviction see the dequantized values and are otherwise unchanged. A forward call's new keys and
+values are passed through ``roundtrip`` before anything attends to them (``SlotLayer.attend``), so
+a token attends to itself as it is stored, and every path (a chunk, the per-token scan, a decode
+step) gives what the same path gives an unquantized cache fed the dequantized values
+(``tests/core/test_quantized_slots.py``). Coding a roundtripped vector again gives the same
+codes, scale and low (tested): writing it costs nothing more in accuracy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BITS = (8, 4, 2)
+DEFAULT_GROUP = 32
+SCALE_DTYPE = torch.float16  # the group's scale and low: 4 bytes a group, whatever the model's dtype
+
+
+@dataclass(frozen=True)
+class SlotCodec:
+    """How a layer stores its slots' keys and values: ``bits`` per channel, one float16 scale and
+    low per ``group`` channels of a token."""
+
+    bits: int
+    group: int = DEFAULT_GROUP
+
+    def __post_init__(self):
+        if self.bits not in BITS:
+            raise ValueError(f"kv_bits must be one of {', '.join(map(str, BITS))}, got {self.bits!r}")
+        if self.group < 1:
+            raise ValueError(f"kv_group must be >= 1, got {self.group!r}")
+
+    @property
+    def per_byte(self) -> int:
+        return 8 // self.bits
+
+    @property
+    def levels(self) -> int:
+        return (1 << self.bits) - 1
+
+    def groups(self, dim: int) -> int:
+        """Groups of a ``dim``-channel vector (a group that does not divide ``dim`` is refused)."""
+        if dim % self.group or self.group % self.per_byte:
+            raise ValueError(f"kv_group {self.group} must divide the head dimension {dim} and be a multiple of "
+                             f"{self.per_byte} ({self.bits}-bit codes pack {self.per_byte} to a byte)")
+        return dim // self.group
+
+    def code_width(self, dim: int) -> int:
+        """Bytes of codes per ``dim``-channel vector."""
+        return dim // self.per_byte
+
+    def bytes_per_vector(self, dim: int) -> int:
+        """What one stored key or value vector costs: its codes, and its groups' scale and low."""
+        return self.code_width(dim) + 2 * self.groups(dim) * torch.finfo(SCALE_DTYPE).bits // 8
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` ``[..., D]`` -> ``(codes [..., D / per_byte] uint8, scale [..., G], low [..., G])``."""
+        *lead, dim = x.shape
+        grouped = x.float().reshape(*lead, self.groups(dim), self.group)
+        low = grouped.amin(-1).to(SCALE_DTYPE)
+        # the scale and low as stored (float16) are the ones the codes are fitted to, so that
+        # decoding gives the nearest level of what is stored, and coding that again changes nothing
+        span = grouped.amax(-1) - low.float()
+        scale = (span / self.levels).to(SCALE_DTYPE)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: every code 0
+        codes = ((grouped - low.float()[..., None]) / scale.float()[..., None]).round_().clamp_(0, self.levels)
+        return self.pack(codes.to(torch.uint8).reshape(*lead, dim)), scale, low
+
+    def decode(self, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The stored vectors ``[..., D]`` in ``dtype``."""
+        levels = self.unpack(codes)
+        *lead, dim = levels.shape
+        grouped = levels.reshape(*lead, dim // self.group, self.group).float()
+        return (grouped * scale.float()[..., None] + low.float()[..., None]).reshape(*lead, dim).to(dtype)
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as a slot would give it back."""
+        return self.decode(*self.encode(x), x.dtype)
+
+    def pack(self, codes: torch.Tensor) -> torch.Tensor:
+        """``[..., D]`` codes of ``bits`` each -> ``[..., D / per_byte]`` bytes (the first code low)."""
+        if self.per_byte == 1:
+            return codes
+        parts = codes.reshape(*codes.shape[:-1], codes.shape[-1] // self.per_byte, self.per_byte)
+        shifts = torch.arange(0, 8, self.bits, dtype=torch.uint8, device=codes.device)
+        return (parts << shifts).sum(-1, dtype=torch.uint8)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        if self.per_byte == 1:
+            return packed
+        shifts = torch.arange(0, 8, self.bits, dtype=torch.uint8, device=packed.device)
+        return ((packed[..., None] >> shifts) & self.levels).reshape(*packed.shape[:-1], packed.shape[-1] * self.per_byte)

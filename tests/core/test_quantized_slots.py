@@ -1,0 +1,152 @@
+"""Quantized slots (``kv_bits``, ``core/quant.py``): the codes, and a cache that stores its kept
+keys and values in 8, 4 or 2 bits. Every path gives exactly what the same path gives an
+unquantized cache fed the dequantized keys and values; the bytes held are the codes and scales."""
+
+import functools
+
+import pytest
+import torch
+
+from h2okv import H2OCache
+from h2okv.core.compat import cache_arg
+from h2okv.core.decode import EagerStep, FillingStep
+from h2okv.core.kernels import use_kernels
+from h2okv.core.quant import SlotCodec
+from h2okv.errors import H2OError
+from h2okv.tools.tiny import random_ids, tiny_model
+
+pytestmark = pytest.mark.filterwarnings("ignore:h2okv. a budget of")
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_code_is_the_nearest_level_and_coding_it_again_changes_nothing(bits, dtype):
+    codec = SlotCodec(bits, group=16)
+    for seed in range(20):
+        x = torch.randn(3, 2, 17, 64, generator=torch.Generator().manual_seed(seed)) * (1 + seed)
+        x[..., seed % 64] *= 30  # an outlier channel, as keys have
+        x = x.to(dtype)
+        codes, scale, low = codec.encode(x)
+        assert codes.dtype == torch.uint8 and codes.shape[-1] == 64 * bits // 8
+        assert scale.shape[-1] == low.shape[-1] == 4
+        back = codec.roundtrip(x)
+        grouped_error = (back.float() - x.float()).abs().reshape(3, 2, 17, 4, 16).amax(-1)
+        # half a level, plus what float16's scale and low and the model's dtype round
+        assert bool((grouped_error <= scale.float() * 0.5 * 1.01 + x.float().abs().amax() * 2 ** -7).all())
+        again = codec.encode(back)
+        assert all(torch.equal(a, b) for a, b in zip(again, (codes, scale, low), strict=True))
+        assert torch.equal(codec.roundtrip(back), back)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_codes_pack_and_unpack(bits):
+    codec = SlotCodec(bits, group=8)
+    codes = torch.randint(0, 1 << bits, (5, 16), dtype=torch.uint8)
+    packed = codec.pack(codes)
+    assert packed.shape == (5, 16 * bits // 8)
+    assert torch.equal(codec.unpack(packed), codes)
+
+
+def test_a_vector_s_bytes_are_its_codes_and_its_groups_scale_and_low():
+    assert SlotCodec(8, 32).bytes_per_vector(64) == 64 + 2 * 2 * 2
+    assert SlotCodec(4, 32).bytes_per_vector(64) == 32 + 8
+    assert SlotCodec(2, 64).bytes_per_vector(128) == 32 + 8
+
+
+def dequantized_reference(cache: H2OCache, codec: SlotCodec) -> H2OCache:
+    """``cache`` (unquantized) fed every call's keys and values as the slots would give them back."""
+    for layer in cache.layers:
+        attend = layer.attend
+
+        def fed_roundtripped(query, key, value, *args, _attend=attend, **kwargs):
+            return _attend(query, codec.roundtrip(key), codec.roundtrip(value), *args, **kwargs)
+
+        layer.attend = functools.partial(fed_roundtripped)
+    return cache
+
+
+def greedy(model, ids, cache, mask=None, new=6):
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids) if mask is None else mask, **cache_arg(cache),
+                             max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=1,
+                             output_scores=True, return_dict_in_generate=True)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.scores)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("settings", [
+    {"policy": "h2o", "budget": 24},  # chunked prefill, the filling and the at-budget decode steps
+    {"policy": "h2o", "budget": 24, "chunk_size": 1},  # the per-token scan
+    {"policy": "snapkv:kernel=5", "budget": 24, "prefill": "late"},  # a whole call ranked up front
+    {"policy": "rkv", "budget": 24},  # ranks by the held keys
+    {"policy": "knorm", "budget": 24},  # a written token's score from its key
+    {"policy": "tova", "budget": 24, "head_budgets": "adaptive", "prefill": "late"},  # uneven heads
+    {"recipe": "bounded", "budget": 24, "chunk_size": 32},  # streamed: pieces, probes
+    {"policy": "full"},
+])
+def test_every_path_equals_an_unquantized_cache_fed_the_dequantized_values(bits, settings):
+    model = tiny_model("qwen2", layers=2, max_position_embeddings=1024, initializer_range=0.3)  # GQA
+    ids = random_ids(90, batch=2, seed=3)
+    codec = SlotCodec(bits, group=8)
+    with use_kernels("eager"):  # the reference's decode steps in the tensor ops the quantized ones run
+        quantized = H2OCache(model, kv_bits=bits, kv_group=8, **settings)
+        tokens, scores = greedy(model, ids, quantized)
+        reference = dequantized_reference(H2OCache(model, **settings), codec)
+        ref_tokens, ref_scores = greedy(model, ids, reference)
+    assert torch.equal(tokens, ref_tokens)
+    assert torch.equal(scores, ref_scores)
+    for mine, theirs in zip(quantized.layers, reference.layers, strict=True):
+        # the same slots kept, holding the keys and values the reference holds
+        assert torch.equal(mine.valid, theirs.valid) and torch.equal(mine.ordinal, theirs.ordinal)
+        for held, ref in zip(mine.kv(), theirs.kv(), strict=True):
+            assert torch.equal(held[mine.valid], ref[theirs.valid])
+
+
+def test_a_padded_batch_gives_each_row_its_answer_alone():
+    model = tiny_model("qwen2", layers=2, max_position_embeddings=1024, initializer_range=0.3)
+    ids = random_ids(60, batch=2, seed=4)
+    mask = torch.ones_like(ids)
+    ids[1, :12], mask[1, :12] = 1, 0  # row 1 is 12 tokens shorter, left-padded
+    tokens, _ = greedy(model, ids, H2OCache(model, policy="h2o", budget=16, kv_bits=4, kv_group=8), mask=mask)
+    for row in range(2):
+        alone = ids[row:row + 1, int((mask[row] == 0).sum()):]
+        own, _ = greedy(model, alone, H2OCache(model, policy="h2o", budget=16, kv_bits=4, kv_group=8))
+        assert torch.equal(tokens[row], own[0])
+
+
+def test_the_bytes_held_are_the_codes_and_scales_and_decode_runs_in_tensor_ops():
+    model = tiny_model("qwen2", layers=2, max_position_embeddings=1024)  # head dimension 16
+    ids = random_ids(80, batch=2, seed=5)
+    full = H2OCache(model, policy="h2o", budget=20)
+    quantized = H2OCache(model, policy="h2o", budget=20, kv_bits=4, kv_group=8)
+    greedy(model, ids, full)
+    greedy(model, ids, quantized)
+    layer, float_layer = quantized.layers[0], full.layers[0]
+    assert layer.bytes_per_slot() == 2 * (16 // 2 + 2 * 2 * 2)  # K and V: 8 bytes of codes, 2 groups x 4
+    assert float_layer.bytes_per_slot() == 2 * 16 * 4
+    slots = layer.valid.shape[0] * layer.valid.shape[1] * layer.capacity
+    assert layer.kv_bytes() == slots * layer.bytes_per_slot()
+    assert layer.full_kv_bytes() == float_layer.full_kv_bytes()  # against the model's dtype
+    assert isinstance(layer.stepper, (EagerStep, FillingStep))  # the C and Triton steps read float slots
+
+
+def test_a_cache_of_another_coding_cannot_join():
+    model = tiny_model("qwen2", layers=1, max_position_embeddings=1024)
+    ids = random_ids(40, batch=1, seed=6)
+    caches = [H2OCache(model, policy="h2o", budget=16, kv_bits=bits) for bits in (8, None)]
+    for cache in caches:
+        greedy(model, ids, cache, new=2)
+    with pytest.raises(RuntimeError, match="other slot codings"):
+        caches[0].layers[0].append_rows(caches[1].layers[0])
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"kv_bits": 3}, "kv_bits must be one of 8, 4, 2"),
+    ({"kv_bits": 8, "kv_group": 0}, "kv_group must be a whole number >= 1"),
+    ({"kv_bits": 4, "positions": "rolling", "policy": "h2o-mean"}, "kv_bits takes true positions"),
+    ({"kv_bits": 4, "kv_group": 6}, "kv_group 6 must divide the head dimension 16"),
+])
+def test_settings_it_cannot_run_are_refused_in_one_line(settings, message):
+    model = tiny_model("qwen2", layers=1, max_position_embeddings=1024)
+    with pytest.raises(H2OError, match=message):
+        H2OCache(model, **{"policy": "h2o", "budget": 16, **settings})
