@@ -36,6 +36,7 @@ PREFILL_MODES = ("chunked", "late", "streamed")
 HEAD_SPLITS = ("uniform", "adaptive", "layers")
 DEFAULT_HEAD_FLOOR = 0.2  # Ada-KV's safeguard share (core/head_budget.py)
 PART_NAMES = ("heavy", "recent", "heavy_ratio", "recent_ratio")
+DEFAULT_KV_GROUP = 32  # channels per scale of quantized slots (core/quant.py)
 
 
 def _setting(default, help: str, kind: str = "text", recipe_sets: bool = False, **more):
@@ -85,7 +86,7 @@ class CacheSettings:
     kv_bits: int | None = _setting(None, "store the kept keys and values in 8, 4 or 2 bits, per token in groups of "
                                          "--kv-group channels with a float16 scale and low each (none: the model's "
                                          "dtype)", kind="int", shown="none")
-    kv_group: int = _setting(32, "channels that share one scale with --kv-bits (at most the head dimension)",
+    kv_group: int = _setting(DEFAULT_KV_GROUP, "channels that share one scale with --kv-bits (at most the head dimension)",
                              kind="positive")
     protect_prompt: bool = _setting(False, "keep the prompt whole: the budget applies to the generated tokens (the "
                                            "KV reported counts both)", kind="switch")

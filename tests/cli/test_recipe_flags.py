@@ -107,6 +107,17 @@ def test_reasoning_rows_name_a_protected_prompt(tmp_path, capsys):
     assert cli.main(["eval", "reasoning", "--protect-prompt", "--policies", "kvzip"]) == 2  # refused before loading
 
 
+def test_reasoning_rows_say_their_slots_are_quantized_full_s_too():
+    from h2okv.eval.reasoning import Setup, config_label
+
+    setup = Setup(model="m", task="gsm8k", style="chat", max_new_tokens=8, batch_size=2, kv_bits=4)
+    assert setup.cache_options("full") == {"kv_bits": 4, "kv_group": 32}  # quantization alone
+    assert setup.cache_options("h2o") == {"kv_bits": 4, "kv_group": 32}
+    assert config_label("full", 0.5, None, False, setup.kv_label) == "full kv_bits=4"
+    assert config_label("h2o", 0.25, None, False, "4/64") == "h2o recent=0.25 kv_bits=4/64"
+    assert cli.main(["eval", "reasoning", "--kv-bits", "3", "--limit", "1"]) == 2  # refused in one line
+
+
 def test_longctx_recipes_and_options_reach_only_their_runs():
     from h2okv.eval.longctx.runner import Config, GridSpec
 

@@ -128,6 +128,12 @@ def test_the_bytes_held_are_the_codes_and_scales_and_decode_runs_in_tensor_ops()
     assert layer.kv_bytes() == slots * layer.bytes_per_slot()
     assert layer.full_kv_bytes() == float_layer.full_kv_bytes()  # against the model's dtype
     assert isinstance(layer.stepper, (EagerStep, FillingStep))  # the C and Triton steps read float slots
+    stats = quantized.stats()
+    assert stats["kv_bits"] == 4 and stats["settings"]["kv_bits"] == 4
+    # against a 16-bit full cache, not the float32 the CPU runs in: 4-bit codes are not 8x smaller
+    assert stats["full_kv_bytes_16bit"] * 2 == stats["full_kv_bytes"]
+    assert stats["kv_share_16bit"] == pytest.approx(2 * stats["kv_share"])
+    assert "4-bit slots" in quantized.summary() and "of a 16-bit full cache" in quantized.summary()
 
 
 def test_a_cache_of_another_coding_cannot_join():

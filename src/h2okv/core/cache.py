@@ -336,6 +336,9 @@ class H2OCache(Cache):
         layers = [layer for layer in self.layers if layer.is_initialized]
         slots = [int(layer.live_slots().max()) for layer in layers]
         kv, full = sum(layer.kv_bytes() for layer in layers), sum(layer.full_kv_bytes() for layer in layers)
+        # the yardstick of a quantized cache: a model run in float32 (on a CPU) would otherwise
+        # flatter 8-bit slots 4x, where a served model's cache is 16-bit
+        full_16 = sum(layer.full_kv_bytes(torch.bfloat16) for layer in layers)
         live = sum(int(layer.live_slots().sum()) for layer in layers)
         seen = sum(layer.tokens_seen * layer.live_slots().numel() for layer in layers)
         return {
@@ -363,6 +366,9 @@ class H2OCache(Cache):
             # live tokens' share (the rest is room: growth, or the widest head's width that a dense
             # layer of uneven head budgets holds for every head)
             "kv_share": kv / full if full else 1.0,
+            "kv_bits": self.settings.kv_bits,  # quantized slots (None: the model's dtype)
+            "full_kv_bytes_16bit": full_16,
+            "kv_share_16bit": kv / full_16 if full_16 else 1.0,
             "live_share": live / seen if seen else 1.0,
             # the most tokens a (row, layer, KV head) holds above its budget: kvzip's tail (what is
             # read after its ranking, kept whole for ``tail`` tokens), 0 for every other policy
@@ -376,6 +382,8 @@ class H2OCache(Cache):
         against a full cache of the same tokens (``stats()`` has the per-layer lists)."""
         stats = self.stats()
         name = stats["policy_spec"] + (f" (recipe {self.recipe})" if self.recipe else "")
+        if stats["kv_bits"] is not None:
+            name += f", {stats['kv_bits']}-bit slots"
         budget = stats["budget"]
         if budget is None:
             kept = "every token kept"
@@ -390,6 +398,8 @@ class H2OCache(Cache):
         share = f"{stats['kv_share']:.0%}"
         if stats["above_budget_tokens"]:
             share += f"; up to {stats['above_budget_tokens']} tokens per head above the budget in kvzip's tail"
+        if stats["kv_bits"] is not None and stats["full_kv_bytes_16bit"] != stats["full_kv_bytes"]:
+            share += f"; {stats['kv_share_16bit']:.0%} of a 16-bit full cache"
         if stats["kv_share"] - stats["live_share"] >= 0.01:
             share += f"; live tokens {stats['live_share']:.0%}, the rest free slots"
         return (f"{name}: {stats['tokens_seen']} tokens seen, {kept}, KV {stats['kv_bytes'] / mib:.2f} MiB "

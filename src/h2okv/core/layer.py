@@ -558,9 +558,10 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         names = ("keys", "values") + (CODEC_TENSORS if self.codec is not None else ())
         return sum(getattr(held, name).numel() * getattr(held, name).element_size() for name in names)
 
-    def full_kv_bytes(self) -> int:
-        """What a plain cache would hold: every position seen, for every row and head."""
+    def full_kv_bytes(self, dtype: torch.dtype | None = None) -> int:
+        """What a plain cache would hold: every position seen, for every row and head, in the
+        model's dtype or ``dtype``."""
         if not self.is_initialized:
             return 0
         b, h = self.ragged.shape[:2] if self.ragged is not None else self.keys.shape[:2]
-        return b * h * self.tokens_seen * sum(self.head_dims) * torch.empty((), dtype=self.dtype).element_size()
+        return b * h * self.tokens_seen * sum(self.head_dims) * torch.empty((), dtype=dtype or self.dtype).element_size()

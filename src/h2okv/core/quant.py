@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from h2okv.settings import DEFAULT_KV_GROUP
+
 BITS = (8, 4, 2)
-DEFAULT_GROUP = 32
 SCALE_DTYPE = torch.float16  # the group's scale and low: 4 bytes a group, whatever the model's dtype
 
 
@@ -36,7 +37,7 @@ class SlotCodec:
     low per ``group`` channels of a token."""
 
     bits: int
-    group: int = DEFAULT_GROUP
+    group: int = DEFAULT_KV_GROUP
 
     def __post_init__(self):
         if self.bits not in BITS:

@@ -32,6 +32,7 @@ from h2okv.eval.reasoning_data import Problem
 from h2okv.generation import chat_prompt_ids, new_cache
 from h2okv.policies import policy_class
 from h2okv.recipes import recipe_policy, recipe_runs
+from h2okv.settings import DEFAULT_KV_GROUP
 
 PIECE_FORMAT = "h2okv-reasoning/1"
 EXPORT_FORMAT = "h2okv-reasoning-prompts/1"  # read by tools/peer/run_kvpress.py
@@ -54,11 +55,23 @@ class Setup:
     recipe: str | None = None
     #: every evicting policy keeps the prompt whole, its budget on the answer (``H2OCache(protect_prompt=True)``)
     protect_prompt: bool = False
+    #: every policy, ``full`` included, keeps its slots quantized (``H2OCache(kv_bits=...)``); None: the model's dtype
+    kv_bits: int | None = None
+    kv_group: int = DEFAULT_KV_GROUP  # channels per scale of quantized slots
+
+    @property
+    def kv_label(self) -> str | None:
+        """How the rows' slots are coded, for their label: ``4``, ``4/64`` (another group), or None."""
+        if self.kv_bits is None:
+            return None
+        return f"{self.kv_bits}" if self.kv_group == DEFAULT_KV_GROUP else f"{self.kv_bits}/{self.kv_group}"
 
     def cache_options(self, policy: str) -> dict:
         """The recipe's further cache keywords (prefill, positions...) for the recipe's own policy,
         and ``protect_prompt`` for an evicting one."""
         protect = {"protect_prompt": True} if self.protect_prompt and policy_class(policy).evicts else {}
+        if self.kv_bits is not None:
+            protect.update(kv_bits=self.kv_bits, kv_group=self.kv_group)
         if self.recipe is None:
             return protect
         own, settings, _ = recipe_runs([self.recipe])[0]
@@ -68,13 +81,15 @@ class Setup:
         return {**settings, **protect}
 
 
-def config_label(policy: str, recent_share: float, recipe: str | None = None, protect_prompt: bool = False) -> str:
+def config_label(policy: str, recent_share: float, recipe: str | None = None, protect_prompt: bool = False,
+                 kv_bits: int | str | None = None) -> str:
     """A row's ``policy``: the policy, with its recipe or its recent share where that is not the
     default half (a piece of another share is then another line of the report, not the same one),
-    and ``protect-prompt`` when the prompt is kept whole."""
+    ``protect-prompt`` when the prompt is kept whole and ``kv_bits=N`` when the slots are quantized."""
+    bits = f" kv_bits={kv_bits}" if kv_bits is not None else ""
     if not policy_class(policy).evicts:
-        return policy
-    suffix = " protect-prompt" if protect_prompt else ""
+        return policy + bits
+    suffix = (" protect-prompt" if protect_prompt else "") + bits
     if recipe is not None and recipe_policy(recipe) == policy:
         return f"{policy} recipe={recipe}{suffix}"
     if recent_share == DEFAULT_RECENT_SHARE:
@@ -133,7 +148,7 @@ def run_batch(model, tokenizer, setup: Setup, problems: list[Problem], policy: s
     fraction, slots = (budget, None) if isinstance(budget, float) else (None, budget)
     cache = new_cache(model, policy, fraction, seed=setup.seed, slots=slots, recent_share=setup.recent_share,
                       **setup.cache_options(policy))
-    label = config_label(policy, setup.recent_share, setup.recipe, setup.protect_prompt)
+    label = config_label(policy, setup.recent_share, setup.recipe, setup.protect_prompt, setup.kv_label)
     start, cpu_start = time.perf_counter(), time.process_time()
     results = greedy_rows(model, prompts, cache, setup.max_new_tokens, eos_ids, stop=stop, decode=tokenizer.decode,
                           pad_id=tokenizer.pad_token_id or 0)
@@ -182,7 +197,7 @@ def reasoning_grid(model, tokenizer, setup: Setup, problems: list[Problem], poli
     eos = model_eos_ids(model, tokenizer)
     work = []
     for policy, budget in runs_of(policies, budgets):
-        label = config_label(policy, setup.recent_share, setup.recipe, setup.protect_prompt)
+        label = config_label(policy, setup.recent_share, setup.recipe, setup.protect_prompt, setup.kv_label)
         todo = [p for p in problems if (label, budget, p.id) not in done]
         work += [(policy, budget, todo[i: i + setup.batch_size]) for i in range(0, len(todo), setup.batch_size)]
     with tqdm(total=sum(len(w[2]) for w in work), desc=f"{setup.task} {setup.style}", unit="problem",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from h2okv.cli.args import (
     add_budget_shape_args,
+    add_cache_args,
     add_model_args,
     add_threads_arg,
     apply_threads,
@@ -15,6 +16,7 @@ from h2okv.cli.args import (
 )
 from h2okv.errors import H2OError
 from h2okv.recipes import recipe_help
+from h2okv.settings import DEFAULT_KV_GROUP
 
 DEFAULT_POLICIES = "full,h2o,h2o-mean,tova,snapkv,h2o-sink,sink,local"
 DEFAULT_BUDGETS = "64,128,256,512"
@@ -46,6 +48,7 @@ def register(kinds) -> None:
     p.add_argument("--protect-prompt", action="store_true",
                    help="keep each prompt whole: the budget applies to the answer (rows say protect-prompt; "
                         "the KV reported counts the prompt too)")
+    add_cache_args(p, ["kv_bits", "kv_group"])  # every row's slots quantized, full's too (quantization alone)
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="(default: 512)")
     p.add_argument("--batch-size", type=positive_int, default=50,
                    help="problems per batch, left-padded; each row evicts and stops on its own, so the answers "
@@ -112,7 +115,8 @@ def run(args) -> int:
     setup = Setup(model=args.model or model.name_or_path, task=args.task, style=args.prompt,
                   max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                   recent_share=args.recent_share,
-                  recipe=args.recipe, protect_prompt=args.protect_prompt)
+                  recipe=args.recipe, protect_prompt=args.protect_prompt, kv_bits=args.kv_bits,
+                  kv_group=args.kv_group or DEFAULT_KV_GROUP)
     if args.export_prompts:
         return export(args, model, tokenizer, setup, problems, budgets)
     save = (lambda piece: write_json(piece, args.json)) if args.json else None
