@@ -14,6 +14,8 @@ from h2okv.settings import DEFAULT_HEAD_FLOOR, PART_NAMES, CacheSettings
 
 # a request's budget fields: the older spelling (parts) and the one-argument spelling (budget + its recent share)
 BUDGET_FIELDS = (*PART_NAMES, "budget", "recent_share")
+# ``cache_options``' key of what every sequence's cache is built with, whatever its policy
+EVERY_POLICY = "*"
 
 
 @dataclass(frozen=True)
@@ -31,12 +33,14 @@ class EvictionDefaults:
 
     @classmethod
     def from_options(cls, recipe: str | None = None, policy: str | None = None, prefill: str | None = None,
-                     budget_floor: int | None = None, **budget) -> EvictionDefaults:
+                     budget_floor: int | None = None, kv_bits: int | None = None, kv_group: int | None = None,
+                     **budget) -> EvictionDefaults:
         """The server's settings from its flags: ``recipe`` fills what is not given, and the whole
         is checked here, once, as a cache's settings are (``CacheSettings``: one set of rules and
-        messages). ``budget``: ``budget``/``recent_share`` or the parts (``heavy``, ...)."""
+        messages). ``budget``: ``budget``/``recent_share`` or the parts (``heavy``, ...);
+        ``kv_bits``: every request's slots quantized, whatever its policy."""
         return cls(CacheSettings.build(policy, recipe=recipe, prefill=_reading(policy, prefill),
-                                       budget_floor=budget_floor, **budget))
+                                       budget_floor=budget_floor, kv_bits=kv_bits, kv_group=kv_group, **budget))
 
     @property
     def policy(self) -> str:
@@ -54,18 +58,22 @@ class EvictionDefaults:
         s = self.settings
         extra = {name: value for name, value in (("recipe", s.recipe), ("budget", s.budget),
                                                  ("recent_share", s.recent_share)) if value is not None}
-        split = {"head_budgets": s.head_budgets, "head_floor": s.head_floor} if self.cache_options() else {}
+        split = {"head_budgets": s.head_budgets, "head_floor": s.head_floor} if s.head_budgets != "uniform" else {}
+        coding = {"kv_bits": s.kv_bits, "kv_group": s.kv_group} if s.kv_bits is not None else {}
         return {"policy": s.policy_spec, **extra, **{name: getattr(s, name) for name in PART_NAMES},
-                "budget_floor": s.budget_floor, **split}
+                "budget_floor": s.budget_floor, **split, **coding}
 
     def cache_options(self) -> dict[str, dict]:
         """``H2OCache`` keywords beyond the budget, by policy spec: the executor builds every cache
         of the server's policy with them (plain data, so ``--tp`` followers get the same). A
         recipe's head split goes with the server's own policy only."""
         s = self.settings
-        if s.head_budgets == "uniform":
-            return {}
-        return {s.policy_spec: {"head_budgets": s.head_budgets, "head_floor": s.head_floor}}
+        options = {}
+        if s.kv_bits is not None:  # every request's cache, full's too, and the bytes a slot is admitted by
+            options[EVERY_POLICY] = {"kv_bits": s.kv_bits, "kv_group": s.kv_group}
+        if s.head_budgets != "uniform":
+            options[s.policy_spec] = {"head_budgets": s.head_budgets, "head_floor": s.head_floor}
+        return options
 
     def request(self, policy: str | None = None, budget: dict | None = None,
                 recipe: str | None = None) -> CacheSettings:

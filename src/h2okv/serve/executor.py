@@ -67,6 +67,7 @@ from h2okv.core.compat import cache_arg
 from h2okv.core.reconstruction import rank_by_probes
 from h2okv.policies import policy_class
 from h2okv.serve.batch import DecodeBatch
+from h2okv.serve.eviction import EVERY_POLICY
 from h2okv.serve.memory import bytes_per_slot
 
 PAD_ID = 0  # what pads feed; masked out, so any id would do
@@ -156,7 +157,7 @@ class Executor:
     # -- facts about the model (no cache involved) -------------------------------------------------
     def slot_bytes(self) -> int:
         """Bytes of one token's K and V across all layers and KV heads (``memory.bytes_per_slot``)."""
-        return bytes_per_slot(self.model)
+        return bytes_per_slot(self.model, **self.cache_options.get(EVERY_POLICY, {}))
 
     # -- sequences -----------------------------------------------------------------------------
     def open(self, uid: int, policy: str, heavy: int | None, recent: int | None, seed: int,
@@ -406,7 +407,8 @@ class Executor:
         positions = self.positions if spec.heavy is not None else "true"  # keeping everything, nothing rolls
         # a prompt ranked by reconstruction is read whole whatever the server's mode
         prefill = "late" if spec.probe is not None else self.prefill_mode
-        options = self.cache_options.get(spec.policy, {}) if spec.heavy is not None else {}
+        options = {**self.cache_options.get(EVERY_POLICY, {}),  # quantized slots: every cache's
+                   **(self.cache_options.get(spec.policy, {}) if spec.heavy is not None else {})}
         return H2OCache(self.model, policy=spec.policy, chunk_size=self.prefill_chunk, seed=spec.seed,
                         prefill=prefill, positions=positions, **budget, **options)
 

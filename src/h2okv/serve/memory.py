@@ -37,9 +37,10 @@ from h2okv.core.compat import cache_arg
 from h2okv.core.layer import GROWTH_MIN  # how much an empty layer grows on a 1-token write
 
 
-def bytes_per_slot(model) -> int:
-    """Bytes of one token's K and V across all layers and KV heads, measured on a 2-token forward."""
-    cache = H2OCache(model, policy="full")
+def bytes_per_slot(model, **coding) -> int:
+    """Bytes of one token's K and V across all layers and KV heads, measured on a 2-token forward;
+    ``coding``: ``kv_bits`` and ``kv_group`` of quantized slots (their codes and scales)."""
+    cache = H2OCache(model, policy="full", **coding)
     with torch.inference_mode():
         model(torch.zeros((1, 2), dtype=torch.long, device=model.device), **cache_arg(cache), use_cache=True)
     return sum(layer.kv_bytes() // layer.capacity for layer in cache.layers if layer.is_initialized)

@@ -1,0 +1,81 @@
+"""``h2okv serve --kv-bits N``: every request's cache holds quantized slots (``core/quant.py``),
+``full``'s too, its tokens are those of the same request generated alone with the same coding, and
+the engine admits sequences by the coded bytes of a slot: more of them in the same KV memory."""
+
+import torch
+
+from h2okv import H2OCache
+from h2okv.core.compat import cache_arg
+from h2okv.core.quant import SlotCodec
+from h2okv.serve.engine import Engine, EngineOptions, GenerationRequest
+from h2okv.serve.eviction import EVERY_POLICY, EvictionDefaults
+from h2okv.serve.memory import bytes_per_slot
+from serve_cases import CHUNK, prompt
+
+CODING = {"kv_bits": 4, "kv_group": 8}
+CASES = [(40, "h2o", 6, 6, 12), (23, "tova", 4, 5, 10), (30, "full", None, None, 8)]
+
+
+def alone_coded(model, ids, policy, heavy, recent, steps):
+    budget = {} if heavy is None else {"heavy": heavy, "recent": recent}
+    cache = H2OCache(model, policy=policy, chunk_size=CHUNK, **budget, **CODING)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), **cache_arg(cache), max_new_tokens=steps, min_new_tokens=steps,
+                             do_sample=False, pad_token_id=257)
+    return out[0, len(ids):].tolist()
+
+
+def test_the_server_s_coding_reaches_every_policy_s_cache():
+    eviction = EvictionDefaults.from_options(policy="h2o", budget=16, **CODING)
+    assert eviction.cache_options() == {EVERY_POLICY: CODING}
+    assert eviction.describe()["kv_bits"] == 4
+    assert EvictionDefaults.from_options(policy="h2o", budget=16).cache_options() == {}
+
+
+def test_a_quantized_engine_gives_each_request_its_tokens_alone_and_admits_by_coded_bytes(model_tok):
+    model, tok = model_tok
+    cache_options = EvictionDefaults.from_options(policy="h2o", budget=16, **CODING).cache_options()
+    float_bytes, coded_bytes = bytes_per_slot(model), bytes_per_slot(model, **CODING)
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_vector = SlotCodec(4, 8).bytes_per_vector(head_dim)
+    assert coded_bytes == 2 * per_vector * config.num_key_value_heads * config.num_hidden_layers
+    assert coded_bytes * 2 < float_bytes  # 4 bits and their scales against float32
+
+    engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, max_batch=8), cache_options=cache_options)
+    assert engine.slot_bytes == coded_bytes
+    engine.start()
+    try:
+        handles = [engine.submit(GenerationRequest(prompt(n, i), steps, policy, heavy, recent, temperature=0.0,
+                                                   ignore_eos=True))
+                   for i, (n, policy, heavy, recent, steps) in enumerate(CASES)]
+        for (n, policy, heavy, recent, steps), handle, i in zip(CASES, handles, range(len(CASES)), strict=True):
+            _, done = handle.result_blocking()
+            assert done.token_ids == alone_coded(model, prompt(n, i), policy, heavy, recent, steps), policy
+    finally:
+        engine.stop()
+
+
+def most_running(model, tok, memory: int, cache_options: dict) -> int:
+    """The largest batch an engine of ``memory`` bytes of KV ran 24 short h2o requests in."""
+    engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, max_batch=32, kv_memory=memory),
+                    cache_options=cache_options)
+    engine.start()
+    try:
+        handles = [engine.submit(GenerationRequest(prompt(20, i), 8, "h2o", 8, 8, temperature=0.0, ignore_eos=True))
+                   for i in range(24)]
+        for handle in handles:
+            handle.result_blocking()
+    finally:
+        engine.stop()
+    return engine.stats.batch_size_max
+
+
+def test_the_same_kv_memory_admits_more_quantized_sequences(model_tok):
+    model, tok = model_tok
+    memory = 4 * 30 * bytes_per_slot(model)  # room for about four float sequences
+    plain = most_running(model, tok, memory, {})
+    coded = most_running(model, tok, memory, EvictionDefaults.from_options(policy="h2o", budget=16,
+                                                                             **CODING).cache_options())
+    assert 2 <= plain < 12  # the memory, not the requests, bounds the float batch
+    assert coded >= 2 * plain  # a 4-bit slot (group 8) takes a quarter of a float32 one
