@@ -24,6 +24,7 @@ from h2okv.core.attention import attention_modules
 from h2okv.eval.plots import new_figure, policy_color, save_figure
 from h2okv.eval.scoring import perplexity, streaming_nll
 from h2okv.policies import policy_class
+from h2okv.settings import DEFAULT_KV_GROUP
 
 
 @contextlib.contextmanager
@@ -53,6 +54,12 @@ class PplRow:
     ppl_after_fill: float | None  # only predictions made once the cache is full (eviction has happened)
     after_fill_ratio_to_full: float | None
     seconds: float
+    kv_bits: int | None = None  # quantized slots (the reference, full, is always the model's dtype)
+    kv_group: int | None = None
+
+    @property
+    def label(self) -> str:
+        return self.policy if self.kv_bits is None else f"{self.policy} {self.kv_bits}-bit"
 
 
 def after_fill(nll: torch.Tensor, slots: int) -> torch.Tensor:
@@ -62,21 +69,26 @@ def after_fill(nll: torch.Tensor, slots: int) -> torch.Tensor:
 
 
 def ppl_grid(
-    model, ids: torch.Tensor, policies: list[str], budgets: list[float], seed: int = 0, progress=True
+    model, ids: torch.Tensor, policies: list[str], budgets: list[float], seed: int = 0, progress=True,
+    kv_bits: tuple = (None,), kv_group: int = DEFAULT_KV_GROUP,
 ) -> tuple[list[PplRow], float]:
-    """Rows for ``full`` (always measured: it is the reference) and each evicting policy x budget;
-    returns ``(rows, full_ppl)``. ``full`` is listed only if it is in ``policies``."""
+    """Rows for ``full`` (always measured: it is the reference) and each evicting policy x budget,
+    once per ``kv_bits`` (None: the model's dtype; a number: quantized slots, ``full``'s too, which
+    is quantization alone); returns ``(rows, full_ppl)``. The float ``full`` is listed only if it is
+    in ``policies``."""
     segments, tokens = ids.shape
     evicting = [p for p in policies if policy_class(p).evicts]
     n_layers = len({i for i, _ in attention_modules(model)})
-    runs = [("full", None)] + [(p, b) for p in evicting for b in budgets]
+    runs = [("full", None, None)] + [("full", None, bits) for bits in kv_bits if bits is not None]
+    runs += [(p, b, bits) for bits in kv_bits for p in evicting for b in budgets]
     rows: list[PplRow] = []
     with tqdm(total=len(runs) * n_layers, desc="ppl", unit="layer", disable=not progress) as bar, layer_progress(model, bar):
         full_nll = None
-        for policy, budget in runs:
-            bar.set_postfix_str(policy if budget is None else f"{policy}@{budget:g}")
+        for policy, budget, bits in runs:
+            bar.set_postfix_str((policy if budget is None else f"{policy}@{budget:g}") + (f" {bits}-bit" if bits else ""))
             start = time.perf_counter()
-            nll, slots = streaming_nll(model, ids, policy, budget, seed)
+            coding = {} if bits is None else {"kv_bits": bits, "kv_group": kv_group}
+            nll, slots = streaming_nll(model, ids, policy, budget, seed, **coding)
             seconds = time.perf_counter() - start
             if full_nll is None:
                 full_nll, full_ppl = nll, perplexity(nll)
@@ -85,7 +97,7 @@ def ppl_grid(
             tail = after_fill(nll, slots)
             tail_ppl = perplexity(tail) if tail.numel() else None
             tail_full = perplexity(after_fill(full_nll, slots)) if tail.numel() else None
-            if policy == "full" and "full" not in policies:
+            if policy == "full" and bits is None and "full" not in policies:
                 continue  # the reference is always measured, listed only when asked for
             rows.append(
                 PplRow(
@@ -99,6 +111,8 @@ def ppl_grid(
                     ppl_after_fill=tail_ppl,
                     after_fill_ratio_to_full=None if tail_ppl is None else tail_ppl / tail_full,
                     seconds=round(seconds, 2),
+                    kv_bits=bits,
+                    kv_group=None if bits is None else kv_group,
                 )
             )
     return rows, full_ppl
@@ -126,11 +140,13 @@ def plot_ppl(rows: list[PplRow], full_ppl: float, path, title: str):
 
     fig, axes = new_figure(ncols=2, width=5.6)
     left, right = axes[0]
-    policies = list(dict.fromkeys(r.policy for r in rows if r.policy != "full"))
-    for policy in policies:
-        points = sorted((r.budget, r.ppl) for r in rows if r.policy == policy)
+    series = list(dict.fromkeys(r.label for r in rows if r.label != "full"))  # a quantized full is a point at 100%
+    for label in series:
+        points = sorted((r.budget, r.ppl) for r in rows if r.label == label)
         budgets = [b * 100 for b, _ in points]
-        style = dict(marker="o", label=policy, color=policy_color(policy))
+        policy = label.split(" ")[0]
+        style = dict(marker="o" if label == policy else "s", label=label, color=policy_color(policy),
+                     linestyle="-" if label == policy else ":")
         left.plot(budgets, [p for _, p in points], **style)
         right.plot(budgets, [100 * (p / full_ppl - 1) for _, p in points], **style)
     left.axhline(full_ppl, color=policy_color("full"), linestyle="--", label=f"full ({full_ppl:.2f})")

@@ -15,13 +15,14 @@ from h2okv.generation import new_cache
 from h2okv.policies import policy_class
 
 
-def make_cache(model, policy: str, budget: float | None, seed: int = 0) -> H2OCache:
-    """The cache for one streaming pass: per-token eviction for evicting policies."""
+def make_cache(model, policy: str, budget: float | None, seed: int = 0, **coding) -> H2OCache:
+    """The cache for one streaming pass: per-token eviction for evicting policies; ``coding``:
+    ``kv_bits`` / ``kv_group`` of quantized slots."""
     evicts = policy_class(policy).evicts
     if evicts and budget is None:
         raise H2OError(f"policy {policy!r} needs a budget")
     # full keeps everything, so chunking cannot change what any query sees
-    return new_cache(model, policy, budget, chunk_size=1 if evicts else DEFAULT_CHUNK, seed=seed)
+    return new_cache(model, policy, budget, chunk_size=1 if evicts else DEFAULT_CHUNK, seed=seed, **coding)
 
 
 def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -34,12 +35,12 @@ def perplexity(nll: torch.Tensor) -> float:
     return math.exp(float(nll.double().mean()))
 
 
-def streaming_nll(model, ids: torch.Tensor, policy: str, budget: float | None, seed: int = 0):
+def streaming_nll(model, ids: torch.Tensor, policy: str, budget: float | None, seed: int = 0, **coding):
     """``(nll [B, N-1], slots)``: one teacher-forced pass with eviction applied as the text is read.
 
     ``slots`` is the number of tokens each (layer, head) keeps (``None`` for ``full``).
     """
-    cache = make_cache(model, policy, budget, seed)
+    cache = make_cache(model, policy, budget, seed, **coding)
     with torch.inference_mode():
         logits = model(ids.to(model.device), **cache_arg(cache), use_cache=True).logits
     budgets = cache.budget()

@@ -15,6 +15,7 @@ from h2okv.cli.args import (
     text_from_args,
 )
 from h2okv.errors import H2OError
+from h2okv.settings import DEFAULT_KV_GROUP
 
 DEFAULT_POLICIES = "full,h2o,local,sink,random"
 DEFAULT_BUDGETS = "0.05,0.1,0.2,0.5"
@@ -37,6 +38,11 @@ def register(kinds) -> None:
     p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default: {DEFAULT_POLICIES})")
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"cache budgets as fractions of --tokens (default: {DEFAULT_BUDGETS})")
     p.add_argument("--seed", type=int, default=0, help="seed of the random policy")
+    p.add_argument("--kv-bits", default=None, metavar="BITS",
+                   help="comma-separated 8, 4, 2 or none: every row again with its slots quantized (full's too: "
+                        "quantization alone); the reference stays the model's dtype (default: none)")
+    p.add_argument("--kv-group", type=positive_int, default=DEFAULT_KV_GROUP,
+                   help=f"channels per scale of quantized slots (default: {DEFAULT_KV_GROUP})")
     add_threads_arg(p)
     add_tp_args(p)
     p.add_argument("--window-tokens", type=positive_int, default=None,
@@ -54,6 +60,24 @@ def register(kinds) -> None:
     p.set_defaults(func=run)
 
 
+def parse_kv_bits(text: str | None) -> tuple:
+    """``"none,8,4"`` -> ``(None, 8, 4)``; the float rows always come first."""
+    from h2okv.core.quant import BITS
+
+    if text is None:
+        return (None,)
+    chosen = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if part == "none":
+            chosen.append(None)
+        elif part.isdigit() and int(part) in BITS:
+            chosen.append(int(part))
+        else:
+            raise H2OError(f"--kv-bits takes {', '.join(map(str, BITS))} or none, comma-separated, got {part!r}")
+    return tuple(dict.fromkeys([None, *chosen]))
+
+
 def run(args) -> int:
     from h2okv.eval.output import check_output_paths
     from h2okv.parallel import launch
@@ -61,6 +85,7 @@ def run(args) -> int:
     # settings are checked here, before the model load and before any rank starts
     parse_policies(args.policies)
     parse_budgets(args.budgets)
+    args.kv_bits_list = parse_kv_bits(args.kv_bits)
     if args.tokens < 2:
         raise H2OError("--tokens must be at least 2 (perplexity needs a token to predict)")
     check_output_paths(args.json, args.plot)
@@ -97,14 +122,15 @@ def score_on_rank(args) -> int:
         return stream_on_rank(args, model, tokenizer)
     ids = text_segments(tokenizer, text, args.tokens, args.segments)
     start = time.perf_counter()
-    rows, full_ppl = ppl_grid(model, ids, policies, budgets, seed=args.seed, progress=is_main_rank())
+    rows, full_ppl = ppl_grid(model, ids, policies, budgets, seed=args.seed, progress=is_main_rank(),
+                              kv_bits=args.kv_bits_list, kv_group=args.kv_group)
     total = time.perf_counter() - start
     if not is_main_rank():
         return 0
 
     print(f"Streaming perplexity, {args.segments} x {args.tokens} tokens of {label} (eviction after every token)")
     headers = ["policy", "budget", "slots", "ppl", "x full", "ppl after fill", "x full"]
-    table = [[r.policy, r.budget, r.slots, r.ppl, r.ppl_ratio_to_full, r.ppl_after_fill, r.after_fill_ratio_to_full] for r in rows]
+    table = [[r.label, r.budget, r.slots, r.ppl, r.ppl_ratio_to_full, r.ppl_after_fill, r.after_fill_ratio_to_full] for r in rows]
     print(format_table(headers, table))
     print(f"full-cache perplexity {full_ppl:.3f}; {len(rows)} rows in {total:.1f} s")
     if args.json:
