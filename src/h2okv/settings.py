@@ -86,6 +86,9 @@ class CacheSettings:
     kv_bits: int | None = _setting(None, "store the kept keys and values in 8, 4 or 2 bits, per token in groups of "
                                          "--kv-group channels with a float16 scale and low each (none: the model's "
                                          "dtype)", kind="int", shown="none")
+    key_bits: int | None = _setting(None, "with --kv-bits: the keys in these bits instead (8 with --kv-bits 4: keys "
+                                          "carry outlier channels, values code well in 4)", kind="int",
+                                    shown="--kv-bits")
     kv_group: int = _setting(DEFAULT_KV_GROUP, "channels that share one scale with --kv-bits (at most the head dimension)",
                              kind="positive")
     protect_prompt: bool = _setting(False, "keep the prompt whole: the budget applies to the generated tokens (the "
@@ -160,9 +163,13 @@ class CacheSettings:
         from h2okv.core.quant import BITS
 
         if self.kv_bits is None:
+            if self.key_bits is not None:
+                raise H2OError("key_bits sets the keys' bits of quantized slots: give kv_bits (the values') too")
             return
-        if isinstance(self.kv_bits, bool) or self.kv_bits not in BITS:
-            raise H2OError(f"kv_bits must be one of {', '.join(map(str, BITS))} (or none), got {self.kv_bits!r}")
+        for name in ("kv_bits", "key_bits"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or value not in BITS):
+                raise H2OError(f"{name} must be one of {', '.join(map(str, BITS))} (or none), got {value!r}")
         if isinstance(self.kv_group, bool) or not isinstance(self.kv_group, int) or self.kv_group < 1:
             raise H2OError(f"kv_group must be a whole number >= 1, got {self.kv_group!r}")
         if check_positions(policy, self.positions) is not None:

@@ -115,6 +115,8 @@ def test_reasoning_rows_say_their_slots_are_quantized_full_s_too():
     assert setup.cache_options("h2o") == {"kv_bits": 4, "kv_group": 32}
     assert config_label("full", 0.5, None, False, setup.kv_label) == "full kv_bits=4"
     assert config_label("h2o", 0.25, None, False, "4/64") == "h2o recent=0.25 kv_bits=4/64"
+    keys_8 = Setup(model="m", task="gsm8k", style="chat", max_new_tokens=8, batch_size=2, kv_bits=4, key_bits=8)
+    assert keys_8.kv_label == "k8v4" and keys_8.cache_options("h2o")["key_bits"] == 8
     assert cli.main(["eval", "reasoning", "--kv-bits", "3", "--limit", "1"]) == 2  # refused in one line
 
 

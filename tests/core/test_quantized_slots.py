@@ -53,13 +53,13 @@ def test_a_vector_s_bytes_are_its_codes_and_its_groups_scale_and_low():
     assert SlotCodec(2, 64).bytes_per_vector(128) == 32 + 8
 
 
-def dequantized_reference(cache: H2OCache, codec: SlotCodec) -> H2OCache:
+def dequantized_reference(cache: H2OCache, keys: SlotCodec, values: SlotCodec) -> H2OCache:
     """``cache`` (unquantized) fed every call's keys and values as the slots would give them back."""
     for layer in cache.layers:
         attend = layer.attend
 
         def fed_roundtripped(query, key, value, *args, _attend=attend, **kwargs):
-            return _attend(query, codec.roundtrip(key), codec.roundtrip(value), *args, **kwargs)
+            return _attend(query, keys.roundtrip(key), values.roundtrip(value), *args, **kwargs)
 
         layer.attend = functools.partial(fed_roundtripped)
     return cache
@@ -73,7 +73,7 @@ def greedy(model, ids, cache, mask=None, new=6):
     return out.sequences[:, ids.shape[1]:], torch.stack(out.scores)
 
 
-@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("bits", [8, 4, 2, (8, 4)])  # (keys, values)
 @pytest.mark.parametrize("settings", [
     {"policy": "h2o", "budget": 24},  # chunked prefill, the filling and the at-budget decode steps
     {"policy": "h2o", "budget": 24, "chunk_size": 1},  # the per-token scan
@@ -87,11 +87,11 @@ def greedy(model, ids, cache, mask=None, new=6):
 def test_every_path_equals_an_unquantized_cache_fed_the_dequantized_values(bits, settings):
     model = tiny_model("qwen2", layers=2, max_position_embeddings=1024, initializer_range=0.3)  # GQA
     ids = random_ids(90, batch=2, seed=3)
-    codec = SlotCodec(bits, group=8)
+    key_bits, value_bits = bits if isinstance(bits, tuple) else (bits, bits)
     with use_kernels("eager"):  # the reference's decode steps in the tensor ops the quantized ones run
-        quantized = H2OCache(model, kv_bits=bits, kv_group=8, **settings)
+        quantized = H2OCache(model, kv_bits=value_bits, key_bits=key_bits, kv_group=8, **settings)
         tokens, scores = greedy(model, ids, quantized)
-        reference = dequantized_reference(H2OCache(model, **settings), codec)
+        reference = dequantized_reference(H2OCache(model, **settings), SlotCodec(key_bits, 8), SlotCodec(value_bits, 8))
         ref_tokens, ref_scores = greedy(model, ids, reference)
     assert torch.equal(tokens, ref_tokens)
     assert torch.equal(scores, ref_scores)
@@ -134,6 +134,10 @@ def test_the_bytes_held_are_the_codes_and_scales_and_decode_runs_in_tensor_ops()
     assert stats["full_kv_bytes_16bit"] * 2 == stats["full_kv_bytes"]
     assert stats["kv_share_16bit"] == pytest.approx(2 * stats["kv_share"])
     assert "4-bit slots" in quantized.summary() and "of a 16-bit full cache" in quantized.summary()
+    keys_8 = H2OCache(model, policy="h2o", budget=20, kv_bits=4, key_bits=8, kv_group=8)
+    greedy(model, ids, keys_8, new=2)
+    assert keys_8.layers[0].bytes_per_slot() == (16 + 2 * 2 * 2) + (16 // 2 + 2 * 2 * 2)
+    assert keys_8.layers[0].keys.shape[-1] == 16 and keys_8.layers[0].values.shape[-1] == 8
 
 
 def test_a_cache_of_another_coding_cannot_join():
@@ -151,6 +155,8 @@ def test_a_cache_of_another_coding_cannot_join():
     ({"kv_bits": 8, "kv_group": 0}, "kv_group must be a whole number >= 1"),
     ({"kv_bits": 4, "positions": "rolling", "policy": "h2o-mean"}, "kv_bits takes true positions"),
     ({"kv_bits": 4, "kv_group": 6}, "kv_group 6 must divide the head dimension 16"),
+    ({"key_bits": 8}, "give kv_bits"),
+    ({"kv_bits": 4, "key_bits": 5}, "key_bits must be one of 8, 4, 2"),
 ])
 def test_settings_it_cannot_run_are_refused_in_one_line(settings, message):
     model = tiny_model("qwen2", layers=1, max_position_embeddings=1024)

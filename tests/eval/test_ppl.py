@@ -194,3 +194,5 @@ def test_kv_bits_rows_come_beside_the_float_ones_and_fewer_bits_cost_more(llama)
     assert abs(by["full 8-bit"] / full_ppl - 1) < abs(by["full 2-bit"] / full_ppl - 1)
     assert all(r.slots == 48 for r in rows if r.policy == "full")
     assert {r.kv_group for r in rows if r.kv_bits} == {8}
+    rows, _ = ppl_grid(llama, ids, ["h2o"], [0.5], progress=False, kv_bits=(4,), kv_group=8, key_bits=8)
+    assert [r.label for r in rows] == ["full k8v4", "h2o k8v4"]

@@ -12,7 +12,7 @@ from h2okv.serve.eviction import EVERY_POLICY, EvictionDefaults
 from h2okv.serve.memory import bytes_per_slot
 from serve_cases import CHUNK, prompt
 
-CODING = {"kv_bits": 4, "kv_group": 8}
+CODING = {"kv_bits": 4, "kv_group": 8, "key_bits": 8}
 CASES = [(40, "h2o", 6, 6, 12), (23, "tova", 4, 5, 10), (30, "full", None, None, 8)]
 
 
@@ -38,9 +38,9 @@ def test_a_quantized_engine_gives_each_request_its_tokens_alone_and_admits_by_co
     float_bytes, coded_bytes = bytes_per_slot(model), bytes_per_slot(model, **CODING)
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
-    per_vector = SlotCodec(4, 8).bytes_per_vector(head_dim)
-    assert coded_bytes == 2 * per_vector * config.num_key_value_heads * config.num_hidden_layers
-    assert coded_bytes * 2 < float_bytes  # 4 bits and their scales against float32
+    per_slot = SlotCodec(8, 8).bytes_per_vector(head_dim) + SlotCodec(4, 8).bytes_per_vector(head_dim)
+    assert coded_bytes == per_slot * config.num_key_value_heads * config.num_hidden_layers
+    assert coded_bytes * 2 < float_bytes  # 8-bit keys, 4-bit values and their scales against float32
 
     engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, max_batch=8), cache_options=cache_options)
     assert engine.slot_bytes == coded_bytes
@@ -78,4 +78,4 @@ def test_the_same_kv_memory_admits_more_quantized_sequences(model_tok):
     coded = most_running(model, tok, memory, EvictionDefaults.from_options(policy="h2o", budget=16,
                                                                              **CODING).cache_options())
     assert 2 <= plain < 12  # the memory, not the requests, bounds the float batch
-    assert coded >= 2 * plain  # a 4-bit slot (group 8) takes a quarter of a float32 one
+    assert coded >= 2 * plain  # 8-bit keys and 4-bit values (group 8) take under a third of float32's

@@ -51,7 +51,8 @@ def register(sub) -> None:
                    help="never stop at the end-of-sequence token: generate exactly --max-new-tokens (long runs)")
     add_model_args(p)
     add_budget_args(p, reconstruction=True)
-    add_cache_args(p, ["prefill", "head_budgets", "head_floor", "positions", "protect_prompt", "kv_bits", "kv_group"])
+    add_cache_args(p, ["prefill", "head_budgets", "head_floor", "positions", "protect_prompt", "kv_bits", "key_bits",
+                       "kv_group"])
     add_tp_args(p)
     p.set_defaults(func=run)
 

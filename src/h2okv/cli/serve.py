@@ -107,7 +107,7 @@ def register(sub) -> None:
     p.add_argument("--body-timeout", type=positive_float, default=30.0,
                    help="seconds a request body may take to arrive; then HTTP 408 (default: 30)")
     # the server's positions are its own flag's, whatever the recipe
-    add_cache_args(p, ["prefill", "positions", "kv_bits", "kv_group"], positions={
+    add_cache_args(p, ["prefill", "positions", "kv_bits", "key_bits", "kv_group"], positions={
         "default": "true", "help": "true (default) or rolling (rolling:shift, rolling:order): evicting requests keep "
                                    "their positions inside the context window, so max_tokens may exceed the context "
                                    "length"})
@@ -175,7 +175,8 @@ def run_serve(args) -> int:
     eviction = EvictionDefaults.from_options(recipe=recipe, policy=args.policy, prefill=args.prefill,
                                              budget=args.budget, recent_share=args.recent_share,
                                              budget_floor=args.budget_floor, kv_bits=args.kv_bits,
-                                             kv_group=args.kv_group, **budget_from_args(args))
+                                             kv_group=args.kv_group, key_bits=args.key_bits,
+                                             **budget_from_args(args))
     check_positions(policy_class(eviction.policy), args.positions)
     if args.max_queue < 0:
         raise H2OError(f"--max-queue must be >= 0, got {args.max_queue}")

@@ -14,7 +14,7 @@ from h2okv.core.attention import prepare_model
 from h2okv.core.budget import BudgetSpec, RowBudgets
 from h2okv.core.layer import LayerConfig, SlotLayer
 from h2okv.core.positions import RollingPositions, check_positions
-from h2okv.core.quant import SlotCodec
+from h2okv.core.quant import SlotCodec, SlotCoding
 from h2okv.errors import H2OError
 from h2okv.policies import Policy
 from h2okv.settings import DEFAULT_CHUNK, PREFILL_MODES, CacheSettings
@@ -22,19 +22,20 @@ from h2okv.settings import DEFAULT_CHUNK, PREFILL_MODES, CacheSettings
 __all__ = ["DEFAULT_CHUNK", "PREFILL_MODES", "H2OCache"]
 
 
-def slot_codec(model, settings: CacheSettings) -> SlotCodec | None:
-    """The layers' slot coding for ``settings.kv_bits`` (None: the model's dtype), checked against
-    the model's head dimension."""
+def slot_codec(model, settings: CacheSettings) -> SlotCoding | None:
+    """The layers' slot coding for ``settings.kv_bits`` (and ``key_bits``; None: the model's
+    dtype), checked against the model's head dimension."""
     if settings.kv_bits is None:
         return None
     config = model.config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    codec = SlotCodec(settings.kv_bits, min(settings.kv_group, head_dim))  # a group is at most a head's vector
+    group = min(settings.kv_group, head_dim)  # a group is at most a head's vector
+    coding = SlotCoding(SlotCodec(settings.key_bits or settings.kv_bits, group), SlotCodec(settings.kv_bits, group))
     try:
-        codec.groups(head_dim)
+        coding.bytes_per_slot(head_dim, head_dim)
     except ValueError as err:
         raise H2OError(str(err)) from None
-    return codec
+    return coding
 
 
 class H2OCache(Cache):

@@ -20,7 +20,7 @@ from h2okv.core.attention import set_pending
 from h2okv.core.budget import RowBudgets
 from h2okv.core.decode import choose_stepper
 from h2okv.core.head_budget import allocate
-from h2okv.core.quant import SlotCodec
+from h2okv.core.quant import SlotCoding
 from h2okv.core.reconstruction import check_probe_call, probe_attention
 from h2okv.core.scan import can_scan, token_scan
 from h2okv.core.step import chunk_step, evict, policy_key, protected
@@ -58,7 +58,7 @@ class LayerConfig:
     head_budgets: str  # "uniform", "adaptive" or "layers"
     head_floor: float
     compileable: bool = False  # decode steps at the budget in tensor ops torch.compile can trace
-    codec: SlotCodec | None = None  # quantized slots (``kv_bits``, core/quant.py); None: the model's dtype
+    codec: SlotCoding | None = None  # quantized slots (``kv_bits``, core/quant.py); None: the model's dtype
 
 
 class SlotLayer(SlotStorage, CacheLayerMixin):
@@ -261,7 +261,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         sliding window are applied from the slots' ordinals.
         """
         if self.codec is not None:  # the call's tokens as their slots will give them back (quant.py)
-            key_new, value_new = self.codec.roundtrip(key_new), self.codec.roundtrip(value_new)
+            key_new, value_new = self.codec.keys.roundtrip(key_new), self.codec.values.roundtrip(value_new)
         if self.probe.best is not None:
             return self._attend_probe(query, key_new, value_new, new_mask, scaling, sliding_window)
         if self.stream == "probe":

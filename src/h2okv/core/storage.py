@@ -60,7 +60,7 @@ class SlotStorage:
     is_initialized: bool
     peak_capacity: int
     ragged: RaggedSlots | None = None  # see the module docstring
-    codec = None  # a SlotCodec when the slots are quantized (``core/quant.py``), else None
+    codec = None  # a SlotCoding when the slots are quantized (``core/quant.py``), else None
     slot_tensors = SLOT_TENSORS  # the per-slot tensors every row and capacity operation moves
     stepper = None  # SlotLayer's decode stepper
     #: moves on every change of the rows or buffers that something is derived from (``changed``)
@@ -139,13 +139,13 @@ class SlotStorage:
         else:
             self.slot_tensors = SLOT_TENSORS + CODEC_TENSORS
             codes = {"dtype": torch.uint8, "device": self.device}
-            self.keys = torch.zeros((b, h, 0, codec.code_width(d)), **codes)
-            self.values = torch.zeros((b, h, 0, codec.code_width(dv)), **codes)
+            self.keys = torch.zeros((b, h, 0, codec.keys.code_width(d)), **codes)
+            self.values = torch.zeros((b, h, 0, codec.values.code_width(dv)), **codes)
             scales = {"dtype": SCALE_DTYPE, "device": self.device}
-            self.key_scale = torch.zeros((b, h, 0, codec.groups(d)), **scales)
-            self.key_low = torch.zeros((b, h, 0, codec.groups(d)), **scales)
-            self.value_scale = torch.zeros((b, h, 0, codec.groups(dv)), **scales)
-            self.value_low = torch.zeros((b, h, 0, codec.groups(dv)), **scales)
+            self.key_scale = torch.zeros((b, h, 0, codec.keys.groups(d)), **scales)
+            self.key_low = torch.zeros((b, h, 0, codec.keys.groups(d)), **scales)
+            self.value_scale = torch.zeros((b, h, 0, codec.values.groups(dv)), **scales)
+            self.value_low = torch.zeros((b, h, 0, codec.values.groups(dv)), **scales)
         self.score = torch.zeros((b, h, 0), dtype=torch.float32, device=self.device)
         self.ordinal = torch.zeros((b, h, 0), dtype=torch.long, device=self.device)
         self.valid = torch.zeros((b, h, 0), dtype=torch.bool, device=self.device)
@@ -160,12 +160,12 @@ class SlotStorage:
         themselves, or for quantized slots their dequantized copies (``core/quant.py``)."""
         if self.codec is None:
             return self.keys, self.values
-        return self.float_keys(), self.codec.decode(self.values, self.value_scale, self.value_low, self.dtype)
+        return self.float_keys(), self.codec.values.decode(self.values, self.value_scale, self.value_low, self.dtype)
 
     def float_keys(self) -> torch.Tensor:
         if self.codec is None:
             return self.keys
-        return self.codec.decode(self.keys, self.key_scale, self.key_low, self.dtype)
+        return self.codec.keys.decode(self.keys, self.key_scale, self.key_low, self.dtype)
 
     def write_kv(self, slot: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Write token ``j``'s key and value ``[B, H, m, D]`` into slot ``slot[..., j]`` ``[B, H, m]``
@@ -173,7 +173,8 @@ class SlotStorage:
         if self.codec is None:
             parts = (("keys", k_new), ("values", v_new))
         else:
-            (k_codes, k_scale, k_low), (v_codes, v_scale, v_low) = self.codec.encode(k_new), self.codec.encode(v_new)
+            (k_codes, k_scale, k_low), (v_codes, v_scale, v_low) = self.codec.keys.encode(k_new), \
+                self.codec.values.encode(v_new)
             parts = (("keys", k_codes), ("key_scale", k_scale), ("key_low", k_low),
                      ("values", v_codes), ("value_scale", v_scale), ("value_low", v_low))
         for name, part in parts:
@@ -184,15 +185,15 @@ class SlotStorage:
         d, dv = self.head_dims
         if self.codec is None:
             return (d + dv) * torch.empty((), dtype=self.dtype).element_size()
-        return self.codec.bytes_per_vector(d) + self.codec.bytes_per_vector(dv)
+        return self.codec.bytes_per_slot(d, dv)
 
     def store_kv(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Replace every slot's key and value by ``keys`` / ``values`` ``[B, H, capacity, D]``."""
         if self.codec is None:
             self.keys, self.values = keys, values
             return
-        self.keys, self.key_scale, self.key_low = self.codec.encode(keys)
-        self.values, self.value_scale, self.value_low = self.codec.encode(values)
+        self.keys, self.key_scale, self.key_low = self.codec.keys.encode(keys)
+        self.values, self.value_scale, self.value_low = self.codec.values.encode(values)
 
     @property
     def capacity(self) -> int:

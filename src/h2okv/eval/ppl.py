@@ -56,10 +56,15 @@ class PplRow:
     seconds: float
     kv_bits: int | None = None  # quantized slots (the reference, full, is always the model's dtype)
     kv_group: int | None = None
+    key_bits: int | None = None  # the keys', where not kv_bits
 
     @property
     def label(self) -> str:
-        return self.policy if self.kv_bits is None else f"{self.policy} {self.kv_bits}-bit"
+        if self.kv_bits is None:
+            return self.policy
+        if self.key_bits in (None, self.kv_bits):
+            return f"{self.policy} {self.kv_bits}-bit"
+        return f"{self.policy} k{self.key_bits}v{self.kv_bits}"
 
 
 def after_fill(nll: torch.Tensor, slots: int) -> torch.Tensor:
@@ -70,12 +75,12 @@ def after_fill(nll: torch.Tensor, slots: int) -> torch.Tensor:
 
 def ppl_grid(
     model, ids: torch.Tensor, policies: list[str], budgets: list[float], seed: int = 0, progress=True,
-    kv_bits: tuple = (None,), kv_group: int = DEFAULT_KV_GROUP,
+    kv_bits: tuple = (None,), kv_group: int = DEFAULT_KV_GROUP, key_bits: int | None = None,
 ) -> tuple[list[PplRow], float]:
     """Rows for ``full`` (always measured: it is the reference) and each evicting policy x budget,
     once per ``kv_bits`` (None: the model's dtype; a number: quantized slots, ``full``'s too, which
     is quantization alone); returns ``(rows, full_ppl)``. The float ``full`` is listed only if it is
-    in ``policies``."""
+    in ``policies``. ``key_bits``: the keys' bits in every quantized row (None: each row's kv_bits)."""
     segments, tokens = ids.shape
     evicting = [p for p in policies if policy_class(p).evicts]
     n_layers = len({i for i, _ in attention_modules(model)})
@@ -85,9 +90,10 @@ def ppl_grid(
     with tqdm(total=len(runs) * n_layers, desc="ppl", unit="layer", disable=not progress) as bar, layer_progress(model, bar):
         full_nll = None
         for policy, budget, bits in runs:
+            keys = None if bits is None else key_bits
             bar.set_postfix_str((policy if budget is None else f"{policy}@{budget:g}") + (f" {bits}-bit" if bits else ""))
             start = time.perf_counter()
-            coding = {} if bits is None else {"kv_bits": bits, "kv_group": kv_group}
+            coding = {} if bits is None else {"kv_bits": bits, "kv_group": kv_group, "key_bits": keys}
             nll, slots = streaming_nll(model, ids, policy, budget, seed, **coding)
             seconds = time.perf_counter() - start
             if full_nll is None:
@@ -113,6 +119,7 @@ def ppl_grid(
                     seconds=round(seconds, 2),
                     kv_bits=bits,
                     kv_group=None if bits is None else kv_group,
+                    key_bits=keys,
                 )
             )
     return rows, full_ppl

@@ -58,13 +58,16 @@ class Setup:
     #: every policy, ``full`` included, keeps its slots quantized (``H2OCache(kv_bits=...)``); None: the model's dtype
     kv_bits: int | None = None
     kv_group: int = DEFAULT_KV_GROUP  # channels per scale of quantized slots
+    key_bits: int | None = None  # the keys' bits, where not kv_bits
 
     @property
     def kv_label(self) -> str | None:
-        """How the rows' slots are coded, for their label: ``4``, ``4/64`` (another group), or None."""
+        """How the rows' slots are coded, for their label: ``4``, ``k8v4`` (keys in other bits),
+        ``4/64`` (another group), or None."""
         if self.kv_bits is None:
             return None
-        return f"{self.kv_bits}" if self.kv_group == DEFAULT_KV_GROUP else f"{self.kv_bits}/{self.kv_group}"
+        bits = f"{self.kv_bits}" if self.key_bits in (None, self.kv_bits) else f"k{self.key_bits}v{self.kv_bits}"
+        return bits if self.kv_group == DEFAULT_KV_GROUP else f"{bits}/{self.kv_group}"
 
     def cache_options(self, policy: str) -> dict:
         """The recipe's further cache keywords (prefill, positions...) for the recipe's own policy,
@@ -72,6 +75,8 @@ class Setup:
         protect = {"protect_prompt": True} if self.protect_prompt and policy_class(policy).evicts else {}
         if self.kv_bits is not None:
             protect.update(kv_bits=self.kv_bits, kv_group=self.kv_group)
+            if self.key_bits is not None:
+                protect["key_bits"] = self.key_bits
         if self.recipe is None:
             return protect
         own, settings, _ = recipe_runs([self.recipe])[0]

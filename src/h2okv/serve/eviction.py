@@ -34,13 +34,14 @@ class EvictionDefaults:
     @classmethod
     def from_options(cls, recipe: str | None = None, policy: str | None = None, prefill: str | None = None,
                      budget_floor: int | None = None, kv_bits: int | None = None, kv_group: int | None = None,
-                     **budget) -> EvictionDefaults:
+                     key_bits: int | None = None, **budget) -> EvictionDefaults:
         """The server's settings from its flags: ``recipe`` fills what is not given, and the whole
         is checked here, once, as a cache's settings are (``CacheSettings``: one set of rules and
         messages). ``budget``: ``budget``/``recent_share`` or the parts (``heavy``, ...);
         ``kv_bits``: every request's slots quantized, whatever its policy."""
         return cls(CacheSettings.build(policy, recipe=recipe, prefill=_reading(policy, prefill),
-                                       budget_floor=budget_floor, kv_bits=kv_bits, kv_group=kv_group, **budget))
+                                       budget_floor=budget_floor, kv_bits=kv_bits, kv_group=kv_group,
+                                       key_bits=key_bits, **budget))
 
     @property
     def policy(self) -> str:
@@ -59,7 +60,7 @@ class EvictionDefaults:
         extra = {name: value for name, value in (("recipe", s.recipe), ("budget", s.budget),
                                                  ("recent_share", s.recent_share)) if value is not None}
         split = {"head_budgets": s.head_budgets, "head_floor": s.head_floor} if s.head_budgets != "uniform" else {}
-        coding = {"kv_bits": s.kv_bits, "kv_group": s.kv_group} if s.kv_bits is not None else {}
+        coding = coding_of(s) if s.kv_bits is not None else {}
         return {"policy": s.policy_spec, **extra, **{name: getattr(s, name) for name in PART_NAMES},
                 "budget_floor": s.budget_floor, **split, **coding}
 
@@ -70,7 +71,7 @@ class EvictionDefaults:
         s = self.settings
         options = {}
         if s.kv_bits is not None:  # every request's cache, full's too, and the bytes a slot is admitted by
-            options[EVERY_POLICY] = {"kv_bits": s.kv_bits, "kv_group": s.kv_group}
+            options[EVERY_POLICY] = coding_of(s)
         if s.head_budgets != "uniform":
             options[s.policy_spec] = {"head_budgets": s.head_budgets, "head_floor": s.head_floor}
         return options
@@ -112,6 +113,14 @@ class EvictionDefaults:
         settings = self.request(policy, budget, recipe) if overrides else self.settings
         heavy, recent = settings.resolve(prompt_len)
         return settings.policy_spec, heavy, recent
+
+
+def coding_of(settings: CacheSettings) -> dict:
+    """The quantized slots' keywords of ``settings`` (every request's cache takes them)."""
+    coding = {"kv_bits": settings.kv_bits, "kv_group": settings.kv_group}
+    if settings.key_bits is not None:
+        coding["key_bits"] = settings.key_bits
+    return coding
 
 
 def _reading(policy: str | None, prefill: str | None) -> str | None:

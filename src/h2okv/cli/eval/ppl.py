@@ -41,6 +41,8 @@ def register(kinds) -> None:
     p.add_argument("--kv-bits", default=None, metavar="BITS",
                    help="comma-separated 8, 4, 2 or none: every row again with its slots quantized (full's too: "
                         "quantization alone); the reference stays the model's dtype (default: none)")
+    p.add_argument("--key-bits", type=int, default=None, metavar="BITS",
+                   help="the keys' bits in every quantized row (e.g. 8 with --kv-bits 4; default: each row's)")
     p.add_argument("--kv-group", type=positive_int, default=DEFAULT_KV_GROUP,
                    help=f"channels per scale of quantized slots (default: {DEFAULT_KV_GROUP})")
     add_threads_arg(p)
@@ -86,6 +88,8 @@ def run(args) -> int:
     parse_policies(args.policies)
     parse_budgets(args.budgets)
     args.kv_bits_list = parse_kv_bits(args.kv_bits)
+    if args.key_bits is not None and (args.key_bits not in (8, 4, 2) or args.kv_bits_list == (None,)):
+        raise H2OError("--key-bits takes 8, 4 or 2, with --kv-bits")
     if args.tokens < 2:
         raise H2OError("--tokens must be at least 2 (perplexity needs a token to predict)")
     check_output_paths(args.json, args.plot)
@@ -123,7 +127,7 @@ def score_on_rank(args) -> int:
     ids = text_segments(tokenizer, text, args.tokens, args.segments)
     start = time.perf_counter()
     rows, full_ppl = ppl_grid(model, ids, policies, budgets, seed=args.seed, progress=is_main_rank(),
-                              kv_bits=args.kv_bits_list, kv_group=args.kv_group)
+                              kv_bits=args.kv_bits_list, kv_group=args.kv_group, key_bits=args.key_bits)
     total = time.perf_counter() - start
     if not is_main_rank():
         return 0
