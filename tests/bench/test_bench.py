@@ -242,6 +242,20 @@ def test_policy_study_on_a_tiny_model(tmp_path, capsys):
     assert "unknown policy 'nope'" in capsys.readouterr().err
 
 
+def test_policy_study_with_quantized_slots(tmp_path, capsys):
+    """bench --policies --kv-bits: the studied caches keep quantized slots (the reference stays plain)."""
+    out = tmp_path / "q.json"
+    assert main(["bench", "--model", "tiny:llama", "--policies", "h2o", "--kv-bits", "4", "--key-bits", "8",
+                 "--kv-group", "8", "--context", "64", "--steps", "2", "--scoring-tokens", "32", "--no-progress",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert {k: result["shape"][k] for k in ("kv_bits", "key_bits", "kv_group")} == {"kv_bits": 4, "key_bits": 8,
+                                                                                    "kv_group": 8}
+    assert result["decode"]["h2o"]["kept_tokens"] == 12
+    assert main(["bench", "--model", "tiny:llama", "--recipes", "bounded", "--kv-bits", "4"]) == 2
+    assert "--kv-bits shape the caches of the --policies study only" in capsys.readouterr().err
+
+
 def test_kernel_study_on_a_tiny_model(tmp_path, capsys):
     """bench --kernels: each path's decode step against the same-size reference and per-token
     scoring against a plain forward, in one run; a path that cannot run here is reported, not run."""

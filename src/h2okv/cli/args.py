@@ -285,7 +285,7 @@ def add_head_floor_arg(parser: argparse.ArgumentParser) -> None:
 
 def shape_from_args(args) -> dict:
     """``new_cache``'s ``recent_share``, ``prefill`` and ``head_budgets`` keywords from
-    ``add_budget_shape_args``."""
+    ``add_budget_shape_args``, and the quantized slots' where a command has their flags."""
     shape = {"recent_share": args.recent_share}
     if getattr(args, "prefill", None) is not None:
         shape["prefill"] = args.prefill
@@ -293,6 +293,9 @@ def shape_from_args(args) -> dict:
         shape["head_budgets"] = args.head_budgets
     if getattr(args, "head_floor", None) is not None:
         shape["head_floor"] = args.head_floor
+    for name in ("kv_bits", "key_bits", "kv_group"):  # quantized slots (bench --policies)
+        if getattr(args, name, None) is not None:
+            shape[name] = getattr(args, name)
     return shape
 
 

@@ -9,6 +9,7 @@ import os
 
 from h2okv.cli.args import (
     add_budget_shape_args,
+    add_cache_args,
     add_model_args,
     add_tp_args,
     examples,
@@ -85,6 +86,7 @@ def register(sub) -> None:
     p.add_argument("--scoring-tokens", type=positive_int, default=2048, help="tokens of the --policies scoring pass (default 2048)")
     p.add_argument("--scoring-repeats", type=positive_int, default=1, help="passes per policy in the --policies scoring study (default 1)")
     add_budget_shape_args(p, layers=True)  # how the --policies decode study spends --budget (its caches only)
+    add_cache_args(p, ["kv_bits", "key_bits", "kv_group"])  # ... and in what bits it keeps the slots
     add_tp_args(p)
     p.add_argument("--serve", nargs=argparse.REMAINDER, default=None, metavar="SERVE_BENCH_ARGS",
                    help="instead: the serving load generator (h2okv.bench.serve) with the `serve-bench` "
@@ -283,7 +285,8 @@ def run(args) -> int:
     if args.serve is not None:
         return run_serve(args)
     if (args.kernels or args.recipes or not args.policies) and shape_from_args(args) != default_shape():
-        raise H2OError("--recent-share, --prefill and --head-budgets shape the caches of the --policies study only")
+        raise H2OError("--recent-share, --prefill, --head-budgets and --kv-bits shape the caches of the --policies "
+                       "study only")
     if args.recipes:
         return run_recipes(args)
     if args.kernels:
