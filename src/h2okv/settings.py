@@ -37,6 +37,7 @@ HEAD_SPLITS = ("uniform", "adaptive", "layers")
 DEFAULT_HEAD_FLOOR = 0.2  # Ada-KV's safeguard share (core/head_budget.py)
 PART_NAMES = ("heavy", "recent", "heavy_ratio", "recent_ratio")
 DEFAULT_KV_GROUP = 32  # channels per scale of quantized slots (core/quant.py)
+KV_BITS = (8, 4, 2)  # the bits a quantized slot's key or value may take
 
 
 def _setting(default, help: str, kind: str = "text", recipe_sets: bool = False, **more):
@@ -160,7 +161,6 @@ class CacheSettings:
 
     def _check_kv_bits(self, policy) -> None:
         from h2okv.core.positions import check_positions
-        from h2okv.core.quant import BITS
 
         if self.kv_bits is None:
             if self.key_bits is not None:
@@ -168,8 +168,8 @@ class CacheSettings:
             return
         for name in ("kv_bits", "key_bits"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or value not in BITS):
-                raise H2OError(f"{name} must be one of {', '.join(map(str, BITS))} (or none), got {value!r}")
+            if value is not None and (isinstance(value, bool) or value not in KV_BITS):
+                raise H2OError(f"{name} must be one of {', '.join(map(str, KV_BITS))} (or none), got {value!r}")
         if isinstance(self.kv_group, bool) or not isinstance(self.kv_group, int) or self.kv_group < 1:
             raise H2OError(f"kv_group must be a whole number >= 1, got {self.kv_group!r}")
         if check_positions(policy, self.positions) is not None:

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from h2okv.settings import DEFAULT_KV_GROUP
+from h2okv.settings import KV_BITS as BITS
 
-BITS = (8, 4, 2)
 SCALE_DTYPE = torch.float16  # the group's scale and low: 4 bytes a group, whatever the model's dtype
 
 

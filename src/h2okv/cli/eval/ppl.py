@@ -64,7 +64,7 @@ def register(kinds) -> None:
 
 def parse_kv_bits(text: str | None) -> tuple:
     """``"none,8,4"`` -> ``(None, 8, 4)``; the float rows always come first."""
-    from h2okv.core.quant import BITS
+    from h2okv.settings import KV_BITS as BITS
 
     if text is None:
         return (None,)
