@@ -15,9 +15,10 @@ torch._dynamo = pytest.importorskip("torch._dynamo")
 WARMUP, STEPS = 3, 100
 
 
-def decode(model, forward, steps, prompt):
-    """Prefill eagerly (the prompt takes the cache to its budget), then ``steps`` greedy steps through ``forward``."""
-    cache = H2OCache(model, budget=32, compileable=True)
+def decode(model, forward, steps, prompt, **coding):
+    """Prefill eagerly (the prompt takes the cache to its budget), then ``steps`` greedy steps through
+    ``forward``; ``coding``: quantized slots' keywords."""
+    cache = H2OCache(model, budget=32, compileable=True, **coding)
     with torch.no_grad():
         out = model(input_ids=prompt, use_cache=True, **cache_arg(cache))
         tokens, logits = [], []
@@ -30,7 +31,8 @@ def decode(model, forward, steps, prompt):
     return cache, torch.cat(tokens, 1), torch.stack(logits)
 
 
-def test_compiled_decode_at_budget_one_graph_no_recompile():
+@pytest.mark.parametrize("coding", [{}, {"kv_bits": 4, "key_bits": 8, "kv_group": 8}], ids=["float", "quantized"])
+def test_compiled_decode_at_budget_one_graph_no_recompile(coding):
     torch._dynamo.reset()
     graphs = []
 
@@ -41,7 +43,7 @@ def test_compiled_decode_at_budget_one_graph_no_recompile():
     model = tiny_model("llama")
     prompt = random_ids(64, batch=2)
     with use_kernels("eager"):  # the reference: the same tensor-op steps, not compiled
-        _, want_tokens, want_logits = decode(model, model, WARMUP + STEPS, prompt)
+        _, want_tokens, want_logits = decode(model, model, WARMUP + STEPS, prompt, **coding)
         compiled = torch.compile(model, fullgraph=True, dynamic=False, backend=counting)
         warm = []
 
@@ -50,7 +52,7 @@ def test_compiled_decode_at_budget_one_graph_no_recompile():
             warm.append(len(graphs))
             return out
 
-        cache, tokens, logits = decode(model, forward, WARMUP + STEPS, prompt)
+        cache, tokens, logits = decode(model, forward, WARMUP + STEPS, prompt, **coding)
     torch._dynamo.reset()
     assert cache.is_compileable
     assert warm[WARMUP - 1] >= 1
