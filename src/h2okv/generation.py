@@ -236,6 +236,8 @@ def summary_line(stats: dict) -> str:
         f"[{stats.get('policy_spec', stats['policy'])}{', recipe ' + stats['recipe'] if stats.get('recipe') else ''}] tokens seen {stats['tokens_seen']}, slots kept {slots} per layer/head, "
         f"KV {stats['kv_bytes'] / mib:.2f} MiB vs full-cache {stats['full_kv_bytes'] / mib:.2f} MiB ({ratio:.1%})"
     )
+    if stats.get("kv_bits") is not None and stats.get("full_kv_bytes_16bit") not in (None, stats["full_kv_bytes"]):
+        line += f"; {stats['kv_coding']}: {stats['kv_share_16bit']:.1%} of a 16-bit full cache"
     ranks = stats.get("per_rank") or []
     if len(ranks) > 1:  # tensor parallel (h2okv.parallel.stats.gather_stats): the totals above are summed
         each = ", ".join(f"{r['kv_bytes'] / mib:.2f}" for r in ranks)

@@ -13,6 +13,7 @@ from h2okv.core.decode import EagerStep, FillingStep
 from h2okv.core.kernels import use_kernels
 from h2okv.core.quant import SlotCodec
 from h2okv.errors import H2OError
+from h2okv.generation import summary_line
 from h2okv.tools.tiny import random_ids, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:h2okv. a budget of")
@@ -138,6 +139,9 @@ def test_the_bytes_held_are_the_codes_and_scales_and_decode_runs_in_tensor_ops()
     greedy(model, ids, keys_8, new=2)
     assert keys_8.layers[0].bytes_per_slot() == (16 + 2 * 2 * 2) + (16 // 2 + 2 * 2 * 2)
     assert keys_8.layers[0].keys.shape[-1] == 16 and keys_8.layers[0].values.shape[-1] == 8
+    assert "8-bit keys, 4-bit values" in keys_8.summary()
+    assert "8-bit keys, 4-bit values: " in summary_line(keys_8.stats())  # generate's last line
+    assert "16-bit" not in summary_line(full.stats())
 
 
 def test_a_cache_of_another_coding_cannot_join():

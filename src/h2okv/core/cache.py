@@ -333,6 +333,15 @@ class H2OCache(Cache):
             return 0
         return max(0, int((layer.live_slots() - (layer.slot_budget() - layer.probe.tail_slots)).max()))
 
+    def _coding_label(self) -> str | None:
+        """``"4-bit slots"``, ``"8-bit keys, 4-bit values"``, or None for slots in the model's dtype."""
+        s = self.settings
+        if s.kv_bits is None:
+            return None
+        if s.key_bits in (None, s.kv_bits):
+            return f"{s.kv_bits}-bit slots"
+        return f"{s.key_bits}-bit keys, {s.kv_bits}-bit values"
+
     def stats(self) -> dict:
         layers = [layer for layer in self.layers if layer.is_initialized]
         slots = [int(layer.live_slots().max()) for layer in layers]
@@ -368,6 +377,7 @@ class H2OCache(Cache):
             # layer of uneven head budgets holds for every head)
             "kv_share": kv / full if full else 1.0,
             "kv_bits": self.settings.kv_bits,  # quantized slots (None: the model's dtype)
+            "kv_coding": self._coding_label(),
             "full_kv_bytes_16bit": full_16,
             "kv_share_16bit": kv / full_16 if full_16 else 1.0,
             "live_share": live / seen if seen else 1.0,
@@ -383,8 +393,8 @@ class H2OCache(Cache):
         against a full cache of the same tokens (``stats()`` has the per-layer lists)."""
         stats = self.stats()
         name = stats["policy_spec"] + (f" (recipe {self.recipe})" if self.recipe else "")
-        if stats["kv_bits"] is not None:
-            name += f", {stats['kv_bits']}-bit slots"
+        if stats["kv_coding"] is not None:
+            name += f", {stats['kv_coding']}"
         budget = stats["budget"]
         if budget is None:
             kept = "every token kept"
