@@ -22,7 +22,7 @@ from h2okv.settings import DEFAULT_CHUNK, PREFILL_MODES, CacheSettings
 __all__ = ["DEFAULT_CHUNK", "PREFILL_MODES", "H2OCache"]
 
 
-def slot_codec(model, settings: CacheSettings) -> SlotCoding | None:
+def slot_coding(model, settings: CacheSettings) -> SlotCoding | None:
     """The layers' slot coding for ``settings.kv_bits`` (and ``key_bits``; None: the model's
     dtype), checked against the model's head dimension."""
     if settings.kv_bits is None:
@@ -128,7 +128,7 @@ class H2OCache(Cache):
         num_layers = prepare_model(model)
         # what every layer is built with; the row budgets are the one state they share
         self.layer_config = LayerConfig(self.policy, self.prefill, self.chunk_size, self.head_budgets, self.head_floor,
-                                        compileable=bool(compileable), codec=slot_codec(model, settings))
+                                        compileable=bool(compileable), coding=slot_coding(model, settings))
         self.row_budgets = RowBudgets(self.policy, self.spec, bool(protect_prompt))
         super().__init__(layers=[SlotLayer(i, self.layer_config, self.row_budgets) for i in range(num_layers)])
         scheme = check_positions(self.policy, settings.positions)

@@ -116,7 +116,7 @@ def choose_stepper(layer):
     device = layer.device
     # quantized slots (core/quant.py): the tensor-op steps, which read them through ``layer.kv()``;
     # the C and Triton steps and the flat layouts read float slots
-    kernels = layer.codec is None and not layer.config.compileable
+    kernels = layer.coding is None and not layer.config.compileable
     triton = triton_on(device) and kernels
     fused = fused_mass_on(device) and not layer.config.compileable
     if room != (0, 0):

@@ -58,7 +58,7 @@ class LayerConfig:
     head_budgets: str  # "uniform", "adaptive" or "layers"
     head_floor: float
     compileable: bool = False  # decode steps at the budget in tensor ops torch.compile can trace
-    codec: SlotCoding | None = None  # quantized slots (``kv_bits``, core/quant.py); None: the model's dtype
+    coding: SlotCoding | None = None  # quantized slots (``kv_bits``, core/quant.py); None: the model's dtype
 
 
 class SlotLayer(SlotStorage, CacheLayerMixin):
@@ -101,7 +101,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         return self.config.compileable
 
     def lazy_initialization(self, key_states, value_states):
-        self.init_buffers(key_states, value_states, self.config.codec)
+        self.init_buffers(key_states, value_states, self.config.coding)
         self.stepper = None
         self.is_initialized = True
 
@@ -260,8 +260,8 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         we read padding from it and nothing else: causality among new tokens and the model's
         sliding window are applied from the slots' ordinals.
         """
-        if self.codec is not None:  # the call's tokens as their slots will give them back (quant.py)
-            key_new, value_new = self.codec.keys.roundtrip(key_new), self.codec.values.roundtrip(value_new)
+        if self.coding is not None:  # the call's tokens as their slots will give them back (quant.py)
+            key_new, value_new = self.coding.keys.roundtrip(key_new), self.coding.values.roundtrip(value_new)
         if self.probe.best is not None:
             return self._attend_probe(query, key_new, value_new, new_mask, scaling, sliding_window)
         if self.stream == "probe":
@@ -546,7 +546,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         """The keys a policy's rank reads: the held keys for a policy that ranks by them (``rkv``),
         dequantized where the slots are quantized; None where no rank reads them (then nothing is
         dequantized for it)."""
-        if self.codec is not None and not self.config.policy.ranks_by_keys:
+        if self.coding is not None and not self.config.policy.ranks_by_keys:
             return None
         return self.float_keys()
 
@@ -555,7 +555,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         if not self.is_initialized:
             return 0
         held = self.ragged if self.ragged is not None else self  # flat: each head's own slots only
-        names = ("keys", "values") + (CODEC_TENSORS if self.codec is not None else ())
+        names = ("keys", "values") + (CODEC_TENSORS if self.coding is not None else ())
         return sum(getattr(held, name).numel() * getattr(held, name).element_size() for name in names)
 
     def full_kv_bytes(self, dtype: torch.dtype | None = None) -> int:

@@ -60,7 +60,7 @@ class SlotStorage:
     is_initialized: bool
     peak_capacity: int
     ragged: RaggedSlots | None = None  # see the module docstring
-    codec = None  # a SlotCoding when the slots are quantized (``core/quant.py``), else None
+    coding = None  # a SlotCoding when the slots are quantized (``core/quant.py``), else None
     slot_tensors = SLOT_TENSORS  # the per-slot tensors every row and capacity operation moves
     stepper = None  # SlotLayer's decode stepper
     #: moves on every change of the rows or buffers that something is derived from (``changed``)
@@ -70,7 +70,7 @@ class SlotStorage:
         """Keep each (row, head)'s first ``widths`` slots only (``[B * H]``; its live slots must be
         among them): the dense slot tensors are dropped (None until ``to_dense``)."""
         b, h, cap = self.valid.shape
-        if self.codec is not None:  # the flat steps (native, kvzip's tail) read float slots
+        if self.coding is not None:  # the flat steps (native, kvzip's tail) read float slots
             raise RuntimeError("quantized slots are kept dense")
         if int(widths.max()) > cap:  # a width past the buffer would shift every later head's offset
             raise RuntimeError(f"cannot flatten: a head's width {int(widths.max())} exceeds the capacity {cap}")
@@ -126,26 +126,26 @@ class SlotStorage:
         dense[ragged.kept()] = flat
         return dense
 
-    def init_buffers(self, key_states: torch.Tensor, value_states: torch.Tensor, codec=None) -> None:
+    def init_buffers(self, key_states: torch.Tensor, value_states: torch.Tensor, coding=None) -> None:
         b, h, _, d = key_states.shape
         dv = value_states.shape[-1]
         self.dtype, self.device = key_states.dtype, key_states.device
         self.head_dims = (d, dv)
-        self.codec = codec
-        if codec is None:
+        self.coding = coding
+        if coding is None:
             self.slot_tensors = SLOT_TENSORS
             self.keys = key_states.new_zeros((b, h, 0, d))
             self.values = value_states.new_zeros((b, h, 0, dv))
         else:
             self.slot_tensors = SLOT_TENSORS + CODEC_TENSORS
             codes = {"dtype": torch.uint8, "device": self.device}
-            self.keys = torch.zeros((b, h, 0, codec.keys.code_width(d)), **codes)
-            self.values = torch.zeros((b, h, 0, codec.values.code_width(dv)), **codes)
+            self.keys = torch.zeros((b, h, 0, coding.keys.code_width(d)), **codes)
+            self.values = torch.zeros((b, h, 0, coding.values.code_width(dv)), **codes)
             scales = {"dtype": SCALE_DTYPE, "device": self.device}
-            self.key_scale = torch.zeros((b, h, 0, codec.keys.groups(d)), **scales)
-            self.key_low = torch.zeros((b, h, 0, codec.keys.groups(d)), **scales)
-            self.value_scale = torch.zeros((b, h, 0, codec.values.groups(dv)), **scales)
-            self.value_low = torch.zeros((b, h, 0, codec.values.groups(dv)), **scales)
+            self.key_scale = torch.zeros((b, h, 0, coding.keys.groups(d)), **scales)
+            self.key_low = torch.zeros((b, h, 0, coding.keys.groups(d)), **scales)
+            self.value_scale = torch.zeros((b, h, 0, coding.values.groups(dv)), **scales)
+            self.value_low = torch.zeros((b, h, 0, coding.values.groups(dv)), **scales)
         self.score = torch.zeros((b, h, 0), dtype=torch.float32, device=self.device)
         self.ordinal = torch.zeros((b, h, 0), dtype=torch.long, device=self.device)
         self.valid = torch.zeros((b, h, 0), dtype=torch.bool, device=self.device)
@@ -158,23 +158,23 @@ class SlotStorage:
     def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, values)`` ``[B, H, capacity, D]`` in the model's dtype: the slot tensors
         themselves, or for quantized slots their dequantized copies (``core/quant.py``)."""
-        if self.codec is None:
+        if self.coding is None:
             return self.keys, self.values
-        return self.float_keys(), self.codec.values.decode(self.values, self.value_scale, self.value_low, self.dtype)
+        return self.float_keys(), self.coding.values.decode(self.values, self.value_scale, self.value_low, self.dtype)
 
     def float_keys(self) -> torch.Tensor:
-        if self.codec is None:
+        if self.coding is None:
             return self.keys
-        return self.codec.keys.decode(self.keys, self.key_scale, self.key_low, self.dtype)
+        return self.coding.keys.decode(self.keys, self.key_scale, self.key_low, self.dtype)
 
     def write_kv(self, slot: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Write token ``j``'s key and value ``[B, H, m, D]`` into slot ``slot[..., j]`` ``[B, H, m]``
         (coded, for quantized slots)."""
-        if self.codec is None:
+        if self.coding is None:
             parts = (("keys", k_new), ("values", v_new))
         else:
-            (k_codes, k_scale, k_low), (v_codes, v_scale, v_low) = self.codec.keys.encode(k_new), \
-                self.codec.values.encode(v_new)
+            (k_codes, k_scale, k_low), (v_codes, v_scale, v_low) = self.coding.keys.encode(k_new), \
+                self.coding.values.encode(v_new)
             parts = (("keys", k_codes), ("key_scale", k_scale), ("key_low", k_low),
                      ("values", v_codes), ("value_scale", v_scale), ("value_low", v_low))
         for name, part in parts:
@@ -183,17 +183,17 @@ class SlotStorage:
     def bytes_per_slot(self) -> int:
         """What one slot's key and value take (a quantized slot's scales and lows included)."""
         d, dv = self.head_dims
-        if self.codec is None:
+        if self.coding is None:
             return (d + dv) * torch.empty((), dtype=self.dtype).element_size()
-        return self.codec.bytes_per_slot(d, dv)
+        return self.coding.bytes_per_slot(d, dv)
 
     def store_kv(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Replace every slot's key and value by ``keys`` / ``values`` ``[B, H, capacity, D]``."""
-        if self.codec is None:
+        if self.coding is None:
             self.keys, self.values = keys, values
             return
-        self.keys, self.key_scale, self.key_low = self.codec.keys.encode(keys)
-        self.values, self.value_scale, self.value_low = self.codec.values.encode(values)
+        self.keys, self.key_scale, self.key_low = self.coding.keys.encode(keys)
+        self.values, self.value_scale, self.value_low = self.coding.values.encode(values)
 
     @property
     def capacity(self) -> int:
@@ -297,8 +297,8 @@ class SlotStorage:
         if (self.head_heavy is None) != (other.head_heavy is None):
             for part in (self, other):  # a uniform row is a row whose heads all have its heavy part
                 part.head_heavy = part.heads_heavy()
-        if self.codec != other.codec:
-            raise RuntimeError(f"cannot join caches of other slot codings ({self.codec} and {other.codec})")
+        if self.coding != other.coding:
+            raise RuntimeError(f"cannot join caches of other slot codings ({self.coding} and {other.coding})")
         for name in self.slot_tensors + ROW_VECTORS:
             mine, theirs = getattr(self, name), getattr(other, name)
             if (mine is None) != (theirs is None):
