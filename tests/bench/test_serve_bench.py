@@ -38,7 +38,10 @@ def test_bench_compares_policies_at_the_same_kv_memory(tiny, tmp_path, capsys):
         assert row["completion_tokens"] == 10 * new  # ignore_eos: every request generates max_tokens
         assert row["kv_bytes_in_use_after"] == 0 and row["kv_bytes_peak"] <= kv_memory
         assert row["latency_p50_s"] <= row["latency_p95_s"]
-        assert 0 < row["itl_p50_s"] <= row["itl_p95_s"] and row["queue_p50_s"] <= row["queue_p95_s"]
+        # a client starved of CPU reads several SSE lines at once: their gaps round to 0 at 0.1 ms, so
+        # the median may be 0 on a loaded machine; the slowest gaps are the steps themselves
+        assert 0 <= row["itl_p50_s"] <= row["itl_p95_s"] and row["itl_p95_s"] > 0
+        assert row["queue_p50_s"] <= row["queue_p95_s"]
         assert row["engine_steps"] > 0 and 0 < row["outside_forward_share"] < 1  # the engine's time outside the model
         assert 0 < row["outside_forward_ms_p50"] <= row["outside_forward_ms_p99"]
     summary = result["summary"]
