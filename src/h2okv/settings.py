@@ -40,6 +40,17 @@ DEFAULT_KV_GROUP = 32  # channels per scale of quantized slots (core/quant.py)
 KV_BITS = (8, 4, 2)  # the bits a quantized slot's key or value may take
 
 
+def slot_coding_keywords(kv_bits: int | None, kv_group: int = DEFAULT_KV_GROUP, key_bits: int | None = None) -> dict:
+    """``H2OCache``'s keywords for quantized slots (none for ``kv_bits=None``; ``key_bits`` only
+    where given): what the server, ``eval reasoning`` and ``eval ppl`` hand every cache they build."""
+    if kv_bits is None:
+        return {}
+    coding = {"kv_bits": kv_bits, "kv_group": kv_group}
+    if key_bits is not None:
+        coding["key_bits"] = key_bits
+    return coding
+
+
 def _setting(default, help: str, kind: str = "text", recipe_sets: bool = False, **more):
     """A field with what its command-line flag needs (``cli.args.add_cache_args`` builds the flags
     from these, once): ``help`` in the flags' words, ``kind`` (how the flag's text is read),
@@ -154,14 +165,13 @@ class CacheSettings:
         if chosen.ranks_by_reconstruction and self.prefill != "late":
             raise H2OError(f"policy {chosen.spec!r} ranks the whole prompt after reading it: use prefill=late "
                            f"(--prefill late)")
-        self._check_kv_bits(chosen)
-        if check_positions(chosen, self.positions) is not None and self.compileable:
+        rolling = check_positions(chosen, self.positions) is not None
+        self._check_kv_bits(rolling)
+        if rolling and self.compileable:
             raise H2OError("compileable=True takes true positions only: the rolling positions' hook reads padding "
                            "from a 2D mask, and generate hands a compileable cache a 4D one")
 
-    def _check_kv_bits(self, policy) -> None:
-        from h2okv.core.positions import check_positions
-
+    def _check_kv_bits(self, rolling: bool) -> None:
         if self.kv_bits is None:
             if self.key_bits is not None:
                 raise H2OError("key_bits sets the keys' bits of quantized slots: give kv_bits (the values') too")
@@ -172,7 +182,7 @@ class CacheSettings:
                 raise H2OError(f"{name} must be one of {', '.join(map(str, KV_BITS))} (or none), got {value!r}")
         if isinstance(self.kv_group, bool) or not isinstance(self.kv_group, int) or self.kv_group < 1:
             raise H2OError(f"kv_group must be a whole number >= 1, got {self.kv_group!r}")
-        if check_positions(policy, self.positions) is not None:
+        if rolling:
             raise H2OError("kv_bits takes true positions: rolling positions rotate the kept keys in place, and a "
                            "quantized key would be coded again at every rotation")
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from h2okv.core.compat import config_head_dim
+
 _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
 
@@ -131,10 +133,8 @@ def measure_peak(device: torch.device | str = "cpu"):
 def kv_geometry(model) -> tuple[int, int, int]:
     """(layers, kv_heads, head_dim) of a decoder model's attention."""
     cfg = model.config.get_text_config()
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return cfg.num_hidden_layers, kv_heads, head_dim
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    return cfg.num_hidden_layers, kv_heads, config_head_dim(cfg)
 
 
 def kv_bytes_per_token(model, dtype: torch.dtype) -> int:

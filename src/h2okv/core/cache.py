@@ -12,6 +12,7 @@ from transformers.cache_utils import Cache
 from h2okv.core import autorank, streamed
 from h2okv.core.attention import prepare_model
 from h2okv.core.budget import BudgetSpec, RowBudgets
+from h2okv.core.compat import config_head_dim
 from h2okv.core.layer import LayerConfig, SlotLayer
 from h2okv.core.positions import RollingPositions, check_positions
 from h2okv.core.quant import SlotCodec, SlotCoding
@@ -28,7 +29,7 @@ def slot_coding(model, settings: CacheSettings) -> SlotCoding | None:
     if settings.kv_bits is None:
         return None
     config = model.config.get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = config_head_dim(config)
     group = min(settings.kv_group, head_dim)  # a group is at most a head's vector
     coding = SlotCoding(SlotCodec(settings.key_bits or settings.kv_bits, group), SlotCodec(settings.kv_bits, group))
     try:

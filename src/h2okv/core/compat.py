@@ -13,6 +13,12 @@ import inspect
 from functools import cache as _once
 
 
+def config_head_dim(config) -> int:
+    """A (text) config's attention head dimension: ``head_dim`` where the config names it (Gemma,
+    Qwen3), else the hidden size over the query heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 @_once
 def cache_kwarg() -> str:
     """``"cache"`` where the installed transformers takes it, else ``"past_key_values"``."""

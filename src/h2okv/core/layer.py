@@ -445,6 +445,14 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         """``(key, candidate)`` ``[B, H, cap]`` of this layer's slots (``_rank``)."""
         return self._rank(self.score, self.ordinal, self.valid, self.n_real, self.rank_keys())
 
+    def rank_keys(self) -> torch.Tensor | None:
+        """The keys a policy's rank reads: the held keys for a policy that ranks by them (``rkv``),
+        dequantized where the slots are quantized; None where no rank reads them (then nothing is
+        dequantized for it)."""
+        if self.coding is not None and not self.config.policy.ranks_by_keys:
+            return None
+        return self.float_keys()
+
     def rank_by_probe(self, head_heavy=None) -> None:
         """Evict to the budget once, by the probe's scores (``take_probe_scores``); ``head_heavy``
         ``[B, H]``: this layer's share of a cache-wide allocation (``head_budgets="layers"``)."""
@@ -542,14 +550,6 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         return torch.where(whole.flatten(1).all(-1), self.n_real, torch.full_like(self.n_real, -1))
 
     # -- accounting ------------------------------------------------------------------------------
-    def rank_keys(self) -> torch.Tensor | None:
-        """The keys a policy's rank reads: the held keys for a policy that ranks by them (``rkv``),
-        dequantized where the slots are quantized; None where no rank reads them (then nothing is
-        dequantized for it)."""
-        if self.coding is not None and not self.config.policy.ranks_by_keys:
-            return None
-        return self.float_keys()
-
     def kv_bytes(self) -> int:
         """The bytes the slots' keys and values take, quantized slots' scales included."""
         if not self.is_initialized:
@@ -564,4 +564,4 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         if not self.is_initialized:
             return 0
         b, h = self.ragged.shape[:2] if self.ragged is not None else self.keys.shape[:2]
-        return b * h * self.tokens_seen * sum(self.head_dims) * torch.empty((), dtype=dtype or self.dtype).element_size()
+        return b * h * self.tokens_seen * sum(self.head_dims) * (dtype or self.dtype).itemsize

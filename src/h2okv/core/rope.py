@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from h2okv.core.compat import config_head_dim
 from h2okv.errors import H2OError
 
 # rope types whose rotation depends only on the position (inv_freq and scaling fixed by the config)
@@ -72,7 +73,7 @@ class RopeRotation:
             inv_freq, _ = type(rotary).compute_default_rope_parameters(config)
         else:
             inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = config_head_dim(config)
         if 2 * inv_freq.numel() != head_dim and not partial_ok:
             raise H2OError(f"{name} rotates only {2 * inv_freq.numel()} of {head_dim} head dimensions "
                            f"(partial rotary), which rolling does not support")

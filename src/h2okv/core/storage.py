@@ -184,7 +184,7 @@ class SlotStorage:
         """What one slot's key and value take (a quantized slot's scales and lows included)."""
         d, dv = self.head_dims
         if self.coding is None:
-            return (d + dv) * torch.empty((), dtype=self.dtype).element_size()
+            return (d + dv) * self.dtype.itemsize
         return self.coding.bytes_per_slot(d, dv)
 
     def store_kv(self, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -24,7 +24,7 @@ from h2okv.core.attention import attention_modules
 from h2okv.eval.plots import new_figure, policy_color, save_figure
 from h2okv.eval.scoring import perplexity, streaming_nll
 from h2okv.policies import policy_class
-from h2okv.settings import DEFAULT_KV_GROUP
+from h2okv.settings import DEFAULT_KV_GROUP, slot_coding_keywords
 
 
 @contextlib.contextmanager
@@ -93,8 +93,7 @@ def ppl_grid(
             keys = None if bits is None else key_bits
             bar.set_postfix_str((policy if budget is None else f"{policy}@{budget:g}") + (f" {bits}-bit" if bits else ""))
             start = time.perf_counter()
-            coding = {} if bits is None else {"kv_bits": bits, "kv_group": kv_group, "key_bits": keys}
-            nll, slots = streaming_nll(model, ids, policy, budget, seed, **coding)
+            nll, slots = streaming_nll(model, ids, policy, budget, seed, **slot_coding_keywords(bits, kv_group, keys))
             seconds = time.perf_counter() - start
             if full_nll is None:
                 full_nll, full_ppl = nll, perplexity(nll)

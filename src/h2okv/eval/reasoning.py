@@ -32,7 +32,7 @@ from h2okv.eval.reasoning_data import Problem
 from h2okv.generation import chat_prompt_ids, new_cache
 from h2okv.policies import policy_class
 from h2okv.recipes import recipe_policy, recipe_runs
-from h2okv.settings import DEFAULT_KV_GROUP
+from h2okv.settings import DEFAULT_KV_GROUP, slot_coding_keywords
 
 PIECE_FORMAT = "h2okv-reasoning/1"
 EXPORT_FORMAT = "h2okv-reasoning-prompts/1"  # read by tools/peer/run_kvpress.py
@@ -73,10 +73,7 @@ class Setup:
         """The recipe's further cache keywords (prefill, positions...) for the recipe's own policy,
         and ``protect_prompt`` for an evicting one."""
         protect = {"protect_prompt": True} if self.protect_prompt and policy_class(policy).evicts else {}
-        if self.kv_bits is not None:
-            protect.update(kv_bits=self.kv_bits, kv_group=self.kv_group)
-            if self.key_bits is not None:
-                protect["key_bits"] = self.key_bits
+        protect.update(slot_coding_keywords(self.kv_bits, self.kv_group, self.key_bits))
         if self.recipe is None:
             return protect
         own, settings, _ = recipe_runs([self.recipe])[0]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from h2okv.policies import make_policy
 from h2okv.recipes import expand
-from h2okv.settings import DEFAULT_HEAD_FLOOR, PART_NAMES, CacheSettings
+from h2okv.settings import DEFAULT_HEAD_FLOOR, PART_NAMES, CacheSettings, slot_coding_keywords
 
 # a request's budget fields: the older spelling (parts) and the one-argument spelling (budget + its recent share)
 BUDGET_FIELDS = (*PART_NAMES, "budget", "recent_share")
@@ -117,10 +117,7 @@ class EvictionDefaults:
 
 def coding_of(settings: CacheSettings) -> dict:
     """The quantized slots' keywords of ``settings`` (every request's cache takes them)."""
-    coding = {"kv_bits": settings.kv_bits, "kv_group": settings.kv_group}
-    if settings.key_bits is not None:
-        coding["key_bits"] = settings.key_bits
-    return coding
+    return slot_coding_keywords(settings.kv_bits, settings.kv_group, settings.key_bits)
 
 
 def _reading(policy: str | None, prefill: str | None) -> str | None:

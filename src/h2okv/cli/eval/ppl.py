@@ -15,7 +15,7 @@ from h2okv.cli.args import (
     text_from_args,
 )
 from h2okv.errors import H2OError
-from h2okv.settings import DEFAULT_KV_GROUP
+from h2okv.settings import DEFAULT_KV_GROUP, KV_BITS
 
 DEFAULT_POLICIES = "full,h2o,local,sink,random"
 DEFAULT_BUDGETS = "0.05,0.1,0.2,0.5"
@@ -64,8 +64,6 @@ def register(kinds) -> None:
 
 def parse_kv_bits(text: str | None) -> tuple:
     """``"none,8,4"`` -> ``(None, 8, 4)``; the float rows always come first."""
-    from h2okv.settings import KV_BITS as BITS
-
     if text is None:
         return (None,)
     chosen = []
@@ -73,10 +71,10 @@ def parse_kv_bits(text: str | None) -> tuple:
         part = part.strip().lower()
         if part == "none":
             chosen.append(None)
-        elif part.isdigit() and int(part) in BITS:
+        elif part.isdigit() and int(part) in KV_BITS:
             chosen.append(int(part))
         else:
-            raise H2OError(f"--kv-bits takes {', '.join(map(str, BITS))} or none, comma-separated, got {part!r}")
+            raise H2OError(f"--kv-bits takes {', '.join(map(str, KV_BITS))} or none, comma-separated, got {part!r}")
     return tuple(dict.fromkeys([None, *chosen]))
 
 
@@ -88,8 +86,8 @@ def run(args) -> int:
     parse_policies(args.policies)
     parse_budgets(args.budgets)
     args.kv_bits_list = parse_kv_bits(args.kv_bits)
-    if args.key_bits is not None and (args.key_bits not in (8, 4, 2) or args.kv_bits_list == (None,)):
-        raise H2OError("--key-bits takes 8, 4 or 2, with --kv-bits")
+    if args.key_bits is not None and (args.key_bits not in KV_BITS or args.kv_bits_list == (None,)):
+        raise H2OError(f"--key-bits takes {', '.join(map(str, KV_BITS))}, with --kv-bits")
     if args.tokens < 2:
         raise H2OError("--tokens must be at least 2 (perplexity needs a token to predict)")
     check_output_paths(args.json, args.plot)
