@@ -130,6 +130,10 @@ def test_longctx_recipes_and_options_reach_only_their_runs():
     assert configs[1] == Config("kvzip", 0.2, {"prefill": "late", "head_budgets": "layers"})
     # the grid's --cache-option does not reach the recipe's run: it keeps its own configuration
     assert configs[2] == Config("snapkv:kernel=31,pool=max", 0.2, {"prefill": "streamed", "recent_share": 0.078}, "bounded")
+    # ... but quantized slots reach every run, full's and the recipe's too
+    coded = GridSpec(tasks=["vt"], contexts=[256], samples=1, policies=["full"], budgets=[0.2], recipes=["bounded"],
+                     coding={"kv_bits": 4, "kv_group": 32}).configs()
+    assert [c.options.get("kv_bits") for c in coded] == [4, 4] and coded[1].options["prefill"] == "streamed"
 
 
 def test_lm_eval_model_takes_a_recipe(tiny_dir):

@@ -203,6 +203,8 @@ def test_cache_options_pass_through_and_bad_ones_fail(monkeypatch):
         (["--merge", "/no/such.json"], "no such file"),
         (["--question", "maybe"], "invalid choice"),
         (["--policies", "none"], "--policies none runs the recipes alone: give --recipe"),
+        (["--key-bits", "8"], "give --kv-bits too"),
+        (["--kv-bits", "3"], "must be one of 8, 4, 2"),
     ],
 )
 def test_cli_bad_input_is_one_line_exit_2(argv, message, capsys):
@@ -274,6 +276,35 @@ def test_cli_recipes_alone_run_no_full_rows(tmp_path, tiny_run):
     for r in rows:
         assert (r["settings"]["heavy_ratio"], r["settings"]["recent_ratio"]) == pytest.approx((0.3 * 0.922, 0.3 * 0.078))
     assert len(fed) == 4  # one generate per prompt: no full run beside the recipe's
+
+
+def test_cli_kv_bits_quantize_every_row_and_name_the_recipe_rows(tmp_path, tiny_run):
+    """``--kv-bits`` reaches full's rows and the recipes' (a recipe keeps its own options, not the
+    slots' coding), each row records it, and a quantized row is its own cell and label."""
+    from h2okv.eval.longctx.rows import KV_GROUP_LABELLED_BY_BITS, config_label
+    from h2okv.settings import DEFAULT_KV_GROUP
+
+    assert KV_GROUP_LABELLED_BY_BITS == DEFAULT_KV_GROUP
+    model, fed, grid = tiny_run
+    out = tmp_path / "q.json"
+    assert main(["eval", "longctx", *grid, "--recipe", "bounded", "--budgets", "0.3", "--kv-bits", "4", "--key-bits", "8",
+                 "--json", str(out), "--plot", ""]) == 0
+    rows = json.loads(out.read_text())
+    assert len(rows) == 2 * 2 * 2
+    for r in rows:
+        assert r["cache_options"]["kv_bits"] == 4 and r["cache_options"]["key_bits"] == 8
+        assert r["settings"]["kv_bits"] == 4 and r["settings"]["key_bits"] == 8
+    full = [r for r in rows if r["policy"] == "full"]
+    # 8-bit keys and 4-bit values with a float16 scale and low per group (a group of 32, or of the tiny
+    # model's 16 channels): 7/16 or 1/2 of a 16-bit slot's bytes, under full too (quantization alone)
+    assert {r["kv_share_16bit"] for r in full} <= {0.4375, 0.5}
+    assert all(r["kv_share_16bit"] < full[0]["kv_share_16bit"] for r in rows if r.get("recipe"))
+    labels = {config_label(r["policy"], r["cache_options"], r.get("recipe")) for r in rows}
+    assert "recipe bounded k8v4" in labels
+    plain = tmp_path / "plain.json"
+    assert main(["eval", "longctx", *grid, "--recipe", "bounded", "--budgets", "0.3", "--json", str(plain),
+                 "--plot", ""]) == 0
+    assert all("kv_bits" not in r["cache_options"] for r in json.loads(plain.read_text()))
 
 
 def test_grid_prompts_are_what_the_export_holds(essay):

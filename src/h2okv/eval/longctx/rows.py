@@ -27,20 +27,35 @@ ROW_FIELDS = (
 # batch of ``batch``): seconds to the first token and after it, the process's peak memory above
 # what it held before the batch, the KV bytes held at the end as a fraction of a full cache's;
 # where it ran (``device``: cpu, cuda; ``dtype``: float32, bfloat16): rows of one configuration on
+# the default group of quantized slots (settings.DEFAULT_KV_GROUP, equal by a test: this file
+# imports nothing of h2okv), which a label leaves out
+KV_GROUP_LABELLED_BY_BITS = 32
+
 # two devices are one cell to the resume logic, but reports tell them apart; ``settings``: the
 # cache's CacheSettings as plain data (``describe()``), every keyword the recipe or defaults filled in
 OPTIONAL_FIELDS = ("recipe", "questions", "question_index", "prefill_tokens", "split",
-                   "prefill_s", "decode_s", "peak_mib", "kv_fraction", "batch", "device", "dtype", "settings")
+                   "prefill_s", "decode_s", "peak_mib", "kv_fraction", "kv_share_16bit", "batch", "device", "dtype", "settings")
 
 
 def config_label(policy: str, cache_options: dict | None, recipe: str | None = None) -> str:
     """How a configuration is named in tables and plots: a recipe by its name, else the policy
     spec, then its cache options."""
     if recipe:
-        return f"recipe {recipe}"
+        return f"recipe {recipe}{coding_suffix(cache_options)}"
     if not cache_options:
         return policy
     return f"{policy} [{','.join(f'{k}={v}' for k, v in sorted(cache_options.items()))}]"
+
+
+def coding_suffix(cache_options: dict | None) -> str:
+    """A recipe row's quantized slots, for its label (`` k8v4``, `` 4``, `` 4/64`` for another
+    group; empty for the model's dtype): a recipe is named, not its options, so the bits must be."""
+    options = cache_options or {}
+    bits, keys, group = options.get("kv_bits"), options.get("key_bits"), options.get("kv_group", KV_GROUP_LABELLED_BY_BITS)
+    if bits is None:
+        return ""
+    label = f"{bits}" if keys in (None, bits) else f"k{keys}v{bits}"
+    return f" {label}" if group == KV_GROUP_LABELLED_BY_BITS else f" {label}/{group}"
 
 
 def make_row(**fields) -> dict:

@@ -63,6 +63,9 @@ class GridSpec:
     recipes: list[str] = field(default_factory=list)  # run beside the policies, each with its own settings
     questions: int = 1  # questions per context: > 1 runs reuse vs fresh (reuse.py)
     batch: int | None = None  # the most prompts one forward reads (None: a cell's whole group)
+    #: quantized slots for every configuration, full's and the recipes' too (``settings.slot_coding_keywords``;
+    #: empty: the model's dtype). Part of each row's cache options, so a quantized row is its own cell
+    coding: dict = field(default_factory=dict)
 
     def options_for(self, policy: str) -> dict:
         """The cache keywords of ``policy``'s runs: a policy ranked by reconstruction reads the
@@ -75,9 +78,12 @@ class GridSpec:
 
     def configs(self) -> list[Config]:
         """Every configuration to run; a policy that keeps everything runs once, at budget 1."""
-        runs = [Config(p, 1.0, {}) for p in self.policies if not policy_class(p).evicts]
-        runs += [Config(p, b, self.options_for(p)) for p in self.policies if policy_class(p).evicts for b in self.budgets]
-        return runs + [Config(p, b, options, name) for p, options, name in recipe_runs(self.recipes) for b in self.budgets]
+        coding = self.coding
+        runs = [Config(p, 1.0, {**coding}) for p in self.policies if not policy_class(p).evicts]
+        runs += [Config(p, b, {**self.options_for(p), **coding}) for p in self.policies if policy_class(p).evicts
+                 for b in self.budgets]
+        return runs + [Config(p, b, {**options, **coding}, name) for p, options, name in recipe_runs(self.recipes)
+                       for b in self.budgets]
 
 
 @dataclass(frozen=True)
@@ -130,12 +136,15 @@ class Costs:
     peak_bytes: int = 0
     kv_bytes: int = 0
     full_kv_bytes: int = 0
+    full_kv_bytes_16bit: int = 0  # a full cache of the same tokens in 16 bits: what quantized slots are held against
 
     def per_row(self, rows: int) -> dict:
         """The row fields: times per prompt of the batch, the batch's peak, the KV fraction."""
         return {"prefill_s": round(self.prefill_s / rows, 3), "decode_s": round(self.decode_s / rows, 3),
                 "peak_mib": round(self.peak_bytes / 2**20, 1), "kv_fraction": round(self.kv_bytes / self.full_kv_bytes, 4)
-                if self.full_kv_bytes else None, "batch": rows}
+                if self.full_kv_bytes else None,
+                "kv_share_16bit": round(self.kv_bytes / self.full_kv_bytes_16bit, 4) if self.full_kv_bytes_16bit else None,
+                "batch": rows}
 
 
 def generate_answers(model, tokenizer, prompts: list[LongPrompt], cache, question: str, max_new_tokens: int,
@@ -164,6 +173,7 @@ def generate_answers(model, tokenizer, prompts: list[LongPrompt], cache, questio
         costs.prefill_s, costs.decode_s = first.at - start, end - first.at
         costs.peak_bytes = peak.peak_bytes
         costs.kv_bytes, costs.full_kv_bytes = stats.get("kv_bytes", 0), stats.get("full_kv_bytes", 0)
+        costs.full_kv_bytes_16bit = stats.get("full_kv_bytes_16bit", 0)
     return tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
 
 
