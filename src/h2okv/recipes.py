@@ -20,6 +20,12 @@ from h2okv.errors import H2OError
 
 # the budget a recipe keeps when none is given: the paper's "20% KV cache"
 DEFAULT_RECIPE_BUDGET = 0.2
+# How a budget in bytes (``bytes=0.1``, ``budget="4MiB"``) is coded when kv_bits is not given:
+# 8-bit keys, 4-bit values. Chosen on the dev text (Hamlet, 0.5B, streaming perplexity over full's):
+# at ~10% of a 16-bit cache's bytes h2o keeping 23% of the tokens in 8/4 bits read 1.048x against
+# 10% of them in 16 bits 1.198x, at ~20% 8/4 bits beat 16 bits too; 4-bit keys double the
+# perplexity (their outlier channels), 4-bit values cost nothing measurable (docs/RESULTS.md).
+BYTES_CODING = {"kv_bits": 4, "key_bits": 8}
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,10 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from h2okv.budget_spec import DEFAULT_BUDGET_FLOOR, DEFAULT_RECENT_SHARE, budget_of  # noqa: F401 (re-exported)
+from h2okv.byte_budget import Geometry, budget_for_bytes, looks_like_bytes, parse_bytes_budget
 from h2okv.errors import H2OError
-from h2okv.recipes import expand
+from h2okv.recipes import BYTES_CODING, expand
+from h2okv.vocabulary import SettingError
 
 # the defaults that other modules also name; kept here so importing them loads no torch
 DEFAULT_CHUNK = 512
@@ -69,6 +71,11 @@ class CacheSettings:
         None, "the cache budget: a fraction of the prompt in (0, 1] (0.2) or a whole number of slots per layer and "
               "KV head (256; h2o needs at least 2)", kind="budget", shown="0.2 split half and half, the paper's 10%% heavy + 10%% "
                                                               "recent")
+    bytes: float | int | str | None = _setting(
+        None, "the budget in bytes instead: a fraction of a full 16-bit cache's bytes of the same tokens (0.1) or bytes "
+              "per sequence (4MiB, every layer's keys and values, scales included; --budget 4MiB says the same); the "
+              "slots are quantized (8-bit keys, 4-bit values unless --kv-bits says otherwise) and as many kept as fit",
+        kind="bytes", shown="none")
     recent_share: float | None = _setting(None, "share of --budget kept for the most recent tokens", kind="share",
                                           recipe_sets=True, shown=DEFAULT_RECENT_SHARE)
     budget_floor: int = _setting(DEFAULT_BUDGET_FLOOR, "the fewest slots a fractional budget keeps on a short prompt "
@@ -117,6 +124,12 @@ class CacheSettings:
         if unknown:
             raise H2OError(f"unknown cache setting(s): {', '.join(unknown)}")
         given = {name: value for name, value in keywords.items() if value is not None}
+        if looks_like_bytes(given.get("budget")):  # budget="4MiB": bytes per sequence
+            if "bytes" in given:
+                raise SettingError("give either {budget} in bytes or {bytes}, not both")
+            given["bytes"] = given.pop("budget")
+        if "bytes" in given and (spelled := [n for n in ("budget", *PART_NAMES) if n in given]):
+            raise SettingError("give either {bytes} or " + "/".join("{" + n + "}" for n in spelled) + ", not both")
         shape = expand(recipe, policy=policy, **{k: given.pop(k) for k in list(given) if k in _RECIPE_KEYS})
         if keywords.get("recent_share") is None and any(name in given for name in PART_NAMES):
             shape.pop("recent_share", None)  # the recipe's share splits a budget, not parts given as such
@@ -155,9 +168,12 @@ class CacheSettings:
                            f"ranks by attention and uniform head budgets, not {chosen.spec!r} with "
                            f"head_budgets={self.head_budgets}")
         parts = {name: getattr(self, name) for name in PART_NAMES}
-        budget, share = budget_of(chosen, self.budget, self.recent_share, parts, defaulted=self.recipe is not None)
-        set_("budget", budget)
-        set_("recent_share", share)
+        if self.bytes is not None:
+            self._take_bytes(chosen)
+        if self.bytes is None or self.budget is not None:  # bytes are slots once a model's shape says how many
+            budget, share = budget_of(chosen, self.budget, self.recent_share, parts, defaulted=self.recipe is not None)
+            set_("budget", budget)
+            set_("recent_share", share)
         BudgetSpec.build(chosen, floor=self.budget_floor, **parts)  # the parts' own rules
         self._check_head_split(chosen)
         if self.prefill == "streamed":
@@ -170,6 +186,33 @@ class CacheSettings:
         if rolling and self.compileable:
             raise H2OError("compileable=True takes true positions only: the rolling positions' hook reads padding "
                            "from a 2D mask, and generate hands a compileable cache a 4D one")
+
+    def _take_bytes(self, policy) -> None:
+        """A budget in bytes: its value checked (``byte_budget``), the slots' coding filled in
+        (``BYTES_CODING`` unless ``kv_bits`` is given) and the recent share a budget's."""
+        set_ = object.__setattr__.__get__(self)
+        if not policy.evicts:
+            raise SettingError("policy {name!r} keeps every token; do not give it {bytes}", name=policy.name)
+        set_("bytes", parse_bytes_budget(self.bytes))
+        if self.kv_bits is None:
+            set_("kv_bits", BYTES_CODING["kv_bits"])
+            set_("key_bits", self.key_bits or BYTES_CODING["key_bits"])
+        if self.budget is None and self.recent_share is None:
+            set_("recent_share", DEFAULT_RECENT_SHARE)
+
+    def for_model(self, config) -> CacheSettings:
+        """The value with a budget in bytes turned into the budget a cache keeps for ``config``'s
+        model (a transformers config): a fraction of each prompt or slots per layer and KV head,
+        ``bytes`` kept as what was asked. Any other value is returned as it is."""
+        if self.bytes is None or self.budget is not None:
+            return self
+        from h2okv.budget_spec import least_slots
+
+        policy = self.policy_object()
+        bits, keys = self.kv_bits, self.key_bits or self.kv_bits
+        budget = budget_for_bytes(self.bytes, Geometry.of(config), keys, bits, self.kv_group,
+                                  least=least_slots(policy, self.recent_share))
+        return dataclasses.replace(self, budget=budget)
 
     def _check_kv_bits(self, rolling: bool) -> None:
         if self.kv_bits is None:
@@ -235,6 +278,9 @@ class CacheSettings:
         ``policy``: this value's policy when the caller has built it already."""
         from h2okv.budget_spec import budget_keywords
 
+        if self.bytes is not None and self.budget is None:
+            raise H2OError("a budget in bytes becomes slots by the model's shape: resolve it with "
+                           "settings.for_model(model.config) (H2OCache does)")
         if self.budget is not None:
             return budget_keywords(self.budget, self.recent_share, policy or self.policy_object())
         return {name: getattr(self, name) for name in PART_NAMES if getattr(self, name) is not None}

@@ -184,7 +184,7 @@ def add_model_args(parser: argparse.ArgumentParser, device: bool = True) -> None
 
 
 # the flags of a budget, in the order --help lists them (each generated from its CacheSettings field)
-BUDGET_FLAGS = ("budget", "recent_share", "budget_floor", "heavy", "recent", "heavy_ratio", "recent_ratio", "chunk_size")
+BUDGET_FLAGS = ("budget", "bytes", "recent_share", "budget_floor", "heavy", "recent", "heavy_ratio", "recent_ratio", "chunk_size")
 
 
 def add_cache_args(parser: argparse.ArgumentParser, names, **overrides: dict) -> None:
@@ -345,7 +345,7 @@ def text_from_args(args) -> tuple[str, str]:
 
 
 # how a generated flag's text is read, by its field's kind (``add_cache_args``)
-FLAG_TYPES = {"budget": parse_budget, "share": recent_share, "int": int, "float": float, "positive": positive_int}
+FLAG_TYPES = {"budget": parse_budget, "bytes": parse_budget, "share": recent_share, "int": int, "float": float, "positive": positive_int}
 # the fields a command may take as flags (the rest: a Policy object, the seed that commands' --seed
 # means for sampling, compileable that generate's --compile sets)
 CACHE_FLAG_NAMES = tuple(f.name for f in dataclasses.fields(CacheSettings) if f.metadata.get("flag", True))

@@ -173,7 +173,7 @@ def run_serve(args) -> int:
     recipe = DEFAULT_RECIPE if args.recipe is None and args.policy is None else args.recipe
     # one CacheSettings, checked as it is built: before the (slow) model load
     eviction = EvictionDefaults.from_options(recipe=recipe, policy=args.policy, prefill=args.prefill,
-                                             budget=args.budget, recent_share=args.recent_share,
+                                             budget=args.budget, bytes=args.bytes, recent_share=args.recent_share,
                                              budget_floor=args.budget_floor, kv_bits=args.kv_bits,
                                              kv_group=args.kv_group, key_bits=args.key_bits,
                                              **budget_from_args(args))
@@ -204,6 +204,7 @@ def serve_on_rank(args) -> int:
 
     pin_mmap_threshold()  # a long-running process: freed large buffers go back to the OS (serve/heap.py)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, tp=args.tp)
+    args.eviction = args.eviction.for_model(model.config)  # a budget in bytes: this model's slots
     args.sampling = SamplingDefaults.resolve(args.model or DEFAULT_MODEL, model.generation_config,
                                              args.temperature, args.top_p)
     if is_main_rank():

@@ -120,6 +120,7 @@ class H2OCache(Cache):
             settings = policy
         else:
             settings = CacheSettings.build(policy, **keywords)
+        settings = settings.for_model(model.config)  # a budget in bytes: this model's slots (byte_budget.py)
         #: what this cache was built with (``h2okv.settings``); stats() records it
         self.settings = settings
         self.policy = settings.policy_object()

@@ -43,6 +43,12 @@ class EvictionDefaults:
                                        budget_floor=budget_floor, kv_bits=kv_bits, kv_group=kv_group,
                                        key_bits=key_bits, **budget))
 
+    def for_model(self, config) -> EvictionDefaults:
+        """The settings with a budget in bytes (``--bytes``, ``--budget 4MiB``) turned into this
+        model's slots (``CacheSettings.for_model``); a request that gives its own budget gives it in
+        slots or a fraction of its prompt."""
+        return EvictionDefaults(self.settings.for_model(config))
+
     @property
     def policy(self) -> str:
         """The server's policy spec (requests that name no policy or recipe run it)."""
