@@ -121,11 +121,11 @@ def test_longctx_run_stopped_mid_press_resumes_from_the_prompts_it_wrote(adapter
     out = tmp_path / "kvpress.json"
     answered, inner = [], adapter.answer_one
 
-    def dies_on_the_third(model, tokenizer, press, prompt, mode, max_new_tokens):
+    def dies_on_the_third(model, tokenizer, press, prompt, mode, max_new_tokens, *rest):
         if len(answered) == 2:
             raise KeyboardInterrupt
         answered.append((prompt["task"], prompt["sample"]))
-        return inner(model, tokenizer, press, prompt, mode, max_new_tokens)
+        return inner(model, tokenizer, press, prompt, mode, max_new_tokens, *rest)
 
     monkeypatch.setattr(adapter, "answer_one", dies_on_the_third)
     with pytest.raises(KeyboardInterrupt):
@@ -141,3 +141,24 @@ def test_longctx_run_stopped_mid_press_resumes_from_the_prompts_it_wrote(adapter
                                models={"sdpa": (model, tok)}, out=str(out))
     assert len(rows) == 4 and not set(rerun) & set(answered) and len(rerun) == 2
     assert rows == json.loads(out.read_text())
+
+
+def test_quantized_cache_runs_are_parsed_early_and_their_bytes_counted_against_16_bits(adapter):
+    """``--quantized-cache quanto:2,quanto:4``: transformers' QuantizedCache as the baseline of
+    quantization alone (optimum-quanto lives in the peer's venv only, so here: the spelling, and the
+    byte count on a plain cache, which a 16-bit full cache holds at exactly 1.0 and fp32 at 2.0)."""
+    from transformers import DynamicCache
+
+    assert adapter.parse_quantized(None) == [None]
+    assert adapter.parse_quantized("quanto:2, quanto:4") == [
+        {"backend": "quanto", "nbits": bits, "q_group_size": 64, "residual_length": 128} for bits in (2, 4)]
+    for bad in ("quanto", "quanto:3", "awq:4"):
+        with pytest.raises(SystemExit, match="--quantized-cache takes BACKEND:BITS"):
+            adapter.parse_quantized(bad)
+    for dtype, share in ((torch.bfloat16, 1.0), (torch.float32, 2.0)):
+        model = tiny_model("llama", seed=1).to(dtype)
+        cache = DynamicCache()
+        with torch.inference_mode():
+            model(input_ids=torch.randint(2, 90, (1, 20)), past_key_values=cache)
+        assert adapter.share_of_16bit(cache, model) == share
+        assert adapter.tensor_bytes(cache.layers[0].keys) == cache.layers[0].keys.numel() * dtype.itemsize

@@ -94,12 +94,50 @@ def greedy_answer(model, tokenizer, cache, first_logits, next_position: int, max
     return tokenizer.decode(generated, skip_special_tokens=True)
 
 
-def answer_one(model, tokenizer, press, prompt: dict, mode: str, max_new_tokens: int) -> str:
-    from transformers import DynamicCache
+def new_cache(model, quantized: dict | None):
+    """A ``DynamicCache``, or transformers' ``QuantizedCache`` (``quantized``: its keywords, e.g.
+    quanto's 2 bits): the baseline of quantization alone, and under a press kvpress's combination
+    of the two (a press re-quantizes what it keeps, ``kvpress.presses.base_press``). Note what it
+    does: the prompt's own read attends to float keys and values, and only the tokens after it
+    read the quantized ones; a residual of up to ``residual_length`` recent tokens stays float."""
+    from transformers import DynamicCache, QuantizedCache
 
+    if quantized is None:
+        return DynamicCache()
+    return QuantizedCache(config=model.config, **quantized)
+
+
+def tensor_bytes(t) -> int:
+    """What a tensor stores: a quantized one's (quanto's ``WeightQBitsTensor``) packed codes, scales
+    and shifts, found through the tensor-subclass protocol; a plain tensor's elements."""
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
+
+
+def share_of_16bit(cache, model) -> float:
+    """The bytes ``cache`` holds over a full 16-bit cache of the tokens it has seen (what h2okv's
+    rows call ``kv_share_16bit``)."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    held = 0
+    for layer in cache.layers:
+        held += tensor_bytes(layer.keys) + tensor_bytes(layer.values)
+        for name in ("_quantized_keys", "_quantized_values"):
+            if getattr(layer, name, None) is not None:
+                held += tensor_bytes(getattr(layer, name))
+    seen = getattr(cache.layers[0], "cumulative_length", None) or cache.get_seq_length()
+    return held / (seen * len(cache.layers) * kv_heads * head_dim * 2 * 2)
+
+
+def answer_one(model, tokenizer, press, prompt: dict, mode: str, max_new_tokens: int,
+               quantized: dict | None = None, held: list | None = None) -> str:
+    """``held``, when given, gets the cache's ``share_of_16bit`` once the answer is decoded."""
     context, question = prompt["context_ids"], prompt["question_ids"]
     compressed = context + question if mode == "question-compressed" else context
-    cache = DynamicCache()
+    cache = new_cache(model, quantized)
     with torch.inference_mode():
         with press(model) if press is not None else contextlib.nullcontext():
             hidden = model.model(input_ids=torch.tensor([compressed]), past_key_values=cache).last_hidden_state
@@ -110,7 +148,10 @@ def answer_one(model, tokenizer, press, prompt: dict, mode: str, max_new_tokens:
             out = model(input_ids=torch.tensor([question]), past_key_values=cache, position_ids=positions,
                         logits_to_keep=1)
             logits = out.logits[0, -1]
-        return greedy_answer(model, tokenizer, cache, logits, len(context) + len(question), max_new_tokens)
+        answer = greedy_answer(model, tokenizer, cache, logits, len(context) + len(question), max_new_tokens)
+    if held is not None:
+        held.append(share_of_16bit(cache, model))
+    return answer
 
 
 def cells(exported: dict, answers: list[str], policy: str, budget: float) -> list[dict]:
@@ -173,12 +214,13 @@ def load_by_path(name: str, folder: Path = LONGCTX_DIR):
 
 
 def longctx_rows(exported: dict, prompts: list[dict], answers: list[str], policy: str, budget: float, mode: str,
-                 seconds: float) -> list[dict]:
-    """One ``h2okv eval longctx`` row per prompt, scored by h2okv's own metric file."""
+                 seconds: float, quantized: dict | None = None, **fields) -> list[dict]:
+    """One ``h2okv eval longctx`` row per prompt, scored by h2okv's own metric file; a quantized
+    cache's keywords are the row's cache options (its own cell and label)."""
     metric, rows = load_by_path("metric"), load_by_path("rows")
     return [rows.make_row(
         task=p["task"], context=p["context"], sample=p["sample"], question=QUESTION_OF_MODE[mode], policy=policy,
-        budget=budget, cache_options={},
+        budget=budget, cache_options=dict(quantized or {}), **fields,
         chunk_size=len(p["context_ids"]) + (len(p["question_ids"]) if mode == "question-compressed" else 0),
         metric=p["metric"], score=metric.score(p["metric"], a, p["references"]), answer=a, references=p["references"],
         haystack=exported["haystack"], seed=exported["seed"], model=exported["model"],
@@ -187,7 +229,7 @@ def longctx_rows(exported: dict, prompts: list[dict], answers: list[str], policy
 
 
 def run_longctx(exported: dict, presses: list[str], modes: list[str], budgets: list[float], model_path: str,
-                models: dict | None = None, out: str | None = None) -> list[dict]:
+                models: dict | None = None, out: str | None = None, quantized: dict | None = None) -> list[dict]:
     """Every press x budget x mode on every prompt of a longctx export (``full``: budget 1, every
     mode). With ``out``, rows already in that file are kept and their prompts skipped, and the file
     is rewritten after each prompt: a long press (KVzip on the 1.5B model takes minutes a prompt)
@@ -201,7 +243,7 @@ def run_longctx(exported: dict, presses: list[str], modes: list[str], budgets: l
             for mode in modes:
                 policy = f"kvpress-{name}"
                 todo = [p for p in exported["prompts"] if table.row_key({
-                    "haystack": exported["haystack"], "seed": exported["seed"], "question": QUESTION_OF_MODE[mode], "policy": policy, "budget": budget, "cache_options": {},
+                    "haystack": exported["haystack"], "seed": exported["seed"], "question": QUESTION_OF_MODE[mode], "policy": policy, "budget": budget, "cache_options": dict(quantized or {}),
                     "task": p["task"], "context": p["context"], "sample": p["sample"]}) not in done]
                 if not todo:
                     continue
@@ -212,10 +254,11 @@ def run_longctx(exported: dict, presses: list[str], modes: list[str], budgets: l
                 press = make_press(name, round(1.0 - budget, 6))
                 found = []
                 for prompt in todo:
-                    start = time.perf_counter()
-                    answer = answer_one(model, tokenizer, press, prompt, mode, prompt["max_new_tokens"])
+                    start, held = time.perf_counter(), [] if quantized else None
+                    answer = answer_one(model, tokenizer, press, prompt, mode, prompt["max_new_tokens"], quantized, held)
+                    bytes_held = {"kv_share_16bit": round(held[0], 4)} if held else {}
                     found += longctx_rows(exported, [prompt], [answer], policy, budget, mode,
-                                          time.perf_counter() - start)
+                                          time.perf_counter() - start, quantized, **bytes_held)
                     rows = table.merge_rows(rows, found[-1:])
                     if out:
                         table.write_rows(rows, out)
@@ -223,6 +266,24 @@ def run_longctx(exported: dict, presses: list[str], modes: list[str], budgets: l
                       f"{100 * sum(r['score'] for r in found) / len(found):.1f} ({sum(r['seconds'] for r in found):.0f} s)",
                       flush=True)
     return rows
+
+
+QUANTIZED_BACKENDS = ("quanto", "hqq")
+
+
+def parse_quantized(text: str | None) -> list[dict | None]:
+    """``--quantized-cache quanto:2,quanto:4`` -> QuantizedCache keywords per run; none given: one
+    run on the plain cache."""
+    if not text:
+        return [None]
+    runs = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        backend, _, bits = part.partition(":")
+        if backend not in QUANTIZED_BACKENDS or bits not in ("2", "4", "8"):
+            raise SystemExit(f"run_kvpress: --quantized-cache takes BACKEND:BITS ({', '.join(QUANTIZED_BACKENDS)}; "
+                             f"2, 4 or 8), got {part!r}")
+        runs.append({"backend": backend, "nbits": int(bits), "q_group_size": 64, "residual_length": 128})
+    return runs
 
 
 def parse_args(argv):
@@ -235,6 +296,9 @@ def parse_args(argv):
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the export's model)")
     parser.add_argument("--compression-interval", type=int, default=1,
                         help="reasoning exports: DecodingPress compresses every N decode steps (default: 1)")
+    parser.add_argument("--quantized-cache", default=None, metavar="BACKEND:BITS,...",
+                        help="longctx exports: run every press again on transformers' QuantizedCache, e.g. "
+                             "quanto:2,quanto:4 (groups of 64, a float residual of 128 tokens; needs optimum-quanto)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--json", required=True, help="output rows")
     return parser.parse_args(argv)
@@ -255,11 +319,17 @@ def main(argv=None) -> int:
     if unknown := [m for m in modes if m not in MODE_OF_NAME]:
         raise SystemExit(f"run_kvpress: unknown mode(s) {unknown}; known: {', '.join(MODE_OF_NAME)}")
     modes = list(dict.fromkeys(MODE_OF_NAME[m] for m in modes))
+    if args.quantized_cache and exported["format"] != LONGCTX_FORMAT:
+        raise SystemExit("run_kvpress: --quantized-cache runs on longctx exports")
+    parse_quantized(args.quantized_cache)  # a bad spelling fails before any model is loaded
     budgets = [float(b) for b in args.budgets.split(",")] if args.budgets else exported["budgets"]
     if args.threads:
         torch.set_num_threads(args.threads)
     if exported["format"] == LONGCTX_FORMAT:  # writes (and resumes) args.json as it goes
-        rows = run_longctx(exported, presses, modes, budgets, args.model or exported["model"], out=args.json)
+        models = {}
+        for quantized in parse_quantized(args.quantized_cache):
+            rows = run_longctx(exported, presses, modes, budgets, args.model or exported["model"], models=models,
+                               out=args.json, quantized=quantized)
     else:
         rows = run(exported, presses, modes, budgets, args.model or exported["model"])
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
