@@ -142,6 +142,10 @@ def test_pieces_merge_into_one_report(tiny_chat, tmp_path, capsys):
     full, h2o = tmp_path / "full.json", tmp_path / "h2o.json"
     assert main([*common, "--policies", "full", "--json", str(full), "--keep-text"]) == 0
     assert all(isinstance(r["text"], str) for r in json.loads(full.read_text())["rows"])
+    for r in json.loads(full.read_text())["rows"]:  # full holds every token read (the last one generated is not)
+        final = r["prompt_tokens"] + r["new_tokens"]
+        assert r["kv_share_16bit"] == pytest.approx((final - 1) / final, abs=1e-4)
+        assert r["kv_bytes_16bit"] * 2 == r["kv_bytes"]  # the tiny model's float32, counted as 16-bit
     assert main([*common, "--policies", "h2o,local", "--budgets", "0.5,24", "--json", str(h2o)]) == 0
     piece = json.loads(h2o.read_text())
     assert len(piece["rows"]) == 2 * 2 * 3 and len(piece["batches"]) == 2 * 2 * 2  # 3 problems in batches of 2
@@ -166,7 +170,8 @@ def test_pieces_merge_into_one_report(tiny_chat, tmp_path, capsys):
     by_kv = tmp_path / "kv.png"
     assert main(["eval", "reasoning-report", str(full), str(h2o), "--plot", str(by_kv), "--x", "kv"]) == 0
     assert by_kv.stat().st_size > 0
-    assert "agree w/ full" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "agree w/ full" in printed and "KV of 16-bit full" in printed
 
 
 def _row(policy, budget, id, correct, task="gsm8k"):

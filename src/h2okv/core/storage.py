@@ -180,11 +180,13 @@ class SlotStorage:
         for name, part in parts:
             getattr(self, name).scatter_(2, slot[..., None].expand(*slot.shape, part.shape[-1]), part)
 
-    def bytes_per_slot(self) -> int:
-        """What one slot's key and value take (a quantized slot's scales and lows included)."""
+    def bytes_per_slot(self, float_itemsize: int | None = None) -> int:
+        """What one slot's key and value take (a quantized slot's scales and lows included);
+        ``float_itemsize``: an unquantized slot's element size to count instead of the model
+        dtype's (2: what the slot would take in a 16-bit cache)."""
         d, dv = self.head_dims
         if self.coding is None:
-            return (d + dv) * self.dtype.itemsize
+            return (d + dv) * (float_itemsize or self.dtype.itemsize)
         return self.coding.bytes_per_slot(d, dv)
 
     def store_kv(self, keys: torch.Tensor, values: torch.Tensor) -> None:

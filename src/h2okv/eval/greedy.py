@@ -28,18 +28,23 @@ class RowResult:
     finish: str  # "eos", "stop" or "length"
     kv_bytes: int  # the K/V this row's cache holds when it finishes (live slots, all layers)
     kv_slots: int  # the most live slots of any (layer, head) of this row when it finishes
+    # kv_bytes were the unquantized slots 16-bit (quantized ones as they are): what a served cache
+    # holds, where a CPU run's float32 would count float slots twice
+    kv_bytes_16bit: int = 0
 
 
-def row_kv(cache, row: int) -> tuple[int, int]:
-    """``(bytes, most slots)`` of live K/V of one row of ``cache`` (an ``H2OCache``)."""
-    total, most = 0, 0
+def row_kv(cache, row: int) -> tuple[int, int, int]:
+    """``(bytes, most slots, bytes were float slots 16-bit)`` of live K/V of one row of ``cache``
+    (an ``H2OCache``)."""
+    total, most, total_16 = 0, 0, 0
     for layer in cache.layers:
         if not layer.is_initialized:
             continue
-        live = layer.live_slots()[row]  # [H]
-        total += int(live.sum()) * layer.bytes_per_slot()  # K and V of one head
-        most = max(most, int(live.max()))
-    return total, most
+        live = int(layer.live_slots()[row].sum())  # over the heads
+        total += live * layer.bytes_per_slot()  # K and V of one head
+        total_16 += live * layer.bytes_per_slot(float_itemsize=2)
+        most = max(most, int(layer.live_slots()[row].max()))
+    return total, most, total_16
 
 
 def _keep_last(model) -> dict:

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 from tqdm.auto import tqdm
 
+from h2okv.byte_budget import Geometry
 from h2okv.core.budget import DEFAULT_RECENT_SHARE
 from h2okv.eval.answers import extract_answer, is_correct
 from h2okv.eval.greedy import greedy_rows
@@ -155,6 +156,8 @@ def run_batch(model, tokenizer, setup: Setup, problems: list[Problem], policy: s
     results = greedy_rows(model, prompts, cache, setup.max_new_tokens, eos_ids, stop=stop, decode=tokenizer.decode,
                           pad_id=tokenizer.pad_token_id or 0)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    geometry = Geometry.of(model.config)
+    full_slot = geometry.layers * geometry.kv_heads * geometry.full_slot_bytes()  # one token, every layer, 16-bit
     rows = []
     for problem, prompt, result in zip(problems, prompts, results, strict=True):
         text = answer_text(tokenizer, result.token_ids, stop)
@@ -163,7 +166,10 @@ def run_batch(model, tokenizer, setup: Setup, problems: list[Problem], policy: s
             **asdict(setup), "policy": label, "budget": budget, "id": problem.id, "prompt_tokens": len(prompt),
             "new_tokens": len(result.token_ids), "finish": result.finish, "predicted": predicted, "gold": problem.gold,
             "correct": is_correct(setup.task, predicted, problem.gold), "kv_bytes": result.kv_bytes,
-            "kv_slots": result.kv_slots, **({"text": text} if keep_text else {}),
+            "kv_slots": result.kv_slots, "kv_bytes_16bit": result.kv_bytes_16bit,
+            # of a full 16-bit cache of this problem's final length (the long-generation target's yardstick)
+            "kv_share_16bit": round(result.kv_bytes_16bit / (full_slot * (len(prompt) + len(result.token_ids))), 4),
+            **({"text": text} if keep_text else {}),
             # every keyword the cache was built with (h2okv.settings), beside the row's label
             **({"settings": cache.settings.describe()} if hasattr(cache, "settings") else {}),
         })

@@ -108,6 +108,9 @@ def summarize(rows: list[dict], batches: list[dict]) -> list[dict]:
             "mean_final_length": sum(r["prompt_tokens"] + r["new_tokens"] for r in group) / n,
             "hit_max_new_tokens": sum(r["finish"] == "length" for r in group) / n,
             "mean_kv_bytes": sum(r["kv_bytes"] for r in group) / n,
+            # of a full 16-bit cache of each problem's final length (rows written before it: None)
+            "mean_kv_share_16bit": (sum(r["kv_share_16bit"] for r in group) / n
+                                    if all("kv_share_16bit" in r for r in group) else None),
             "tokens_per_s": tokens / seconds if seconds else None,
             "tokens_per_cpu_s": tokens / cpu_seconds if cpu_seconds and cpu_seconds == cpu_seconds else None,
         })
@@ -117,7 +120,7 @@ def summarize(rows: list[dict], batches: list[dict]) -> list[dict]:
 
 def summary_table(summaries: list[dict]) -> str:
     headers = ["model", "task", "style", "policy", "budget", "n", "accuracy", "agree w/ full", "gen len",
-               "final len", "at max", "KV MiB", "tok/s", "tok/cpu-s"]
+               "final len", "at max", "KV MiB", "KV of 16-bit full", "tok/s", "tok/cpu-s"]
     table = []
     for s in summaries:
         accuracy = f"{s['accuracy']:.1%}" + (f" ± {s['stderr']:.1%}" if s["stderr"] is not None else "")
@@ -125,6 +128,7 @@ def summary_table(summaries: list[dict]) -> str:
             Path(s["model"]).name, s["task"], s["style"], s["policy"], budget_label(s["budget"]), s["n"], accuracy,
             "-" if s["agreement"] is None else f"{s['agreement']:.1%}", round(s["mean_new_tokens"], 1),
             round(s["mean_final_length"], 1), f"{s['hit_max_new_tokens']:.0%}", round(s["mean_kv_bytes"] / 2**20, 2),
+            "-" if s.get("mean_kv_share_16bit") is None else f"{s['mean_kv_share_16bit']:.1%}",
             None if s["tokens_per_s"] is None else round(s["tokens_per_s"], 2),
             None if s["tokens_per_cpu_s"] is None else round(s["tokens_per_cpu_s"], 2),
         ])
