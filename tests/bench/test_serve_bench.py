@@ -57,6 +57,33 @@ def test_bench_compares_policies_at_the_same_kv_memory(tiny, tmp_path, capsys):
     assert "max batch" in capsys.readouterr().out
 
 
+def test_quantized_slots_serve_more_sequences_in_the_same_kv_memory(tiny, tmp_path):
+    """``serve-bench --kv-bits 4 --key-bits 8``: every server's slots coded, its rows labelled so; a
+    request reserves the coded bytes, so the same --kv-memory runs a bigger batch."""
+    from h2okv.serve.memory import bytes_per_slot, reservation
+
+    model, _ = tiny
+    prompt, new = 96, 16  # (the tiny model's 16-channel heads: a coded slot 1/4 of a float32 one)
+    h2o = reservation(prompt, new, 2 * (prompt // 10), 32)  # 10% + 10% of the prompt
+    kv_memory = 2 * h2o.prefill_peak * bytes_per_slot(model)  # two float h2o prefills at once
+    common = ["serve-bench", "--kv-memory", str(kv_memory), "--policies", "h2o", "--requests", "16",
+              "--concurrency", "16", "--prompt-tokens", str(prompt), "--max-tokens", str(new), "--chunk-size", "32"]
+    runs = {}
+    for name, coding in (("float", []), ("coded", ["--kv-bits", "4", "--key-bits", "8"])):
+        out = tmp_path / f"{name}.json"
+        assert main([*common, *coding, "--json", str(out)]) == 0
+        runs[name] = json.loads(out.read_text())
+    float_row, coded_row = runs["float"]["results"][0], runs["coded"]["results"][0]
+    assert (float_row["policy"], coded_row["policy"]) == ("h2o", "h2o k8v4")
+    assert coded_row["ok"] == 16 and coded_row["kv_bytes_peak"] <= kv_memory
+    assert runs["coded"]["config"]["coding"] == {"kv_bits": 4, "kv_group": 32, "key_bits": 8}
+    assert "--kv-bits 4 --key-bits 8" in runs["coded"]["command"]
+    coded_slot = bytes_per_slot(model, kv_bits=4, key_bits=8, kv_group=32)
+    assert coded_row["kv_bytes_per_request"] == coded_row["kv_slots_per_request"] * coded_slot
+    assert float_row["ok"] == 16 and float_row["max_concurrent_batch"] >= 2
+    assert coded_row["max_concurrent_batch"] >= 1.8 * float_row["max_concurrent_batch"]
+
+
 def test_every_evicting_policy_is_compared_with_full_in_the_same_run():
     from h2okv.bench.serve import ratios
 

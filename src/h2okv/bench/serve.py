@@ -225,16 +225,19 @@ def grade(results: list[RequestResult], problems) -> dict:
             "correct": int(sum(scores)), "graded": len(scores)}
 
 
-def server_settings(policies: list[str], recipes: list[str], budget: dict | None) -> list[tuple[str, object]]:
+def server_settings(policies: list[str], recipes: list[str], budget: dict | None,
+                    coding: dict | None = None) -> list[tuple[str, object]]:
     """``(label, EvictionDefaults)`` of every server a bench starts: each policy with ``budget``
     (``heavy``/``recent``/ratios; none for a policy that keeps everything), then each recipe as
-    ``serve --recipe`` builds it, given the same total budget, which it splits its own way."""
+    ``serve --recipe`` builds it, given the same total budget, which it splits its own way.
+    ``coding``: quantized slots (``serve --kv-bits``) for every server, its label saying so."""
     from h2okv.policies import make_policy
     from h2okv.serve.eviction import EvictionDefaults
 
-    budget = budget or {}
-    out = [(policy, EvictionDefaults.from_options(policy=policy, budget_floor=0,
-                                                  **(budget if make_policy(policy).evicts else {})))
+    budget, coding = budget or {}, coding or {}
+    suffix = coding_label(coding)
+    out = [(policy + suffix, EvictionDefaults.from_options(policy=policy, budget_floor=0, **coding,
+                                                           **(budget if make_policy(policy).evicts else {})))
            for policy in policies]
     total = None
     if "heavy" in budget or "recent" in budget:
@@ -242,8 +245,17 @@ def server_settings(policies: list[str], recipes: list[str], budget: dict | None
     elif "heavy_ratio" in budget or "recent_ratio" in budget:
         total = float(budget.get("heavy_ratio", 0.0)) + float(budget.get("recent_ratio", 0.0))
     for recipe in recipes:
-        out.append((recipe, EvictionDefaults.from_options(recipe=recipe, budget_floor=0, budget=total)))
+        out.append((recipe + suffix, EvictionDefaults.from_options(recipe=recipe, budget_floor=0, budget=total,
+                                                                   **coding)))
     return out
+
+
+def coding_label(coding: dict) -> str:
+    """`` k8v4`` / `` 4``: a server's quantized slots in its row's label (empty: the model's dtype)."""
+    if not coding:
+        return ""
+    bits, keys = coding["kv_bits"], coding.get("key_bits") or coding["kv_bits"]
+    return f" {bits}" if keys == bits else f" k{keys}v{bits}"
 
 
 @dataclass(frozen=True)
@@ -268,6 +280,7 @@ class ServeBenchOptions:
     seed: int = 0
     task: str | None = None  # served reasoning problems (e.g. gsm8k), graded, instead of Hamlet cuts
     model_name: str = "bench"
+    coding: dict | None = None  # quantized slots for every server (settings.slot_coding_keywords)
 
 
 def bench(model, tokenizer, options: ServeBenchOptions, progress=print) -> dict:
@@ -288,7 +301,7 @@ def bench(model, tokenizer, options: ServeBenchOptions, progress=print) -> dict:
     arrivals = None if o.arrival_rate is None else poisson_arrivals(o.requests, o.arrival_rate, o.seed)
     rows = []
     for schedule in o.schedules:
-        for policy, eviction in server_settings(list(o.policies), list(o.recipes), o.budget):
+        for policy, eviction in server_settings(list(o.policies), list(o.recipes), o.budget, o.coding):
             engine_options = EngineOptions(kv_memory=o.kv_memory, max_batch=o.max_batch,
                                            max_queue=max(256, o.requests), prefill_chunk=o.prefill_chunk,
                                            schedule=schedule, step_tokens=o.step_tokens)
@@ -328,6 +341,7 @@ def bench(model, tokenizer, options: ServeBenchOptions, progress=print) -> dict:
                    "prompt_tokens": o.prompt_tokens, "max_tokens": o.max_tokens, "budget": o.budget or {},
                    "prefill_chunk": o.prefill_chunk, "max_batch": o.max_batch, "schedules": list(o.schedules),
                    "step_tokens": o.step_tokens, "arrival_rate": o.arrival_rate, "seed": o.seed, "task": o.task,
+                   "coding": o.coding or {},
                    "bytes_per_token": app.state.engine.slot_bytes, "device": str(model.device),
                    "dtype": str(model.dtype).removeprefix("torch."),
                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()},
@@ -374,6 +388,8 @@ def _probe_request(payload, eviction, engine):
 
 def format_row(row: dict) -> str:
     graded = f", accuracy {row['correct']}/{row['graded']}" if "graded" in row else ""
+    if row["outside_forward_share"] is None:  # no step ran (every request refused): say so, not crash
+        return f"{row['policy']:>6} ({row['schedule']}): {row['ok']}/{row['requests']} ok, no engine step ran"
     return (f"{row['policy']:>6} ({row['schedule']}): {row['ok']}/{row['requests']} ok{graded}, {row['requests_per_s']} req/s, "
             f"{row['tokens_per_s']} tok/s, TTFT p50 {row['ttft_p50_s']} s p95 {row['ttft_p95_s']} s, "
             f"ITL p50 {row['itl_p50_s']} s p95 {row['itl_p95_s']} s, queue p95 {row['queue_p95_s']} s, "
@@ -391,7 +407,7 @@ def bench_command(args) -> str:
              *([f"--prompt-tokens {args.prompt_tokens}"] if args.prompt_tokens else []), f"--max-tokens {args.max_tokens}",
              f"--chunk-size {args.chunk_size}", f"--step-tokens {args.step_tokens}", f"--max-batch {args.max_batch}"]
     for name in ("heavy", "recent", "heavy_ratio", "recent_ratio", "arrival_rate", "model", "device", "dtype",
-                 "json"):
+                 "kv_bits", "key_bits", "kv_group", "json"):
         if getattr(args, name, None) is not None:
             parts.append(f"--{name.replace('_', '-')} {getattr(args, name)}")
     return " ".join(parts)
@@ -444,7 +460,11 @@ def run(args, run_chat=None) -> int:
     budget = {k: getattr(args, k) for k in ("heavy", "recent", "heavy_ratio", "recent_ratio")
               if getattr(args, k, None) is not None}
     recipes = parse_recipes(args.recipe) if getattr(args, "recipe", None) else []
-    server_settings(policies, recipes, budget)  # each built, so checked, before the slow model load
+    from h2okv.settings import DEFAULT_KV_GROUP, slot_coding_keywords
+
+    coding = slot_coding_keywords(getattr(args, "kv_bits", None), getattr(args, "kv_group", None) or DEFAULT_KV_GROUP,
+                                  getattr(args, "key_bits", None))
+    server_settings(policies, recipes, budget, coding)  # each built, so checked, before the slow model load
     kv_memory = args.kv_memory  # bytes: the command line parsed them (h2okv.sizes.parse_bytes)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     if args.profile == "chat":  # bench/chat.py, which the command line sends here with its loaded pieces
@@ -454,7 +474,7 @@ def run(args, run_chat=None) -> int:
         max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens, budget=budget, recipes=tuple(recipes),
         prefill_chunk=args.chunk_size, max_batch=args.max_batch, schedules=schedules, step_tokens=args.step_tokens,
         arrival_rate=args.arrival_rate, seed=args.seed, task=getattr(args, "task", None),
-        model_name=args.model or "smollm2")
+        model_name=args.model or "smollm2", coding=coding)
     result = bench(model, tokenizer, options)
     result["command"] = bench_command(args)
     if args.json:

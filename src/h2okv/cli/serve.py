@@ -158,6 +158,7 @@ def register(sub) -> None:
                    help="Poisson arrivals at this many requests/s (default: all at once, --concurrency in flight)")
     b.add_argument("--seed", type=int, default=0, help="seed of the arrival times (default: 0)")
     _add_max_batch(b, 64)
+    add_cache_args(b, ["kv_bits", "key_bits", "kv_group"])  # every server's caches quantized, full's too
     b.set_defaults(func=run_bench)
 
 
