@@ -11,7 +11,7 @@ paired difference on the prompts both ran and its standard error; ``--plot`` dra
 against the bytes, one marker per kind::
 
     python tools/measure/ruler_bytes.py docs/results/longctx/test/full-2k.json docs/results/quant/longctx-test-2k-*.json \\
-        --versus "recipe bounded k8v4" --plot docs/figures/quant-ruler-bytes.png
+        --versus "recipe bounded k8v4 @ 0.2286" --plot docs/figures/quant-ruler-bytes.png
 """
 
 from __future__ import annotations
@@ -29,22 +29,28 @@ KINDS = ("full", "eviction alone", "quantization alone", "eviction and quantizat
 
 
 def bytes_share(row: dict) -> float:
-    """What a row's cache held, as a share of a full 16-bit cache of the same tokens."""
-    if row.get("kv_share_16bit") is not None:
+    """What a row's cache held, as a share of a full 16-bit cache of the same tokens: coded slots as
+    they are, float slots as a 16-bit model holds them (a CPU row's float32 slots are its
+    ``kv_fraction`` of a float32 full cache, which is the same share in 16 bits)."""
+    if quantized(row) and row.get("kv_share_16bit") is not None:
         return float(row["kv_share_16bit"])
     if row.get("kv_fraction") is not None:
         return float(row["kv_fraction"])
     return float(row["budget"])
 
 
+def quantized(row: dict) -> bool:
+    """Whether a row's slots were coded (ours: ``kv_bits``; transformers' QuantizedCache: ``nbits``)."""
+    options = row.get("cache_options") or {}
+    return options.get("kv_bits") is not None or options.get("nbits") is not None
+
+
 def kind(row: dict) -> str:
     """Which of ``KINDS`` a row's configuration is."""
-    options = row.get("cache_options") or {}
-    quantized = options.get("kv_bits") is not None or options.get("nbits") is not None
     evicts = not row["policy"].endswith("full") and row["policy"] != "full"
     if not evicts:
-        return "quantization alone" if quantized else "full"
-    return "eviction and quantization" if quantized else "eviction alone"
+        return "quantization alone" if quantized(row) else "full"
+    return "eviction and quantization" if quantized(row) else "eviction alone"
 
 
 def placed(rows: list[dict], versus: str | None = None) -> list[dict]:
@@ -52,7 +58,8 @@ def placed(rows: list[dict], versus: str | None = None) -> list[dict]:
     difference against the configuration labelled ``versus`` (and its SE) where both ran."""
     groups: dict[str, list[dict]] = {}
     for row in rows:
-        groups.setdefault(label(row), []).append(row)
+        name = label(row) if kind(row) in ("full", "quantization alone") else f"{label(row)} @ {row['budget']:g}"
+        groups.setdefault(name, []).append(row)
     scores = {name: {(r["task"], int(r["sample"]), int(r["context"])): float(r["score"]) for r in group}
               for name, group in groups.items()}
     out = []
@@ -101,7 +108,8 @@ def plot(entries: list[dict], path: str, title: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("files", nargs="+", help="eval longctx --json row files (ours and the peers')")
-    p.add_argument("--versus", default=None, help="the configuration (a table label) each other is compared with")
+    p.add_argument("--versus", default=None, help="the configuration (a table label: an evicting one's with its "
+                   "budget, 'recipe bounded k8v4 @ 0.2286') each other is compared with")
     p.add_argument("--plot", default=None, help="PNG to write")
     p.add_argument("--title", default="RULER's ten families against the bytes held")
     args = p.parse_args(argv)
