@@ -1,20 +1,18 @@
 """tools/measure/ruler_bytes.py: RULER rows placed by the bytes their caches held, each kind told
 apart, and the paired difference against one configuration on the prompts both ran."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from tool_scripts import load_tool
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "measure" / "ruler_bytes.py"
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("ruler_bytes", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("measure/ruler_bytes.py")
 
 
 def row(policy, task, sample, score, recipe=None, **fields):

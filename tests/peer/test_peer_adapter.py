@@ -3,7 +3,6 @@
 modes (the question read with the context, or on top of the context's cache)."""
 
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch
 from h2okv.eval.retrieval import Cell, summary_table
 from h2okv.tools.tiny import tiny_model
 from source_imports import top_level_imports
+from tool_scripts import load_tool
 
 # the peer runs in its own venv on transformers < 5.3, which knows the cache only as past_key_values
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
@@ -22,10 +22,7 @@ ADAPTER = Path(__file__).resolve().parents[2] / "tools" / "peer" / "run_kvpress.
 
 @pytest.fixture(scope="module")
 def adapter():
-    spec = importlib.util.spec_from_file_location("run_kvpress", ADAPTER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("peer/run_kvpress.py")
 
 
 class IdTokenizer:

@@ -3,7 +3,6 @@ without kvpress: the export holds the very prompt ids ``eval reasoning`` feeds t
 peer's decoding with no press reproduces h2okv's ``full`` rows, which ``reasoning-report`` grades
 with our ``answers.py`` and merges beside ours."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 from h2okv.errors import H2OError
 from h2okv.eval.reasoning import EXPORT_FORMAT
 from source_imports import top_level_imports
+from tool_scripts import load_tool
 
 # the peer runs in its own venv on transformers < 5.3, which knows the cache only as past_key_values
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
@@ -22,10 +22,7 @@ FIXTURE = Path(__file__).resolve().parents[1] / "support" / "fixtures" / "oe_eva
 
 @pytest.fixture(scope="module")
 def peer():
-    spec = importlib.util.spec_from_file_location("decoding_kvpress", PEER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("peer/decoding_kvpress.py")
 
 
 @pytest.fixture

@@ -58,16 +58,19 @@ def policy_name(scorer: str, interval: int) -> str:
     return f"kvpress-decoding-{scorer}" + ("" if interval == 1 else f"-every{interval}")
 
 
-def cache_kv(cache) -> tuple[int, int]:
-    """``(bytes, most slots)`` of a DynamicCache: K and V of every layer (as ``greedy.row_kv``)."""
-    total, most = 0, 0
+def cache_kv(cache) -> tuple[int, int, int, int]:
+    """``(bytes, most slots, bytes in 16 bits, one token's bytes in a full 16-bit cache)`` of a
+    DynamicCache: K and V of every layer (as ``greedy.row_kv`` and ``eval reasoning``'s rows)."""
+    total, most, total_16, token_16 = 0, 0, 0, 0
     for layer in cache.layers:
         keys = getattr(layer, "keys", None)
         if keys is None or keys.numel() == 0:
             continue
         total += 2 * keys.numel() * keys.element_size()
+        total_16 += 2 * keys.numel() * 2
+        token_16 += 2 * keys.shape[1] * keys.shape[-1] * 2
         most = max(most, keys.shape[-2])
-    return total, most
+    return total, most, total_16, token_16
 
 
 def cut_at_stop(text: str, stop: list[str]) -> str:
@@ -87,8 +90,10 @@ def decode_problem(model, tokenizer, press, problem: dict, max_new_tokens: int, 
             logits, lambda token, step: model(input_ids=torch.tensor([[token]]), past_key_values=cache,
                                               position_ids=torch.tensor([[len(prompt) + step]])).logits[0, -1],
             tokenizer, stop, max_new_tokens, eos_ids)
-    kv_bytes, kv_slots = cache_kv(cache)
+    kv_bytes, kv_slots, kv_bytes_16bit, token_16 = cache_kv(cache)
+    full_16 = token_16 * (len(prompt) + len(tokens))  # a full 16-bit cache of the final length
     return {"token_ids": tokens, "finish": finish, "kv_bytes": kv_bytes, "kv_slots": kv_slots,
+            "kv_bytes_16bit": kv_bytes_16bit, "kv_share_16bit": round(kv_bytes_16bit / full_16, 4) if full_16 else None,
             "text": cut_at_stop(tokenizer.decode(tokens, skip_special_tokens=True), stop)}
 
 
@@ -115,6 +120,8 @@ def reasoning_row(setup: dict, problem: dict, result: dict, policy: str, budget:
     return {**setup, "policy": policy, "budget": budget, "id": problem["id"], "prompt_tokens": len(problem["prompt_ids"]),
             "new_tokens": len(result["token_ids"]), "finish": result["finish"], "predicted": None,
             "gold": problem["gold"], "correct": None, "kv_bytes": result["kv_bytes"], "kv_slots": result["kv_slots"],
+            # a peer that cannot count its cache in 16 bits (OpenVINO's runtime holds its own) says None
+            "kv_bytes_16bit": result.get("kv_bytes_16bit"), "kv_share_16bit": result.get("kv_share_16bit"),
             "text": result["text"],
             # what ran, as our rows record their CacheSettings: the peer's configuration by its label
             "settings": {"policy": policy, "budget": budget}}

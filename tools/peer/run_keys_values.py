@@ -249,7 +249,11 @@ def decode_problem(model, tokenizer, problem: dict, max_new_tokens: int, eos_ids
                                        tokenizer, stop, max_new_tokens, eos_ids)
     end = time.perf_counter()
     kv_bytes, kv_slots = cache_kv(gpt)
+    config = gpt.config
+    token_16 = len(gpt.get_kv_caches()) * 2 * config.n_query_groups * config.head_size * 2  # a full 16-bit token
     return {"token_ids": tokens, "finish": finish, "kv_bytes": kv_bytes, "kv_slots": kv_slots,
+            "kv_bytes_16bit": kv_bytes // 2,  # its float32 slots, counted at 16 bits
+            "kv_share_16bit": round(kv_bytes / 2 / (token_16 * (len(prompt) + len(tokens))), 4),
             "text": cut_at_stop(tokenizer.decode(tokens, skip_special_tokens=True), stop),
             "prefill_seconds": prefilled - start,
             # the steps after the prompt pass: each produced one token, the last of them the EOS
