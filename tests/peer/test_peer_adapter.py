@@ -157,5 +157,6 @@ def test_quantized_cache_runs_are_parsed_early_and_their_bytes_counted_against_1
         cache = DynamicCache()
         with torch.inference_mode():
             model(input_ids=torch.randint(2, 90, (1, 20)), past_key_values=cache)
-        assert adapter.share_of_16bit(cache, model) == share
+        assert adapter.share_of_16bit(cache, model, 20) == share
+        assert adapter.share_of_16bit(cache, model, 40) == share / 2  # a press kept half of what was read
         assert adapter.tensor_bytes(cache.layers[0].keys) == cache.layers[0].keys.numel() * dtype.itemsize

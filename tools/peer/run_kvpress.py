@@ -116,9 +116,9 @@ def tensor_bytes(t) -> int:
     return t.numel() * t.element_size()
 
 
-def share_of_16bit(cache, model) -> float:
-    """The bytes ``cache`` holds over a full 16-bit cache of the tokens it has seen (what h2okv's
-    rows call ``kv_share_16bit``)."""
+def share_of_16bit(cache, model, seen: int) -> float:
+    """The bytes ``cache`` holds over a full 16-bit cache of the ``seen`` tokens read and generated
+    (what h2okv's rows call ``kv_share_16bit``; a press leaves fewer in the cache than were seen)."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -128,7 +128,6 @@ def share_of_16bit(cache, model) -> float:
         for name in ("_quantized_keys", "_quantized_values"):
             if getattr(layer, name, None) is not None:
                 held += tensor_bytes(getattr(layer, name))
-    seen = getattr(cache.layers[0], "cumulative_length", None) or cache.get_seq_length()
     return held / (seen * len(cache.layers) * kv_heads * head_dim * 2 * 2)
 
 
@@ -148,9 +147,10 @@ def answer_one(model, tokenizer, press, prompt: dict, mode: str, max_new_tokens:
             out = model(input_ids=torch.tensor([question]), past_key_values=cache, position_ids=positions,
                         logits_to_keep=1)
             logits = out.logits[0, -1]
+        read = cache.get_seq_length()  # what the prompt left in the cache (a press: fewer than it read)
         answer = greedy_answer(model, tokenizer, cache, logits, len(context) + len(question), max_new_tokens)
-    if held is not None:
-        held.append(share_of_16bit(cache, model))
+    if held is not None:  # every token read, and those the answer fed back
+        held.append(share_of_16bit(cache, model, len(context) + len(question) + cache.get_seq_length() - read))
     return answer
 
 
