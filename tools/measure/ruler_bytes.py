@@ -78,6 +78,24 @@ def placed(rows: list[dict], versus: str | None = None) -> list[dict]:
     return sorted(out, key=lambda e: (KINDS.index(e["kind"]), e["bytes"]))
 
 
+def short_name(config: str) -> str:
+    """A plot's label for a table's configuration: ``bounded, 8/4 bits, 23%``, ``quanto int4``."""
+    import re
+
+    name, _, budget = config.partition(" @ ")
+    share = f", {float(budget):.0%}" if budget else ""
+    bits = re.search(r"nbits=(\d+)", name)
+    if bits:  # transformers' QuantizedCache, with or without a press
+        press = name.split(" ")[0].removeprefix("kvpress-")
+        return f"quanto int{bits.group(1)}" + ("" if press == "full" else f" + kvpress {press}{share}")
+    ours = re.search(r"kv_bits=(\d+)", name)
+    if ours:
+        return f"ours, {ours.group(1)}-bit, every token"
+    name = name.removeprefix("recipe ")
+    name = name.replace(" k8v4", ", 8/4 bits") if " k8v4" in name else name + ", 16-bit" if budget else name
+    return name + share
+
+
 def plot(entries: list[dict], path: str, title: str) -> str:
     from h2okv.eval.plots import new_figure, save_figure
 
@@ -91,7 +109,7 @@ def plot(entries: list[dict], path: str, title: str) -> str:
         ax.errorbar([100 * e["bytes"] for e in mine], [e["average"] for e in mine],
                     yerr=[e["se"] or 0.0 for e in mine], fmt=markers[name], markersize=8, capsize=3, label=name)
         for e in mine:
-            ax.annotate(e["config"], (100 * e["bytes"], e["average"]), fontsize=6, xytext=(4, 3),
+            ax.annotate(short_name(e["config"]), (100 * e["bytes"], e["average"]), fontsize=7, xytext=(5, 3),
                         textcoords="offset points")
     ax.set_xscale("log")
     ticks = [5, 10, 20, 30, 50, 100]
@@ -101,7 +119,7 @@ def plot(entries: list[dict], path: str, title: str) -> str:
     ax.set_ylabel("RULER average (error bars: one SE)")
     ax.set_title(title, fontsize=9)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="center right")
     return save_figure(fig, path)
 
 
