@@ -130,6 +130,8 @@ class CacheSettings:
             given["bytes"] = given.pop("budget")
         if "bytes" in given and (spelled := [n for n in ("budget", *PART_NAMES) if n in given]):
             raise SettingError("give either {bytes} or " + "/".join("{" + n + "}" for n in spelled) + ", not both")
+        if "bytes" in given:  # the bytes asked are a ceiling: no floor raises a short prompt's slots above them
+            given.setdefault("budget_floor", 0)
         shape = expand(recipe, policy=policy, **{k: given.pop(k) for k in list(given) if k in _RECIPE_KEYS})
         if keywords.get("recent_share") is None and any(name in given for name in PART_NAMES):
             shape.pop("recent_share", None)  # the recipe's share splits a budget, not parts given as such
@@ -145,9 +147,9 @@ class CacheSettings:
         """A copy with ``changes``, checked again (a budget given replaces the parts, and the other
         way round: a value holds one spelling)."""
         if changes.get("budget") is not None:
-            changes = {**dict.fromkeys(PART_NAMES), **changes}
+            changes = {**dict.fromkeys(PART_NAMES), "bytes": None, **changes}
         elif any(changes.get(name) is not None for name in PART_NAMES):
-            changes = {"budget": None, "recent_share": None, **changes}
+            changes = {"budget": None, "recent_share": None, "bytes": None, **changes}
         return dataclasses.replace(self, **changes)
 
     # -- the checks that need no model, in one place ---------------------------------------------------

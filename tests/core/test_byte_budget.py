@@ -63,13 +63,18 @@ def test_a_byte_budget_fills_in_the_measured_coding_and_excludes_other_budgets()
             CacheSettings.build(**bad)
     with pytest.raises(H2OError, match="for_model"):
         s.budget_parts()  # no model, no slots
+    # the bytes are a ceiling: no floor raises a short prompt's slots (unless one is given), and a
+    # budget given later replaces them (one spelling)
+    assert s.budget_floor == 0 and CacheSettings.build(bytes=0.1, budget_floor=64).budget_floor == 64
+    again = CacheSettings.build(bytes=0.1).replace(budget=0.3)
+    assert (again.bytes, again.budget) == (None, 0.3)
 
 
 def test_a_fraction_of_bytes_buys_that_share_of_a_16_bit_cache(model):
     geometry = Geometry.of(model.config)
     share = geometry.slot_bytes(8, 4, 32) / geometry.full_slot_bytes()
     assert share == pytest.approx((8 + 4) / 32 + 2 * 4 / 128)  # codes, and a scale and low per 32 channels
-    cache = H2OCache(model, bytes=0.1, budget_floor=0)
+    cache = H2OCache(model, bytes=0.1)
     assert cache.settings.budget == pytest.approx(0.1 / share)  # 22.9% of the tokens in 8/4 bits
     stats = run(model, cache)
     assert stats["kv_coding"] == "8-bit keys, 4-bit values"
