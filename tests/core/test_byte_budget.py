@@ -113,6 +113,7 @@ def test_every_recipe_takes_a_budget_in_bytes(model, recipe):
 
 def test_the_server_turns_its_bytes_into_slots_once_the_model_is_loaded(model):
     from h2okv.serve.eviction import EVERY_POLICY, EvictionDefaults
+    from h2okv.vocabulary import SettingError, as_field
 
     geometry = Geometry.of(model.config)
     server = EvictionDefaults.from_options(recipe="bounded", budget="4MiB")  # checked before any model loads
@@ -123,6 +124,10 @@ def test_the_server_turns_its_bytes_into_slots_once_the_model_is_loaded(model):
     assert heavy + recent == (4 << 20) // (geometry.layers * geometry.kv_heads * geometry.slot_bytes(8, 4, 32)) - 1
     # every request's cache is coded as the bytes were counted, and admitted by a coded slot's bytes
     assert served.cache_options()[EVERY_POLICY] == {"kv_bits": 4, "kv_group": 32, "key_bits": 8}
+    # a request's own budget is slots or a fraction: bytes are the server's to set (a 400 naming h2o.budget)
+    with pytest.raises(SettingError) as err:
+        served.resolve(1000, budget={"budget": "4MiB"})
+    assert err.value.said(as_field).startswith("h2o.budget in bytes is the server's to set")
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from h2okv.policies import make_policy
 from h2okv.recipes import expand
 from h2okv.settings import DEFAULT_HEAD_FLOOR, PART_NAMES, CacheSettings, slot_coding_keywords
+from h2okv.vocabulary import SettingError
 
 # a request's budget fields: the older spelling (parts) and the one-argument spelling (budget + its recent share)
 BUDGET_FIELDS = (*PART_NAMES, "budget", "recent_share")
@@ -107,8 +108,12 @@ class EvictionDefaults:
         own = chosen.spec == server.policy_spec
         split = {"head_budgets": server.head_budgets if own else "uniform",
                  "head_floor": server.head_floor if own else DEFAULT_HEAD_FLOOR}
-        return CacheSettings.build(chosen.spec, recipe=recipe, prefill=_reading(chosen.spec, server.prefill),
-                                   positions="true", budget_floor=server.budget_floor, **split, **fields)
+        settings = CacheSettings.build(chosen.spec, recipe=recipe, prefill=_reading(chosen.spec, server.prefill),
+                                       positions="true", budget_floor=server.budget_floor, **split, **fields)
+        if settings.bytes is not None:  # bytes become slots by the model's shape, which the server fixed at start
+            raise SettingError("{budget} in bytes is the server's to set (serve --bytes 0.1, --budget 4MiB); a request "
+                               "gives slots or a fraction of its prompt")
+        return settings
 
     def resolve(self, prompt_len: int, policy: str | None = None, budget: dict | None = None,
                 recipe: str | None = None) -> tuple[str, int | None, int | None]:
