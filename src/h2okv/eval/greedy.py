@@ -40,10 +40,11 @@ def row_kv(cache, row: int) -> tuple[int, int, int]:
     for layer in cache.layers:
         if not layer.is_initialized:
             continue
-        live = int(layer.live_slots()[row].sum())  # over the heads
+        heads = layer.live_slots()[row]  # [H]
+        live = int(heads.sum())
         total += live * layer.bytes_per_slot()  # K and V of one head
         total_16 += live * layer.bytes_per_slot(float_itemsize=2)
-        most = max(most, int(layer.live_slots()[row].max()))
+        most = max(most, int(heads.max()))
     return total, most, total_16
 
 
