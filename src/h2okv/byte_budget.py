@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from h2okv.core.compat import config_head_dim  # torch-free: the core package loads nothing by itself
 from h2okv.vocabulary import SettingError
 
 SCALE_BYTES = 2  # a group's scale and its low, each float16 (core/quant.py)
@@ -50,7 +51,7 @@ class Geometry:
     def of(cls, config) -> Geometry:
         """From a transformers (text) config."""
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = config_head_dim(config)
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         return cls(config.num_hidden_layers, kv_heads, head_dim, head_dim)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from h2okv.core.compat import config_head_dim
+from h2okv.byte_budget import Geometry
 
 _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
@@ -132,9 +132,8 @@ def measure_peak(device: torch.device | str = "cpu"):
 # -- KV-cache sizes -------------------------------------------------------------------------------
 def kv_geometry(model) -> tuple[int, int, int]:
     """(layers, kv_heads, head_dim) of a decoder model's attention."""
-    cfg = model.config.get_text_config()
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    return cfg.num_hidden_layers, kv_heads, config_head_dim(cfg)
+    geometry = Geometry.of(model.config)
+    return geometry.layers, geometry.kv_heads, geometry.key_dim
 
 
 def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
