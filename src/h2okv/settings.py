@@ -53,6 +53,15 @@ def slot_coding_keywords(kv_bits: int | None, kv_group: int = DEFAULT_KV_GROUP, 
     return coding
 
 
+def coding_label(kv_bits: int | None, key_bits: int | None = None, kv_group: int = DEFAULT_KV_GROUP) -> str | None:
+    """How quantized slots are named in a row's label: ``4``, ``k8v4`` (keys in other bits),
+    ``4/64`` (another group); None for the model's dtype."""
+    if kv_bits is None:
+        return None
+    bits = f"{kv_bits}" if key_bits in (None, kv_bits) else f"k{key_bits}v{kv_bits}"
+    return bits if kv_group == DEFAULT_KV_GROUP else f"{bits}/{kv_group}"
+
+
 def _setting(default, help: str, kind: str = "text", recipe_sets: bool = False, **more):
     """A field with what its command-line flag needs (``cli.args.add_cache_args`` builds the flags
     from these, once): ``help`` in the flags' words, ``kind`` (how the flag's text is read),

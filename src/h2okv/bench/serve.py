@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from h2okv.errors import H2OError
 from h2okv.eval.output import write_json
+from h2okv.settings import DEFAULT_KV_GROUP, coding_label, slot_coding_keywords
 
 
 @dataclass
@@ -235,7 +236,8 @@ def server_settings(policies: list[str], recipes: list[str], budget: dict | None
     from h2okv.serve.eviction import EvictionDefaults
 
     budget, coding = budget or {}, coding or {}
-    suffix = coding_label(coding)
+    label = coding_label(coding.get("kv_bits"), coding.get("key_bits"), coding.get("kv_group", DEFAULT_KV_GROUP))
+    suffix = f" {label}" if label else ""
     out = [(policy + suffix, EvictionDefaults.from_options(policy=policy, budget_floor=0, **coding,
                                                            **(budget if make_policy(policy).evicts else {})))
            for policy in policies]
@@ -248,14 +250,6 @@ def server_settings(policies: list[str], recipes: list[str], budget: dict | None
         out.append((recipe + suffix, EvictionDefaults.from_options(recipe=recipe, budget_floor=0, budget=total,
                                                                    **coding)))
     return out
-
-
-def coding_label(coding: dict) -> str:
-    """`` k8v4`` / `` 4``: a server's quantized slots in its row's label (empty: the model's dtype)."""
-    if not coding:
-        return ""
-    bits, keys = coding["kv_bits"], coding.get("key_bits") or coding["kv_bits"]
-    return f" {bits}" if keys == bits else f" k{keys}v{bits}"
 
 
 @dataclass(frozen=True)
@@ -460,8 +454,6 @@ def run(args, run_chat=None) -> int:
     budget = {k: getattr(args, k) for k in ("heavy", "recent", "heavy_ratio", "recent_ratio")
               if getattr(args, k, None) is not None}
     recipes = parse_recipes(args.recipe) if getattr(args, "recipe", None) else []
-    from h2okv.settings import DEFAULT_KV_GROUP, slot_coding_keywords
-
     coding = slot_coding_keywords(getattr(args, "kv_bits", None), getattr(args, "kv_group", None) or DEFAULT_KV_GROUP,
                                   getattr(args, "key_bits", None))
     server_settings(policies, recipes, budget, coding)  # each built, so checked, before the slow model load

@@ -33,7 +33,7 @@ from h2okv.eval.reasoning_data import Problem
 from h2okv.generation import chat_prompt_ids, new_cache
 from h2okv.policies import policy_class
 from h2okv.recipes import recipe_policy, recipe_runs
-from h2okv.settings import DEFAULT_KV_GROUP, slot_coding_keywords
+from h2okv.settings import DEFAULT_KV_GROUP, coding_label, slot_coding_keywords
 
 PIECE_FORMAT = "h2okv-reasoning/1"
 EXPORT_FORMAT = "h2okv-reasoning-prompts/1"  # read by tools/peer/run_kvpress.py
@@ -65,10 +65,7 @@ class Setup:
     def kv_label(self) -> str | None:
         """How the rows' slots are coded, for their label: ``4``, ``k8v4`` (keys in other bits),
         ``4/64`` (another group), or None."""
-        if self.kv_bits is None:
-            return None
-        bits = f"{self.kv_bits}" if self.key_bits in (None, self.kv_bits) else f"k{self.key_bits}v{self.kv_bits}"
-        return bits if self.kv_group == DEFAULT_KV_GROUP else f"{bits}/{self.kv_group}"
+        return coding_label(self.kv_bits, self.key_bits, self.kv_group)
 
     def cache_options(self, policy: str) -> dict:
         """The recipe's further cache keywords (prefill, positions...) for the recipe's own policy,
