@@ -351,6 +351,7 @@ class H2OCache(Cache):
         # the yardstick of a quantized cache: a model run in float32 (on a CPU) would otherwise
         # flatter 8-bit slots 4x, where a served model's cache is 16-bit
         full_16 = sum(layer.full_kv_bytes(torch.bfloat16) for layer in layers)
+        kv_16 = sum(layer.kv_bytes(float_itemsize=2) for layer in layers)  # coded slots as they are
         live = sum(int(layer.live_slots().sum()) for layer in layers)
         seen = sum(layer.tokens_seen * layer.live_slots().numel() for layer in layers)
         return {
@@ -381,7 +382,10 @@ class H2OCache(Cache):
             "kv_bits": self.settings.kv_bits,  # quantized slots (None: the model's dtype)
             "kv_coding": self._coding_label(),
             "full_kv_bytes_16bit": full_16,
-            "kv_share_16bit": kv / full_16 if full_16 else 1.0,
+            # what this cache would hold in a 16-bit model (float slots at 2 bytes, coded ones as
+            # they are) over that full cache: the share a budget in bytes is held to
+            "kv_bytes_16bit": kv_16,
+            "kv_share_16bit": kv_16 / full_16 if full_16 else 1.0,
             "live_share": live / seen if seen else 1.0,
             # the most tokens a (row, layer, KV head) holds above its budget: kvzip's tail (what is
             # read after its ranking, kept whole for ``tail`` tokens), 0 for every other policy

@@ -550,12 +550,17 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         return torch.where(whole.flatten(1).all(-1), self.n_real, torch.full_like(self.n_real, -1))
 
     # -- accounting ------------------------------------------------------------------------------
-    def kv_bytes(self) -> int:
-        """The bytes the slots' keys and values take, quantized slots' scales included."""
+    def kv_bytes(self, float_itemsize: int | None = None) -> int:
+        """The bytes the slots' keys and values take, quantized slots' scales included;
+        ``float_itemsize``: unquantized slots counted at that element size instead of the model
+        dtype's (2: what a 16-bit model would hold)."""
         if not self.is_initialized:
             return 0
         held = self.ragged if self.ragged is not None else self  # flat: each head's own slots only
-        names = ("keys", "values") + (CODEC_TENSORS if self.coding is not None else ())
+        if self.coding is None:
+            return sum(getattr(held, name).numel() * (float_itemsize or getattr(held, name).element_size())
+                       for name in ("keys", "values"))
+        names = ("keys", "values") + CODEC_TENSORS
         return sum(getattr(held, name).numel() * getattr(held, name).element_size() for name in names)
 
     def full_kv_bytes(self, dtype: torch.dtype | None = None) -> int:

@@ -136,6 +136,7 @@ class Costs:
     peak_bytes: int = 0
     kv_bytes: int = 0
     full_kv_bytes: int = 0
+    kv_bytes_16bit: int = 0  # the same K/V in a 16-bit model (float slots at 2 bytes, coded ones as they are)
     full_kv_bytes_16bit: int = 0  # a full cache of the same tokens in 16 bits: what quantized slots are held against
 
     def per_row(self, rows: int) -> dict:
@@ -143,7 +144,8 @@ class Costs:
         return {"prefill_s": round(self.prefill_s / rows, 3), "decode_s": round(self.decode_s / rows, 3),
                 "peak_mib": round(self.peak_bytes / 2**20, 1), "kv_fraction": round(self.kv_bytes / self.full_kv_bytes, 4)
                 if self.full_kv_bytes else None,
-                "kv_share_16bit": round(self.kv_bytes / self.full_kv_bytes_16bit, 4) if self.full_kv_bytes_16bit else None,
+                "kv_share_16bit": round(self.kv_bytes_16bit / self.full_kv_bytes_16bit, 4) if self.full_kv_bytes_16bit
+                else None,
                 "batch": rows}
 
 
@@ -173,7 +175,7 @@ def generate_answers(model, tokenizer, prompts: list[LongPrompt], cache, questio
         costs.prefill_s, costs.decode_s = first.at - start, end - first.at
         costs.peak_bytes = peak.peak_bytes
         costs.kv_bytes, costs.full_kv_bytes = stats.get("kv_bytes", 0), stats.get("full_kv_bytes", 0)
-        costs.full_kv_bytes_16bit = stats.get("full_kv_bytes_16bit", 0)
+        costs.kv_bytes_16bit, costs.full_kv_bytes_16bit = stats.get("kv_bytes_16bit", 0), stats.get("full_kv_bytes_16bit", 0)
     return tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
 
 
