@@ -42,7 +42,8 @@ DEFAULT_KV_GROUP = 32  # channels per scale of quantized slots (core/quant.py)
 KV_BITS = (8, 4, 2)  # the bits a quantized slot's key or value may take
 
 
-def slot_coding_keywords(kv_bits: int | None, kv_group: int = DEFAULT_KV_GROUP, key_bits: int | None = None) -> dict:
+def slot_coding_keywords(kv_bits: int | None, kv_group: int = DEFAULT_KV_GROUP, key_bits: int | None = None,
+                         float_window: int = 0) -> dict:
     """``H2OCache``'s keywords for quantized slots (none for ``kv_bits=None``; ``key_bits`` only
     where given): what the server, ``eval reasoning`` and ``eval ppl`` hand every cache they build."""
     if kv_bits is None:
@@ -50,16 +51,20 @@ def slot_coding_keywords(kv_bits: int | None, kv_group: int = DEFAULT_KV_GROUP, 
     coding = {"kv_bits": kv_bits, "kv_group": kv_group}
     if key_bits is not None:
         coding["key_bits"] = key_bits
+    if float_window:
+        coding["float_window"] = float_window
     return coding
 
 
-def coding_label(kv_bits: int | None, key_bits: int | None = None, kv_group: int = DEFAULT_KV_GROUP) -> str | None:
+def coding_label(kv_bits: int | None, key_bits: int | None = None, kv_group: int = DEFAULT_KV_GROUP,
+                 float_window: int = 0) -> str | None:
     """How quantized slots are named in a row's label: ``4``, ``k8v4`` (keys in other bits),
-    ``4/64`` (another group); None for the model's dtype."""
+    ``4/64`` (another group), ``k8v4+f32`` (a float window of 32 tokens); None for the model's dtype."""
     if kv_bits is None:
         return None
     bits = f"{kv_bits}" if key_bits in (None, kv_bits) else f"k{key_bits}v{kv_bits}"
-    return bits if kv_group == DEFAULT_KV_GROUP else f"{bits}/{kv_group}"
+    bits = bits if kv_group == DEFAULT_KV_GROUP else f"{bits}/{kv_group}"
+    return f"{bits}+f{float_window}" if float_window else bits
 
 
 def _setting(default, help: str, kind: str = "text", recipe_sets: bool = False, **more):
@@ -119,6 +124,9 @@ class CacheSettings:
                                     shown="--kv-bits")
     kv_group: int = _setting(DEFAULT_KV_GROUP, "channels that share one scale with --kv-bits (at most the head dimension)",
                              kind="positive")
+    float_window: int = _setting(0, "with --kv-bits: each sequence's last N tokens also kept in the model's dtype, "
+                                    "read from there until newer ones take their place, then from their codes "
+                                    "(KIVI's full-precision recent window)", kind="int")
     protect_prompt: bool = _setting(False, "keep the prompt whole: the budget applies to the generated tokens (the "
                                            "KV reported counts both)", kind="switch")
     #: the recipe the value was expanded from (a label: its keywords are already in the fields)
@@ -205,6 +213,10 @@ class CacheSettings:
         if not policy.evicts:
             raise SettingError("policy {name!r} keeps every token; do not give it {bytes}", name=policy.name)
         set_("bytes", parse_bytes_budget(self.bytes))
+        if isinstance(self.bytes, float) and self.float_window:
+            raise SettingError("a float window holds {window} tokens whatever a prompt's length, so no fraction of "
+                               "its bytes holds it: give {bytes} per sequence (e.g. 4MiB) with {float_window}",
+                               window=self.float_window)
         if self.kv_bits is None:
             set_("kv_bits", BYTES_CODING["kv_bits"])
             set_("key_bits", self.key_bits or BYTES_CODING["key_bits"])
@@ -222,13 +234,18 @@ class CacheSettings:
         policy = self.policy_object()
         bits, keys = self.kv_bits, self.key_bits or self.kv_bits
         budget = budget_for_bytes(self.bytes, Geometry.of(config), keys, bits, self.kv_group,
-                                  least=least_slots(policy, self.recent_share))
+                                  least=least_slots(policy, self.recent_share), window=self.float_window)
         return dataclasses.replace(self, budget=budget)
 
     def _check_kv_bits(self, rolling: bool) -> None:
+        window = self.float_window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise SettingError("{float_window} must be a whole number of tokens >= 0, got {got}", got=repr(window))
         if self.kv_bits is None:
             if self.key_bits is not None:
                 raise H2OError("key_bits sets the keys' bits of quantized slots: give kv_bits (the values') too")
+            if window:
+                raise SettingError("{float_window} keeps the recent tokens of quantized slots in float: give {kv_bits} too")
             return
         for name in ("kv_bits", "key_bits"):
             value = getattr(self, name)

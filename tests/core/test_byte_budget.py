@@ -99,6 +99,9 @@ def test_bytes_per_sequence_buy_slots_per_layer_and_head(model):
     with pytest.raises(H2OError, match="holds 1 slot"):
         H2OCache(model, bytes=2 * geometry.layers * geometry.kv_heads * slot + 1)  # h2o needs a heavy and a recent slot
     assert budget_for_bytes(10 * geometry.layers * geometry.kv_heads * slot, geometry, 8, 4, 32) == 9
+    windowed = H2OCache(model, budget=f"{asked}B", float_window=8)  # the window's 16-bit tokens come first
+    stats = run(model, windowed)
+    assert stats["kv_bytes_16bit"] <= asked and max(stats["budget"]) < 64
 
 
 @pytest.mark.parametrize("recipe", ["bounded", "prompt", "document", "generation"])

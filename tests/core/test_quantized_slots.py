@@ -7,8 +7,8 @@ import functools
 import pytest
 import torch
 
+from generate_greedy import greedy
 from h2okv import H2OCache
-from h2okv.core.compat import cache_arg
 from h2okv.core.decode import EagerStep, FillingStep
 from h2okv.core.kernels import use_kernels
 from h2okv.core.quant import SlotCodec
@@ -64,14 +64,6 @@ def dequantized_reference(cache: H2OCache, keys: SlotCodec, values: SlotCodec) -
 
         layer.attend = functools.partial(fed_roundtripped)
     return cache
-
-
-def greedy(model, ids, cache, mask=None, new=6):
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids) if mask is None else mask, **cache_arg(cache),
-                             max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=1,
-                             output_scores=True, return_dict_in_generate=True)
-    return out.sequences[:, ids.shape[1]:], torch.stack(out.scores)
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2, (8, 4)])  # (keys, values)

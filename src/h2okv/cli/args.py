@@ -293,7 +293,7 @@ def shape_from_args(args) -> dict:
         shape["head_budgets"] = args.head_budgets
     if getattr(args, "head_floor", None) is not None:
         shape["head_floor"] = args.head_floor
-    for name in ("kv_bits", "key_bits", "kv_group"):  # quantized slots (bench --policies)
+    for name in ("kv_bits", "key_bits", "kv_group", "float_window"):  # quantized slots (bench --policies)
         if getattr(args, name, None) is not None:
             shape[name] = getattr(args, name)
     return shape

@@ -86,7 +86,7 @@ def register(sub) -> None:
     p.add_argument("--scoring-tokens", type=positive_int, default=2048, help="tokens of the --policies scoring pass (default 2048)")
     p.add_argument("--scoring-repeats", type=positive_int, default=1, help="passes per policy in the --policies scoring study (default 1)")
     add_budget_shape_args(p, layers=True)  # how the --policies decode study spends --budget (its caches only)
-    add_cache_args(p, ["kv_bits", "key_bits", "kv_group"])  # ... and in what bits it keeps the slots
+    add_cache_args(p, ["kv_bits", "key_bits", "kv_group", "float_window"])  # ... and in what bits it keeps the slots
     add_tp_args(p)
     p.add_argument("--serve", nargs=argparse.REMAINDER, default=None, metavar="SERVE_BENCH_ARGS",
                    help="instead: the serving load generator (h2okv.bench.serve) with the `serve-bench` "

@@ -52,7 +52,7 @@ def register(sub) -> None:
     add_model_args(p)
     add_budget_args(p, reconstruction=True)
     add_cache_args(p, ["prefill", "head_budgets", "head_floor", "positions", "protect_prompt", "kv_bits", "key_bits",
-                       "kv_group"])
+                       "kv_group", "float_window"])
     add_tp_args(p)
     p.set_defaults(func=run)
 

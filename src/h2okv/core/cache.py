@@ -31,7 +31,8 @@ def slot_coding(model, settings: CacheSettings) -> SlotCoding | None:
     config = model.config.get_text_config()
     head_dim = config_head_dim(config)
     group = min(settings.kv_group, head_dim)  # a group is at most a head's vector
-    coding = SlotCoding(SlotCodec(settings.key_bits or settings.kv_bits, group), SlotCodec(settings.kv_bits, group))
+    coding = SlotCoding(SlotCodec(settings.key_bits or settings.kv_bits, group), SlotCodec(settings.kv_bits, group),
+                        window=settings.float_window)
     try:
         coding.bytes_per_slot(head_dim, head_dim)
     except ValueError as err:
@@ -340,9 +341,9 @@ class H2OCache(Cache):
         s = self.settings
         if s.kv_bits is None:
             return None
-        if s.key_bits in (None, s.kv_bits):
-            return f"{s.kv_bits}-bit slots"
-        return f"{s.key_bits}-bit keys, {s.kv_bits}-bit values"
+        label = (f"{s.kv_bits}-bit slots" if s.key_bits in (None, s.kv_bits)
+                 else f"{s.key_bits}-bit keys, {s.kv_bits}-bit values")
+        return label + (f", the last {s.float_window} tokens also in float" if s.float_window else "")
 
     def stats(self) -> dict:
         layers = [layer for layer in self.layers if layer.is_initialized]

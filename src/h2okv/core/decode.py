@@ -298,6 +298,7 @@ def write_and_attend(layer, slot, ordinal, query, k_new, v_new, scaling, masked:
     b, hkv = k_new.shape[:2]
     layer.write_kv(slot, k_new, v_new)
     layer.ordinal.scatter_(2, slot, ordinal.expand(b, hkv, 1))
+    layer.remember_recent(layer.n_real.view(b, 1), k_new, v_new)
     fresh = policy.key_scores(k_new)
     layer.score.scatter_(2, slot, 0.0 if fresh is None else fresh)
     layer.valid.scatter_(2, slot, True)

@@ -17,6 +17,12 @@ a token attends to itself as it is stored, and every path (a chunk, the per-toke
 step) gives what the same path gives an unquantized cache fed the dequantized values
 (``tests/core/test_quantized_slots.py``). Coding a roundtripped vector again gives the same
 codes, scale and low (tested): writing it costs nothing more in accuracy.
+
+**A float window** (``SlotCoding.window``, ``float_window``): each row's last ``window`` tokens are
+also kept in the model's dtype, beside their codes, and read back from there until a newer token
+takes their place; then their codes, written with them, are what they read back (KIVI's residual
+window of recent tokens in full precision). A call's tokens are passed through ``roundtrip`` except
+those that will be among the row's last ``window`` at the call's end (``SlotLayer.attend``).
 """
 
 from __future__ import annotations
@@ -115,6 +121,11 @@ class SlotCoding:
 
     keys: SlotCodec
     values: SlotCodec
+    window: int = 0  # each row's last tokens also kept in the model's dtype (the module docstring)
+
+    def __post_init__(self):
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
+            raise ValueError(f"float_window must be a whole number >= 0, got {self.window!r}")
 
     def bytes_per_slot(self, key_dim: int, value_dim: int) -> int:
         return self.keys.bytes_per_vector(key_dim) + self.values.bytes_per_vector(value_dim)

@@ -151,6 +151,7 @@ def token_scan(layer, query, key_new, value_new, scaling) -> torch.Tensor:
     layer.score = score.gather(2, order)
     layer.ordinal = ordinal.gather(2, order)
     layer.valid = valid.gather(2, order)
+    layer.remember_recent(new_ord[:, 0], key_new, value_new)
     layer.n_real = layer.n_real + n
     layer.peak_capacity = max(layer.peak_capacity, total)
     return out

@@ -31,6 +31,10 @@ ROW_VECTORS = ("n_real", "heavy", "recent", "sinks", "head_heavy")
 # quantized slots (``core/quant.py``): ``keys`` and ``values`` hold the codes, and these each
 # group's float16 scale and low, [B, H, capacity, G]: slot tensors like the others
 CODEC_TENSORS = ("key_scale", "key_low", "value_scale", "value_low")
+# a float window of quantized slots (``core/quant.py``): each row's last W tokens in the model's
+# dtype, at place ``ordinal % W`` (``[B, H, W, D]``), and the ordinal each place holds (``[B, W]``,
+# -1: none yet); per row, so the row operations move them as they move ``n_real``
+WINDOW_TENSORS = ("window_keys", "window_values", "window_ordinal")
 
 
 @dataclass
@@ -61,6 +65,7 @@ class SlotStorage:
     peak_capacity: int
     ragged: RaggedSlots | None = None  # see the module docstring
     coding = None  # a SlotCoding when the slots are quantized (``core/quant.py``), else None
+    window_keys = window_values = window_ordinal = None  # a float window (WINDOW_TENSORS), else None
     slot_tensors = SLOT_TENSORS  # the per-slot tensors every row and capacity operation moves
     stepper = None  # SlotLayer's decode stepper
     #: moves on every change of the rows or buffers that something is derived from (``changed``)
@@ -132,6 +137,7 @@ class SlotStorage:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.head_dims = (d, dv)
         self.coding = coding
+        self.window_keys = self.window_values = self.window_ordinal = None
         if coding is None:
             self.slot_tensors = SLOT_TENSORS
             self.keys = key_states.new_zeros((b, h, 0, d))
@@ -146,6 +152,10 @@ class SlotStorage:
             self.key_low = torch.zeros((b, h, 0, coding.keys.groups(d)), **scales)
             self.value_scale = torch.zeros((b, h, 0, coding.values.groups(dv)), **scales)
             self.value_low = torch.zeros((b, h, 0, coding.values.groups(dv)), **scales)
+            if coding.window:
+                self.window_keys = key_states.new_zeros((b, h, coding.window, d))
+                self.window_values = value_states.new_zeros((b, h, coding.window, dv))
+                self.window_ordinal = torch.full((b, coding.window), -1, dtype=torch.long, device=self.device)
         self.score = torch.zeros((b, h, 0), dtype=torch.float32, device=self.device)
         self.ordinal = torch.zeros((b, h, 0), dtype=torch.long, device=self.device)
         self.valid = torch.zeros((b, h, 0), dtype=torch.bool, device=self.device)
@@ -160,16 +170,65 @@ class SlotStorage:
         themselves, or for quantized slots their dequantized copies (``core/quant.py``)."""
         if self.coding is None:
             return self.keys, self.values
-        return self.float_keys(), self.coding.values.decode(self.values, self.value_scale, self.value_low, self.dtype)
+        values = self.coding.values.decode(self.values, self.value_scale, self.value_low, self.dtype)
+        if self.window_ordinal is None:
+            return self.float_keys(), values
+        place, recent = self._window_places()
+        return self.float_keys(place, recent), self._from_window(self.window_values, values, place, recent)
 
-    def float_keys(self) -> torch.Tensor:
+    def float_keys(self, place=None, recent=None) -> torch.Tensor:
+        """The keys in the model's dtype (``place``/``recent``: ``_window_places``, when known)."""
         if self.coding is None:
             return self.keys
-        return self.coding.keys.decode(self.keys, self.key_scale, self.key_low, self.dtype)
+        keys = self.coding.keys.decode(self.keys, self.key_scale, self.key_low, self.dtype)
+        if self.window_ordinal is None:
+            return keys
+        if place is None:
+            place, recent = self._window_places()
+        return self._from_window(self.window_keys, keys, place, recent)
+
+    def _window_places(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(place, recent)`` ``[B, H, capacity]``: each slot's place in the float window, and
+        whether that place holds its token (a free slot's stale ordinal may match too: nothing
+        reads a free slot)."""
+        b, h, cap = self.ordinal.shape
+        place = self.ordinal.remainder(self.window_ordinal.shape[1])
+        held = self.window_ordinal.gather(1, place.reshape(b, h * cap)).view(b, h, cap)
+        return place, held == self.ordinal
+
+    @staticmethod
+    def _from_window(window, decoded, place, recent) -> torch.Tensor:
+        floats = window.gather(2, place[..., None].expand(*place.shape, window.shape[-1]))
+        return torch.where(recent[..., None], floats, decoded)
+
+    def remember_recent(self, ordinal: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                        real: torch.Tensor | None = None) -> None:
+        """Keep the float window (``WINDOW_TENSORS``) of tokens just written: ``ordinal`` ``[B, m]``
+        their ordinals (consecutive, a row's real tokens first), their keys and values
+        ``[B, H, m, D]``, ``real`` ``[B, m]`` (None: all real). Only the tokens that are among
+        their row's last ``W`` are written, so no two land on one place."""
+        if self.window_ordinal is None:
+            return
+        width = self.window_ordinal.shape[1]
+        if ordinal.shape[1] == 1 and real is None:  # a decode step: one token a row, in tensor ops
+            place = ordinal.remainder(width)
+            self.window_ordinal.scatter_(1, place, ordinal)
+            for window, new in ((self.window_keys, k_new), (self.window_values, v_new)):
+                window.scatter_(2, place[:, None, :, None].expand(-1, window.shape[1], 1, window.shape[-1]), new)
+            return
+        if real is None:
+            real = torch.ones(ordinal.shape, dtype=torch.bool, device=ordinal.device)
+        end = ordinal[:, :1] + real.sum(-1, keepdim=True)  # each row's tokens after the call
+        rows, tokens = (real & (ordinal >= end - width)).nonzero(as_tuple=True)
+        ordinals = ordinal[rows, tokens]
+        place = ordinals.remainder(width)
+        self.window_ordinal[rows, place] = ordinals
+        self.window_keys[rows, :, place] = k_new[rows, :, tokens]
+        self.window_values[rows, :, place] = v_new[rows, :, tokens]
 
     def write_kv(self, slot: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Write token ``j``'s key and value ``[B, H, m, D]`` into slot ``slot[..., j]`` ``[B, H, m]``
-        (coded, for quantized slots)."""
+        (coded, for quantized slots; a float window is kept by ``remember_recent``)."""
         if self.coding is None:
             parts = (("keys", k_new), ("values", v_new))
         else:
@@ -283,7 +342,7 @@ class SlotStorage:
             return
         self.to_dense()
         index = index.to(self.device)
-        for name in self.slot_tensors + ROW_VECTORS:
+        for name in self.slot_tensors + ROW_VECTORS + WINDOW_TENSORS:
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, tensor.index_select(0, index))
@@ -301,7 +360,7 @@ class SlotStorage:
                 part.head_heavy = part.heads_heavy()
         if self.coding != other.coding:
             raise RuntimeError(f"cannot join caches of other slot codings ({self.coding} and {other.coding})")
-        for name in self.slot_tensors + ROW_VECTORS:
+        for name in self.slot_tensors + ROW_VECTORS + WINDOW_TENSORS:
             mine, theirs = getattr(self, name), getattr(other, name)
             if (mine is None) != (theirs is None):
                 raise RuntimeError(f"cannot join a prefilled cache with one that has not run ({name})")
@@ -317,6 +376,11 @@ class SlotStorage:
             old = getattr(self, name)
             setattr(self, name, torch.cat([old, old.new_zeros((k, *old.shape[1:]))]))  # zeros: free slots
         self.n_real = torch.cat([self.n_real, self.n_real.new_zeros(k)])
+        if self.window_ordinal is not None:  # an empty window: every place holds none (-1)
+            self.window_keys = torch.cat([self.window_keys, self.window_keys.new_zeros((k, *self.window_keys.shape[1:]))])
+            self.window_values = torch.cat([self.window_values,
+                                            self.window_values.new_zeros((k, *self.window_values.shape[1:]))])
+            self.window_ordinal = torch.cat([self.window_ordinal, self.window_ordinal.new_full((k, self.window_ordinal.shape[1]), -1)])
         if self.heavy is not None:
             self.heavy = torch.cat([self.heavy, heavy.to(self.device)])
             self.recent = torch.cat([self.recent, recent.to(self.device)])

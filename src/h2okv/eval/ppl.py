@@ -57,14 +57,14 @@ class PplRow:
     kv_bits: int | None = None  # quantized slots (the reference, full, is always the model's dtype)
     kv_group: int | None = None
     key_bits: int | None = None  # the keys', where not kv_bits
+    float_window: int | None = None  # quantized rows' last tokens also kept in float
 
     @property
     def label(self) -> str:
         if self.kv_bits is None:
             return self.policy
-        if self.key_bits in (None, self.kv_bits):
-            return f"{self.policy} {self.kv_bits}-bit"
-        return f"{self.policy} k{self.key_bits}v{self.kv_bits}"
+        coding = f"{self.kv_bits}-bit" if self.key_bits in (None, self.kv_bits) else f"k{self.key_bits}v{self.kv_bits}"
+        return f"{self.policy} {coding}" + (f" +{self.float_window} float" if self.float_window else "")
 
 
 def after_fill(nll: torch.Tensor, slots: int) -> torch.Tensor:
@@ -75,7 +75,7 @@ def after_fill(nll: torch.Tensor, slots: int) -> torch.Tensor:
 
 def ppl_grid(
     model, ids: torch.Tensor, policies: list[str], budgets: list[float], seed: int = 0, progress=True,
-    kv_bits: tuple = (None,), kv_group: int = DEFAULT_KV_GROUP, key_bits: int | None = None,
+    kv_bits: tuple = (None,), kv_group: int = DEFAULT_KV_GROUP, key_bits: int | None = None, float_window: int = 0,
 ) -> tuple[list[PplRow], float]:
     """Rows for ``full`` (always measured: it is the reference) and each evicting policy x budget,
     once per ``kv_bits`` (None: the model's dtype; a number: quantized slots, ``full``'s too, which
@@ -93,7 +93,8 @@ def ppl_grid(
             keys = None if bits is None else key_bits
             bar.set_postfix_str((policy if budget is None else f"{policy}@{budget:g}") + (f" {bits}-bit" if bits else ""))
             start = time.perf_counter()
-            nll, slots = streaming_nll(model, ids, policy, budget, seed, **slot_coding_keywords(bits, kv_group, keys))
+            coding = slot_coding_keywords(bits, kv_group, keys, float_window if bits is not None else 0)
+            nll, slots = streaming_nll(model, ids, policy, budget, seed, **coding)
             seconds = time.perf_counter() - start
             if full_nll is None:
                 full_nll, full_ppl = nll, perplexity(nll)
@@ -119,6 +120,7 @@ def ppl_grid(
                     kv_bits=bits,
                     kv_group=None if bits is None else kv_group,
                     key_bits=keys,
+                    float_window=(float_window or None) if bits is not None else None,
                 )
             )
     return rows, full_ppl

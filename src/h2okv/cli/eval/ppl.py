@@ -45,6 +45,8 @@ def register(kinds) -> None:
                    help="the keys' bits in every quantized row (e.g. 8 with --kv-bits 4; default: each row's)")
     p.add_argument("--kv-group", type=positive_int, default=DEFAULT_KV_GROUP,
                    help=f"channels per scale of quantized slots (default: {DEFAULT_KV_GROUP})")
+    p.add_argument("--float-window", type=int, default=0, metavar="TOKENS",
+                   help="each quantized row's last TOKENS tokens also kept in float, coded once they age out (default: 0)")
     add_threads_arg(p)
     add_tp_args(p)
     p.add_argument("--window-tokens", type=positive_int, default=None,
@@ -125,7 +127,8 @@ def score_on_rank(args) -> int:
     ids = text_segments(tokenizer, text, args.tokens, args.segments)
     start = time.perf_counter()
     rows, full_ppl = ppl_grid(model, ids, policies, budgets, seed=args.seed, progress=is_main_rank(),
-                              kv_bits=args.kv_bits_list, kv_group=args.kv_group, key_bits=args.key_bits)
+                              kv_bits=args.kv_bits_list, kv_group=args.kv_group, key_bits=args.key_bits,
+                              float_window=args.float_window)
     total = time.perf_counter() - start
     if not is_main_rank():
         return 0

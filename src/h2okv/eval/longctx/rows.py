@@ -49,13 +49,15 @@ def config_label(policy: str, cache_options: dict | None, recipe: str | None = N
 
 def coding_suffix(cache_options: dict | None) -> str:
     """A recipe row's quantized slots, for its label (`` k8v4``, `` 4``, `` 4/64`` for another
-    group; empty for the model's dtype): a recipe is named, not its options, so the bits must be."""
+    group, `` k8v4+f32`` with a float window; empty for the model's dtype): a recipe is named, not its options, so the bits must be."""
     options = cache_options or {}
     bits, keys, group = options.get("kv_bits"), options.get("key_bits"), options.get("kv_group", KV_GROUP_LABELLED_BY_BITS)
     if bits is None:
         return ""
     label = f"{bits}" if keys in (None, bits) else f"k{keys}v{bits}"
-    return f" {label}" if group == KV_GROUP_LABELLED_BY_BITS else f" {label}/{group}"
+    label = label if group == KV_GROUP_LABELLED_BY_BITS else f"{label}/{group}"
+    window = options.get("float_window")
+    return f" {label}+f{window}" if window else f" {label}"
 
 
 def make_row(**fields) -> dict:
