@@ -89,8 +89,9 @@ def parse_bytes_budget(value) -> int | float:
 def looks_like_bytes(budget) -> bool:
     """``budget="4MiB"``: text with a byte unit is bytes per sequence (``CacheSettings.build`` moves
     it to ``bytes``); a number, or other text, stays a budget in slots or a fraction."""
-    text = str(budget).strip().upper()
-    return isinstance(budget, str) and text[-1:] in ("B", "K", "M", "G", "T") and any(c.isdigit() for c in text)
+    from h2okv.sizes import has_byte_unit
+
+    return isinstance(budget, str) and has_byte_unit(budget)
 
 
 def budget_for_bytes(asked: int | float, geometry: Geometry, key_bits: int, value_bits: int, group: int,

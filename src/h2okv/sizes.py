@@ -11,6 +11,12 @@ _BYTE_SCALE = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _BYTE_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(?:([KMGT])(?:I?B)?|B)?")
 
 
+def has_byte_unit(text: str) -> bool:
+    """``4MiB``, ``512K``, ``100B``: a size written with a unit (a bare number is not: it may be a count)."""
+    match = _BYTE_SIZE.fullmatch(str(text).strip().upper())
+    return match is not None and match.group(0) != match.group(1)
+
+
 def parse_bytes(text: str) -> int:
     """``2147483648``, ``2G``, ``2GB``, ``2GiB``, ``512M``, ``1.5M`` -> bytes (see the module doc)."""
     match = _BYTE_SIZE.fullmatch(str(text).strip().upper())

@@ -145,3 +145,11 @@ def test_the_command_line_says_a_bad_byte_budget_in_one_line(argv, message, caps
     assert main(["generate", "--prompt", "Hi", "--max-new-tokens", "2", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]  # (4KiB: after the model's loading bar)
     assert message in err and err.startswith("h2okv: error:")
+
+
+@pytest.mark.parametrize("text, unit", [("4MiB", True), ("512k", True), ("100B", True), ("1.5 M", True),
+                                        ("0.2", False), ("512", False), ("lots", False), ("MiB", False)])
+def test_a_budget_with_a_byte_unit_is_bytes(text, unit):
+    from h2okv.byte_budget import looks_like_bytes
+
+    assert looks_like_bytes(text) is unit
