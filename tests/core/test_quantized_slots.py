@@ -9,8 +9,10 @@ import torch
 
 from generate_greedy import greedy
 from h2okv import H2OCache
-from h2okv.core.decode import EagerStep, FillingStep
+from h2okv.core.decode import NativeStep
 from h2okv.core.kernels import use_kernels
+from h2okv.core.native import build
+from h2okv.core.native import calls as native_calls
 from h2okv.core.quant import SlotCodec
 from h2okv.errors import H2OError
 from h2okv.generation import summary_line
@@ -107,7 +109,7 @@ def test_a_padded_batch_gives_each_row_its_answer_alone():
         assert torch.equal(tokens[row], own[0])
 
 
-def test_the_bytes_held_are_the_codes_and_scales_and_decode_runs_in_tensor_ops():
+def test_the_bytes_held_are_the_codes_and_scales():
     model = tiny_model("qwen2", layers=2, max_position_embeddings=1024)  # head dimension 16
     ids = random_ids(80, batch=2, seed=5)
     full = H2OCache(model, policy="h2o", budget=20)
@@ -120,7 +122,6 @@ def test_the_bytes_held_are_the_codes_and_scales_and_decode_runs_in_tensor_ops()
     slots = layer.valid.shape[0] * layer.valid.shape[1] * layer.capacity
     assert layer.kv_bytes() == slots * layer.bytes_per_slot()
     assert layer.full_kv_bytes() == float_layer.full_kv_bytes()  # against the model's dtype
-    assert isinstance(layer.stepper, (EagerStep, FillingStep))  # the C and Triton steps read float slots
     stats = quantized.stats()
     assert stats["kv_bits"] == 4 and stats["settings"]["kv_bits"] == 4
     # against a 16-bit full cache, not the float32 the CPU runs in: 4-bit codes are not 8x smaller
@@ -158,3 +159,31 @@ def test_settings_it_cannot_run_are_refused_in_one_line(settings, message):
     model = tiny_model("qwen2", layers=1, max_position_embeddings=1024)
     with pytest.raises(H2OError, match=message):
         H2OCache(model, **{"policy": "h2o", "budget": 16, **settings})
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova", "h2o-mean", "h2o:decay=0.8", "rkv"])
+@pytest.mark.parametrize("coding", [{"kv_bits": 4}, {"kv_bits": 4, "key_bits": 8, "float_window": 6}])
+def test_the_c_step_on_quantized_slots_equals_the_tensor_op_step(policy, coding, monkeypatch):
+    """At the budget, a dense quantized layer steps in C over its dequantized copy: the same
+    tokens, logits to float tolerance, kept sets and codes as the tensor-op step."""
+    if build.library() is None:
+        pytest.skip(f"no native kernels here: {build.build_info().error}")
+    model = tiny_model("qwen2", layers=2, max_position_embeddings=1024, initializer_range=0.3)
+    ids = random_ids(50, batch=2, seed=8)
+    steps = []
+    original = native_calls.decode_dense
+    monkeypatch.setattr(native_calls, "decode_dense", lambda *a, **k: steps.append(1) or original(*a, **k))
+    runs = {}
+    for name in ("native", "eager"):
+        with use_kernels(name):
+            cache = H2OCache(model, policy=policy, budget=16, kv_group=8, **coding)
+            runs[name] = (*greedy(model, ids, cache, new=8), cache)
+        if name == "native":
+            assert len(steps) >= 2 * 6 and isinstance(cache.layers[0].stepper, NativeStep)
+    (tokens, scores, fast), (ref_tokens, ref_scores, slow) = runs["native"], runs["eager"]
+    assert len(steps) >= 12  # eager never called it
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(scores, ref_scores, atol=1e-4, rtol=1e-4)
+    for mine, theirs in zip(fast.layers, slow.layers, strict=True):
+        assert torch.equal(mine.valid, theirs.valid) and torch.equal(mine.ordinal, theirs.ordinal)
+        assert torch.equal(mine.keys[mine.valid], theirs.keys[theirs.valid])

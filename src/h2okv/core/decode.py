@@ -114,13 +114,15 @@ def choose_stepper(layer):
     """The stepper for ``layer``'s decode steps as its rows stand now (see the module docstring)."""
     room = room_range(layer)  # counted once: whether every row is at its budget, and how far below
     device = layer.device
-    # quantized slots (core/quant.py): the tensor-op steps, which read them through ``layer.kv()``;
-    # the C and Triton steps and the flat layouts read float slots
-    kernels = layer.coding is None and not layer.config.compileable
-    triton = triton_on(device) and kernels
+    # quantized slots (core/quant.py): the tensor-op steps, which read them through ``layer.kv()``,
+    # and the dense C step, on that dequantized copy (``native.decode_dense``); the Triton steps
+    # and the flat layouts read float slots
+    kernels = not layer.config.compileable
+    coded = layer.coding is not None
+    triton = triton_on(device) and kernels and not coded
     fused = fused_mass_on(device) and not layer.config.compileable
     if room != (0, 0):
-        if not triton and kernels and tail_fills_flat(layer, room):
+        if not triton and kernels and not coded and tail_fills_flat(layer, room):
             return TailFill(layer, filling_room(layer, room))
         rule = triton_step.decode_rule(layer, general=True) if triton else None
         return TritonStep(None, rule) if rule is not None else FillingStep(fused=fused, room=filling_room(layer, room))
@@ -131,7 +133,7 @@ def choose_stepper(layer):
     packed = state.widths is not None and state.max_width <= layer.capacity
     if layer.config.compileable:  # tensor ops torch.compile traces; the compiler makes the kernels
         return EagerStep(state, dense)
-    if (dense or packed) and kernels and native_on(device):
+    if (dense or (packed and not coded)) and kernels and native_on(device):
         rule = native.decode_rule(layer)
         if rule is not None:
             if packed:  # each head's own slots only, from now on

@@ -43,7 +43,7 @@ def decode_rule(layer) -> DecodeRule | None:
     """The native rule for the at-budget decode steps of ``layer`` (dense or packed, not yet flat),
     or None when they must run eager. Asked once, when the layer's stepper is chosen
     (``core/decode.py``): the queries have the keys' dtype."""
-    if layer.keys.dtype != torch.float32:
+    if layer.dtype != torch.float32:  # the model's dtype: a quantized layer's copy is dequantized to it
         return None
     if not (layer.keys.is_contiguous() and layer.values.is_contiguous() and layer.n_real.is_contiguous()):
         return None
@@ -56,16 +56,18 @@ def decode_dense(layer, state, query, k_new, v_new, scaling: float, rule: Decode
     ragged = layer.ragged
     held = ragged if ragged is not None else layer
     b, hkv, cap = ragged.shape if ragged is not None else layer.keys.shape[:3]
-    hq, dv = query.shape[1], held.values.shape[-1]
-    d = held.keys.shape[-1]
     slot = state.next_free if ragged is not None else state.free_slot(layer.valid)
+    keys, values = held.keys, held.values
+    if layer.coding is not None:
+        keys, values = coded_copy(layer, slot, k_new, v_new)
+    hq, d, dv = query.shape[1], keys.shape[-1], values.shape[-1]
     query, k_new, v_new = query.contiguous(), k_new.contiguous(), v_new.contiguous()
     out = torch.empty((b, 1, hq, dv), dtype=torch.float32)
     probs = torch.empty((hq // hkv) * cap, dtype=torch.float32)  # scratch; held for the call
     # rkv's scratch: each slot's norm and inverse norm, the sum of unit keys, the keys' ranks
     work = torch.empty(3 * cap + d, dtype=torch.float32) if rule.key == KEY_RKV else None
     _kernels().decode_dense(
-        query.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), held.keys.data_ptr(), held.values.data_ptr(),
+        query.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), keys.data_ptr(), values.data_ptr(),
         held.score.data_ptr(), held.ordinal.data_ptr(), held.valid.data_ptr(), slot.data_ptr(),
         layer.n_real.data_ptr(), state.recent_start.data_ptr(),
         None if state.sinks is None else state.sinks.data_ptr(),
@@ -76,3 +78,16 @@ def decode_dense(layer, state, query, k_new, v_new, scaling: float, rule: Decode
     )
     state.next_free = slot  # the kernel wrote each row's victim there
     return out
+
+
+def coded_copy(layer, slot, k_new, v_new) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantized layer's step (dense): the new token's codes (and its float window place) written
+    into ``slot`` ``[B, H, 1]`` as ``decode.write_and_attend`` writes them, then the float copy of
+    every slot (``layer.kv()``) that the C step attends over and ranks, as the tensor-op step
+    does; the C step writes the token's float key and value into that copy too (the same values:
+    the call passed them as they are stored, ``SlotLayer._as_stored``), and the copy is dropped."""
+    b = layer.n_real.shape[0]
+    layer.write_kv(slot, k_new, v_new)
+    layer.ordinal.scatter_(2, slot, layer.n_real.view(b, 1, 1).expand_as(slot))  # kv() finds its window place by it
+    layer.remember_recent(layer.n_real.view(b, 1), k_new, v_new)
+    return layer.kv()
