@@ -114,12 +114,12 @@ def choose_stepper(layer):
     """The stepper for ``layer``'s decode steps as its rows stand now (see the module docstring)."""
     room = room_range(layer)  # counted once: whether every row is at its budget, and how far below
     device = layer.device
-    # quantized slots (core/quant.py): the tensor-op steps, which read them through ``layer.kv()``,
-    # and the dense C step, on that dequantized copy (``native.decode_dense``); the Triton steps
-    # and the flat layouts read float slots
+    # quantized slots (core/quant.py): every step reads them through ``layer.kv()``, the C and
+    # Triton steps too (their float copy: ``SlotStorage.write_token_and_read``); the flat layouts
+    # (a packed layer in C, kvzip's tail) read float slots only
     kernels = not layer.config.compileable
     coded = layer.coding is not None
-    triton = triton_on(device) and kernels and not coded
+    triton = triton_on(device) and kernels
     fused = fused_mass_on(device) and not layer.config.compileable
     if room != (0, 0):
         if not triton and kernels and not coded and tail_fills_flat(layer, room):

@@ -226,6 +226,19 @@ class SlotStorage:
         self.window_keys[rows, :, place] = k_new[rows, :, tokens]
         self.window_values[rows, :, place] = v_new[rows, :, tokens]
 
+    def write_token_and_read(self, slot: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor):
+        """A quantized layer's decode step in a kernel (C or Triton, dense): the new token's codes,
+        ordinal and float-window place written into ``slot`` ``[B, H, 1]`` as the tensor-op step
+        writes them (``decode.write_and_attend``), then ``kv()``: the float copy of every slot that
+        the kernel attends over and ranks. The kernel writes the token's float key and value into
+        that copy too (the same values: the call passed them as they are stored,
+        ``SlotLayer._as_stored``), and the copy is dropped after the step."""
+        b = self.n_real.shape[0]
+        self.write_kv(slot, k_new, v_new)
+        self.ordinal.scatter_(2, slot, self.n_real.view(b, 1, 1).expand_as(slot))  # kv() finds the window place by it
+        self.remember_recent(self.n_real.view(b, 1), k_new, v_new)
+        return self.kv()
+
     def write_kv(self, slot: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Write token ``j``'s key and value ``[B, H, m, D]`` into slot ``slot[..., j]`` ``[B, H, m]``
         (coded, for quantized slots; a float window is kept by ``remember_recent``)."""

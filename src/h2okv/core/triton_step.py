@@ -54,7 +54,7 @@ def decode_dense(layer, state, query, k_new, v_new, scaling: float, rule: Decode
     sinks = state.sinks.reshape(b) if state.sinks is not None else recent_start  # a dummy pointer
     rows = _Rows(general=False, slot=slot, victim=victim, recent_start=recent_start, sinks=sinks,
                  has_sinks=state.sinks is not None)
-    out = _launch(layer, query, k_new, v_new, scaling, rule, rows)
+    out = _launch(layer, query, k_new, v_new, scaling, rule, rows, slot)
     if out is not None:
         state.recent_start += 1
         state.next_free = victim
@@ -68,7 +68,9 @@ def decode_general(layer, query, k_new, v_new, scaling: float, rule: DecodeRule)
     (``decode.at_budget``) is needed. None as ``decode_dense``."""
     dummy = layer.n_real
     rows = _Rows(general=True, slot=dummy, victim=dummy, recent_start=dummy, sinks=layer.sinks, has_sinks=True)
-    return _launch(layer, query, k_new, v_new, scaling, rule, rows)
+    # the kernel takes each row's first free slot; a quantized layer writes the token's codes there first
+    slot = layer.valid.view(torch.uint8).argmin(dim=-1, keepdim=True) if layer.coding is not None else None  # decode.first_free
+    return _launch(layer, query, k_new, v_new, scaling, rule, rows, slot)
 
 
 @dataclass(frozen=True)
@@ -86,14 +88,18 @@ class _Rows:
     has_sinks: bool
 
 
-def _launch(layer, query, k_new, v_new, scaling, rule, rows: _Rows):
+def _launch(layer, query, k_new, v_new, scaling, rule, rows: _Rows, slot=None):
+    """``slot``: where a quantized layer's token goes (its codes written, the kernel run over the
+    float copy: ``SlotStorage.write_token_and_read``)."""
     if RUNTIME.triton_step_failure is not None:  # another layer's launch failed here: every layer steps eager
         return None
-    b, hkv, cap, d = layer.keys.shape
-    hq, dv = query.shape[1], layer.values.shape[-1]
-    query, k_new, v_new = query.contiguous(), k_new.contiguous(), v_new.contiguous()
-    out = torch.empty((b, 1, hq, dv), dtype=layer.values.dtype, device=query.device)
     keys, values = layer.keys, layer.values
+    if layer.coding is not None:
+        keys, values = layer.write_token_and_read(slot, k_new, v_new)
+    b, hkv, cap, d = keys.shape
+    hq, dv = query.shape[1], values.shape[-1]
+    query, k_new, v_new = query.contiguous(), k_new.contiguous(), v_new.contiguous()
+    out = torch.empty((b, 1, hq, dv), dtype=values.dtype, device=query.device)
     try:  # a kernel that cannot compile (or get its resources) fails here, before it writes anything
         _kernels().decode_step_kernel[(b * hkv,)](
             query, k_new, v_new, keys, values, layer.score, layer.ordinal, layer.valid.view(torch.uint8), rows.slot,

@@ -59,7 +59,7 @@ def decode_dense(layer, state, query, k_new, v_new, scaling: float, rule: Decode
     slot = state.next_free if ragged is not None else state.free_slot(layer.valid)
     keys, values = held.keys, held.values
     if layer.coding is not None:
-        keys, values = coded_copy(layer, slot, k_new, v_new)
+        keys, values = layer.write_token_and_read(slot, k_new, v_new)
     hq, d, dv = query.shape[1], keys.shape[-1], values.shape[-1]
     query, k_new, v_new = query.contiguous(), k_new.contiguous(), v_new.contiguous()
     out = torch.empty((b, 1, hq, dv), dtype=torch.float32)
@@ -79,15 +79,3 @@ def decode_dense(layer, state, query, k_new, v_new, scaling: float, rule: Decode
     state.next_free = slot  # the kernel wrote each row's victim there
     return out
 
-
-def coded_copy(layer, slot, k_new, v_new) -> tuple[torch.Tensor, torch.Tensor]:
-    """A quantized layer's step (dense): the new token's codes (and its float window place) written
-    into ``slot`` ``[B, H, 1]`` as ``decode.write_and_attend`` writes them, then the float copy of
-    every slot (``layer.kv()``) that the C step attends over and ranks, as the tensor-op step
-    does; the C step writes the token's float key and value into that copy too (the same values:
-    the call passed them as they are stored, ``SlotLayer._as_stored``), and the copy is dropped."""
-    b = layer.n_real.shape[0]
-    layer.write_kv(slot, k_new, v_new)
-    layer.ordinal.scatter_(2, slot, layer.n_real.view(b, 1, 1).expand_as(slot))  # kv() finds its window place by it
-    layer.remember_recent(layer.n_real.view(b, 1), k_new, v_new)
-    return layer.kv()
