@@ -9,7 +9,7 @@ from h2okv.core.compat import cache_arg
 from h2okv.core.quant import SlotCodec
 from h2okv.serve.engine import Engine, EngineOptions, GenerationRequest
 from h2okv.serve.eviction import EVERY_POLICY, EvictionDefaults
-from h2okv.serve.memory import bytes_per_slot
+from h2okv.serve.memory import bytes_per_slot, window_bytes
 from serve_cases import CHUNK, prompt
 
 CODING = {"kv_bits": 4, "kv_group": 8, "key_bits": 8}
@@ -79,3 +79,29 @@ def test_the_same_kv_memory_admits_more_quantized_sequences(model_tok):
                                                                              **CODING).cache_options())
     assert 2 <= plain < 12  # the memory, not the requests, bounds the float batch
     assert coded >= 2 * plain  # 8-bit keys and 4-bit values (group 8) take under a third of float32's
+
+
+def test_a_float_window_is_admitted_as_bytes_per_sequence_and_each_request_gets_its_tokens_alone(model_tok):
+    model, tok = model_tok
+    windowed = {**CODING, "float_window": 6}
+    cache_options = EvictionDefaults.from_options(policy="h2o", budget=16, **windowed).cache_options()
+    assert cache_options == {EVERY_POLICY: windowed}
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    window = config.num_hidden_layers * config.num_key_value_heads * 6 * 2 * head_dim * 4  # float32 keys and values
+    assert window_bytes(model, **windowed) == window and window_bytes(model, **CODING) == 0
+    assert bytes_per_slot(model, **windowed) == bytes_per_slot(model, **CODING)  # a slot costs what it did
+    engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, max_batch=8), cache_options=cache_options)
+    assert engine.window_slots == -(-window // engine.slot_bytes)
+    request = GenerationRequest(prompt(40, 0), 12, "h2o", 6, 6, temperature=0.0, ignore_eos=True)
+    assert engine.reservation(request).slots == 13 + engine.window_slots  # budget + the next token's + the window
+    engine.start()
+    try:
+        _, done = engine.submit(request).result_blocking()
+    finally:
+        engine.stop()
+    cache = H2OCache(model, policy="h2o", heavy=6, recent=6, chunk_size=CHUNK, **windowed)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt(40, 0)]), **cache_arg(cache), max_new_tokens=12, min_new_tokens=12,
+                             do_sample=False, pad_token_id=257)
+    assert done.token_ids == out[0, 40:].tolist()

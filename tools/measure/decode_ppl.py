@@ -88,11 +88,18 @@ def main() -> int:
             rows.append({**config, "text": source, "tokens": args.tokens, "prompt": args.prompt,
                          "ppl": math.exp(float(nll.double().mean())),
                          "ppl_ratio_to_full": math.exp(float((nll - full_nll).double().mean())),
-                         "kv_share_16bit": stats["kv_share_16bit"], "seconds": round(time.perf_counter() - start, 1)})
-    print(f"{source}, {args.tokens} tokens ({args.prompt} read in one call, the rest one a call):")
-    for row in rows:
+                         "kv_share_16bit": stats["kv_share_16bit"], "seconds": round(time.perf_counter() - start, 1),
+                         # each prediction's NLL: two rows' paired difference and its standard error
+                         "nll": [round(float(x), 5) for x in nll]})
+    print(f"{source}, {args.tokens} tokens ({args.prompt} read in one call, the rest one a call); the mean "
+          f"NLL difference to the row above, with its paired standard error:")
+    for row, above in zip(rows, [None, *rows[:-1]], strict=True):
+        versus = ""
+        if above is not None:
+            diff = torch.tensor(row["nll"], dtype=torch.float64) - torch.tensor(above["nll"], dtype=torch.float64)
+            versus = f"  {float(diff.mean()):+.4f} ({float(diff.std() / math.sqrt(len(diff))):.4f})"
         print(f"  {row['label']:<28} ppl {row['ppl']:8.3f}  {row['ppl_ratio_to_full']:.4f}x full's  "
-              f"KV {row['kv_share_16bit']:.1%} of a 16-bit full cache")
+              f"KV {row['kv_share_16bit']:.1%} of a 16-bit full cache{versus}")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(rows, out, indent=1)

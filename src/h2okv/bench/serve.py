@@ -236,7 +236,8 @@ def server_settings(policies: list[str], recipes: list[str], budget: dict | None
     from h2okv.serve.eviction import EvictionDefaults
 
     budget, coding = budget or {}, coding or {}
-    label = coding_label(coding.get("kv_bits"), coding.get("key_bits"), coding.get("kv_group", DEFAULT_KV_GROUP))
+    label = coding_label(coding.get("kv_bits"), coding.get("key_bits"), coding.get("kv_group", DEFAULT_KV_GROUP),
+                         coding.get("float_window", 0))
     suffix = f" {label}" if label else ""
     out = [(policy + suffix, EvictionDefaults.from_options(policy=policy, budget_floor=0, **coding,
                                                            **(budget if make_policy(policy).evicts else {})))
@@ -401,7 +402,7 @@ def bench_command(args) -> str:
              *([f"--prompt-tokens {args.prompt_tokens}"] if args.prompt_tokens else []), f"--max-tokens {args.max_tokens}",
              f"--chunk-size {args.chunk_size}", f"--step-tokens {args.step_tokens}", f"--max-batch {args.max_batch}"]
     for name in ("heavy", "recent", "heavy_ratio", "recent_ratio", "arrival_rate", "model", "device", "dtype",
-                 "kv_bits", "key_bits", "kv_group", "json"):
+                 "kv_bits", "key_bits", "kv_group", "float_window", "json"):
         if getattr(args, name, None) is not None:
             parts.append(f"--{name.replace('_', '-')} {getattr(args, name)}")
     return " ".join(parts)
@@ -455,7 +456,7 @@ def run(args, run_chat=None) -> int:
               if getattr(args, k, None) is not None}
     recipes = parse_recipes(args.recipe) if getattr(args, "recipe", None) else []
     coding = slot_coding_keywords(getattr(args, "kv_bits", None), getattr(args, "kv_group", None) or DEFAULT_KV_GROUP,
-                                  getattr(args, "key_bits", None))
+                                  getattr(args, "key_bits", None), getattr(args, "float_window", None) or 0)
     server_settings(policies, recipes, budget, coding)  # each built, so checked, before the slow model load
     kv_memory = args.kv_memory  # bytes: the command line parsed them (h2okv.sizes.parse_bytes)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)

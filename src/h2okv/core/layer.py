@@ -261,7 +261,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         sliding window are applied from the slots' ordinals.
         """
         if self.coding is not None:  # the call's tokens as their slots will give them back (quant.py)
-            key_new, value_new = self._as_stored(key_new, value_new, new_mask)
+            key_new, value_new = self._as_stored(key_new, value_new)
         if self.probe.best is not None:
             return self._attend_probe(query, key_new, value_new, new_mask, scaling, sliding_window)
         if self.stream == "probe":
@@ -299,21 +299,13 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         out = self._attend_call(query, key_new, value_new, nonpad, scaling, sliding_window)
         return self._finish_call(out, order)
 
-    def _as_stored(self, key_new, value_new, new_mask):
-        """The call's keys and values as its slots will give them back: coded and decoded, but for
-        the tokens that will be among their row's last ``window`` at the call's end (kept in float,
-        ``core/quant.py``)."""
-        keys, values = self.coding.keys.roundtrip(key_new), self.coding.values.roundtrip(value_new)
-        window, n = self.coding.window, key_new.shape[2]
-        if not window:
-            return keys, values
-        if n <= window:  # every real token of the call is in its row's window (a decode step is)
+    def _as_stored(self, key_new, value_new):
+        """The call's keys and values as a query reads them: as their slots give them back (coded and
+        decoded), or as they are with a float window, whose paths read each query's own last W
+        tokens in float and older ones from their codes (``SlotStorage.banded_kv``)."""
+        if self.coding.window:
             return key_new, value_new
-        real = (torch.ones(key_new.shape[0], n, dtype=torch.bool, device=key_new.device) if new_mask is None
-                else new_mask.to(torch.bool)[:, 0].diagonal(dim1=-2, dim2=-1))
-        later = real.flip(-1).cumsum(-1).flip(-1)  # each token's count of real tokens from it to the end
-        recent = (real & (later <= window))[:, None, :, None]
-        return torch.where(recent, key_new, keys), torch.where(recent, value_new, values)
+        return self.coding.keys.roundtrip(key_new), self.coding.values.roundtrip(value_new)
 
     def _attend_call(self, query, key_new, value_new, nonpad, scaling, sliding_window):
         """The call in the layer's prefill mode; ``[B, Hq, q, D]`` in the (real-first) order given."""
@@ -578,9 +570,12 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
                        for name in ("keys", "values"))
         names = ("keys", "values") + CODEC_TENSORS
         coded = sum(getattr(held, name).numel() * getattr(held, name).element_size() for name in names)
-        window = sum(w.numel() * (float_itemsize or w.element_size()) for w in (self.window_keys, self.window_values)
-                     if w is not None)  # the float window, in the model's dtype (or float_itemsize)
-        return coded + window
+        return coded + self.window_bytes(float_itemsize)
+
+    def window_bytes(self, float_itemsize: int | None = None) -> int:
+        """The float window's bytes (``float_window``), in the model's dtype or ``float_itemsize``; 0 without one."""
+        return sum(w.numel() * (float_itemsize or w.element_size()) for w in (self.window_keys, self.window_values)
+                   if w is not None)
 
     def full_kv_bytes(self, dtype: torch.dtype | None = None) -> int:
         """What a plain cache would hold: every position seen, for every row and head, in the

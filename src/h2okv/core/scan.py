@@ -105,6 +105,11 @@ def token_scan(layer, query, key_new, value_new, scaling) -> torch.Tensor:
     held_keys, held_values = layer.kv()
     keys = torch.cat([held_keys, key_new], dim=2)
     values = torch.cat([held_values, value_new], dim=2)
+    window = layer.window_ordinal.shape[1] if layer.window_ordinal is not None else 0
+    if window:  # each query reads its own last W tokens in float (``storage.banded_kv``), older ones coded
+        coded_keys, coded_values = layer.coded_kv()
+        coded_keys = torch.cat([coded_keys, layer.coding.keys.roundtrip(key_new)], dim=2)
+        coded_values = torch.cat([coded_values, layer.coding.values.roundtrip(value_new)], dim=2)
     total = cap + n
     n0 = int(layer.n_real[0])
     recent, sinks = int(layer.recent[0]), int(layer.sinks[0])
@@ -129,6 +134,11 @@ def token_scan(layer, query, key_new, value_new, scaling) -> torch.Tensor:
         stop = min(start + block, n)
         width = cap + stop  # later keys are not written yet
         logits = torch.matmul(packed[:, :, :, start:stop], keys[:, :, None, :width].transpose(-1, -2))
+        if window:  # [B, Hkv, 1, blk, width]: the slots in each query's band read in float
+            band = ordinal[:, :, None, None, :width] > (n0 + torch.arange(start, stop, device=device) - window).view(
+                1, 1, 1, -1, 1)
+            coded = torch.matmul(packed[:, :, :, start:stop], coded_keys[:, :, None, :width].transpose(-1, -2))
+            logits = torch.where(band, logits, coded)
         logits = logits.float() if logits.dtype != torch.float32 else logits
         logits.mul_(scaling)
         sub = ScanState(bias[..., :width], blocked[..., :width], score[..., :width], ordinal[..., :width],
@@ -139,13 +149,19 @@ def token_scan(layer, query, key_new, value_new, scaling) -> torch.Tensor:
         else:
             scan_block(logits, sub, plan, start, policy, layer.layer_idx)
         probs = logits if logits.dtype == values.dtype else logits.to(values.dtype)
-        outs.append(torch.matmul(probs, values[:, :, None, :width]))  # [B, Hkv, g, blk, Dv]
+        if window:
+            outs.append(torch.matmul(torch.where(band, probs, 0), values[:, :, None, :width])
+                        + torch.matmul(torch.where(band, 0, probs), coded_values[:, :, None, :width]))
+        else:
+            outs.append(torch.matmul(probs, values[:, :, None, :width]))  # [B, Hkv, g, blk, Dv]
     out = torch.cat(outs, dim=3).reshape(b, hq, n, values.shape[-1])
 
     # back into slots: the live keys first, the buffer cut to what decode needs
     valid = bias == 0
     capacity = min(total, int(layer.max_budget) + 1)
     order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)[..., :capacity]
+    if window:  # the slots hold codes: the coded tensors code to the same ones, the window keeps the floats
+        keys, values = coded_keys, coded_values
     layer.store_kv(keys.gather(2, order[..., None].expand(-1, -1, -1, d)),
                    values.gather(2, order[..., None].expand(-1, -1, -1, values.shape[-1])))
     layer.score = score.gather(2, order)

@@ -112,7 +112,6 @@ def chunk_step(layer, query, k_new, v_new, nonpad, scaling, sliding_window, init
     real = nonpad if nonpad is not None else torch.ones(b, m, dtype=torch.bool, device=device)
     ordinals = layer.n_real[:, None] + torch.arange(m, device=device)  # [B, m]
     layer.ordinal.scatter_(2, slot_of_token, ordinals[:, None, :].expand(b, hkv, m))
-    layer.remember_recent(ordinals, k_new, v_new, nonpad)
     fresh = init_scores if init_scores is not None else policy.key_scores(k_new)
     layer.score.scatter_(2, slot_of_token, 0.0 if fresh is None else fresh)
 
@@ -133,10 +132,16 @@ def chunk_step(layer, query, k_new, v_new, nonpad, scaling, sliding_window, init
     weight = nonpad
     if need_mass and policy.score_queries == "last" and m > 1:
         weight = last_real_query(real)
-    keys, values = layer.kv()
+    if layer.window_ordinal is None:
+        keys, values = layer.kv()
+    else:  # a float window: each query's own last W tokens in float (storage.banded_kv)
+        keys, values, allowed = layer.banded_kv(slot_of_token, k_new, v_new, ordinals, allowed)
     out, mass = slot_attention(query, keys, values, allowed, scaling, need_mass=need_mass, query_weight=weight)
+    if mass is not None and layer.window_ordinal is not None:
+        mass = mass[..., :cap] + mass[..., cap:]
     if mass is not None:
         fold_mass(policy, layer.score, mass, weight)
+    layer.remember_recent(ordinals, k_new, v_new, nonpad)
 
     layer.valid.scatter_(2, slot_of_token, real[:, None, :].expand(b, hkv, m))
     layer.n_real = layer.n_real + real.sum(-1)

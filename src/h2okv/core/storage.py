@@ -170,22 +170,42 @@ class SlotStorage:
         themselves, or for quantized slots their dequantized copies (``core/quant.py``)."""
         if self.coding is None:
             return self.keys, self.values
-        values = self.coding.values.decode(self.values, self.value_scale, self.value_low, self.dtype)
+        keys, values = self.coded_kv()
         if self.window_ordinal is None:
-            return self.float_keys(), values
+            return keys, values
         place, recent = self._window_places()
-        return self.float_keys(place, recent), self._from_window(self.window_values, values, place, recent)
+        return self._from_window(self.window_keys, keys, place, recent), \
+            self._from_window(self.window_values, values, place, recent)
 
-    def float_keys(self, place=None, recent=None) -> torch.Tensor:
-        """The keys in the model's dtype (``place``/``recent``: ``_window_places``, when known)."""
+    def coded_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A quantized layer's keys and values decoded from their codes, float window or not."""
+        return (self.coding.keys.decode(self.keys, self.key_scale, self.key_low, self.dtype),
+                self.coding.values.decode(self.values, self.value_scale, self.value_low, self.dtype))
+
+    def banded_kv(self, slot_of_token, k_new, v_new, ordinals, allowed):
+        """What a call's queries attend over when the layer keeps a float window: query ``i`` reads
+        its own last ``W`` tokens (ordinals above ``i - W``) in float and older ones from their codes,
+        as a one-token step does, however the tokens were cut into calls. Each slot twice, coded then
+        float (``[B, H, 2 x capacity, D]``), and ``allowed`` ``[B, H, m, capacity]`` split between
+        the two by that band; a slot's mass is the sum of its two halves. The call's tokens are
+        written (codes in ``slot_of_token``), the window not yet: it still holds the tokens before
+        the call, the floats of the band's older half."""
+        coded_keys, coded_values = self.coded_kv()
+        float_keys, float_values = self.kv()
+        for floats, new in ((float_keys, k_new), (float_values, v_new)):
+            floats.scatter_(2, slot_of_token[..., None].expand(*slot_of_token.shape, new.shape[-1]), new)
+        band = self.ordinal[:, :, None, :] > (ordinals - self.window_ordinal.shape[1])[:, None, :, None]
+        return (torch.cat([coded_keys, float_keys], 2), torch.cat([coded_values, float_values], 2),
+                torch.cat([allowed & ~band, allowed & band], -1))
+
+    def float_keys(self) -> torch.Tensor:
+        """The keys in the model's dtype, as ``kv()`` gives them."""
         if self.coding is None:
             return self.keys
         keys = self.coding.keys.decode(self.keys, self.key_scale, self.key_low, self.dtype)
         if self.window_ordinal is None:
             return keys
-        if place is None:
-            place, recent = self._window_places()
-        return self._from_window(self.window_keys, keys, place, recent)
+        return self._from_window(self.window_keys, keys, *self._window_places())
 
     def _window_places(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(place, recent)`` ``[B, H, capacity]``: each slot's place in the float window, and

@@ -267,6 +267,8 @@ class Engine:
         self.detokenize = plain_decoder(tokenizer)
         self.device = model.device
         self.slot_bytes = self.executor.slot_bytes()
+        # a float window (``float_window``) is bytes per sequence: admitted as that many slots more
+        self.window_slots = -(-self.executor.window_bytes() // self.slot_bytes)
         self.scheduler = Scheduler(options.schedule, options.kv_memory, self.slot_bytes, options.max_batch,
                                    options.step_tokens)
         # HF fast tokenizers are not safe to share across threads; reentrant: a plain request's handle
@@ -306,7 +308,8 @@ class Engine:
         budget = request.budget
         if budget is not None:  # kvzip keeps up to ``tail`` tokens read after its ranking on top of it
             budget += make_policy(request.policy).slots_above_budget
-        return reservation(len(request.prompt_ids), request.max_tokens, budget, self.chunk_for(request))
+        return reservation(len(request.prompt_ids), request.max_tokens, budget, self.chunk_for(request),
+                           self.window_slots)
 
     def reads_question(self, request: GenerationRequest) -> bool:
         """Does this request's policy rank its prompt with the question in view? A late prefill

@@ -37,13 +37,23 @@ from h2okv.core.compat import cache_arg
 from h2okv.core.layer import GROWTH_MIN  # how much an empty layer grows on a 1-token write
 
 
-def bytes_per_slot(model, **coding) -> int:
-    """Bytes of one token's K and V across all layers and KV heads, measured on a 2-token forward;
-    ``coding``: ``kv_bits`` and ``kv_group`` of quantized slots (their codes and scales)."""
+def _measured_layers(model, coding: dict) -> list:
+    """The layers of a one-sequence cache after a 2-token forward: what a slot and a window cost."""
     cache = H2OCache(model, policy="full", **coding)
     with torch.inference_mode():
         model(torch.zeros((1, 2), dtype=torch.long, device=model.device), **cache_arg(cache), use_cache=True)
-    return sum(layer.kv_bytes() // layer.capacity for layer in cache.layers if layer.is_initialized)
+    return [layer for layer in cache.layers if layer.is_initialized]
+
+
+def bytes_per_slot(model, **coding) -> int:
+    """Bytes of one token's K and V across all layers and KV heads, measured on a 2-token forward;
+    ``coding``: ``kv_bits`` and ``kv_group`` of quantized slots (their codes and scales)."""
+    return sum((layer.kv_bytes() - layer.window_bytes()) // layer.capacity for layer in _measured_layers(model, coding))
+
+
+def window_bytes(model, **coding) -> int:
+    """Bytes of one sequence's float window (``float_window``) across all layers; 0 without one."""
+    return sum(layer.window_bytes() for layer in _measured_layers(model, coding)) if coding.get("float_window") else 0
 
 
 def prefill_chunks(prompt_len: int, chunk: int) -> list[tuple[int, int]]:
@@ -75,8 +85,9 @@ class Reservation:
         return max(0, self.shared_peak - self.slots)
 
 
-def reservation(prompt_len: int, max_tokens: int, budget: int | None, chunk: int) -> Reservation:
-    """``budget``: heavy + recent slots, or None for policy ``full``."""
+def reservation(prompt_len: int, max_tokens: int, budget: int | None, chunk: int, window: int = 0) -> Reservation:
+    """``budget``: heavy + recent slots, or None for policy ``full``; ``window``: slots' worth of
+    bytes a sequence's float window holds beside its slots (held from its first call)."""
     total = prompt_len + max_tokens
     start, stop = prefill_chunks(prompt_len, chunk)[-1]
     held = prompt_len - (stop - start)  # at most, before any step of its prefill
@@ -89,7 +100,7 @@ def reservation(prompt_len: int, max_tokens: int, budget: int | None, chunk: int
         peak = min(prompt_len, budget + chunk) if prompt_len > 1 else min(GROWTH_MIN, budget + 1)
         # a step whose rows all feed one token grows an empty cache by GROWTH_MIN (amortised growth)
         shared = min(held, budget) + chunk if prompt_len > 1 else max(chunk, min(GROWTH_MIN, budget + 1))
-    return Reservation(slots, peak, max(peak, shared))
+    return Reservation(slots + window, peak + window, max(peak, shared) + window)
 
 
 def footprint_slots(batches: dict[str, list[Reservation]], prefilling: list[Reservation],
