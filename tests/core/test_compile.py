@@ -31,7 +31,9 @@ def decode(model, forward, steps, prompt, **coding):
     return cache, torch.cat(tokens, 1), torch.stack(logits)
 
 
-@pytest.mark.parametrize("coding", [{}, {"kv_bits": 4, "key_bits": 8, "kv_group": 8}], ids=["float", "quantized"])
+@pytest.mark.parametrize("coding", [{}, {"kv_bits": 4, "key_bits": 8, "kv_group": 8},
+                                    {"kv_bits": 4, "key_bits": 8, "kv_group": 8, "float_window": 8}],
+                         ids=["float", "quantized", "float-window"])
 def test_compiled_decode_at_budget_one_graph_no_recompile(coding):
     torch._dynamo.reset()
     graphs = []
