@@ -9,7 +9,7 @@ from h2okv.core.compat import cache_arg
 from h2okv.core.quant import SlotCodec
 from h2okv.serve.engine import Engine, EngineOptions, GenerationRequest
 from h2okv.serve.eviction import EVERY_POLICY, EvictionDefaults
-from h2okv.serve.memory import bytes_per_slot, window_bytes
+from h2okv.serve.memory import bytes_per_slot
 from serve_cases import CHUNK, prompt
 
 CODING = {"kv_bits": 4, "kv_group": 8, "key_bits": 8}
@@ -89,10 +89,13 @@ def test_a_float_window_is_admitted_as_bytes_per_sequence_and_each_request_gets_
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
     window = config.num_hidden_layers * config.num_key_value_heads * 6 * 2 * head_dim * 4  # float32 keys and values
-    assert window_bytes(model, **windowed) == window and window_bytes(model, **CODING) == 0
+    held = H2OCache(model, policy="full", **windowed)
+    with torch.inference_mode():
+        model(torch.tensor([prompt(3, 0)]), **cache_arg(held))
+    assert sum(layer.window_bytes() for layer in held.layers) == window  # what a sequence's window holds
     assert bytes_per_slot(model, **windowed) == bytes_per_slot(model, **CODING)  # a slot costs what it did
     engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, max_batch=8), cache_options=cache_options)
-    assert engine.window_slots == -(-window // engine.slot_bytes)
+    assert engine.window_slots == -(-window // engine.slot_bytes)  # counted from the config, no forward
     request = GenerationRequest(prompt(40, 0), 12, "h2o", 6, 6, temperature=0.0, ignore_eos=True)
     assert engine.reservation(request).slots == 13 + engine.window_slots  # budget + the next token's + the window
     engine.start()

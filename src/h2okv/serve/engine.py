@@ -46,8 +46,9 @@ from h2okv.core.reconstruction import prompt_probes
 from h2okv.errors import H2OError
 from h2okv.policies import make_policy, policy_class
 from h2okv.serve.errors import ErrorKind, ServeError
+from h2okv.serve.eviction import EVERY_POLICY
 from h2okv.serve.executor import Executor
-from h2okv.serve.memory import Reservation, prefill_chunks, reservation
+from h2okv.serve.memory import Reservation, prefill_chunks, reservation, window_slots
 from h2okv.serve.outputs import Output, choose, eos_ids
 from h2okv.serve.prefix import Entry, PrefixIndex, block_checkpoints
 from h2okv.serve.sampling import GREEDY_BELOW, INVALID, argmax_ids
@@ -268,7 +269,7 @@ class Engine:
         self.device = model.device
         self.slot_bytes = self.executor.slot_bytes()
         # a float window (``float_window``) is bytes per sequence: admitted as that many slots more
-        self.window_slots = -(-self.executor.window_bytes() // self.slot_bytes)
+        self.window_slots = window_slots(model, **self.cache_options.get(EVERY_POLICY, {}))
         self.scheduler = Scheduler(options.schedule, options.kv_memory, self.slot_bytes, options.max_batch,
                                    options.step_tokens)
         # HF fast tokenizers are not safe to share across threads; reentrant: a plain request's handle

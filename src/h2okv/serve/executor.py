@@ -68,7 +68,7 @@ from h2okv.core.reconstruction import rank_by_probes
 from h2okv.policies import policy_class
 from h2okv.serve.batch import DecodeBatch
 from h2okv.serve.eviction import EVERY_POLICY
-from h2okv.serve.memory import bytes_per_slot, window_bytes
+from h2okv.serve.memory import bytes_per_slot
 
 PAD_ID = 0  # what pads feed; masked out, so any id would do
 HOLD_ALL = 1 << 30  # a budget no prompt reaches: a sequence held whole evicts nothing (``open``)
@@ -158,10 +158,6 @@ class Executor:
     def slot_bytes(self) -> int:
         """Bytes of one token's K and V across all layers and KV heads (``memory.bytes_per_slot``)."""
         return bytes_per_slot(self.model, **self.cache_options.get(EVERY_POLICY, {}))
-
-    def window_bytes(self) -> int:
-        """Bytes of one sequence's float window (``memory.window_bytes``; 0 without one)."""
-        return window_bytes(self.model, **self.cache_options.get(EVERY_POLICY, {}))
 
     # -- sequences -----------------------------------------------------------------------------
     def open(self, uid: int, policy: str, heavy: int | None, recent: int | None, seed: int,

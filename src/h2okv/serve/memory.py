@@ -32,9 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
+from h2okv.byte_budget import Geometry
 from h2okv.core.cache import H2OCache
 from h2okv.core.compat import cache_arg
 from h2okv.core.layer import GROWTH_MIN  # how much an empty layer grows on a 1-token write
+from h2okv.settings import DEFAULT_KV_GROUP
 
 
 def _measured_layers(model, coding: dict) -> list:
@@ -51,9 +53,17 @@ def bytes_per_slot(model, **coding) -> int:
     return sum((layer.kv_bytes() - layer.window_bytes()) // layer.capacity for layer in _measured_layers(model, coding))
 
 
-def window_bytes(model, **coding) -> int:
-    """Bytes of one sequence's float window (``float_window``) across all layers; 0 without one."""
-    return sum(layer.window_bytes() for layer in _measured_layers(model, coding)) if coding.get("float_window") else 0
+def window_slots(model, **coding) -> int:
+    """A sequence's float window as the slots a request is admitted by: its tokens at the model's
+    width over a coded slot's bytes, rounded up. A ratio of one head's bytes, so it holds whatever
+    share of the heads a tensor-parallel rank keeps, and it needs no forward (no collective)."""
+    window = coding.get("float_window") or 0
+    if not window:
+        return 0
+    geometry = Geometry.of(model.config)
+    group = min(coding.get("kv_group", DEFAULT_KV_GROUP), geometry.key_dim)
+    coded = geometry.slot_bytes(coding.get("key_bits") or coding["kv_bits"], coding["kv_bits"], group)
+    return -(-window * (geometry.key_dim + geometry.value_dim) * model.dtype.itemsize // coded)
 
 
 def prefill_chunks(prompt_len: int, chunk: int) -> list[tuple[int, int]]:
