@@ -204,6 +204,27 @@ def test_accuracy_against_kv_bytes_puts_every_budget_on_one_axis(tmp_path):
         accuracy_lines(summaries, "bytes")
 
 
+def test_accuracy_against_a_16_bit_cache_s_share_puts_float_and_coded_slots_on_one_axis(tmp_path):
+    """x="kv16": a row of float slots (recorded before the share was) at its live slots over its
+    tokens, whatever dtype it ran in; a quantized row at its recorded share; full at 100%."""
+    from h2okv.errors import H2OError
+    from h2okv.eval.reasoning_report import accuracy_lines, plot_accuracy, summarize
+
+    def rows(policy, budget, correct, **more):
+        return [{**_row(policy, budget, i, i < correct), "kv_bytes": 2**20, **more} for i in range(4)]
+
+    # 15 tokens a problem: 6 float slots are 40% of a full cache; coded rows say their own share
+    summaries = summarize([*rows("full", None, 4), *rows("rkv", 6, 2, kv_slots=6),
+                           *rows("rkv kv_bits=k8v4", 9, 3, kv_slots=9, kv_bits=4, kv_share_16bit=0.25)], [])
+    (_, lines), = accuracy_lines(summaries, "kv16").items()
+    assert [p[:2] for p in lines["rkv"]] == [(pytest.approx(40.0), 0.5)]
+    assert [p[:2] for p in lines["rkv kv_bits=k8v4"]] == [(25.0, 0.75)] and lines["full"][0][:2] == (100.0, 1.0)
+    assert plot_accuracy(summaries, tmp_path / "kv16.png", "kv16").stat().st_size > 0
+    unknown = summarize([*rows("full", None, 4), *rows("h2o", 6, 2, kv_bits=4)], [])  # coded, share not recorded
+    with pytest.raises(H2OError, match="no share of a 16-bit cache"):
+        accuracy_lines(unknown, "kv16")
+
+
 def test_common_keeps_the_problems_every_policy_ran():
     """A full piece of 4 problems beside a screening piece of the first 2: --common compares both on
     problems 0-1 only, per (model, task, style) (math500 has its own set)."""

@@ -108,14 +108,26 @@ def summarize(rows: list[dict], batches: list[dict]) -> list[dict]:
             "mean_final_length": sum(r["prompt_tokens"] + r["new_tokens"] for r in group) / n,
             "hit_max_new_tokens": sum(r["finish"] == "length" for r in group) / n,
             "mean_kv_bytes": sum(r["kv_bytes"] for r in group) / n,
-            # of a full 16-bit cache of each problem's final length (rows written before it: None)
-            "mean_kv_share_16bit": (sum(r["kv_share_16bit"] for r in group) / n
-                                    if all("kv_share_16bit" in r for r in group) else None),
+            # of a full 16-bit cache of each problem's final length (rows written before it was
+            # recorded: their float slots' share of the tokens, the same thing; else None)
+            "mean_kv_share_16bit": (sum(_share_16bit(r) for r in group) / n
+                                    if all(_share_16bit(r) is not None for r in group) else None),
             "tokens_per_s": tokens / seconds if seconds else None,
             "tokens_per_cpu_s": tokens / cpu_seconds if cpu_seconds and cpu_seconds == cpu_seconds else None,
         })
     out.sort(key=lambda s: (*(s[k] for k in GROUP), s["budget"] is not None, _budget_order(s["budget"]), s["policy"]))
     return out
+
+
+def _share_16bit(row: dict) -> float | None:
+    """A row's KV as a share of a full 16-bit cache of its final length: recorded, or for a row of
+    float slots written before it was, its live slots over its tokens (a float slot costs a full
+    cache's slot, whatever the dtype); None for a quantized row without it."""
+    if "kv_share_16bit" in row:
+        return row["kv_share_16bit"]
+    if row.get("kv_bits") is not None or "kv_slots" not in row:
+        return None
+    return min(1.0, row["kv_slots"] / (row["prompt_tokens"] + row["new_tokens"]))
 
 
 def summary_table(summaries: list[dict]) -> str:
@@ -150,7 +162,9 @@ def markdown_table(summaries: list[dict]) -> str:
 VARIANT_MARKERS = ("s", "^", "D", "v")
 
 
-AXES = ("budget", "kv")  # what ``plot_accuracy`` puts on x: the budget asked, or the KV bytes held
+# what ``plot_accuracy`` puts on x: the budget asked, the KV bytes held, or their share of a full
+# 16-bit cache (so float slots of a float32 CPU run do not flatter coded ones 2x)
+AXES = ("budget", "kv", "kv16")
 MIB = 2**20
 
 
@@ -172,17 +186,28 @@ def accuracy_lines(summaries: list[dict], x: str = "budget") -> dict:
         if s["budget"] is None:
             continue
         key = tuple(s[k] for k in GROUP) + ((isinstance(s["budget"], int),) if x == "budget" else ())
-        at = s["budget"] if x == "budget" else s["mean_kv_bytes"] / MIB
+        at = _x_of(s, x)
+        if at is None:
+            raise H2OError(f"{s['policy']} at {budget_label(s['budget'])}: its rows hold no share of a 16-bit cache")
         panels[key][s["policy"]].append((at, s["accuracy"], s["stderr"] or 0.0))
     if not panels:
         raise H2OError("nothing to plot: the pieces hold no evicting policy's rows")
     fulls = full_summaries(summaries)
     for key, lines in panels.items():
         if (f := fulls.get(key[:3])) is not None:
-            lines["full"] = [(f["mean_kv_bytes"] / MIB, f["accuracy"], f["stderr"] or 0.0)]
+            lines["full"] = [(_x_of(f, "kv" if x == "budget" else x), f["accuracy"], f["stderr"] or 0.0)]
         for points in lines.values():
             points.sort()
     return {key: dict(lines) for key, lines in panels.items()}
+
+
+def _x_of(summary: dict, x: str):
+    if x == "budget":
+        return summary["budget"]
+    if x == "kv":
+        return summary["mean_kv_bytes"] / MIB
+    share = summary.get("mean_kv_share_16bit")
+    return 100.0 if summary["budget"] is None else None if share is None else 100 * share
 
 
 def plot_accuracy(summaries: list[dict], path, x: str = "budget") -> Path:
@@ -198,7 +223,7 @@ def plot_accuracy(summaries: list[dict], path, x: str = "budget") -> Path:
             (kv, acc, se), n = full[0], fulls[key[:3]]["n"]
             ax.axhspan(acc - se, acc + se, color="black", alpha=0.12, lw=0)
             ax.axhline(acc, color="black", lw=1.2, label=f"full ({acc:.1%}, n={n})")
-            if x == "kv":
+            if x != "budget":
                 ax.plot([kv], [acc], marker="*", ms=10, color="black", ls="none")
         variants = 0
         for policy, line in lines.items():
@@ -212,6 +237,9 @@ def plot_accuracy(summaries: list[dict], path, x: str = "budget") -> Path:
             ax.errorbar(xs, ys, yerr=es, ms=5, capsize=2, label=policy, color=policy_color(base), **style)
         if x == "kv":
             ax.set_xlabel("KV cache at the end of the answer (MiB, mean over problems)")
+            ax.set_xlim(left=0)
+        elif x == "kv16":
+            ax.set_xlabel("KV at the end of the answer, % of a full 16-bit cache (mean over problems)")
             ax.set_xlim(left=0)
         elif key[3]:
             ax.set_xscale("log", base=2)

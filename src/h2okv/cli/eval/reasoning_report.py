@@ -16,9 +16,10 @@ def register(kinds) -> None:
     p.add_argument("pieces", nargs="+", help="JSON files written by `h2okv eval reasoning --json`")
     p.add_argument("--json", default=None, help="write the merged summaries here")
     p.add_argument("--plot", default=None, help="accuracy vs budget PNG (full as a horizontal band)")
-    p.add_argument("--x", choices=("budget", "kv"), default="budget",
-                   help="the plot's x axis: the budget asked (default), or the mean KV MiB held at the end of "
-                        "the answers (budgets in slots, fractions and protected prompts on one axis, full as a point)")
+    p.add_argument("--x", choices=("budget", "kv", "kv16"), default="budget",
+                   help="the plot's x axis: the budget asked (default), the mean KV MiB held at the end of "
+                        "the answers (budgets in slots, fractions and protected prompts on one axis, full as a point), "
+                        "or kv16: that KV as a share of a full 16-bit cache (quantized and float slots on one axis)")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     p.add_argument("--common", action="store_true",
                    help="keep only the problems every (policy, budget) ran, so pieces of different lengths are "
