@@ -38,6 +38,7 @@ from h2okv.core.attention import fused_mass_on, slot_attention
 from h2okv.core.kernels import native_on, triton_on
 from h2okv.core.native import calls as native
 from h2okv.core.step import evict, eviction_rank, protected
+from h2okv.core.storage import first_free
 
 # a kvzip layer filling its tail flat (``TailFill``): the free slots each head holds ahead (a
 # regrow, a copy of the layer, every this many steps)
@@ -50,7 +51,6 @@ class AtBudget:
     last step freed."""
 
     dense_capacity: int  # budget + 1 when every (row, head) has the same budget, else -1
-    ordinal_src: torch.Tensor  # [B, H, 1] view of n_real: the ordinal of the token being written
     n_real_key: torch.Tensor  # [B, 1, 1] view of n_real, for the policy's key
     recent_start: torch.Tensor  # [B, 1, 1] = n_real - recent, advanced in place
     sinks: torch.Tensor | None  # [B, 1, 1] protected first tokens, None when the policy has none
@@ -63,10 +63,6 @@ class AtBudget:
     def free_slot(self, valid: torch.Tensor) -> torch.Tensor:
         """``[B, H, 1]``: last step's victim, or (first step at the budget) the first free slot."""
         return self.next_free if self.next_free is not None else first_free(valid)
-
-
-def first_free(valid: torch.Tensor) -> torch.Tensor:
-    return valid.view(torch.uint8).argmin(dim=-1, keepdim=True)
 
 
 def room_range(layer) -> tuple[int, int] | None:
@@ -101,7 +97,6 @@ def at_budget(layer) -> AtBudget:
         # None here and a tensor after: one graph from the first step)
         next_free=first_free(layer.valid) if uniform else None,
         dense_capacity=int(budget[0, 0]) + 1 if uniform else -1,
-        ordinal_src=layer.n_real.view(b, 1, 1).expand(b, h, 1),
         n_real_key=layer.n_real.view(b, 1, 1),
         recent_start=(layer.n_real - layer.recent).view(b, 1, 1),
         sinks=layer.sinks.view(b, 1, 1) if bool((layer.sinks > 0).any()) else None,
@@ -178,7 +173,7 @@ class FillingStep:
 
     def decode(self, layer, query, k_new, v_new, scaling):
         layer.ensure_free(1)
-        out = write_and_attend(layer, first_free(layer.valid), layer.n_real.view(-1, 1, 1), query, k_new, v_new,
+        out = write_and_attend(layer, first_free(layer.valid), query, k_new, v_new,
                                scaling, masked=True, fused=self.fused)
         if self.room > 0:  # every (row, head) still within its budget: nothing to evict, no change
             self.room -= 1
@@ -279,7 +274,7 @@ class EagerStep:
     def decode(self, layer, query, k_new, v_new, scaling):
         state, policy = self.state, layer.config.policy
         slot = state.free_slot(layer.valid) if self.dense else first_free(layer.valid)
-        out = write_and_attend(layer, slot, state.ordinal_src, query, k_new, v_new, scaling, masked=not self.dense,
+        out = write_and_attend(layer, slot, query, k_new, v_new, scaling, masked=not self.dense,
                                fused=self.fused)
         state.recent_start.add_(1)  # = n_real - recent (add_, not +=: a compiled step must not rebind it)
         shielded = protected(layer.ordinal, state.recent_start, state.sinks)
@@ -293,14 +288,11 @@ class EagerStep:
         return out
 
 
-def write_and_attend(layer, slot, ordinal, query, k_new, v_new, scaling, masked: bool, fused: bool):
+def write_and_attend(layer, slot, query, k_new, v_new, scaling, masked: bool, fused: bool):
     """Write the token into ``slot`` ``[B, H, 1]``, attend over the live slots (``masked``: free
     slots are hidden), fold the mass into the scores and count the token; ``[B, 1, Hq, Dv]``."""
     policy = layer.config.policy
-    b, hkv = k_new.shape[:2]
-    layer.write_kv(slot, k_new, v_new)
-    layer.ordinal.scatter_(2, slot, ordinal.expand(b, hkv, 1))
-    layer.remember_recent(layer.n_real.view(b, 1), k_new, v_new)
+    layer.write_token(slot, k_new, v_new)
     fresh = policy.key_scores(k_new)
     layer.score.scatter_(2, slot, 0.0 if fresh is None else fresh)
     layer.valid.scatter_(2, slot, True)

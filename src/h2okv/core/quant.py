@@ -21,8 +21,9 @@ codes, scale and low (tested): writing it costs nothing more in accuracy.
 **A float window** (``SlotCoding.window``, ``float_window``): each row's last ``window`` tokens are
 also kept in the model's dtype, beside their codes, and read back from there until a newer token
 takes their place; then their codes, written with them, are what they read back (KIVI's residual
-window of recent tokens in full precision). A call's tokens are passed through ``roundtrip`` except
-those that will be among the row's last ``window`` at the call's end (``SlotLayer.attend``).
+window of recent tokens in full precision). Each query reads its own last ``window`` tokens in float
+and older ones from their codes, however the tokens were cut into calls (``SlotStorage.banded_kv``
+for a chunk, the scan's band in ``core/scan.py``; a one-token step reads the window as it stands).
 """
 
 from __future__ import annotations

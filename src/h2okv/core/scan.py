@@ -102,14 +102,16 @@ def token_scan(layer, query, key_new, value_new, scaling) -> torch.Tensor:
     hkv, cap = key_new.shape[1], layer.capacity
     g = hq // hkv
     device = layer.device
-    held_keys, held_values = layer.kv()
-    keys = torch.cat([held_keys, key_new], dim=2)
-    values = torch.cat([held_values, value_new], dim=2)
     window = layer.window_ordinal.shape[1] if layer.window_ordinal is not None else 0
     if window:  # each query reads its own last W tokens in float (``storage.banded_kv``), older ones coded
         coded_keys, coded_values = layer.coded_kv()
+        held_keys, held_values = layer.with_window(coded_keys, coded_values)
         coded_keys = torch.cat([coded_keys, layer.coding.keys.roundtrip(key_new)], dim=2)
         coded_values = torch.cat([coded_values, layer.coding.values.roundtrip(value_new)], dim=2)
+    else:
+        held_keys, held_values = layer.kv()
+    keys = torch.cat([held_keys, key_new], dim=2)
+    values = torch.cat([held_values, value_new], dim=2)
     total = cap + n
     n0 = int(layer.n_real[0])
     recent, sinks = int(layer.recent[0]), int(layer.sinks[0])

@@ -37,6 +37,11 @@ CODEC_TENSORS = ("key_scale", "key_low", "value_scale", "value_low")
 WINDOW_TENSORS = ("window_keys", "window_values", "window_ordinal")
 
 
+def first_free(valid: torch.Tensor) -> torch.Tensor:
+    """``[B, H, 1]``: each (row, head)'s first free slot (``valid`` ``[B, H, capacity]``)."""
+    return valid.view(torch.uint8).argmin(dim=-1, keepdim=True)
+
+
 @dataclass
 class RaggedSlots:
     """A layer's slots, each (row, head) ``r`` holding its first ``widths[r]`` only: flat tensors
@@ -170,7 +175,11 @@ class SlotStorage:
         themselves, or for quantized slots their dequantized copies (``core/quant.py``)."""
         if self.coding is None:
             return self.keys, self.values
-        keys, values = self.coded_kv()
+        return self.with_window(*self.coded_kv())
+
+    def with_window(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded ``keys``/``values`` (``coded_kv``) with the slots the float window holds read from
+        it, as new tensors (the decoded ones stay as they are); the same ones without a window."""
         if self.window_ordinal is None:
             return keys, values
         place, recent = self._window_places()
@@ -191,7 +200,7 @@ class SlotStorage:
         written (codes in ``slot_of_token``), the window not yet: it still holds the tokens before
         the call, the floats of the band's older half."""
         coded_keys, coded_values = self.coded_kv()
-        float_keys, float_values = self.kv()
+        float_keys, float_values = self.with_window(coded_keys, coded_values)
         for floats, new in ((float_keys, k_new), (float_values, v_new)):
             floats.scatter_(2, slot_of_token[..., None].expand(*slot_of_token.shape, new.shape[-1]), new)
         band = self.ordinal[:, :, None, :] > (ordinals - self.window_ordinal.shape[1])[:, None, :, None]
@@ -253,11 +262,16 @@ class SlotStorage:
         the kernel attends over and ranks. The kernel writes the token's float key and value into
         that copy too (the same values: the call passed them as they are stored,
         ``SlotLayer._as_stored``), and the copy is dropped after the step."""
+        self.write_token(slot, k_new, v_new)
+        return self.kv()
+
+    def write_token(self, slot: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """A decode step's token (ordinal ``n_real``) into ``slot`` ``[B, H, 1]``: its key and value
+        (``write_kv``), its ordinal and its float-window place; its score and liveness are the step's."""
         b = self.n_real.shape[0]
         self.write_kv(slot, k_new, v_new)
         self.ordinal.scatter_(2, slot, self.n_real.view(b, 1, 1).expand_as(slot))  # kv() finds the window place by it
         self.remember_recent(self.n_real.view(b, 1), k_new, v_new)
-        return self.kv()
 
     def write_kv(self, slot: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Write token ``j``'s key and value ``[B, H, m, D]`` into slot ``slot[..., j]`` ``[B, H, m]``

@@ -25,6 +25,7 @@ import torch
 
 from h2okv.core.native.rules import DecodeRule, c_decode_rule
 from h2okv.core.runtime import RUNTIME
+from h2okv.core.storage import first_free
 from h2okv.core.triton_attention import BLOCK_N, _block, _kernels
 from h2okv.errors import first_line
 
@@ -69,7 +70,7 @@ def decode_general(layer, query, k_new, v_new, scaling: float, rule: DecodeRule)
     dummy = layer.n_real
     rows = _Rows(general=True, slot=dummy, victim=dummy, recent_start=dummy, sinks=layer.sinks, has_sinks=True)
     # the kernel takes each row's first free slot; a quantized layer writes the token's codes there first
-    slot = layer.valid.view(torch.uint8).argmin(dim=-1, keepdim=True) if layer.coding is not None else None  # decode.first_free
+    slot = first_free(layer.valid) if layer.coding is not None else None
     return _launch(layer, query, k_new, v_new, scaling, rule, rows, slot)
 
 

@@ -78,4 +78,3 @@ def decode_dense(layer, state, query, k_new, v_new, scaling: float, rule: Decode
     )
     state.next_free = slot  # the kernel wrote each row's victim there
     return out
-
