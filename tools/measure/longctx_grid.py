@@ -33,16 +33,40 @@ MEMORY_FAMILIES = "niah_single_2,niah_single_3,vt"  # 16k/32k: a few families, f
 RECIPES = ("prompt", "bounded", "document")
 
 
-def piece(name: str, *flags: str, model: str = "qwen2.5-0.5b") -> tuple[str, list[str]]:
+# what runs a piece's argv: ours, or a peer in its own venv (``make peer``, ``make peer-openvino``)
+RUNNERS = {
+    "h2okv": lambda: [str(Path(sys.executable).parent / "h2okv")],
+    "kvpress": lambda: [str(ROOT / ".venv-peer" / "bin" / "python"), str(ROOT / "tools" / "peer" / "run_kvpress.py")],
+    "openvino": lambda: [str(ROOT / ".venv-peer-ov" / "bin" / "python"), str(ROOT / "tools" / "peer" / "run_openvino.py")],
+}
+
+
+def piece(name: str, *flags: str, model: str = "qwen2.5-0.5b") -> tuple[str, str, list[str]]:
     argv = ["eval", "longctx", "--model", model, "--split", "test", "--budgets", "0.2", "--threads", "1",
             "--batch", "1", "--plot", "", "--json", f"{name}.json", *flags]
-    return name, argv
+    return name, "h2okv", argv
 
 
-def recipe(name: str, context: str, samples: str, tasks: str = FAMILIES) -> tuple[str, list[str]]:
+def prompts(context: str, samples: str) -> tuple[str, str, list[str]]:
+    """The test prompts at one length, exported for the peers (the same token ids as our rows)."""
+    name = f"prompts-{context}"
+    argv = ["eval", "longctx", "--model", "qwen2.5-0.5b", "--split", "test", "--contexts", context, "--samples",
+            samples, "--tasks", FAMILIES, "--export-prompts", f"{name}.json"]
+    return name, "h2okv", argv
+
+
+def peer(runner: str, name: str, context: str, *flags: str) -> tuple[str, str, list[str]]:
+    """A peer on the exported prompts, one thread, resumed from its own JSON."""
+    return f"{name}-{context}", runner, [f"prompts-{context}.json", "--budgets", "0.2", "--threads", "1",
+                                         "--json", f"{name}-{context}.json", *flags]
+
+
+def recipe(name: str, context: str, samples: str, tasks: str = FAMILIES,
+           model: str = "qwen2.5-0.5b") -> tuple[str, str, list[str]]:
     mode = ["--question", "agnostic"] if name == "document" else []
-    return piece(f"{name}-{context}", "--policies", "none", "--recipe", name, "--contexts", context,
-                 "--samples", samples, "--tasks", tasks, *mode)
+    suffix = "" if model == "qwen2.5-0.5b" else f"-{model.removeprefix('qwen2.5-')}"
+    return piece(f"{name}-{context}{suffix}", "--policies", "none", "--recipe", name, "--contexts", context,
+                 "--samples", samples, "--tasks", tasks, *mode, model=model)
 
 
 PIECES = [
@@ -59,8 +83,18 @@ PIECES = [
     # the cheapest recipe first (one prefill): a whole 2k/4k/8k series sooner; the reconstruction
     # recipes read each 8k prompt about three times over
     *(recipe(r, "8192", "2") for r in ("bounded", "prompt", "document")),
+    # the peers on the same 8k prompts: OpenVINO (minutes), then kvpress's best press on dev and KVzip
+    prompts("8192", "2"),
+    peer("openvino", "openvino", "8192"),
+    peer("kvpress", "kvpress-chunkkv", "8192", "--presses", "chunkkv-snapkv", "--modes", "aware"),
+    peer("kvpress", "kvpress-kvzip", "8192", "--presses", "kvzip", "--modes", "agnostic"),
     piece("full-8k-1.5b", "--policies", "full", "--contexts", "8192", "--samples", "1", "--tasks", FAMILIES,
           model="qwen2.5-1.5b"),
+    # 16k, every family once: full's other seven (full-mem holds three), then each recipe
+    piece("full-16k", "--policies", "full", "--contexts", "16384", "--samples", "1", "--tasks",
+          ",".join(f for f in FAMILIES.split(",") if f not in MEMORY_FAMILIES.split(","))),
+    *(recipe(r, "16384", "1") for r in ("bounded", "prompt", "document")),
+    *(recipe(r, "8192", "1", model="qwen2.5-1.5b") for r in ("bounded", "prompt", "document")),
 ]
 
 
@@ -71,16 +105,18 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=OUT, help=f"the pieces' JSON folder (default: {OUT})")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    chosen = [(n, a) for n, a in PIECES if args.only is None or n.startswith(args.only)]
+    chosen = [p for p in PIECES if args.only is None or p[0].startswith(args.only)]
     if not chosen:
-        parser.error(f"no piece starts with {args.only!r}; pieces: {', '.join(n for n, _ in PIECES)}")
-    h2okv = str(Path(sys.executable).parent / "h2okv")
-    for name, argv in chosen:
+        parser.error(f"no piece starts with {args.only!r}; pieces: {', '.join(p[0] for p in PIECES)}")
+    for name, runner, argv in chosen:
+        command = [*RUNNERS[runner](), *argv]
         if args.list:
-            print(f"{name}: (in {args.out}) h2okv {shlex.join(argv)}")
+            print(f"{name}: (in {args.out}) {shlex.join(command)}")
             continue
+        if name.startswith("prompts-") and (args.out / f"{name}.json").exists():
+            continue  # an export is written whole once; the peers resume from their own JSON
         print(f"== {name}", flush=True)
-        code = subprocess.call([h2okv, *argv], cwd=args.out)  # --json NAME.json lands in --out
+        code = subprocess.call(command, cwd=args.out)  # --json NAME.json lands in --out
         if code != 0:
             print(f"== {name} exited {code}; stopping (run again to resume)", flush=True)
             return code

@@ -1,0 +1,45 @@
+"""tools/measure/longctx_grid.py: every piece writes its own JSON (so each resumes alone), and a peer
+reads prompts that an earlier piece exports, at the same length."""
+
+import pytest
+
+from tool_scripts import load_tool
+
+
+@pytest.fixture(scope="module")
+def grid():
+    return load_tool("measure/longctx_grid.py")
+
+
+def flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def test_pieces_have_unique_names_and_their_own_json(grid):
+    names = [name for name, _, _ in grid.PIECES]
+    assert len(names) == len(set(names))
+    for name, runner, argv in grid.PIECES:
+        assert runner in grid.RUNNERS
+        written = flag(argv, "--export-prompts") if name.startswith("prompts-") else flag(argv, "--json")
+        assert written == f"{name}.json"
+
+
+def test_each_peer_reads_an_export_made_before_it_at_its_length(grid):
+    exported = []
+    for name, runner, argv in grid.PIECES:
+        if name.startswith("prompts-"):
+            exported.append(flag(argv, "--export-prompts"))
+            assert flag(argv, "--split") == "test"
+        elif runner != "h2okv":
+            assert argv[0] in exported, f"{name} reads {argv[0]} before any piece exports it"
+            assert argv[0].split("-")[-1] == f"{name.rsplit('-', 1)[-1]}.json"
+        else:
+            assert flag(argv, "--split") == "test"  # the grid reports; it never runs dev prompts
+
+
+def test_unknown_piece_is_a_one_line_error(grid, monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["longctx_grid.py", "--only", "nope", "--list"])
+    with pytest.raises(SystemExit) as exit_:
+        grid.main()
+    assert exit_.value.code != 0
+    assert "no piece starts with 'nope'" in capsys.readouterr().err
