@@ -8,11 +8,19 @@ import pytest
 from h2okv.cli import main
 from h2okv.eval.longctx.lengths import by_length, length_table, plot_lengths
 from h2okv.eval.longctx.rows import make_row
+from h2okv.recipes import RECIPES
 
 
-def row(policy, task, context, sample, score, recipe=None, device=None, dtype=None, **costs):
+def row(policy, task, context, sample, score, recipe=None, device=None, dtype=None, options=None, **costs):
+    """A row; a recipe's carries the policy and options the recipe stands for (as eval longctx
+    writes them), overlaid with ``options``."""
+    cache_options = {}
+    if recipe:
+        settings = dict(RECIPES[recipe].settings)
+        policy, cache_options = settings.pop("policy"), settings
+    cache_options.update(options or {})
     return make_row(task=task, context=context, sample=sample, question="aware", policy=policy,
-                    budget=1.0 if policy == "full" else 0.2, cache_options={}, recipe=recipe, chunk_size=512,
+                    budget=1.0 if policy == "full" else 0.2, cache_options=cache_options, recipe=recipe, chunk_size=512,
                     metric="string_match_all", score=score, answer="", references=[], haystack="stories", seed=1,
                     split="test", model="m", max_new_tokens=8, seconds=1.0, device=device, dtype=dtype, **costs)
 
@@ -59,6 +67,24 @@ def test_each_length_is_measured_against_full_on_the_same_prompts():
     assert entry(summary, "full", 4096)["of_full"] is None
 
 
+def test_a_recipe_row_that_departs_from_the_recipe_is_a_configuration_of_its_own():
+    # the same prompts, the recipe streamed (its own setting) and read in one call: two lines,
+    # where one label would have let one run's cells overwrite the other's
+    out = [row("full", "a", 2048, 0, 1.0)]
+    out += [row(None, "a", 2048, 0, 1.0, recipe="bounded"),
+            row(None, "a", 2048, 0, 0.0, recipe="bounded", options={"prefill": "chunked"}),
+            row(None, "a", 2048, 0, 0.5, recipe="bounded", options={"kv_bits": 4, "key_bits": 8, "kv_group": 32})]
+    summary = by_length(out)
+    assert entry(summary, "recipe bounded", 2048)["average"] == 100.0
+    assert entry(summary, "recipe bounded [prefill=chunked]", 2048)["average"] == 0.0
+    assert entry(summary, "recipe bounded k8v4", 2048)["average"] == 50.0  # bits are named, not a departure
+    # a row written when the recipe stood for another policy names it
+    old = row("snapkv:kernel=63,pool=max", "a", 2048, 0, 1.0, recipe=None)
+    old.update(recipe="prompt", cache_options={"prefill": "late", "recent_share": 0.078})
+    (line,) = [e["config"] for e in by_length([old])]
+    assert line.startswith("recipe prompt [snapkv:kernel=63,pool=max ") and "recent_share=0.078" in line
+
+
 def test_another_device_is_its_own_line_against_its_own_full():
     gpu = [{**r, "device": "cuda", "dtype": "bfloat16", "score": 0.0 if r["policy"] != "full" else r["score"]}
            for r in rows() if r["context"] == 2048]
@@ -93,3 +119,15 @@ def test_cli_by_length_errors_are_one_line(argv, message, capsys):
     assert main(["eval", "longctx", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("h2okv: error:") and message in err and "\n" not in err
+
+
+def test_no_two_kinds_of_line_look_alike():
+    from h2okv.eval.longctx.lengths import _color, _line
+
+    configs = ["full", "recipe bounded", "recipe bounded [prefill=chunked]", "kvpress-chunkkv-snapkv",
+               "openvino-h2o-sum [block_size=32]", "recipe bounded (cuda bfloat16)", "recipe document"]
+    looks = {(str(_color(c)), str(_line(c))) for c in configs if c != "full"} | {("black", str(_line("full")))}
+    assert len(looks) == len(configs)
+    # a recipe run with an option of its own keeps its recipe's colour; peers take none of ours
+    assert _color("recipe bounded [prefill=chunked]") == _color("recipe bounded")
+    assert _color("openvino-h2o-sum [block_size=32]") not in {_color("recipe prompt"), _color("recipe document")}

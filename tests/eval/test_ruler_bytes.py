@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from h2okv.recipes import RECIPES
 from tool_scripts import load_tool
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "measure" / "ruler_bytes.py"
@@ -26,10 +27,12 @@ def test_each_kind_sits_at_its_bytes_and_is_compared_on_shared_prompts(tool):
     coded = {"kv_bits": 4, "key_bits": 8, "kv_group": 32}
     rows = [row("full", t, s, 1.0) for t in ("a", "b") for s in (0, 1)]
     # a float32 row holds twice a 16-bit cache's bytes; placed as a 16-bit model would hold it
-    rows += [row("snapkv", t, s, 0.5, recipe="bounded", kv_fraction=0.2, kv_share_16bit=0.4)
+    bounded = dict(RECIPES["bounded"].settings)  # the policy and options the recipe's rows record
+    policy = bounded.pop("policy")
+    rows += [row(policy, t, s, 0.5, recipe="bounded", cache_options=bounded, kv_fraction=0.2, kv_share_16bit=0.4)
              for t in ("a", "b") for s in (0, 1)]
-    rows += [row("snapkv", t, s, 1.0 if s else 0.5, recipe="bounded", cache_options=coded, kv_fraction=0.05,
-                 kv_share_16bit=0.1) for t in ("a", "b") for s in (0, 1)]
+    rows += [row(policy, t, s, 1.0 if s else 0.5, recipe="bounded", cache_options={**bounded, **coded},
+                 kv_fraction=0.05, kv_share_16bit=0.1) for t in ("a", "b") for s in (0, 1)]
     rows += [row("kvpress-full", t, s, 0.0, cache_options={"backend": "quanto", "nbits": 2}, kv_share_16bit=0.19)
              for t in ("a", "b") for s in (0, 1)]
     entries = {e["config"]: e for e in tool.placed(rows, versus="recipe bounded k8v4 @ 0.2")}

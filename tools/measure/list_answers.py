@@ -26,7 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
-from h2okv.eval.longctx.rows import config_label, read_rows  # noqa: E402
+from h2okv.eval.longctx.report import label  # noqa: E402
+from h2okv.eval.longctx.rows import read_rows  # noqa: E402
 
 LIST_FAMILIES = ("cwe", "fwe")
 # words a list answer joins its items with, never an item (the lists are of rare words and codes)
@@ -57,12 +58,11 @@ def summarize(rows: list[tuple[str, dict]]) -> list[dict]:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for source, row in rows:
         if row["task"] in LIST_FAMILIES:
-            label = config_label(row["policy"], row.get("cache_options"), row.get("recipe"))
-            groups[(row["task"], row["context"], label, source)].append(row)
+            groups[(row["task"], row["context"], label(row), source)].append(row)
     lines = []
-    for (task, context, label, source), group in sorted(groups.items()):
+    for (task, context, config, source), group in sorted(groups.items()):
         n = len(group)
-        lines.append({"config": label, "file": source, "task": task, "context": context, "prompts": n,
+        lines.append({"config": config, "file": source, "task": task, "context": context, "prompts": n,
                       "score": 100 * sum(r["score"] for r in group) / n,
                       "as_asked": 100 * sum(as_asked(r["answer"], r["references"]) for r in group) / n,
                       "words": sum(len(words_of(r["answer"])) for r in group) / n})

@@ -24,7 +24,8 @@ from __future__ import annotations
 import statistics
 
 from h2okv.eval.longctx.report import figure_with_legend, legend_columns, models_of, shared_legend
-from h2okv.eval.longctx.rows import config_label, questions_of
+from h2okv.eval.longctx.report import label as config_of
+from h2okv.eval.longctx.rows import questions_of
 from h2okv.eval.output import format_table
 from h2okv.eval.plots import policy_color, save_figure
 
@@ -34,7 +35,7 @@ FULL = "full"
 def label(row: dict) -> str:
     """The configuration, and where it ran when not on the CPU in float32 (another machine's seconds,
     another dtype's scores)."""
-    config = config_label(row["policy"], row.get("cache_options"), row.get("recipe"))
+    config = config_of(row)
     where = [v for v, usual in ((row.get("device"), "cpu"), (row.get("dtype"), "float32")) if v and v != usual]
     return f"{config} ({' '.join(where)})" if where else config
 
@@ -154,9 +155,31 @@ RECIPE_COLORS = {"recipe prompt": "darkblue", "recipe document": "tab:purple", "
                  "recipe generation": "goldenrod", "recipe stream": "tab:olive"}
 
 
+# the peers' engines and presses, each a colour no recipe or policy of ours takes
+PEER_COLORS = {"kvpress-chunkkv-snapkv": "tab:cyan", "kvpress-kvzip": "tab:pink", "kvpress-snapkv": "teal",
+               "openvino-full": "tab:green", "openvino-h2o-sum": "tab:red", "openvino-h2o-norm_sum": "tab:orange"}
+PEERS = ("kvpress-", "openvino-")
+
+
 def _color(config: str) -> str | None:
     config = config.removesuffix(where_of(config))
-    return RECIPE_COLORS.get(config) or policy_color(config.split()[0])
+    name = config.split(" [")[0]
+    return RECIPE_COLORS.get(name) or PEER_COLORS.get(config.split()[0]) or policy_color(config.split()[0])
+
+
+def _line(config: str) -> tuple[str | tuple, str]:
+    """``(line style, marker)``: full dashed, another device dotted, a peer dash-dotted with
+    triangles, a recipe run with options of its own (``recipe bounded [prefill=chunked]``) in its
+    recipe's colour with diamonds, so no two lines of one plot look alike."""
+    if is_full(config):
+        return "--", "s"
+    if where_of(config):
+        return ":", "o"
+    if config.startswith(PEERS):
+        return "-.", "^"
+    if config.startswith("recipe ") and " [" in config:
+        return (0, (4, 1, 1, 1)), "D"
+    return "-", "o"
 
 
 def plot_lengths(summary: list[dict], path, title: str):
@@ -172,7 +195,8 @@ def plot_lengths(summary: list[dict], path, title: str):
                 continue
             xs, ys = zip(*points, strict=True)
             full, elsewhere = is_full(config), bool(where_of(config))  # another device: dotted, hollow
-            ax.plot(xs, ys, "--" if full else ":" if elsewhere else "-", marker="s" if full else "o",
+            style, marker = _line(config)
+            ax.plot(xs, ys, linestyle=style, marker=marker,
                     markersize=4 if full else 6, color="black" if full else _color(config),
                     markerfacecolor="white" if elsewhere else None, label=config, linewidth=1.6)
         ax.set_xscale("log", base=2)

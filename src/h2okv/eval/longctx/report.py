@@ -30,7 +30,18 @@ def question_label(row: dict) -> str:
 
 
 def label(row: dict) -> str:
-    return config_label(row["policy"], row.get("cache_options"), row.get("recipe"))
+    """A row's configuration name; a recipe row is named by the recipe, and by what departs from
+    what the recipe means now (``rows.config_label``)."""
+    recipe = row.get("recipe")
+    return config_label(row["policy"], row.get("cache_options"), recipe, recipe_settings(recipe))
+
+
+def recipe_settings(name: str | None) -> dict | None:
+    """The keywords recipe ``name`` stands for now; None for none, or for a name no longer known."""
+    from h2okv.recipes import RECIPES
+
+    recipe = RECIPES.get(name) if name else None
+    return dict(recipe.settings) if recipe else None
 
 
 def group_key(row: dict) -> tuple:

@@ -37,14 +37,35 @@ OPTIONAL_FIELDS = ("recipe", "questions", "question_index", "prefill_tokens", "s
                    "prefill_s", "decode_s", "peak_mib", "kv_fraction", "kv_share_16bit", "batch", "device", "dtype", "settings")
 
 
-def config_label(policy: str, cache_options: dict | None, recipe: str | None = None) -> str:
+# the options a recipe row's coding suffix names (never a departure from the recipe)
+CODING_OPTIONS = ("kv_bits", "key_bits", "kv_group", "float_window")
+
+
+def config_label(policy: str, cache_options: dict | None, recipe: str | None = None,
+                 recipe_settings: dict | None = None) -> str:
     """How a configuration is named in tables and plots: a recipe by its name, else the policy
-    spec, then its cache options."""
+    spec, then its cache options.
+
+    ``recipe_settings``: the recipe's keywords as they are now (``h2okv.recipes``; this file imports
+    none of h2okv). A recipe row that departs from them (a row written when the recipe meant
+    something else, or an option given beside it, e.g. ``prefill=chunked``) names what departs, so
+    it is never one configuration with the recipe's own rows (whose cells would overwrite each other's)."""
     if recipe:
-        return f"recipe {recipe}{coding_suffix(cache_options)}"
+        return f"recipe {recipe}{coding_suffix(cache_options)}{departures(policy, cache_options, recipe_settings)}"
     if not cache_options:
         return policy
     return f"{policy} [{','.join(f'{k}={v}' for k, v in sorted(cache_options.items()))}]"
+
+
+def departures(policy: str, cache_options: dict | None, recipe_settings: dict | None) -> str:
+    """`` [what differs]`` between a recipe row's policy and options and the recipe's, else empty."""
+    if not recipe_settings:
+        return ""
+    ours = {k: v for k, v in (cache_options or {}).items() if k not in CODING_OPTIONS}
+    theirs = {k: v for k, v in recipe_settings.items() if k != "policy"}
+    parts = [policy] if policy != recipe_settings.get("policy", policy) else []
+    parts += [f"{k}={ours.get(k)}" for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
+    return f" [{' '.join(parts)}]" if parts else ""
 
 
 def coding_suffix(cache_options: dict | None) -> str:
