@@ -15,10 +15,12 @@ def flag(argv, name):
     return argv[argv.index(name) + 1]
 
 
-def test_pieces_have_unique_names_and_their_own_json(grid):
-    names = [name for name, _, _ in grid.PIECES]
+@pytest.mark.parametrize("pieces", ["PIECES", "DEV_PIECES"])
+def test_pieces_have_unique_names_and_their_own_json(grid, pieces):
+    pieces = getattr(grid, pieces)
+    names = [name for name, _, _ in pieces]
     assert len(names) == len(set(names))
-    for name, runner, argv in grid.PIECES:
+    for name, runner, argv in pieces:
         assert runner in grid.RUNNERS
         written = flag(argv, "--export-prompts") if name.startswith("prompts-") else flag(argv, "--json")
         assert written == f"{name}.json"
@@ -43,3 +45,10 @@ def test_unknown_piece_is_a_one_line_error(grid, monkeypatch, capsys):
         grid.main()
     assert exit_.value.code != 0
     assert "no piece starts with 'nope'" in capsys.readouterr().err
+
+
+def test_dev_pieces_run_a_length_the_test_split_never_runs(grid):
+    test_lengths = {int(c) for _, _, argv in grid.PIECES if "--contexts" in argv for c in flag(argv, "--contexts").split(",")}
+    for _, _, argv in grid.DEV_PIECES:
+        assert flag(argv, "--split") == "dev"
+        assert int(flag(argv, "--contexts")) not in test_lengths

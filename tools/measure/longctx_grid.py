@@ -9,6 +9,7 @@ whatever recipe is chosen later), then the recipes, then the long lengths.
     .venv/bin/python tools/measure/longctx_grid.py                 # every piece, in order
     .venv/bin/python tools/measure/longctx_grid.py --only full-2k  # one piece (prefix match)
     .venv/bin/python tools/measure/longctx_grid.py --list          # the pieces and their commands
+    .venv/bin/python tools/measure/longctx_grid.py --split dev     # the dev pieces at 6k (choosing)
 
 A run from a frozen checkout (so edits in the working tree cannot change a piece half-way):
 ``git worktree add /tmp/grid HEAD; PYTHONPATH=/tmp/grid/src .venv/bin/python
@@ -98,16 +99,47 @@ PIECES = [
 ]
 
 
+# The dev split at a length the test split never runs (6k, essays, seed 0): where a recipe is chosen
+# for long prompts (docs/guides/evaluation.md, "Choosing and reporting"). Two samples a family.
+DEV_OUT = ROOT / "docs" / "results" / "longctx" / "dev6k"
+
+
+def dev(name: str, *flags: str) -> tuple[str, str, list[str]]:
+    argv = ["eval", "longctx", "--model", "qwen2.5-0.5b", "--split", "dev", "--contexts", "6144", "--samples", "2",
+            "--budgets", "0.2", "--threads", "1", "--batch", "1", "--plot", "", "--tasks", FAMILIES,
+            "--json", f"{name}.json", *flags]
+    return name, "h2okv", argv
+
+
+DEV_PIECES = [
+    dev("full-6k", "--policies", "full"),
+    # bounded read in one call (its configuration before it streamed)
+    dev("snapkv-k31max-chunked-6k", "--policies", "snapkv:kernel=31,pool=max", "--cache-option", "prefill=chunked",
+        "--cache-option", "recent_share=0.078"),
+    dev("prompt-6k", "--policies", "none", "--recipe", "prompt"),
+    dev("bounded-6k", "--policies", "none", "--recipe", "bounded"),
+    # a UUID loses one token in the middle under kernel=31 (test 2k and 8k, dev 6k): a wider kernel
+    dev("bounded-k63-6k", "--policies", "snapkv:kernel=63,pool=max", "--cache-option", "prefill=streamed",
+        "--cache-option", "recent_share=0.078"),
+    dev("document-6k", "--policies", "none", "--recipe", "document", "--question", "agnostic"),
+]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--only", default=None, help="run the pieces whose names start with this")
     parser.add_argument("--list", action="store_true", help="print the pieces and their commands, run nothing")
-    parser.add_argument("--out", type=Path, default=OUT, help=f"the pieces' JSON folder (default: {OUT})")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"the pieces' JSON folder (default: {OUT}, with --split dev {DEV_OUT})")
+    parser.add_argument("--split", choices=("test", "dev"), default="test",
+                        help="test: the reported grid; dev: the 6k pieces recipes are chosen on")
     args = parser.parse_args()
+    args.out = args.out or (DEV_OUT if args.split == "dev" else OUT)
     args.out.mkdir(parents=True, exist_ok=True)
-    chosen = [p for p in PIECES if args.only is None or p[0].startswith(args.only)]
+    pieces = DEV_PIECES if args.split == "dev" else PIECES
+    chosen = [p for p in pieces if args.only is None or p[0].startswith(args.only)]
     if not chosen:
-        parser.error(f"no piece starts with {args.only!r}; pieces: {', '.join(p[0] for p in PIECES)}")
+        parser.error(f"no piece starts with {args.only!r}; pieces: {', '.join(p[0] for p in pieces)}")
     for name, runner, argv in chosen:
         command = [*RUNNERS[runner](), *argv]
         if args.list:
