@@ -5,7 +5,8 @@ holds for a user's document. The two splits therefore never share a haystack nor
 single needle, key, value or word list), and ``test`` adds lengths ``dev`` never runs:
 
 - ``dev``: the Paul Graham essays, seed 0, 2,048 tokens: the prompts every recipe and option so
-  far was chosen on (docs/RESULTS.md's earlier tables).
+  far was chosen on (docs/RESULTS.md's earlier tables); 6,144 (``--contexts``, a length ``test``
+  never runs) for choices at long prompts.
 - ``test``: CoQA's stories (five genres of prose no recipe saw), seed 1, 2k to 32k tokens.
 
 Tasks that draw no text from the haystack (variable tracking and the single number use RULER's
