@@ -52,3 +52,11 @@ def test_dev_pieces_run_a_length_the_test_split_never_runs(grid):
     for _, _, argv in grid.DEV_PIECES:
         assert flag(argv, "--split") == "dev"
         assert int(flag(argv, "--contexts")) not in test_lengths
+
+
+def test_a_missing_peer_venv_stops_with_a_one_line_message(grid, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(grid, "VENVS", tmp_path)  # a checkout with no peer venvs
+    monkeypatch.setattr("sys.argv", ["longctx_grid.py", "--out", str(tmp_path), "--only", "openvino-8192"])
+    assert grid.main() == 2
+    out = capsys.readouterr().out
+    assert "is missing (run `make peer-openvino`)" in out and "Traceback" not in out

@@ -34,12 +34,17 @@ MEMORY_FAMILIES = "niah_single_2,niah_single_3,vt"  # 16k/32k: a few families, f
 RECIPES = ("prompt", "bounded", "document")
 
 
+# The checkout whose venvs run the pieces: the one of the interpreter running this script (not
+# resolved: a venv's python links to the system's). A frozen worktree of the scripts has no venvs.
+VENVS = Path(sys.executable).parent.parent.parent
 # what runs a piece's argv: ours, or a peer in its own venv (``make peer``, ``make peer-openvino``)
 RUNNERS = {
     "h2okv": lambda: [str(Path(sys.executable).parent / "h2okv")],
-    "kvpress": lambda: [str(ROOT / ".venv-peer" / "bin" / "python"), str(ROOT / "tools" / "peer" / "run_kvpress.py")],
-    "openvino": lambda: [str(ROOT / ".venv-peer-ov" / "bin" / "python"), str(ROOT / "tools" / "peer" / "run_openvino.py")],
+    "kvpress": lambda: [str(VENVS / ".venv-peer" / "bin" / "python"), str(ROOT / "tools" / "peer" / "run_kvpress.py")],
+    "openvino": lambda: [str(VENVS / ".venv-peer-ov" / "bin" / "python"),
+                         str(ROOT / "tools" / "peer" / "run_openvino.py")],
 }
+MAKE_TARGET = {"kvpress": "make peer", "openvino": "make peer-openvino"}
 
 
 def piece(name: str, *flags: str, model: str = "qwen2.5-0.5b") -> tuple[str, str, list[str]]:
@@ -147,6 +152,10 @@ def main() -> int:
             continue
         if name.startswith("prompts-") and (args.out / f"{name}.json").exists():
             continue  # an export is written whole once; the peers resume from their own JSON
+        if not Path(command[0]).exists():
+            print(f"== {name}: {command[0]} is missing (run `{MAKE_TARGET.get(runner, 'make install')}`); stopping",
+                  flush=True)
+            return 2
         print(f"== {name}", flush=True)
         code = subprocess.call(command, cwd=args.out)  # --json NAME.json lands in --out
         if code != 0:
