@@ -24,10 +24,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
-
-from h2okv.eval.longctx.report import label  # noqa: E402
-from h2okv.eval.longctx.rows import read_rows  # noqa: E402
+from h2okv.eval.longctx.report import label
+from h2okv.eval.longctx.rows import read_rows
 
 LIST_FAMILIES = ("cwe", "fwe")
 # words a list answer joins its items with, never an item (the lists are of rare words and codes)

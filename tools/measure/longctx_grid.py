@@ -47,8 +47,8 @@ RUNNERS = {
 MAKE_TARGET = {"kvpress": "make peer", "openvino": "make peer-openvino"}
 
 
-def piece(name: str, *flags: str, model: str = "qwen2.5-0.5b") -> tuple[str, str, list[str]]:
-    argv = ["eval", "longctx", "--model", model, "--split", "test", "--budgets", "0.2", "--threads", "1",
+def piece(name: str, *flags: str, model: str = "qwen2.5-0.5b", split: str = "test") -> tuple[str, str, list[str]]:
+    argv = ["eval", "longctx", "--model", model, "--split", split, "--budgets", "0.2", "--threads", "1",
             "--batch", "1", "--plot", "", "--json", f"{name}.json", *flags]
     return name, "h2okv", argv
 
@@ -110,10 +110,7 @@ DEV_OUT = ROOT / "docs" / "results" / "longctx" / "dev6k"
 
 
 def dev(name: str, *flags: str) -> tuple[str, str, list[str]]:
-    argv = ["eval", "longctx", "--model", "qwen2.5-0.5b", "--split", "dev", "--contexts", "6144", "--samples", "2",
-            "--budgets", "0.2", "--threads", "1", "--batch", "1", "--plot", "", "--tasks", FAMILIES,
-            "--json", f"{name}.json", *flags]
-    return name, "h2okv", argv
+    return piece(name, "--contexts", "6144", "--samples", "2", "--tasks", FAMILIES, *flags, split="dev")
 
 
 DEV_PIECES = [

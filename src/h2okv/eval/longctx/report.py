@@ -13,6 +13,7 @@ import re
 from h2okv.eval.longctx.rows import config_label, questions_of
 from h2okv.eval.output import format_table
 from h2okv.eval.plots import policy_color, pyplot, save_figure
+from h2okv.recipes import RECIPES
 
 MARKERS = "osD^vP*X"
 
@@ -37,11 +38,10 @@ def label(row: dict) -> str:
 
 
 def recipe_settings(name: str | None) -> dict | None:
-    """The keywords recipe ``name`` stands for now; None for none, or for a name no longer known."""
-    from h2okv.recipes import RECIPES
-
+    """The keywords recipe ``name`` stands for now (read only); None for none, or for a name no
+    longer known."""
     recipe = RECIPES.get(name) if name else None
-    return dict(recipe.settings) if recipe else None
+    return recipe.settings if recipe else None
 
 
 def group_key(row: dict) -> tuple:
