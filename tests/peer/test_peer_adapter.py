@@ -160,3 +160,7 @@ def test_quantized_cache_runs_are_parsed_early_and_their_bytes_counted_against_1
         assert adapter.share_of_16bit(cache, model, 20) == share
         assert adapter.share_of_16bit(cache, model, 40) == share / 2  # a press kept half of what was read
         assert adapter.tensor_bytes(cache.layers[0].keys) == cache.layers[0].keys.numel() * dtype.itemsize
+    # HQQ keeps (packed codes, meta): the meta's scales and zeros count, its shapes and dtypes do not
+    codes, scale, zero = torch.zeros(4, 16, dtype=torch.uint8), torch.ones(8, 1), torch.ones(8, 1, dtype=torch.float16)
+    hqq = (codes, {"scale": scale, "zero": zero, "shape": (1, 2, 8, 64), "nbits": 2, "compute_dtype": torch.float32})
+    assert adapter.tensor_bytes(hqq) == 64 + 8 * 4 + 8 * 2

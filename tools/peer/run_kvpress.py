@@ -109,7 +109,14 @@ def new_cache(model, quantized: dict | None):
 
 def tensor_bytes(t) -> int:
     """What a tensor stores: a quantized one's (quanto's ``WeightQBitsTensor``) packed codes, scales
-    and shifts, found through the tensor-subclass protocol; a plain tensor's elements."""
+    and shifts, found through the tensor-subclass protocol; HQQ's ``(codes, meta)`` pair, its meta's
+    scales and zeros; a plain tensor's elements (anything else, e.g. HQQ's shapes, stores nothing)."""
+    if isinstance(t, (tuple, list)):
+        return sum(tensor_bytes(item) for item in t)
+    if isinstance(t, dict):
+        return sum(tensor_bytes(item) for item in t.values())
+    if not isinstance(t, torch.Tensor):
+        return 0
     if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
         names, _ = t.__tensor_flatten__()
         return sum(tensor_bytes(getattr(t, name)) for name in names)
@@ -298,7 +305,7 @@ def parse_args(argv):
                         help="reasoning exports: DecodingPress compresses every N decode steps (default: 1)")
     parser.add_argument("--quantized-cache", default=None, metavar="BACKEND:BITS,...",
                         help="longctx exports: run every press again on transformers' QuantizedCache, e.g. "
-                             "quanto:2,quanto:4 (groups of 64, a float residual of 128 tokens; needs optimum-quanto)")
+                             "quanto:2,hqq:4 (groups of 64, a float residual of 128 tokens; needs optimum-quanto or hqq)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--json", required=True, help="output rows")
     return parser.parse_args(argv)
