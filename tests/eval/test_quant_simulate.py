@@ -5,13 +5,14 @@ import pytest
 import torch
 
 from h2okv.core.quant import SlotCodec
+from h2okv.core.rope import RopeRotation
 from tool_scripts import load_tool
 
 
 @pytest.fixture(scope="module")
 def sim():
     module = load_tool("measure/quant_simulate.py")
-    module.Coding.inv_freq = 1.0 / 1e6 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)
+    module.Coding.rope = RopeRotation(1.0 / 1e6 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64), 64)
     return module
 
 
@@ -19,7 +20,7 @@ def test_the_rotary_turn_is_qwens_and_turns_back(sim):
     from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
     key = torch.randn(1, 2, 12, 64, generator=torch.Generator().manual_seed(0))
-    angles = torch.arange(12.0)[:, None] * sim.Coding.inv_freq[None]
+    angles = torch.arange(12.0)[:, None] * sim.Coding.rope.inv_freq.float()[None]
     table = torch.cat([angles, angles], -1)
     _, expected = apply_rotary_pos_emb(key, key, table.cos()[None], table.sin()[None])
     torch.testing.assert_close(sim.rotary(key, 1.0), expected)

@@ -18,8 +18,9 @@ Keys grouped per channel over 32 tokens (KIVI's, and transformers' HQQ cache's):
 Hamlet, 0.997x on Macbeth, below 8/4's per token (1.033x, 1.045x) at 80 bytes a slot and head
 against 112; but a group shared by 32 tokens outlives its evicted members. Per token and eviction
 friendly: a Hadamard turn 1.48x; keys less their channel's mean (the first 256 tokens', taken
-before the rotary turn, then turned to each key's position: "centered after") 1.040x on both texts,
-8/4's quality in 4/4's bytes. Pick a subset with ``--only TEXT`` (labels holding TEXT).
+before the rotary turn, then turned to each key's position: "centered after") 1.030x / 1.044x,
+8/4's quality in 4/4's bytes. These ratios move by about 0.01 with the rotary angles' rounding
+(float32 angles gave 1.040x on both texts): rank codings a few hundredths apart on more text. Pick a subset with ``--only TEXT`` (labels holding TEXT).
 """
 
 from __future__ import annotations
@@ -31,34 +32,35 @@ import torch
 import torch.nn.functional as F
 
 from h2okv.core.quant import SlotCodec
+from h2okv.core.rope import RopeRotation
 
 # (label, key codec or None, value codec or None, recent tokens kept in float, first tokens kept,
 # keys smoothed per channel by the first N tokens' largest magnitude: coded as k / s, read as
 # code x s, s per (head, channel), 0: none; SmoothQuant's idea for the keys' outlier channels,
-# keys grouped per channel across tokens: a key codec's group then runs over that many consecutive
-# tokens of one channel, KIVI's keys and transformers' HQQ cache's, False: per token as the slots,
-# or "rotated": per token after an orthonormal Hadamard rotation of the head dimension, read back
+# how keys are grouped: "token", per token as the slots; "channel", per channel across tokens (a key
+# codec's group then runs over that many consecutive tokens of one channel, KIVI's keys and
+# transformers' HQQ cache's); "rotated": per token after an orthonormal Hadamard rotation of the head dimension, read back
 # through its inverse, which spreads an outlier channel over every channel, QuaRot's idea;
-# or "centered": per token, each key taken back before its rotary turn (``Coding.inv_freq``) and
+# "rotated both": values too; "centered": per token, each key taken back before its rotary turn (``Coding.rope``) and
 # less its channel's mean over the first 256 tokens, so a channel's constant offset (Qwen's key
 # bias) is not coded; the turn and the mean put back when read; "centered after": the same mean
 # turned to each key's position and taken from the turned key, which is coded as it is stored)
 CONFIGS = [
-    ("keys 4, values 4", SlotCodec(4, 32), SlotCodec(4, 32), 0, 0, 0, False),
-    ("keys 4, values 4, first 4 tokens float", SlotCodec(4, 32), SlotCodec(4, 32), 0, 4, 0, False),
-    ("keys 4 only", SlotCodec(4, 32), None, 0, 0, 0, False),
-    ("values 4 only", None, SlotCodec(4, 32), 0, 0, 0, False),
-    ("keys 8, values 4", SlotCodec(8, 32), SlotCodec(4, 32), 0, 0, 0, False),
-    ("keys 8, values 4, recent 32 float", SlotCodec(8, 32), SlotCodec(4, 32), 32, 0, 0, False),
-    ("keys 4, values 4, groups of 16", SlotCodec(4, 16), SlotCodec(4, 16), 0, 0, 0, False),
-    ("keys 8, values 2", SlotCodec(8, 32), SlotCodec(2, 32), 0, 0, 0, False),
-    ("keys 4 smoothed by the first 256 tokens, values 4", SlotCodec(4, 32), SlotCodec(4, 32), 0, 0, 256, False),
-    ("keys 4 smoothed by the first 32 tokens, values 4", SlotCodec(4, 32), SlotCodec(4, 32), 0, 0, 32, False),
-    ("keys 4 smoothed by the first 256 tokens, values 2", SlotCodec(4, 32), SlotCodec(2, 32), 0, 0, 256, False),
-    ("keys 4 per channel over 32 tokens, values 4", SlotCodec(4, 32), SlotCodec(4, 32), 0, 0, 0, True),
-    ("keys 4 per channel over 32 tokens only", SlotCodec(4, 32), None, 0, 0, 0, True),
-    ("keys 2 per channel over 32 tokens, values 2", SlotCodec(2, 32), SlotCodec(2, 32), 0, 0, 0, True),
-    ("keys 4 per channel over 32 tokens, values 2", SlotCodec(4, 32), SlotCodec(2, 32), 0, 0, 0, True),
+    ("keys 4, values 4", SlotCodec(4, 32), SlotCodec(4, 32), 0, 0, 0, "token"),
+    ("keys 4, values 4, first 4 tokens float", SlotCodec(4, 32), SlotCodec(4, 32), 0, 4, 0, "token"),
+    ("keys 4 only", SlotCodec(4, 32), None, 0, 0, 0, "token"),
+    ("values 4 only", None, SlotCodec(4, 32), 0, 0, 0, "token"),
+    ("keys 8, values 4", SlotCodec(8, 32), SlotCodec(4, 32), 0, 0, 0, "token"),
+    ("keys 8, values 4, recent 32 float", SlotCodec(8, 32), SlotCodec(4, 32), 32, 0, 0, "token"),
+    ("keys 4, values 4, groups of 16", SlotCodec(4, 16), SlotCodec(4, 16), 0, 0, 0, "token"),
+    ("keys 8, values 2", SlotCodec(8, 32), SlotCodec(2, 32), 0, 0, 0, "token"),
+    ("keys 4 smoothed by the first 256 tokens, values 4", SlotCodec(4, 32), SlotCodec(4, 32), 0, 0, 256, "token"),
+    ("keys 4 smoothed by the first 32 tokens, values 4", SlotCodec(4, 32), SlotCodec(4, 32), 0, 0, 32, "token"),
+    ("keys 4 smoothed by the first 256 tokens, values 2", SlotCodec(4, 32), SlotCodec(2, 32), 0, 0, 256, "token"),
+    ("keys 4 per channel over 32 tokens, values 4", SlotCodec(4, 32), SlotCodec(4, 32), 0, 0, 0, "channel"),
+    ("keys 4 per channel over 32 tokens only", SlotCodec(4, 32), None, 0, 0, 0, "channel"),
+    ("keys 2 per channel over 32 tokens, values 2", SlotCodec(2, 32), SlotCodec(2, 32), 0, 0, 0, "channel"),
+    ("keys 4 per channel over 32 tokens, values 2", SlotCodec(4, 32), SlotCodec(2, 32), 0, 0, 0, "channel"),
     ("keys 4 rotated, values 4", SlotCodec(4, 32), SlotCodec(4, 32), 0, 0, 0, "rotated"),
     ("keys 4 rotated only", SlotCodec(4, 32), None, 0, 0, 0, "rotated"),
     ("keys 4 rotated, values 4 rotated", SlotCodec(4, 32), SlotCodec(4, 32), 0, 0, 0, "rotated both"),
@@ -74,7 +76,7 @@ class Coding:
     """What the registered attention applies: None reads everything as it is."""
 
     config: tuple | None = None
-    inv_freq: torch.Tensor | None = None  # the model's rotary frequencies, [D / 2]
+    rope: RopeRotation | None = None  # the model's rotary turn (``core/rope.py``), for "centered" keys
 
 
 def coded_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -87,21 +89,21 @@ def coded_attention(module, query, key, value, attention_mask, scaling=None, dro
     if Coding.config is None:
         probs = torch.softmax(logits.masked_fill(~causal, float("-inf")).float(), -1).to(value.dtype)
         return (probs @ value).transpose(1, 2).contiguous(), None
-    _, keys, values, recent, sinks, smooth, per_channel = Coding.config
+    _, keys, values, recent, sinks, smooth, layout = Coding.config
     i = torch.arange(n, device=query.device)
     exact = ((i[:, None] - i[None, :]) < recent) | (i[None, :] < sinks)  # [query, key]: read as it is
     scale = key[:, :, :smooth].abs().amax(2, keepdim=True).clamp_min(1e-3) if smooth else 1.0
-    if keys and per_channel in ("centered", "centered after"):
-        coded_key = centered_roundtrip(keys, key, after=per_channel == "centered after")
-    elif keys and per_channel in ("rotated", "rotated both"):
+    if keys and layout in ("centered", "centered after"):
+        coded_key = centered_roundtrip(keys, key, after=layout == "centered after")
+    elif keys and layout in ("rotated", "rotated both"):
         turn = hadamard(key.shape[-1], key.device)
         coded_key = keys.roundtrip(key @ turn) @ turn.T
-    elif keys and per_channel:
+    elif keys and layout == "channel":
         coded_key = channel_roundtrip(keys, key)
     else:
         coded_key = keys.roundtrip(key / scale) * scale if keys else key
     coded_value = values.roundtrip(value) if values else value
-    if values and per_channel == "rotated both":
+    if values and layout == "rotated both":
         turn = hadamard(value.shape[-1], value.device)
         coded_value = values.roundtrip(value @ turn) @ turn.T
     logits = torch.where(exact, logits, (query @ coded_key.transpose(-1, -2)) * scaling)
@@ -124,12 +126,11 @@ def hadamard(dim: int, device) -> torch.Tensor:
 
 def rotary(key: torch.Tensor, sign: float) -> torch.Tensor:
     """``key`` ``[B, H, n, D]`` turned by its position's rotary angle (``sign`` -1: turned back),
-    positions 0..n-1, rotate-half pairs (channel i with i + D/2) as Qwen's and Llama's."""
-    n, half = key.shape[2], key.shape[-1] // 2
-    angles = torch.arange(n, device=key.device, dtype=torch.float32)[:, None] * Coding.inv_freq[None]
-    cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2) * sign
-    turned = torch.cat([-key[..., half:], key[..., :half]], dim=-1)
-    return key * cos + turned * sin
+    positions 0..n-1, by the project's RoPE rotation (``Coding.rope``); a copy."""
+    b, h, n, _ = key.shape
+    turned = key.float().clone()
+    Coding.rope.rotate_(turned, sign * torch.arange(n, device=key.device).expand(b, h, n))
+    return turned.to(key.dtype)
 
 
 def centered_roundtrip(codec: SlotCodec, key: torch.Tensor, first: int = 256, after: bool = False) -> torch.Tensor:
@@ -176,9 +177,7 @@ def main(argv=None) -> int:
     model, tokenizer = load_model(args.model)
     text, label = source_text(corpus=args.corpus)
     ids = text_segments(tokenizer, text, args.tokens, 1)
-    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
-    theta = (getattr(model.config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-    Coding.inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    Coding.rope = RopeRotation.from_model(model)
     AttentionInterface.register("h2okv_coded", coded_attention)
     model.set_attn_implementation("h2okv_coded")
     Coding.config = None
