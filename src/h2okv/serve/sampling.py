@@ -53,9 +53,11 @@ def _draw(logits: torch.Tensor, temperature: float, top_p: float, generator: tor
     order = None
     if top_p < 1.0:
         probs, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop = probs.cumsum(-1) - probs >= top_p
-        drop[0] = False  # even for a top_p that float32 rounds to 0 (5e-324)
+        # keep the smallest prefix whose mass reaches top_p. The first token always stays: the mass
+        # before it is exactly 0, and the floor keeps a top_p that float32 rounds to 0 (5e-324) above
+        # it. (A comparison, not `drop[0] = False`: on a GPU, setting an element from a Python value
+        # copies it from the host and waits, once per row; an H200 counted 4 waits a step, not 1)
+        drop = probs.cumsum(-1) - probs >= max(top_p, torch.finfo(torch.float32).tiny)
         probs = probs.masked_fill(drop, 0.0)
     # torch.multinomial's own draw for one sample (argmax of p / q, q ~ Exp(1)), so the same
     # generator gives the same token; written out because multinomial checks its input with a
