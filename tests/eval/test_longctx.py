@@ -14,7 +14,14 @@ from h2okv.eval.longctx.metric import clean_prediction, score, string_match_all,
 from h2okv.eval.longctx.prompt import Frame
 from h2okv.eval.longctx.qa import QA_TASKS
 from h2okv.eval.longctx.rows import config_label, make_row, merge_rows, read_rows, row_key, write_rows
-from h2okv.eval.longctx.runner import GridSpec, generate_answers, grid_prompts, haystack_source
+from h2okv.eval.longctx.runner import (
+    GridSpec,
+    check_positions,
+    generate_answers,
+    grid_prompts,
+    haystack_source,
+    run_grid,
+)
 from h2okv.eval.longctx.tasks import TASKS, build_prompts, largest_fitting
 from h2okv.generation import new_cache
 from h2okv.tools.tiny import tiny_model
@@ -169,6 +176,28 @@ def test_agnostic_full_answers_like_aware_full_and_evicts_before_the_question(es
     generate_answers(model, tok, prompts, cache, "agnostic", 2)
     q = prompts[0].question
     assert seen[0] == (q, 0) and seen[1] == (600 - q, q)  # context alone, then the question on its cache
+
+
+def test_a_prompt_and_its_answer_must_fit_the_models_positions(essay):
+    from h2okv.errors import H2OError
+
+    tok = Chars()
+    prompts = prompts_of(tok, essay, "niah_single_1", 600, samples=1)
+    new = prompts[0].max_new_tokens
+    check_positions(tiny_model("llama", seed=1, max_position_embeddings=600 + new), prompts, None)  # just fits
+    with pytest.raises(H2OError, match=rf"context 600 \(niah_single_1: 600 prompt tokens \+ {new} new\) passes the "
+                       rf"model's {599 + new} positions; give --contexts at most {599}"):
+        check_positions(tiny_model("llama", seed=1, max_position_embeddings=599 + new), prompts, None)
+    with pytest.raises(H2OError, match="600 prompt tokens \\+ 100 new"):  # the run's --max-new-tokens counts
+        check_positions(tiny_model("llama", seed=1, max_position_embeddings=600 + new), prompts, 100)
+    # before any cell: the grid runs nothing
+    spec = GridSpec(tasks=["niah_single_1"], contexts=[600], samples=1, policies=["full"], budgets=[0.2], haystack=essay)
+    model = tiny_model("llama", seed=1, max_position_embeddings=600)
+    called = []
+    model.forward = lambda *a, **k: called.append(1)
+    with pytest.raises(H2OError, match="passes the model's 600 positions"):
+        run_grid(model, tok, spec)
+    assert called == []
 
 
 def test_cache_options_pass_through_and_bad_ones_fail(monkeypatch):

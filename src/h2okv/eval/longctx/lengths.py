@@ -202,7 +202,7 @@ def plot_lengths(summary: list[dict], path, title: str):
         ax.set_xscale("log", base=2)
         if log:
             ax.set_yscale("log")
-        ax.set_xticks(contexts, labels=[f"{c // 1024}k" if c >= 1024 else str(c) for c in contexts])
+        ax.set_xticks(contexts, labels=[f"{round(c / 1024)}k" if c >= 1024 else str(c) for c in contexts])
         ax.minorticks_off() if not log else None
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel(axis, fontsize=9)

@@ -25,7 +25,15 @@ from tqdm.auto import tqdm
 from h2okv.core.reconstruction import read_context
 from h2okv.eval.longctx.prompt import Frame, LongPrompt
 from h2okv.eval.longctx.rows import row_key
-from h2okv.eval.longctx.runner import Config, GridSpec, config_cache, generate_answers, haystack_source, prompt_row
+from h2okv.eval.longctx.runner import (
+    Config,
+    GridSpec,
+    check_positions,
+    config_cache,
+    generate_answers,
+    haystack_source,
+    prompt_row,
+)
 from h2okv.eval.longctx.tasks import build_question_sets, check_questions
 from h2okv.questions import ask
 
@@ -89,6 +97,7 @@ def run_reuse_grid(model, tokenizer, spec: GridSpec, done=frozenset(), on_rows=N
                    meta: dict | None = None) -> list[dict]:
     """Every (task, context, configuration, mode) cell not in ``done``; ``on_rows(rows)`` after each."""
     sets = question_sets(tokenizer, spec)
+    check_positions(model, [p for group in sets.values() for one in group for p in one], spec.max_new_tokens)
     todo = [(t, c, config, mode) for (t, c) in sets for config in spec.configs() for mode in MODES
             if not cell_keys(spec, t, c, config, mode) <= done]
     found = []

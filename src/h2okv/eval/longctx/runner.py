@@ -33,6 +33,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from h2okv.core.cache import DEFAULT_CHUNK
 from h2okv.core.compat import cache_arg
+from h2okv.errors import H2OError
 from h2okv.eval.haystack import Haystack
 from h2okv.eval.longctx.metric import score
 from h2okv.eval.longctx.prompt import Frame, LongPrompt
@@ -241,6 +242,20 @@ def warm_up(model) -> None:
         model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=model.device))
 
 
+def check_positions(model, prompts: list[LongPrompt], max_new_tokens: int | None) -> None:
+    """Each prompt and its answer inside the model's positions, before any cell runs: past them the
+    rotary turns are ones the model never trained on (transformers only warns), and a score there
+    is not the length's. A 32,768-token prompt leaves Qwen2.5 no room for its answer."""
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if not limit or not prompts:
+        return
+    worst = max(prompts, key=lambda p: len(p.ids) + (max_new_tokens or p.max_new_tokens))
+    new = max_new_tokens or worst.max_new_tokens
+    if len(worst.ids) + new > limit:
+        raise H2OError(f"context {worst.context} ({worst.task}: {len(worst.ids)} prompt tokens + {new} new) passes "
+                       f"the model's {limit} positions; give --contexts at most {limit - new}")
+
+
 def run_grid(model, tokenizer, spec: GridSpec, done: set[tuple] = frozenset(), on_rows=None, progress=True,
              meta: dict | None = None) -> list[dict]:
     """Every (task, context, configuration) cell not in ``done``; ``on_rows(rows)`` after each. One
@@ -248,6 +263,7 @@ def run_grid(model, tokenizer, spec: GridSpec, done: set[tuple] = frozenset(), o
     if spec.questions > 1:
         raise ValueError("run_grid asks one question per context; run_reuse_grid asks several")
     prompts = grid_prompts(tokenizer, spec)
+    check_positions(model, [p for group in prompts.values() for p in group], spec.max_new_tokens)
     todo = [(t, c, config) for (t, c) in prompts for config in spec.configs() if not cell_keys(spec, t, c, config) <= done]
     if todo:
         warm_up(model)
