@@ -14,10 +14,12 @@
 #   stage piece M N  carry .qMM/N    piece N of the Qwen GGUF M (0.5b: 12 pieces, 1.5b: 25)
 #   stage join M  (nothing)          assemble model M into the cache, check its size and sha256
 #   stage bench    (nothing)         bench (grid, then --policies), eval ppl, serve-bench prefill-heavy
-#   stage longctx  (nothing)         eval longctx --split test on the 0.5B at 8k/16k/32k, bf16
+#   stage longctx  (nothing)         eval longctx --split test on the 0.5B at 32k and 16k, bf16
 #   stage collect S (nothing)        wait up to S s for the background tests, then their summaries
 #   stage unit / rest / compile      the sequential forms of earlier leases (see below)
 #   stage cli ...  (nothing)         any h2okv command in this environment
+# The fifth (H200, 15 min): env 10 s (45 s held with the start), a piece ~7 s held, 13 pieces + join 113 s,
+# longctx 16k 230 s, bench 168 s, tests (unit -n 10 408 s, integration 292 s) done meanwhile; 32k 181 s for 22 cells.
 # The fourth (H100, 15 min): env 54 s with the start, a 40 MB piece ~5 s, tests (unit -n 11 365 s, integration 266 s)
 # in the background while 12 pieces, bench (198 s in all) and longctx ran.
 # The first lease (H100): env+unit 6.4 min, model 2.3 min, rest 5.7 min, 50 MB pieces ~6 s each. The third (H100, 15
@@ -88,8 +90,13 @@ longctx)
     L=(python3 -m h2okv.cli eval longctx --model qwen2.5-0.5b --device cuda --dtype bfloat16 --split test
        --budgets 0.2 --plot "" --tasks niah_single_1,niah_single_2,niah_single_3,niah_single_word,niah_multikey_1,niah_multivalue,niah_multiquery,vt,cwe,fwe)
     end=$(( $(date +%s) + ${LONG_BUDGET:-240} ))
-    for run in "8192 2 full prompt,bounded" "8192 2 none document" "16384 1 full prompt,bounded" \
-               "32768 1 full prompt,bounded" "16384 1 none document" "32768 1 none document"; do
+    # past the CPU grid first (it has all of 8k; 16k costs it ~40 min a prompt): the fifth lease ran 16k
+    # once a family, so 32k, then 16k's further samples. 32640, not 32768: Qwen2.5's 32,768 positions
+    # hold the prompt and its answer (cwe's 120 tokens; the grid refuses a prompt that does not fit).
+    # LONG_RUNS ("length samples baseline recipe;...") replaces the list
+    runs=${LONG_RUNS:-"32640 1 full prompt,bounded;32640 1 none document;16384 3 full prompt,bounded;16384 3 none document"}
+    IFS=';' read -ra RUNS <<< "$runs"
+    for run in "${RUNS[@]}"; do
         set -- $run
         left=$(( end - $(date +%s) )); [ $left -gt 10 ] || break
         mode=(); [ "$4" = document ] && mode=(--question agnostic)
