@@ -76,6 +76,33 @@ def test_kept_tokens_equal_the_reference(start, chunk_size):
     assert all(layer.keys.shape[1] == 2 for layer in cache.layers)  # KV heads, not query heads
 
 
+def test_a_probe_block_held_to_its_bytes_gives_the_same_scores(monkeypatch):
+    """The probe's query blocks are capped in bytes (a long prompt's blocks took the peak memory
+    past full's): one query a block ranks as the chunk-sized blocks do, the scores equal up to a
+    matmul's rounding (its sums are ordered by its shape)."""
+    import h2okv.core.reconstruction as reconstruction
+
+    torch.manual_seed(0)
+    ids = torch.randint(2, 90, (1, 60))
+    softmaxes = []
+    real = torch.softmax
+    monkeypatch.setattr(torch, "softmax", lambda *a, **k: softmaxes.append(1) or real(*a, **k))
+
+    def ranked():
+        softmaxes.clear()
+        cache = read_and_rank(gqa_model(), ids, heavy=10, recent=4, start=3, chunk_size=20)
+        return cache, len(softmaxes)
+
+    wide, wide_blocks = ranked()
+    monkeypatch.setattr(reconstruction, "PROBE_BLOCK_BYTES", 1)
+    narrow, narrow_blocks = ranked()
+    assert narrow_blocks > 5 * wide_blocks  # the cap took the blocks down to one query each
+    assert [kept(layer) for layer in narrow.layers] == reference_kept(ids, 10, 4, 3, 20)
+    for a, b in zip(narrow.layers, wide.layers, strict=True):
+        assert torch.equal(a.valid, b.valid)
+        torch.testing.assert_close(a.score[a.valid], b.score[b.valid], rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("question", [1, 6])
 def test_question_attention_joins_the_probe(question):
     """``kvzip:question=W``: a token's score is the larger of the probe's and the prompt's last

@@ -87,13 +87,15 @@ longctx)
     # the test split past what the CPU grid reaches, bf16, within LONG_BUDGET seconds in all; each cell
     # is kept as it ends, so a timeout loses only the cells in flight
     # every family (the command's default is four), as tools/measure/longctx_grid.py's FAMILIES
-    L=(python3 -m h2okv.cli eval longctx --model qwen2.5-0.5b --device cuda --dtype bfloat16 --split test
+    L=(python3 -m h2okv.cli eval longctx --model ${LONG_MODEL:-qwen2.5-0.5b} --device cuda --dtype bfloat16 --split test
        --budgets 0.2 --plot "" --tasks niah_single_1,niah_single_2,niah_single_3,niah_single_word,niah_multikey_1,niah_multivalue,niah_multiquery,vt,cwe,fwe)
     end=$(( $(date +%s) + ${LONG_BUDGET:-240} ))
     # past the CPU grid first (it has all of 8k; 16k costs it ~40 min a prompt): the fifth lease ran 16k
     # once a family, so 32k, then 16k's further samples. 32640, not 32768: Qwen2.5's 32,768 positions
     # hold the prompt and its answer (cwe's 120 tokens; the grid refuses a prompt that does not fit).
-    # LONG_RUNS ("length samples baseline recipe;...") replaces the list
+    # LONG_RUNS ("length samples baseline recipe;...") replaces the list; LONG_MODEL=qwen2.5-1.5b (after
+    # `piece 1.5b N` and `join 1.5b`) with LONG_RUNS="8192 1 full prompt,bounded;8192 1 none document"
+    # runs the issue's 1.5B at 8k
     runs=${LONG_RUNS:-"32640 1 full prompt,bounded;32640 1 none document;16384 3 full prompt,bounded;16384 3 none document"}
     IFS=';' read -ra RUNS <<< "$runs"
     for run in "${RUNS[@]}"; do
@@ -103,7 +105,7 @@ longctx)
         batch=$(( $1 > 16384 ? ${LONG_BATCH32:-5} : ${LONG_BATCH:-10} ))
         start=$(date +%s)
         timeout $left $FAST "${L[@]}" --policies $3 --recipe $4 "${mode[@]}" --contexts $1 --samples $2 \
-            --batch $batch --json "$KEEP/longctx-$1-$4.json" 2>&1 | grep -v "Loading weights" | tail -5
+            --batch $batch --json "$KEEP/longctx${LONG_MODEL:+-$LONG_MODEL}-$1-$4.json" 2>&1 | grep -v "Loading weights" | tail -5
         echo "longctx $1 $3 $4 took $(( $(date +%s) - start )) s"
     done
     ;;

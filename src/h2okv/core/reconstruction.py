@@ -28,7 +28,9 @@ model's hidden states through the probe are those of a full cache reading the sa
 is written: the probe's keys and values live only for the call. Each live slot's score is the
 largest probability any probe query of its KV head's query group gives it (KVzip's max over the
 group and the queries). The queries run in blocks, so a probability block is
-``[block x (capacity + probe)]``.
+``[block x (capacity + probe)]``, and a block holds at most ``PROBE_BLOCK_BYTES`` of float32
+logits: with the chunk size alone (512 queries) the block grows with the prompt, and on a 16k
+prompt the probe's blocks took the ``prompt`` recipe's peak to 2.9x full's (an H200, bf16).
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ FIRST = "\n\nRepeat the previous context exactly."
 NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
 QUOTED = 8  # tokens of the previous chunk a later chunk's instruction quotes
 DEFAULT_CHUNK = 2048
+# the float32 logits one probe block may hold; the softmax and its 16-bit copy take as much again
+# and half of it. A smaller block ranks the same: each query's row is its own softmax, and the max
+# (or, for the streamed probe, the sum) is taken across blocks; only a matmul's rounding moves
+PROBE_BLOCK_BYTES = 64 * 2**20
 
 
 def turn_end(tokenizer) -> list[int]:
@@ -182,6 +188,7 @@ def probe_attention(layer, query, key_new, value_new, scaling: float, block: int
     keys = torch.cat([held_keys, key_new], dim=2)
     values = torch.cat([held_values, value_new], dim=2)
     live = layer.valid[:, :, None, :]  # [B, Hkv, 1, cap]
+    block = max(1, min(block, PROBE_BLOCK_BYTES // (4 * b * hq * (cap + n))))
     best = torch.zeros(b, hkv, cap, dtype=torch.float32, device=query.device)
     outputs = []
     for start in range(0, n, block):
