@@ -201,9 +201,10 @@ def test_the_triton_step_on_quantized_slots_equals_the_tensor_op_step(policy, bu
     """The fused Triton decode step (under the interpreter on a CPU) over a quantized layer's float
     copy, step by step from one state: eager's logits, kept sets and codes.
 
-    Each step starts from a twin of the same cache. Compared over a whole run instead, a GPU's
-    kernels sum in another order than eager's, a key lands a last bit apart, and its code can flip
-    at a level's edge: on an H200 the logits then drifted apart by up to 3e-4 a few steps later."""
+    Each step starts from a twin of the same cache. Compared over a whole run instead, the logits
+    on an H200 drifted up to 3e-4 apart a few steps in: a GPU's kernels sum in another order than
+    eager's, and a code taken from a key a last bit apart can flip at a level's edge (the likely
+    cause); a step from one state is what the fused step must match."""
     import h2okv.core.decode as decode
     import h2okv.core.triton_step as triton_step
     from h2okv.core.triton_attention import triton_available, triton_import_error
