@@ -56,7 +56,7 @@ def _draw(logits: torch.Tensor, temperature: float, top_p: float, generator: tor
         # keep the smallest prefix whose mass reaches top_p. The first token always stays: the mass
         # before it is exactly 0, and the floor keeps a top_p that float32 rounds to 0 (5e-324) above
         # it. (A comparison, not `drop[0] = False`: on a GPU, setting an element from a Python value
-        # copies it from the host and waits, once per row; an H200 counted 4 waits a step, not 1)
+        # copies it from the host, the likely cause of the 4 waits a step, not 1, an H200 counted)
         drop = probs.cumsum(-1) - probs >= max(top_p, torch.finfo(torch.float32).tiny)
         probs = probs.masked_fill(drop, 0.0)
     # torch.multinomial's own draw for one sample (argmax of p / q, q ~ Exp(1)), so the same
