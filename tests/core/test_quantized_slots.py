@@ -246,3 +246,32 @@ def test_the_triton_step_on_quantized_slots_equals_the_tensor_op_step(policy, bu
             # from eager's in its last float bits (the steps' sums), and a code with it at a level's edge
             old = mine.valid & (mine.ordinal < t)
             assert torch.equal(mine.keys[old], theirs.keys[old])
+
+
+@pytest.mark.parametrize("kernels", ["eager", "native"])
+def test_a_decode_step_codes_its_token_once(kernels, monkeypatch):
+    """The token's codes that a step decodes to attend with are the ones it writes: two codings a
+    layer (its key and its value), not four; and a tensor that is not the one decoded is coded anew."""
+    model = tiny_model("qwen2", layers=2, max_position_embeddings=1024)
+    ids = random_ids(40, batch=2, seed=3)
+    cache = H2OCache(model, policy="h2o", budget=16, kv_bits=4, key_bits=8, kv_group=8)
+    with use_kernels(kernels), torch.inference_mode():
+        model(ids[:, :30], **cache_arg(cache))
+        model(ids[:, 30:31], **cache_arg(cache))
+        codings = []
+        real = SlotCodec.encode
+        monkeypatch.setattr(SlotCodec, "encode", lambda self, x: codings.append(1) or real(self, x))
+        model(ids[:, 31:32], **cache_arg(cache))
+    assert len(codings) == 2 * len(cache.layers)
+    layer = cache.layers[0]
+    k, v = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16)
+    parts = layer.coding.keys.encode(k), layer.coding.values.encode(v)
+    layer.remember_codes(k, v, *parts)
+    other = k.clone()
+    got = layer.codes_of(other, v)  # not the remembered tensor: coded from what it holds
+    assert all(torch.equal(a, b) for a, b in zip(got[0], layer.coding.keys.encode(other), strict=True))
+    layer.remember_codes(k, v, *parts)
+    remembered = layer.codes_of(k, v)
+    assert all(a is b for a, b in zip(remembered[0] + remembered[1], parts[0] + parts[1], strict=True))
+    again = layer.codes_of(k, v)  # the memory is spent by the first ask: coded anew, to equal codes
+    assert again[0][0] is not parts[0][0] and torch.equal(again[0][0], parts[0][0])

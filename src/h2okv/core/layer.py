@@ -305,7 +305,11 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         tokens in float and older ones from their codes (``SlotStorage.banded_kv``)."""
         if self.coding.window:
             return key_new, value_new
-        return self.coding.keys.roundtrip(key_new), self.coding.values.roundtrip(value_new)
+        key_parts, value_parts = self.coding.keys.encode(key_new), self.coding.values.encode(value_new)
+        key_new = self.coding.keys.decode(*key_parts, key_new.dtype)
+        value_new = self.coding.values.decode(*value_parts, value_new.dtype)
+        self.remember_codes(key_new, value_new, key_parts, value_parts)
+        return key_new, value_new
 
     def _attend_call(self, query, key_new, value_new, nonpad, scaling, sliding_window):
         """The call in the layer's prefill mode; ``[B, Hq, q, D]`` in the (real-first) order given."""

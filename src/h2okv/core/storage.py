@@ -70,6 +70,7 @@ class SlotStorage:
     peak_capacity: int
     ragged: RaggedSlots | None = None  # see the module docstring
     coding = None  # a SlotCoding when the slots are quantized (``core/quant.py``), else None
+    _codes_for = None  # the last call's keys and values with their codes (``remember_codes``)
     window_keys = window_values = window_ordinal = None  # a float window (WINDOW_TENSORS), else None
     slot_tensors = SLOT_TENSORS  # the per-slot tensors every row and capacity operation moves
     stepper = None  # SlotLayer's decode stepper
@@ -255,6 +256,21 @@ class SlotStorage:
         self.window_keys[rows, :, place] = k_new[rows, :, tokens]
         self.window_values[rows, :, place] = v_new[rows, :, tokens]
 
+    def remember_codes(self, k_new: torch.Tensor, v_new: torch.Tensor, key_parts: tuple, value_parts: tuple) -> None:
+        """Keep the codes ``(codes, scale, low)`` that the call's keys and values ``k_new``/``v_new``
+        were decoded from, for the write that follows: a decode step would otherwise code them a
+        second time (coding a decoded vector gives the same codes, ``quant.py``), some 20 tensor ops
+        a layer and a step, which on a GPU cost in launches what the arithmetic does not."""
+        self._codes_for = (k_new, v_new, key_parts, value_parts)
+
+    def codes_of(self, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[tuple, tuple]:
+        """``(key parts, value parts)`` of ``k_new``/``v_new``: the remembered ones when these are
+        the very tensors they were decoded into (a slice of them, a chunk's, is coded again)."""
+        kept, self._codes_for = self._codes_for, None
+        if kept is not None and kept[0] is k_new and kept[1] is v_new:
+            return kept[2], kept[3]
+        return self.coding.keys.encode(k_new), self.coding.values.encode(v_new)
+
     def write_token_and_read(self, slot: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor):
         """A quantized layer's decode step in a kernel (C or Triton, dense): the new token's codes,
         ordinal and float-window place written into ``slot`` ``[B, H, 1]`` as the tensor-op step
@@ -279,8 +295,7 @@ class SlotStorage:
         if self.coding is None:
             parts = (("keys", k_new), ("values", v_new))
         else:
-            (k_codes, k_scale, k_low), (v_codes, v_scale, v_low) = self.coding.keys.encode(k_new), \
-                self.coding.values.encode(v_new)
+            (k_codes, k_scale, k_low), (v_codes, v_scale, v_low) = self.codes_of(k_new, v_new)
             parts = (("keys", k_codes), ("key_scale", k_scale), ("key_low", k_low),
                      ("values", v_codes), ("value_scale", v_scale), ("value_low", v_low))
         for name, part in parts:
