@@ -308,7 +308,9 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         key_parts, value_parts = self.coding.keys.encode(key_new), self.coding.values.encode(value_new)
         key_new = self.coding.keys.decode(*key_parts, key_new.dtype)
         value_new = self.coding.values.decode(*value_parts, value_new.dtype)
-        self.remember_codes(key_new, value_new, key_parts, value_parts)
+        if key_new.shape[2] == 1:  # a decode step's token, written next; a longer call (a probe
+            # that writes nothing, a prefill cut in chunks) would only hold its tensors alive
+            self.remember_codes(key_new, value_new, key_parts, value_parts)
         return key_new, value_new
 
     def _attend_call(self, query, key_new, value_new, nonpad, scaling, sliding_window):
