@@ -42,6 +42,9 @@ def test_a_code_is_the_nearest_level_and_coding_it_again_changes_nothing(bits, d
         again = codec.encode(back)
         assert all(torch.equal(a, b) for a, b in zip(again, (codes, scale, low), strict=True))
         assert torch.equal(codec.roundtrip(back), back)
+        parts, decoded = codec.encode_and_decode(x)  # one fit: the same codes, the same values
+        assert all(torch.equal(a, b) for a, b in zip(parts, (codes, scale, low), strict=True))
+        assert decoded.dtype == dtype and torch.equal(decoded, codec.decode(codes, scale, low, dtype))
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -259,8 +262,8 @@ def test_a_decode_step_codes_its_token_once(kernels, monkeypatch):
         model(ids[:, :30], **cache_arg(cache))
         model(ids[:, 30:31], **cache_arg(cache))
         codings = []
-        real = SlotCodec.encode
-        monkeypatch.setattr(SlotCodec, "encode", lambda self, x: codings.append(1) or real(self, x))
+        real = SlotCodec._fit
+        monkeypatch.setattr(SlotCodec, "_fit", lambda self, x: codings.append(1) or real(self, x))
         model(ids[:, 31:32], **cache_arg(cache))
     assert len(codings) == 2 * len(cache.layers)
     layer = cache.layers[0]

@@ -305,9 +305,8 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         tokens in float and older ones from their codes (``SlotStorage.banded_kv``)."""
         if self.coding.window:
             return key_new, value_new
-        key_parts, value_parts = self.coding.keys.encode(key_new), self.coding.values.encode(value_new)
-        key_new = self.coding.keys.decode(*key_parts, key_new.dtype)
-        value_new = self.coding.values.decode(*value_parts, value_new.dtype)
+        key_parts, key_new = self.coding.keys.encode_and_decode(key_new)
+        value_parts, value_new = self.coding.values.encode_and_decode(value_new)
         if key_new.shape[2] == 1:  # a decode step's token, written next; a longer call (a probe
             # that writes nothing, a prefill cut in chunks) would only hold its tensors alive
             self.remember_codes(key_new, value_new, key_parts, value_parts)

@@ -77,6 +77,18 @@ class SlotCodec:
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` ``[..., D]`` -> ``(codes [..., D / per_byte] uint8, scale [..., G], low [..., G])``."""
+        levels, scale, low = self._fit(x)
+        return self.pack(levels.to(torch.uint8).reshape(x.shape)), scale, low
+
+    def encode_and_decode(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """``(encode(x), decode(*encode(x), x.dtype))`` from one fit, without unpacking the codes just
+        packed: the levels are whole numbers in float32 either way, so the values are the same."""
+        levels, scale, low = self._fit(x)
+        decoded = (levels * scale.float()[..., None] + low.float()[..., None]).reshape(x.shape).to(x.dtype)
+        return (self.pack(levels.to(torch.uint8).reshape(x.shape)), scale, low), decoded
+
+    def _fit(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x``'s levels (float32 ``[..., G, group]``, whole numbers), scale and low."""
         *lead, dim = x.shape
         grouped = x.float().reshape(*lead, self.groups(dim), self.group)
         low = grouped.amin(-1).to(SCALE_DTYPE)
@@ -85,8 +97,8 @@ class SlotCodec:
         span = grouped.amax(-1) - low.float()
         scale = (span / self.levels).to(SCALE_DTYPE)
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: every code 0
-        codes = ((grouped - low.float()[..., None]) / scale.float()[..., None]).round_().clamp_(0, self.levels)
-        return self.pack(codes.to(torch.uint8).reshape(*lead, dim)), scale, low
+        levels = ((grouped - low.float()[..., None]) / scale.float()[..., None]).round_().clamp_(0, self.levels)
+        return levels, scale, low
 
     def decode(self, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The stored vectors ``[..., D]`` in ``dtype``."""
