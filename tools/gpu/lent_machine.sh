@@ -13,7 +13,7 @@
 #                                    so the calls below (pinned to cores 12-15) run meanwhile
 #   stage piece M N  carry .qMM/N    piece N of the Qwen GGUF M (0.5b: 12 pieces, 1.5b: 25)
 #   stage join M  (nothing)          assemble model M into the cache, check its size and sha256
-#   stage bench    (nothing)         bench (grid, then --policies), eval ppl, serve-bench prefill-heavy
+#   stage bench    (nothing)         bench (grid, then --policies, then 8/4-bit slots), eval ppl, serve-bench prefill-heavy
 #   stage longctx  (nothing)         eval longctx --split test on the 0.5B at 32k and 16k, bf16
 #   stage collect S (nothing)        wait up to S s for the background tests, then their summaries
 #   stage unit / rest / compile      the sequential forms of earlier leases (see below)
@@ -81,7 +81,13 @@ bench)
     echo "serve-bench took $(( $(date +%s) - start )) s"; start=$(date +%s)
     timeout 90 $FAST python3 -m h2okv.cli bench --device cuda --policies h2o,rkv,rkv:decay=0.97 --no-progress \
         --json "$KEEP/bench-policies-cuda.json" 2>&1 | grep -v "Loading weights" | tail -20
-    echo "bench --policies took $(( $(date +%s) - start )) s"
+    echo "bench --policies took $(( $(date +%s) - start )) s"; start=$(date +%s)
+    # quantized slots' step (8-bit keys, 4-bit values) against the same-size plain cache: the fifth
+    # lease's 3.30x was measured before a token was coded once
+    timeout 60 $FAST python3 -m h2okv.cli bench --device cuda --policies h2o --kv-bits 4 --key-bits 8 \
+        --scoring-tokens 256 --no-progress --json "$KEEP/bench-quantized-8-4-cuda.json" 2>&1 \
+        | grep -v "Loading weights" | grep "^| h2o \|^| reference "
+    echo "bench --kv-bits took $(( $(date +%s) - start )) s"
     ;;
 longctx)
     # the test split past what the CPU grid reaches, bf16, within LONG_BUDGET seconds in all; each cell
