@@ -84,7 +84,7 @@ class SlotCodec:
         """``(encode(x), decode(*encode(x), x.dtype))`` from one fit, without unpacking the codes just
         packed: the levels are whole numbers in float32 either way, so the values are the same."""
         levels, scale, low = self._fit(x)
-        decoded = (levels * scale.float()[..., None] + low.float()[..., None]).reshape(x.shape).to(x.dtype)
+        decoded = self._values(levels, scale, low, x.dtype).reshape(x.shape)
         return (self.pack(levels.to(torch.uint8).reshape(x.shape)), scale, low), decoded
 
     def _fit(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -105,11 +105,17 @@ class SlotCodec:
         levels = self.unpack(codes)
         *lead, dim = levels.shape
         grouped = levels.reshape(*lead, dim // self.group, self.group).float()
-        return (grouped * scale.float()[..., None] + low.float()[..., None]).reshape(*lead, dim).to(dtype)
+        return self._values(grouped, scale, low, dtype).reshape(*lead, dim)
+
+    @staticmethod
+    def _values(levels: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Grouped float32 levels ``[..., G, group]`` back to values in ``dtype`` (still grouped)."""
+        return (levels * scale.float()[..., None] + low.float()[..., None]).to(dtype)
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` as a slot would give it back."""
-        return self.decode(*self.encode(x), x.dtype)
+        """``x`` as a slot would give it back (its codes never packed: the same values, one fit)."""
+        levels, scale, low = self._fit(x)
+        return self._values(levels, scale, low, x.dtype).reshape(x.shape)
 
     def pack(self, codes: torch.Tensor) -> torch.Tensor:
         """``[..., D]`` codes of ``bits`` each -> ``[..., D / per_byte]`` bytes (the first code low)."""
