@@ -95,24 +95,29 @@ def looks_like_bytes(budget) -> bool:
 
 
 def budget_for_bytes(asked: int | float, geometry: Geometry, key_bits: int, value_bits: int, group: int,
-                     least: int = 1, window: int = 0) -> float | int:
+                     least: int = 1, window: int = 0, center: bool = False) -> float | int:
     """The cache's ``budget`` that spends at most ``asked`` (``parse_bytes_budget``) on slots coded in
     ``key_bits``/``value_bits``: a fraction of each prompt (for a fraction of bytes; at most 1, every
     token), or slots per layer and KV head (for bytes per sequence; at least ``least``, else a
     one-line error that says what the bytes hold). ``window``: a float window's tokens
     (``float_window``), held in 16 bits beside the slots, taken from bytes per sequence first (a
-    fraction of a prompt's bytes cannot hold a window of fixed size: ``CacheSettings`` refuses it)."""
+    fraction of a prompt's bytes cannot hold a window of fixed size: ``CacheSettings`` refuses it).
+    ``center``: centered keys (``center_keys``) hold one float16 mean key per layer and KV head
+    beside the slots, also taken from bytes per sequence (a fraction's slots are the prompt's share:
+    the mean, a slot's key in 16 bits, is counted in what the cache reports, not here)."""
     slot = geometry.slot_bytes(key_bits, value_bits, group)
     if isinstance(asked, float):
         return min(1.0, asked * geometry.full_slot_bytes() / slot)
     per_layer_head = geometry.layers * geometry.kv_heads
-    asked -= per_layer_head * window * geometry.full_slot_bytes()
+    asked -= per_layer_head * (window * geometry.full_slot_bytes() + (geometry.key_dim * 2 if center else 0))
     # a layer holds one slot more than its budget, the next token's (written, then the step evicts)
     slots = max(asked, 0) // (per_layer_head * slot) - 1
     if slots < least:
         raise SettingError("{bytes} {got} holds {slots} slot(s) per layer and KV head ({slot} bytes each over {layers} "
                            "layers x {heads} KV heads{beside}); this policy needs at least {least}: give more bytes",
-                           got=asked + per_layer_head * window * geometry.full_slot_bytes(), slots=max(slots, 0),
+                           got=asked + per_layer_head * (window * geometry.full_slot_bytes()
+                                                         + (geometry.key_dim * 2 if center else 0)),
+                           slots=max(slots, 0),
                            slot=slot, layers=geometry.layers, heads=geometry.kv_heads, least=least,
                            beside=f", beside a float window of {window} tokens" if window else "")
     return int(slots)

@@ -40,10 +40,12 @@ DEFAULT_HEAD_FLOOR = 0.2  # Ada-KV's safeguard share (core/head_budget.py)
 PART_NAMES = ("heavy", "recent", "heavy_ratio", "recent_ratio")
 DEFAULT_KV_GROUP = 32  # channels per scale of quantized slots (core/quant.py)
 KV_BITS = (8, 4, 2)  # the bits a quantized slot's key or value may take
+# the settings of quantized slots, the flags every command that codes slots takes together
+CODING_FIELDS = ("kv_bits", "key_bits", "kv_group", "float_window", "center_keys")
 
 
 def slot_coding_keywords(kv_bits: int | None, kv_group: int = DEFAULT_KV_GROUP, key_bits: int | None = None,
-                         float_window: int = 0) -> dict:
+                         float_window: int = 0, center_keys: bool = False) -> dict:
     """``H2OCache``'s keywords for quantized slots (none for ``kv_bits=None``; ``key_bits`` only
     where given): what the server, ``eval reasoning`` and ``eval ppl`` hand every cache they build."""
     if kv_bits is None:
@@ -53,18 +55,22 @@ def slot_coding_keywords(kv_bits: int | None, kv_group: int = DEFAULT_KV_GROUP, 
         coding["key_bits"] = key_bits
     if float_window:
         coding["float_window"] = float_window
+    if center_keys:
+        coding["center_keys"] = True
     return coding
 
 
 def coding_label(kv_bits: int | None, key_bits: int | None = None, kv_group: int = DEFAULT_KV_GROUP,
-                 float_window: int = 0) -> str | None:
+                 float_window: int = 0, center_keys: bool = False) -> str | None:
     """How quantized slots are named in a row's label: ``4``, ``k8v4`` (keys in other bits),
-    ``4/64`` (another group), ``k8v4+f32`` (a float window of 32 tokens); None for the model's dtype."""
+    ``4/64`` (another group), ``k8v4+f32`` (a float window of 32 tokens), ``4+ck`` (centered keys);
+    None for the model's dtype."""
     if kv_bits is None:
         return None
     bits = f"{kv_bits}" if key_bits in (None, kv_bits) else f"k{key_bits}v{kv_bits}"
     bits = bits if kv_group == DEFAULT_KV_GROUP else f"{bits}/{kv_group}"
-    return f"{bits}+f{float_window}" if float_window else bits
+    bits = f"{bits}+f{float_window}" if float_window else bits
+    return f"{bits}+ck" if center_keys else bits
 
 
 def _setting(default, help: str, kind: str = "text", recipe_sets: bool = False, **more):
@@ -127,6 +133,9 @@ class CacheSettings:
     float_window: int = _setting(0, "with --kv-bits: each sequence's last N tokens also kept in the model's dtype, "
                                     "read from there until newer ones take their place, then from their codes "
                                     "(KIVI's full-precision recent window)", kind="int")
+    center_keys: bool = _setting(False, "with --kv-bits: code each key less its channel's mean over the sequence's "
+                                        "first 256 tokens, turned to the key's position (a RoPE model's key bias is "
+                                        "then not coded: 4-bit keys at 8-bit keys' perplexity)", kind="switch")
     protect_prompt: bool = _setting(False, "keep the prompt whole: the budget applies to the generated tokens (the "
                                            "KV reported counts both)", kind="switch")
     #: the recipe the value was expanded from (a label: its keywords are already in the fields)
@@ -234,7 +243,8 @@ class CacheSettings:
         policy = self.policy_object()
         bits, keys = self.kv_bits, self.key_bits or self.kv_bits
         budget = budget_for_bytes(self.bytes, Geometry.of(config), keys, bits, self.kv_group,
-                                  least=least_slots(policy, self.recent_share), window=self.float_window)
+                                  least=least_slots(policy, self.recent_share), window=self.float_window,
+                                  center=bool(self.center_keys))
         return dataclasses.replace(self, budget=budget)
 
     def _check_kv_bits(self, rolling: bool) -> None:
@@ -244,6 +254,8 @@ class CacheSettings:
         if self.kv_bits is None:
             if self.key_bits is not None:
                 raise H2OError("key_bits sets the keys' bits of quantized slots: give kv_bits (the values') too")
+            if self.center_keys:
+                raise SettingError("{center_keys} centers the keys of quantized slots: give {kv_bits} too")
             if window:
                 raise SettingError("{float_window} keeps the recent tokens of quantized slots in float: give {kv_bits} too")
             return

@@ -32,8 +32,9 @@ def decode(model, forward, steps, prompt, **coding):
 
 
 @pytest.mark.parametrize("coding", [{}, {"kv_bits": 4, "key_bits": 8, "kv_group": 8},
-                                    {"kv_bits": 4, "key_bits": 8, "kv_group": 8, "float_window": 8}],
-                         ids=["float", "quantized", "float-window"])
+                                    {"kv_bits": 4, "key_bits": 8, "kv_group": 8, "float_window": 8},
+                                    {"kv_bits": 4, "kv_group": 8, "center_keys": True}],
+                         ids=["float", "quantized", "float-window", "centered-keys"])
 def test_compiled_decode_at_budget_one_graph_no_recompile(coding):
     torch._dynamo.reset()
     graphs = []

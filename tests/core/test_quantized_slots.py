@@ -271,10 +271,11 @@ def test_a_decode_step_codes_its_token_once(kernels, monkeypatch):
     parts = layer.coding.keys.encode(k), layer.coding.values.encode(v)
     layer.remember_codes(k, v, *parts)
     other = k.clone()
-    got = layer.codes_of(other, v)  # not the remembered tensor: coded from what it holds
+    slot = torch.zeros(2, 2, 1, dtype=torch.long)
+    got = layer.codes_of(other, v, slot)  # not the remembered tensor: coded from what it holds
     assert all(torch.equal(a, b) for a, b in zip(got[0], layer.coding.keys.encode(other), strict=True))
     layer.remember_codes(k, v, *parts)
-    remembered = layer.codes_of(k, v)
+    remembered = layer.codes_of(k, v, slot)
     assert all(a is b for a, b in zip(remembered[0] + remembered[1], parts[0] + parts[1], strict=True))
-    again = layer.codes_of(k, v)  # the memory is spent by the first ask: coded anew, to equal codes
+    again = layer.codes_of(k, v, slot)  # the memory is spent by the first ask: coded anew, to equal codes
     assert again[0][0] is not parts[0][0] and torch.equal(again[0][0], parts[0][0])

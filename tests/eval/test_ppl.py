@@ -187,12 +187,12 @@ def test_kv_bits_rows_come_beside_the_float_ones_and_fewer_bits_cost_more(llama)
     with pytest.raises(H2OError, match="--kv-bits takes 8, 4, 2 or none"):
         parse_kv_bits("3")
     ids = random_ids(48, batch=1, seed=2)
-    rows, full_ppl = ppl_grid(llama, ids, ["h2o"], [0.5], progress=False, kv_bits=(None, 8, 2), kv_group=8)
+    rows, full_ppl = ppl_grid(llama, ids, ["h2o"], [0.5], progress=False, kv_bits=(None, 8, 2), coding={"kv_group": 8})
     assert [r.label for r in rows] == ["full 8-bit", "full 2-bit", "h2o", "h2o 8-bit", "h2o 2-bit"]
     by = {r.label: r.ppl for r in rows}
     # 8 bits barely move the reference; 2 bits move it more; quantization alone keeps every token
     assert abs(by["full 8-bit"] / full_ppl - 1) < abs(by["full 2-bit"] / full_ppl - 1)
     assert all(r.slots == 48 for r in rows if r.policy == "full")
     assert {r.kv_group for r in rows if r.kv_bits} == {8}
-    rows, _ = ppl_grid(llama, ids, ["h2o"], [0.5], progress=False, kv_bits=(4,), kv_group=8, key_bits=8)
+    rows, _ = ppl_grid(llama, ids, ["h2o"], [0.5], progress=False, kv_bits=(4,), coding={"kv_group": 8, "key_bits": 8})
     assert [r.label for r in rows] == ["full k8v4", "h2o k8v4"]

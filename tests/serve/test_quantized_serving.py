@@ -2,6 +2,7 @@
 ``full``'s too, its tokens are those of the same request generated alone with the same coding, and
 the engine admits sequences by the coded bytes of a slot: more of them in the same KV memory."""
 
+import pytest
 import torch
 
 from h2okv import H2OCache
@@ -16,9 +17,9 @@ CODING = {"kv_bits": 4, "kv_group": 8, "key_bits": 8}
 CASES = [(40, "h2o", 6, 6, 12), (23, "tova", 4, 5, 10), (30, "full", None, None, 8)]
 
 
-def alone_coded(model, ids, policy, heavy, recent, steps):
+def alone_coded(model, ids, policy, heavy, recent, steps, coding):
     budget = {} if heavy is None else {"heavy": heavy, "recent": recent}
-    cache = H2OCache(model, policy=policy, chunk_size=CHUNK, **budget, **CODING)
+    cache = H2OCache(model, policy=policy, chunk_size=CHUNK, **budget, **coding)
     with torch.inference_mode():
         out = model.generate(torch.tensor([ids]), **cache_arg(cache), max_new_tokens=steps, min_new_tokens=steps,
                              do_sample=False, pad_token_id=257)
@@ -32,9 +33,11 @@ def test_the_server_s_coding_reaches_every_policy_s_cache():
     assert EvictionDefaults.from_options(policy="h2o", budget=16).cache_options() == {}
 
 
-def test_a_quantized_engine_gives_each_request_its_tokens_alone_and_admits_by_coded_bytes(model_tok):
+@pytest.mark.parametrize("centered", [False, True])  # centered keys: each row's own mean, rows joining mid-run
+def test_a_quantized_engine_gives_each_request_its_tokens_alone_and_admits_by_coded_bytes(model_tok, centered):
     model, tok = model_tok
-    cache_options = EvictionDefaults.from_options(policy="h2o", budget=16, **CODING).cache_options()
+    coding = {**CODING, "center_keys": True} if centered else CODING
+    cache_options = EvictionDefaults.from_options(policy="h2o", budget=16, **coding).cache_options()
     float_bytes, coded_bytes = bytes_per_slot(model), bytes_per_slot(model, **CODING)
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
@@ -51,7 +54,7 @@ def test_a_quantized_engine_gives_each_request_its_tokens_alone_and_admits_by_co
                    for i, (n, policy, heavy, recent, steps) in enumerate(CASES)]
         for (n, policy, heavy, recent, steps), handle, i in zip(CASES, handles, range(len(CASES)), strict=True):
             _, done = handle.result_blocking()
-            assert done.token_ids == alone_coded(model, prompt(n, i), policy, heavy, recent, steps), policy
+            assert done.token_ids == alone_coded(model, prompt(n, i), policy, heavy, recent, steps, coding), policy
     finally:
         engine.stop()
 

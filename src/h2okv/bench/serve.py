@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from h2okv.errors import H2OError
 from h2okv.eval.output import write_json
-from h2okv.settings import DEFAULT_KV_GROUP, coding_label, slot_coding_keywords
+from h2okv.settings import CODING_FIELDS, DEFAULT_KV_GROUP, coding_label, slot_coding_keywords
 
 
 @dataclass
@@ -237,7 +237,7 @@ def server_settings(policies: list[str], recipes: list[str], budget: dict | None
 
     budget, coding = budget or {}, coding or {}
     label = coding_label(coding.get("kv_bits"), coding.get("key_bits"), coding.get("kv_group", DEFAULT_KV_GROUP),
-                         coding.get("float_window", 0))
+                         coding.get("float_window", 0), coding.get("center_keys", False))
     suffix = f" {label}" if label else ""
     out = [(policy + suffix, EvictionDefaults.from_options(policy=policy, budget_floor=0, **coding,
                                                            **(budget if make_policy(policy).evicts else {})))
@@ -402,7 +402,7 @@ def bench_command(args) -> str:
              *([f"--prompt-tokens {args.prompt_tokens}"] if args.prompt_tokens else []), f"--max-tokens {args.max_tokens}",
              f"--chunk-size {args.chunk_size}", f"--step-tokens {args.step_tokens}", f"--max-batch {args.max_batch}"]
     for name in ("heavy", "recent", "heavy_ratio", "recent_ratio", "arrival_rate", "model", "device", "dtype",
-                 "kv_bits", "key_bits", "kv_group", "float_window", "json"):
+                 *CODING_FIELDS, "json"):
         if getattr(args, name, None) is not None:
             parts.append(f"--{name.replace('_', '-')} {getattr(args, name)}")
     return " ".join(parts)

@@ -20,7 +20,7 @@ from h2okv.errors import H2OError
 from h2okv.parallel.launch import DEFAULT_TIMEOUT_S
 from h2okv.policy_names import POLICY_NAMES, RECONSTRUCTION_POLICIES
 from h2okv.recipes import recipe_help
-from h2okv.settings import PART_NAMES, CacheSettings
+from h2okv.settings import CODING_FIELDS, PART_NAMES, CacheSettings
 from h2okv.sizes import parse_bytes
 
 
@@ -293,7 +293,7 @@ def shape_from_args(args) -> dict:
         shape["head_budgets"] = args.head_budgets
     if getattr(args, "head_floor", None) is not None:
         shape["head_floor"] = args.head_floor
-    for name in ("kv_bits", "key_bits", "kv_group", "float_window"):  # quantized slots (bench --policies)
+    for name in CODING_FIELDS:  # quantized slots (bench --policies)
         if getattr(args, name, None) is not None:
             shape[name] = getattr(args, name)
     return shape

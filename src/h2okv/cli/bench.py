@@ -20,6 +20,7 @@ from h2okv.cli.args import (
     shape_from_args,
 )
 from h2okv.errors import H2OError
+from h2okv.settings import CODING_FIELDS
 
 # the default grid and the --quick one (about a minute on a 2-core CPU, model load included)
 FULL_GRID = dict(batch=[1, 8], context=[2048, 4096], memory_contexts=[1024, 2048, 4096], steps=32, cap_steps=8)
@@ -86,7 +87,7 @@ def register(sub) -> None:
     p.add_argument("--scoring-tokens", type=positive_int, default=2048, help="tokens of the --policies scoring pass (default 2048)")
     p.add_argument("--scoring-repeats", type=positive_int, default=1, help="passes per policy in the --policies scoring study (default 1)")
     add_budget_shape_args(p, layers=True)  # how the --policies decode study spends --budget (its caches only)
-    add_cache_args(p, ["kv_bits", "key_bits", "kv_group", "float_window"])  # ... and in what bits it keeps the slots
+    add_cache_args(p, list(CODING_FIELDS))  # ... and in what bits it keeps the slots
     add_tp_args(p)
     p.add_argument("--serve", nargs=argparse.REMAINDER, default=None, metavar="SERVE_BENCH_ARGS",
                    help="instead: the serving load generator (h2okv.bench.serve) with the `serve-bench` "

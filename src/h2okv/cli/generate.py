@@ -18,6 +18,7 @@ from h2okv.cli.args import (
     probability,
 )
 from h2okv.errors import H2OError
+from h2okv.settings import CODING_FIELDS
 
 EXAMPLES = examples(
     'h2okv generate --prompt "What is the capital of France?" --chat --recipe bounded --budget 0.2',
@@ -51,8 +52,7 @@ def register(sub) -> None:
                    help="never stop at the end-of-sequence token: generate exactly --max-new-tokens (long runs)")
     add_model_args(p)
     add_budget_args(p, reconstruction=True)
-    add_cache_args(p, ["prefill", "head_budgets", "head_floor", "positions", "protect_prompt", "kv_bits", "key_bits",
-                       "kv_group", "float_window"])
+    add_cache_args(p, ["prefill", "head_budgets", "head_floor", "positions", "protect_prompt", *CODING_FIELDS])
     add_tp_args(p)
     p.set_defaults(func=run)
 

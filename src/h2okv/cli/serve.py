@@ -24,6 +24,7 @@ from h2okv.cli.args import (
     store_size,
 )
 from h2okv.errors import H2OError
+from h2okv.settings import CODING_FIELDS
 
 API_KEY_ENV = "H2OKV_API_KEY"
 
@@ -107,7 +108,7 @@ def register(sub) -> None:
     p.add_argument("--body-timeout", type=positive_float, default=30.0,
                    help="seconds a request body may take to arrive; then HTTP 408 (default: 30)")
     # the server's positions are its own flag's, whatever the recipe
-    add_cache_args(p, ["prefill", "positions", "kv_bits", "key_bits", "kv_group", "float_window"], positions={
+    add_cache_args(p, ["prefill", "positions", *CODING_FIELDS], positions={
         "default": "true", "help": "true (default) or rolling (rolling:shift, rolling:order): evicting requests keep "
                                    "their positions inside the context window, so max_tokens may exceed the context "
                                    "length"})
@@ -158,7 +159,7 @@ def register(sub) -> None:
                    help="Poisson arrivals at this many requests/s (default: all at once, --concurrency in flight)")
     b.add_argument("--seed", type=int, default=0, help="seed of the arrival times (default: 0)")
     _add_max_batch(b, 64)
-    add_cache_args(b, ["kv_bits", "key_bits", "kv_group", "float_window"])  # every server's caches quantized, full's too
+    add_cache_args(b, list(CODING_FIELDS))  # every server's caches quantized, full's too
     b.set_defaults(func=run_bench)
 
 
@@ -177,7 +178,8 @@ def run_serve(args) -> int:
                                              budget=args.budget, bytes=args.bytes, recent_share=args.recent_share,
                                              budget_floor=args.budget_floor, kv_bits=args.kv_bits,
                                              kv_group=args.kv_group, key_bits=args.key_bits,
-                                             float_window=args.float_window, **budget_from_args(args))
+                                             float_window=args.float_window, center_keys=args.center_keys,
+                                             **budget_from_args(args))
     check_positions(policy_class(eviction.policy), args.positions)
     if args.max_queue < 0:
         raise H2OError(f"--max-queue must be >= 0, got {args.max_queue}")

@@ -15,7 +15,8 @@ from h2okv.core.budget import BudgetSpec, RowBudgets
 from h2okv.core.compat import config_head_dim
 from h2okv.core.layer import LayerConfig, SlotLayer
 from h2okv.core.positions import RollingPositions, check_positions
-from h2okv.core.quant import SlotCodec, SlotCoding
+from h2okv.core.quant import CENTER_TOKENS, KeyCenter, SlotCodec, SlotCoding
+from h2okv.core.rope import RopeRotation
 from h2okv.errors import H2OError
 from h2okv.policies import Policy
 from h2okv.settings import DEFAULT_CHUNK, PREFILL_MODES, CacheSettings
@@ -31,8 +32,17 @@ def slot_coding(model, settings: CacheSettings) -> SlotCoding | None:
     config = model.config.get_text_config()
     head_dim = config_head_dim(config)
     group = min(settings.kv_group, head_dim)  # a group is at most a head's vector
+    center = None
+    if settings.center_keys:  # the keys' means are turned by the model's own RoPE (checked against it)
+        try:
+            # the mean of a row's first chunk at most: a server reads a prompt a chunk a call, and the
+            # mean must not depend on how the prompt was cut into calls
+            center = KeyCenter(tuple(RopeRotation.from_model(model, partial_ok=True).inv_freq.tolist()),
+                               first=min(CENTER_TOKENS, settings.chunk_size))
+        except H2OError as err:
+            raise H2OError(f"center_keys turns each key's channel mean to its position: {err}") from None
     coding = SlotCoding(SlotCodec(settings.key_bits or settings.kv_bits, group), SlotCodec(settings.kv_bits, group),
-                        window=settings.float_window)
+                        window=settings.float_window, center=center)
     try:
         coding.bytes_per_slot(head_dim, head_dim)
     except ValueError as err:
@@ -343,6 +353,7 @@ class H2OCache(Cache):
             return None
         label = (f"{s.kv_bits}-bit slots" if s.key_bits in (None, s.kv_bits)
                  else f"{s.key_bits}-bit keys, {s.kv_bits}-bit values")
+        label += ", keys centered" if s.center_keys else ""
         return label + (f", the last {s.float_window} tokens also in float" if s.float_window else "")
 
     def stats(self) -> dict:

@@ -261,7 +261,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         sliding window are applied from the slots' ordinals.
         """
         if self.coding is not None:  # the call's tokens as their slots will give them back (quant.py)
-            key_new, value_new = self._as_stored(key_new, value_new)
+            key_new, value_new = self._as_stored(key_new, value_new, new_mask)
         if self.probe.best is not None:
             return self._attend_probe(query, key_new, value_new, new_mask, scaling, sliding_window)
         if self.stream == "probe":
@@ -299,18 +299,41 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         out = self._attend_call(query, key_new, value_new, nonpad, scaling, sliding_window)
         return self._finish_call(out, order)
 
-    def _as_stored(self, key_new, value_new):
+    def _as_stored(self, key_new, value_new, new_mask):
         """The call's keys and values as a query reads them: as their slots give them back (coded and
         decoded), or as they are with a float window, whose paths read each query's own last W
         tokens in float and older ones from their codes (``SlotStorage.banded_kv``)."""
+        ordinal = None
+        if self.key_center is not None:  # centered keys: coded by each token's ordinal
+            ordinal = self._call_ordinals(new_mask, key_new.shape[2])
+            if self.center_pending:
+                self._set_key_center(key_new, ordinal)
+            ordinal = ordinal.clamp_min(0)[:, None, :].expand(key_new.shape[:3])
         if self.coding.window:
             return key_new, value_new
-        key_parts, key_new = self.coding.keys.encode_and_decode(key_new)
+        key_parts, key_new = self.coding.encode_and_decode_keys(key_new, self.centering, ordinal)
         value_parts, value_new = self.coding.values.encode_and_decode(value_new)
         if key_new.shape[2] == 1:  # a decode step's token, written next; a longer call (a probe
             # that writes nothing, a prefill cut in chunks) would only hold its tensors alive
             self.remember_codes(key_new, value_new, key_parts, value_parts)
         return key_new, value_new
+
+    def _call_ordinals(self, new_mask, n: int) -> torch.Tensor:
+        """``[B, n]``: each of the call's tokens' ordinal among its row's real tokens, -1 for a pad
+        (the order the slots give them: ``step.chunk_step`` counts a row's real tokens from ``n_real``)."""
+        if new_mask is None:
+            return self.n_real[:, None] + torch.arange(n, device=self.device)
+        real = new_mask.to(torch.bool)[:, 0].diagonal(dim1=-2, dim2=-1)
+        return torch.where(real, self.n_real[:, None] + real.long().cumsum(-1) - 1, -1)
+
+    def _set_key_center(self, key_new, ordinal) -> None:
+        """The mean a row's keys are centered on (``quant.KeyCenter``), from the first tokens of its
+        first call with real tokens; rows already under way keep theirs. Runs only while a row
+        may lack it (``center_pending``): after the first calls, never (no sync in a decode step)."""
+        fresh = (self.n_real == 0) & (ordinal >= 0).any(-1)  # [B]
+        mean = self.coding.center.mean_of(key_new, ordinal, self.center_freq)
+        self.key_center = torch.where(fresh[:, None, None], mean, self.key_center)
+        self.center_pending = bool(((self.n_real == 0) & ~fresh).any())
 
     def _attend_call(self, query, key_new, value_new, nonpad, scaling, sliding_window):
         """The call in the layer's prefill mode; ``[B, Hq, q, D]`` in the (real-first) order given."""
@@ -575,7 +598,11 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
                        for name in ("keys", "values"))
         names = ("keys", "values") + CODEC_TENSORS
         coded = sum(getattr(held, name).numel() * getattr(held, name).element_size() for name in names)
-        return coded + self.window_bytes(float_itemsize)
+        return coded + self.center_bytes() + self.window_bytes(float_itemsize)
+
+    def center_bytes(self) -> int:
+        """Centered keys' means (``center_keys``): one float16 vector a row and KV head; 0 without."""
+        return self.key_center.numel() * self.key_center.element_size() if self.key_center is not None else 0
 
     def window_bytes(self, float_itemsize: int | None = None) -> int:
         """The float window's bytes (``float_window``), in the model's dtype or ``float_itemsize``; 0 without one."""

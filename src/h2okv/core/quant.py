@@ -132,6 +132,58 @@ class SlotCodec:
         return ((packed[..., None] >> shifts) & self.levels).reshape(*packed.shape[:-1], packed.shape[-1] * self.per_byte)
 
 
+CENTER_TOKENS = 256  # a row's first real tokens whose keys give the channel means (``KeyCenter``)
+
+
+@dataclass(frozen=True)
+class KeyCenter:
+    """Keys coded less their channel's mean, turned to each key's position (``center_keys``).
+
+    A model with a key bias (Qwen2.5's) gives some channels a large constant offset before the
+    rotary turn (the bias alone explains the first layer's; the tokens' mean, the others' too). Coded per token, that offset sets the group's range and 4 bits lose the small
+    channels (2.2x the 0.5B's perplexity, ``docs/RESULTS.md``). Per row and KV head, the mean of
+    the row's first ``first`` keys (256, at most the cache's chunk: taken from its first call, so a
+    server that reads a prompt a chunk a call gets the mean a whole call gets) taken back before their turn (``mean``, float16, kept beside the
+    slots) is turned to each slot's position and taken from its key before coding, and put back when
+    read: only the residual is coded, and a slot still codes alone, so eviction touches nothing.
+    Encoding and decoding turn the mean by the slot's ordinal, so they agree whatever positions the
+    model gave (a constant shift of the positions only shifts the mean's turn with them).
+    ``inv_freq``: the model's rotary frequencies (rotate-half pairs over the first
+    ``2 * len(inv_freq)`` channels, ``core/rope.py``), a tuple so that codings compare by value."""
+
+    inv_freq: tuple[float, ...]
+    first: int = CENTER_TOKENS
+
+    def frequencies(self, device) -> torch.Tensor:
+        """The frequencies as a tensor on ``device``, float64 where it runs (``RopeRotation.rotate_``'s
+        reason: a far position's fractional turn); a layer builds it once (``SlotStorage.center_freq``)."""
+        wide = torch.float64 if torch.device(device).type in ("cpu", "cuda") else torch.float32
+        return torch.tensor(self.inv_freq, dtype=wide, device=device)
+
+    @staticmethod
+    def turn(x: torch.Tensor, ordinal: torch.Tensor, freq: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
+        """``x`` ``[B, H, n, D]`` (float32) turned to positions ``sign * ordinal`` ``[B, H, n]`` at
+        frequencies ``freq`` (``frequencies``), a new tensor."""
+        half = freq.numel()
+        angle = (ordinal.to(freq.dtype) * sign)[..., None] * freq
+        cos, sin = angle.cos().float(), angle.sin().float()
+        first, second = x[..., :half], x[..., half:2 * half]
+        return torch.cat([first * cos - second * sin, second * cos + first * sin, x[..., 2 * half:]], dim=-1)
+
+    def offset(self, centering: tuple, ordinal: torch.Tensor) -> torch.Tensor:
+        """A layer's ``(mean [B, H, D], freq)`` (``SlotStorage.centering``), the mean turned to each
+        slot's ordinal ``[B, H, n]``: ``[B, H, n, D]`` float32."""
+        mean, freq = centering
+        return self.turn(mean.float()[:, :, None, :].expand(*ordinal.shape, mean.shape[-1]), ordinal, freq)
+
+    def mean_of(self, keys: torch.Tensor, ordinal: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
+        """``[B, H, D]``: each row's mean key before the turn over its tokens of ordinal below
+        ``first`` (``ordinal`` ``[B, n]``, -1 for a pad); a row with none gets zeros."""
+        taken = ((ordinal >= 0) & (ordinal < self.first)).float()[:, None, :, None]  # [B, 1, n, 1]
+        before = self.turn(keys.float(), ordinal.clamp_min(0)[:, None, :].expand(keys.shape[:3]), freq, -1.0)
+        return ((before * taken).sum(2) / taken.sum(2).clamp_min(1.0)).to(SCALE_DTYPE)
+
+
 @dataclass(frozen=True)
 class SlotCoding:
     """A layer's coding of its keys and of its values. Keys may take more bits than values: their
@@ -141,6 +193,7 @@ class SlotCoding:
     keys: SlotCodec
     values: SlotCodec
     window: int = 0  # each row's last tokens also kept in the model's dtype (the module docstring)
+    center: KeyCenter | None = None  # keys coded less their channel's turned mean (``KeyCenter``)
 
     def __post_init__(self):
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
@@ -148,3 +201,24 @@ class SlotCoding:
 
     def bytes_per_slot(self, key_dim: int, value_dim: int) -> int:
         return self.keys.bytes_per_vector(key_dim) + self.values.bytes_per_vector(value_dim)
+
+    def encode_keys(self, keys: torch.Tensor, centering: tuple | None, ordinal: torch.Tensor | None):
+        """``keys`` ``[B, H, n, D]`` at slot ordinals ``[B, H, n]`` -> ``(codes, scale, low)``;
+        ``centering``: the layer's (``SlotStorage.centering``), None for keys not centered."""
+        if self.center is None:
+            return self.keys.encode(keys)
+        return self.keys.encode(keys.float() - self.center.offset(centering, ordinal))
+
+    def decode_keys(self, parts: tuple, centering: tuple | None, ordinal: torch.Tensor, dtype: torch.dtype):
+        """The keys ``encode_keys`` coded, in ``dtype``."""
+        if self.center is None:
+            return self.keys.decode(*parts, dtype)
+        return (self.keys.decode(*parts, torch.float32) + self.center.offset(centering, ordinal)).to(dtype)
+
+    def encode_and_decode_keys(self, keys: torch.Tensor, centering: tuple | None, ordinal: torch.Tensor | None):
+        """``(encode_keys(...), decode_keys(...))`` from one fit (``SlotCodec.encode_and_decode``)."""
+        if self.center is None:
+            return self.keys.encode_and_decode(keys)
+        offset = self.center.offset(centering, ordinal)
+        parts, residual = self.keys.encode_and_decode(keys.float() - offset)
+        return parts, (residual + offset).to(keys.dtype)

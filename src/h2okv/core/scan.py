@@ -106,7 +106,9 @@ def token_scan(layer, query, key_new, value_new, scaling) -> torch.Tensor:
     if window:  # each query reads its own last W tokens in float (``storage.banded_kv``), older ones coded
         coded_keys, coded_values = layer.coded_kv()
         held_keys, held_values = layer.with_window(coded_keys, coded_values)
-        coded_keys = torch.cat([coded_keys, layer.coding.keys.roundtrip(key_new)], dim=2)
+        new_ordinal = (layer.n_real[:, None, None] + torch.arange(n, device=device)).expand(b, hkv, n)
+        _, coded_new = layer.coding.encode_and_decode_keys(key_new, layer.centering, new_ordinal)
+        coded_keys = torch.cat([coded_keys, coded_new], dim=2)
         coded_values = torch.cat([coded_values, layer.coding.values.roundtrip(value_new)], dim=2)
     else:
         held_keys, held_values = layer.kv()
@@ -164,10 +166,10 @@ def token_scan(layer, query, key_new, value_new, scaling) -> torch.Tensor:
     order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)[..., :capacity]
     if window:  # the slots hold codes: the coded tensors code to the same ones, the window keeps the floats
         keys, values = coded_keys, coded_values
-    layer.store_kv(keys.gather(2, order[..., None].expand(-1, -1, -1, d)),
-                   values.gather(2, order[..., None].expand(-1, -1, -1, values.shape[-1])))
-    layer.score = score.gather(2, order)
     layer.ordinal = ordinal.gather(2, order)
+    layer.store_kv(keys.gather(2, order[..., None].expand(-1, -1, -1, d)),
+                   values.gather(2, order[..., None].expand(-1, -1, -1, values.shape[-1])), layer.ordinal)
+    layer.score = score.gather(2, order)
     layer.valid = valid.gather(2, order)
     layer.remember_recent(new_ord[:, 0], key_new, value_new)
     layer.n_real = layer.n_real + n

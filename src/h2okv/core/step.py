@@ -108,10 +108,10 @@ def chunk_step(layer, query, k_new, v_new, nonpad, scaling, sliding_window, init
     else:
         slot_of_token = torch.argsort(layer.valid.to(torch.int8), dim=-1, stable=True)[..., :m]
 
-    layer.write_kv(slot_of_token, k_new, v_new)
     real = nonpad if nonpad is not None else torch.ones(b, m, dtype=torch.bool, device=device)
     ordinals = layer.n_real[:, None] + torch.arange(m, device=device)  # [B, m]
     layer.ordinal.scatter_(2, slot_of_token, ordinals[:, None, :].expand(b, hkv, m))
+    layer.write_kv(slot_of_token, k_new, v_new)  # after the ordinals: centered keys are coded by them
     fresh = init_scores if init_scores is not None else policy.key_scores(k_new)
     layer.score.scatter_(2, slot_of_token, 0.0 if fresh is None else fresh)
 

@@ -27,7 +27,7 @@ from h2okv.core.quant import SCALE_DTYPE
 
 # per-slot tensors [B, H, capacity(, D)] and per-row vectors [B]
 SLOT_TENSORS = ("keys", "values", "score", "ordinal", "valid")
-ROW_VECTORS = ("n_real", "heavy", "recent", "sinks", "head_heavy")
+ROW_VECTORS = ("n_real", "heavy", "recent", "sinks", "head_heavy", "key_center")
 # quantized slots (``core/quant.py``): ``keys`` and ``values`` hold the codes, and these each
 # group's float16 scale and low, [B, H, capacity, G]: slot tensors like the others
 CODEC_TENSORS = ("key_scale", "key_low", "value_scale", "value_low")
@@ -72,6 +72,11 @@ class SlotStorage:
     coding = None  # a SlotCoding when the slots are quantized (``core/quant.py``), else None
     _codes_for = None  # the last call's keys and values with their codes (``remember_codes``)
     window_keys = window_values = window_ordinal = None  # a float window (WINDOW_TENSORS), else None
+    # centered keys (``quant.KeyCenter``): each row's turned-back mean key per head ``[B, H, D]``
+    # (float16), else None; ``center_pending``: a row may still be waiting for its first tokens
+    key_center = None
+    center_pending = False
+    center_freq = None  # the model's rotary frequencies on the layer's device, for centered keys
     slot_tensors = SLOT_TENSORS  # the per-slot tensors every row and capacity operation moves
     stepper = None  # SlotLayer's decode stepper
     #: moves on every change of the rows or buffers that something is derived from (``changed``)
@@ -144,6 +149,7 @@ class SlotStorage:
         self.head_dims = (d, dv)
         self.coding = coding
         self.window_keys = self.window_values = self.window_ordinal = None
+        self.key_center, self.center_pending = None, False
         if coding is None:
             self.slot_tensors = SLOT_TENSORS
             self.keys = key_states.new_zeros((b, h, 0, d))
@@ -158,6 +164,10 @@ class SlotStorage:
             self.key_low = torch.zeros((b, h, 0, coding.keys.groups(d)), **scales)
             self.value_scale = torch.zeros((b, h, 0, coding.values.groups(dv)), **scales)
             self.value_low = torch.zeros((b, h, 0, coding.values.groups(dv)), **scales)
+            if coding.center is not None:
+                self.key_center = torch.zeros((b, h, d), dtype=SCALE_DTYPE, device=self.device)
+                self.center_freq = coding.center.frequencies(self.device)
+                self.center_pending = True
             if coding.window:
                 self.window_keys = key_states.new_zeros((b, h, coding.window, d))
                 self.window_values = value_states.new_zeros((b, h, coding.window, dv))
@@ -169,6 +179,11 @@ class SlotStorage:
         # heavy/recent/sinks are set by the first forward call (the prompt fixes the budget)
         self.heavy = self.recent = self.sinks = None
         self.head_heavy = None
+
+    @property
+    def centering(self) -> tuple | None:
+        """``(key_center, center_freq)`` for ``SlotCoding``'s key methods, or None: keys not centered."""
+        return None if self.key_center is None else (self.key_center, self.center_freq)
 
     # -- the keys and values as attention reads them --------------------------------------------
     def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,7 +204,7 @@ class SlotStorage:
 
     def coded_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A quantized layer's keys and values decoded from their codes, float window or not."""
-        return (self.coding.keys.decode(self.keys, self.key_scale, self.key_low, self.dtype),
+        return (self.float_keys(window=False),
                 self.coding.values.decode(self.values, self.value_scale, self.value_low, self.dtype))
 
     def banded_kv(self, slot_of_token, k_new, v_new, ordinals, allowed):
@@ -208,12 +223,14 @@ class SlotStorage:
         return (torch.cat([coded_keys, float_keys], 2), torch.cat([coded_values, float_values], 2),
                 torch.cat([allowed & ~band, allowed & band], -1))
 
-    def float_keys(self) -> torch.Tensor:
-        """The keys in the model's dtype, as ``kv()`` gives them."""
+    def float_keys(self, window: bool = True) -> torch.Tensor:
+        """The keys in the model's dtype, as ``kv()`` gives them (``window=False``: as their codes
+        give them, a float window or not)."""
         if self.coding is None:
             return self.keys
-        keys = self.coding.keys.decode(self.keys, self.key_scale, self.key_low, self.dtype)
-        if self.window_ordinal is None:
+        keys = self.coding.decode_keys((self.keys, self.key_scale, self.key_low), self.centering, self.ordinal,
+                                       self.dtype)
+        if not window or self.window_ordinal is None:
             return keys
         return self._from_window(self.window_keys, keys, *self._window_places())
 
@@ -263,13 +280,15 @@ class SlotStorage:
         a layer and a step, which on a GPU cost in launches what the arithmetic does not."""
         self._codes_for = (k_new, v_new, key_parts, value_parts)
 
-    def codes_of(self, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[tuple, tuple]:
-        """``(key parts, value parts)`` of ``k_new``/``v_new``: the remembered ones when these are
-        the very tensors they were decoded into (a slice of them, a chunk's, is coded again)."""
+    def codes_of(self, k_new: torch.Tensor, v_new: torch.Tensor, slot: torch.Tensor) -> tuple[tuple, tuple]:
+        """``(key parts, value parts)`` of ``k_new``/``v_new``, bound for ``slot`` ``[B, H, m]``
+        (whose ordinals are written: centered keys are coded by them): the remembered ones when
+        these are the very tensors they were decoded into (a slice of them, a chunk's, is coded again)."""
         kept, self._codes_for = self._codes_for, None
         if kept is not None and kept[0] is k_new and kept[1] is v_new:
             return kept[2], kept[3]
-        return self.coding.keys.encode(k_new), self.coding.values.encode(v_new)
+        ordinal = self.ordinal.gather(2, slot) if self.key_center is not None else None
+        return self.coding.encode_keys(k_new, self.centering, ordinal), self.coding.values.encode(v_new)
 
     def write_token_and_read(self, slot: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor):
         """A quantized layer's decode step in a kernel (C or Triton, dense): the new token's codes,
@@ -285,17 +304,19 @@ class SlotStorage:
         """A decode step's token (ordinal ``n_real``) into ``slot`` ``[B, H, 1]``: its key and value
         (``write_kv``), its ordinal and its float-window place; its score and liveness are the step's."""
         b = self.n_real.shape[0]
+        # first: kv() finds the window place by it, and centered keys are coded by it
+        self.ordinal.scatter_(2, slot, self.n_real.view(b, 1, 1).expand_as(slot))
         self.write_kv(slot, k_new, v_new)
-        self.ordinal.scatter_(2, slot, self.n_real.view(b, 1, 1).expand_as(slot))  # kv() finds the window place by it
         self.remember_recent(self.n_real.view(b, 1), k_new, v_new)
 
     def write_kv(self, slot: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Write token ``j``'s key and value ``[B, H, m, D]`` into slot ``slot[..., j]`` ``[B, H, m]``
-        (coded, for quantized slots; a float window is kept by ``remember_recent``)."""
+        (coded, for quantized slots, whose ordinals are written first; a float window is kept by
+        ``remember_recent``)."""
         if self.coding is None:
             parts = (("keys", k_new), ("values", v_new))
         else:
-            (k_codes, k_scale, k_low), (v_codes, v_scale, v_low) = self.codes_of(k_new, v_new)
+            (k_codes, k_scale, k_low), (v_codes, v_scale, v_low) = self.codes_of(k_new, v_new, slot)
             parts = (("keys", k_codes), ("key_scale", k_scale), ("key_low", k_low),
                      ("values", v_codes), ("value_scale", v_scale), ("value_low", v_low))
         for name, part in parts:
@@ -310,12 +331,13 @@ class SlotStorage:
             return (d + dv) * (float_itemsize or self.dtype.itemsize)
         return self.coding.bytes_per_slot(d, dv)
 
-    def store_kv(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Replace every slot's key and value by ``keys`` / ``values`` ``[B, H, capacity, D]``."""
+    def store_kv(self, keys: torch.Tensor, values: torch.Tensor, ordinal: torch.Tensor) -> None:
+        """Replace every slot's key and value by ``keys`` / ``values`` ``[B, H, capacity, D]``, the
+        tokens of ``ordinal`` ``[B, H, capacity]`` (centered keys are coded by it)."""
         if self.coding is None:
             self.keys, self.values = keys, values
             return
-        self.keys, self.key_scale, self.key_low = self.coding.keys.encode(keys)
+        self.keys, self.key_scale, self.key_low = self.coding.encode_keys(keys, self.centering, ordinal)
         self.values, self.value_scale, self.value_low = self.coding.values.encode(values)
 
     @property
@@ -428,6 +450,7 @@ class SlotStorage:
                 raise RuntimeError(f"cannot join a prefilled cache with one that has not run ({name})")
             if mine is not None:
                 setattr(self, name, torch.cat([mine, theirs.to(self.device)]))
+        self.center_pending = self.center_pending or other.center_pending
         self.changed()
 
     def add_empty_rows(self, heavy: torch.Tensor, recent: torch.Tensor, sinks: torch.Tensor) -> None:
@@ -438,6 +461,9 @@ class SlotStorage:
             old = getattr(self, name)
             setattr(self, name, torch.cat([old, old.new_zeros((k, *old.shape[1:]))]))  # zeros: free slots
         self.n_real = torch.cat([self.n_real, self.n_real.new_zeros(k)])
+        if self.key_center is not None:  # set by the new rows' first tokens (``SlotLayer._as_stored``)
+            self.key_center = torch.cat([self.key_center, self.key_center.new_zeros((k, *self.key_center.shape[1:]))])
+            self.center_pending = True
         if self.window_ordinal is not None:  # an empty window: every place holds none (-1)
             self.window_keys = torch.cat([self.window_keys, self.window_keys.new_zeros((k, *self.window_keys.shape[1:]))])
             self.window_values = torch.cat([self.window_values,

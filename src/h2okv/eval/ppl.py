@@ -58,12 +58,14 @@ class PplRow:
     kv_group: int | None = None
     key_bits: int | None = None  # the keys', where not kv_bits
     float_window: int | None = None  # quantized rows' last tokens also kept in float
+    center_keys: bool | None = None  # quantized rows' keys coded less their channel's turned mean
 
     @property
     def label(self) -> str:
         if self.kv_bits is None:
             return self.policy
         coding = f"{self.kv_bits}-bit" if self.key_bits in (None, self.kv_bits) else f"k{self.key_bits}v{self.kv_bits}"
+        coding += " centered" if self.center_keys else ""
         return f"{self.policy} {coding}" + (f" +{self.float_window} float" if self.float_window else "")
 
 
@@ -75,12 +77,16 @@ def after_fill(nll: torch.Tensor, slots: int) -> torch.Tensor:
 
 def ppl_grid(
     model, ids: torch.Tensor, policies: list[str], budgets: list[float], seed: int = 0, progress=True,
-    kv_bits: tuple = (None,), kv_group: int = DEFAULT_KV_GROUP, key_bits: int | None = None, float_window: int = 0,
+    kv_bits: tuple = (None,), coding: dict | None = None,
 ) -> tuple[list[PplRow], float]:
     """Rows for ``full`` (always measured: it is the reference) and each evicting policy x budget,
     once per ``kv_bits`` (None: the model's dtype; a number: quantized slots, ``full``'s too, which
     is quantization alone); returns ``(rows, full_ppl)``. The float ``full`` is listed only if it is
-    in ``policies``. ``key_bits``: the keys' bits in every quantized row (None: each row's kv_bits)."""
+    in ``policies``. ``coding``: the quantized rows' other keywords (``kv_group``; ``key_bits``, the
+    keys' bits, None: each row's kv_bits; ``float_window``; ``center_keys``)."""
+    coding = coding or {}
+    kv_group, key_bits = coding.get("kv_group") or DEFAULT_KV_GROUP, coding.get("key_bits")
+    float_window, center_keys = coding.get("float_window") or 0, bool(coding.get("center_keys"))
     segments, tokens = ids.shape
     evicting = [p for p in policies if policy_class(p).evicts]
     n_layers = len({i for i, _ in attention_modules(model)})
@@ -93,8 +99,9 @@ def ppl_grid(
             keys = None if bits is None else key_bits
             bar.set_postfix_str((policy if budget is None else f"{policy}@{budget:g}") + (f" {bits}-bit" if bits else ""))
             start = time.perf_counter()
-            coding = slot_coding_keywords(bits, kv_group, keys, float_window if bits is not None else 0)
-            nll, slots = streaming_nll(model, ids, policy, budget, seed, **coding)
+            keywords = slot_coding_keywords(bits, kv_group, keys, float_window if bits is not None else 0,
+                                            center_keys and bits is not None)
+            nll, slots = streaming_nll(model, ids, policy, budget, seed, **keywords)
             seconds = time.perf_counter() - start
             if full_nll is None:
                 full_nll, full_ppl = nll, perplexity(nll)
@@ -121,6 +128,7 @@ def ppl_grid(
                     kv_group=None if bits is None else kv_group,
                     key_bits=keys,
                     float_window=(float_window or None) if bits is not None else None,
+                    center_keys=(center_keys or None) if bits is not None else None,
                 )
             )
     return rows, full_ppl

@@ -61,18 +61,20 @@ class Setup:
     kv_group: int = DEFAULT_KV_GROUP  # channels per scale of quantized slots
     key_bits: int | None = None  # the keys' bits, where not kv_bits
     float_window: int = 0  # each row's last tokens also kept in float (quantized slots)
+    center_keys: bool = False  # keys coded less their channel's turned mean (quantized slots)
 
     @property
     def kv_label(self) -> str | None:
         """How the rows' slots are coded, for their label: ``4``, ``k8v4`` (keys in other bits),
         ``4/64`` (another group), or None."""
-        return coding_label(self.kv_bits, self.key_bits, self.kv_group, self.float_window)
+        return coding_label(self.kv_bits, self.key_bits, self.kv_group, self.float_window, self.center_keys)
 
     def cache_options(self, policy: str) -> dict:
         """The recipe's further cache keywords (prefill, positions...) for the recipe's own policy,
         and ``protect_prompt`` for an evicting one."""
         protect = {"protect_prompt": True} if self.protect_prompt and policy_class(policy).evicts else {}
-        protect.update(slot_coding_keywords(self.kv_bits, self.kv_group, self.key_bits, self.float_window))
+        protect.update(slot_coding_keywords(self.kv_bits, self.kv_group, self.key_bits, self.float_window,
+                                            self.center_keys))
         if self.recipe is None:
             return protect
         own, settings, _ = recipe_runs([self.recipe])[0]

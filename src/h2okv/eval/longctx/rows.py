@@ -38,7 +38,7 @@ OPTIONAL_FIELDS = ("recipe", "questions", "question_index", "prefill_tokens", "s
 
 
 # the options a recipe row's coding suffix names (never a departure from the recipe)
-CODING_OPTIONS = ("kv_bits", "key_bits", "kv_group", "float_window")
+CODING_OPTIONS = ("kv_bits", "key_bits", "kv_group", "float_window", "center_keys")
 
 
 def config_label(policy: str, cache_options: dict | None, recipe: str | None = None,
@@ -78,7 +78,8 @@ def coding_suffix(cache_options: dict | None) -> str:
     label = f"{bits}" if keys in (None, bits) else f"k{keys}v{bits}"
     label = label if group == KV_GROUP_LABELLED_BY_BITS else f"{label}/{group}"
     window = options.get("float_window")
-    return f" {label}+f{window}" if window else f" {label}"
+    label = f"{label}+f{window}" if window else label
+    return f" {label}+ck" if options.get("center_keys") else f" {label}"
 
 
 def make_row(**fields) -> dict:
