@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from h2okv.budget_spec import DEFAULT_BUDGET_FLOOR, DEFAULT_RECENT_SHARE, budget_of  # noqa: F401 (re-exported)
 from h2okv.byte_budget import Geometry, budget_for_bytes, looks_like_bytes, parse_bytes_budget
 from h2okv.errors import H2OError
-from h2okv.recipes import BYTES_CODING, expand
+from h2okv.recipes import BYTES_CENTER_KEYS, BYTES_CODING, expand
 from h2okv.vocabulary import SettingError
 
 # the defaults that other modules also name; kept here so importing them loads no torch
@@ -133,9 +133,10 @@ class CacheSettings:
     float_window: int = _setting(0, "with --kv-bits: each sequence's last N tokens also kept in the model's dtype, "
                                     "read from there until newer ones take their place, then from their codes "
                                     "(KIVI's full-precision recent window)", kind="int")
-    center_keys: bool = _setting(False, "with --kv-bits: code each key less its channel's mean over the sequence's "
-                                        "first 256 tokens, turned to the key's position (a RoPE model's key bias is "
-                                        "then not coded: 4-bit keys at 8-bit keys' perplexity)", kind="switch")
+    center_keys: bool | None = _setting(
+        None, "with --kv-bits: code each key less its channel's mean over the sequence's first 256 tokens, turned "
+              "to the key's position (a RoPE model's key offsets are then not coded: 8/4 bits read Hamlet at 1.00x "
+              "full's perplexity, not 1.03x)", kind="switch", shown="on for a budget in bytes where the model has RoPE")
     protect_prompt: bool = _setting(False, "keep the prompt whole: the budget applies to the generated tokens (the "
                                            "KV reported counts both)", kind="switch")
     #: the recipe the value was expanded from (a label: its keywords are already in the fields)
@@ -235,17 +236,20 @@ class CacheSettings:
     def for_model(self, config) -> CacheSettings:
         """The value with a budget in bytes turned into the budget a cache keeps for ``config``'s
         model (a transformers config): a fraction of each prompt or slots per layer and KV head,
-        ``bytes`` kept as what was asked. Any other value is returned as it is."""
+        ``bytes`` kept as what was asked, and the keys centered unless ``center_keys`` says otherwise
+        where the model turns them with RoPE (``BYTES_CENTER_KEYS``). Any other value is returned as it is."""
         if self.bytes is None or self.budget is not None:
             return self
         from h2okv.budget_spec import least_slots
+        from h2okv.core.rope import has_static_rope
 
         policy = self.policy_object()
         bits, keys = self.kv_bits, self.key_bits or self.kv_bits
+        center = self.center_keys if self.center_keys is not None else BYTES_CENTER_KEYS and has_static_rope(config)
         budget = budget_for_bytes(self.bytes, Geometry.of(config), keys, bits, self.kv_group,
                                   least=least_slots(policy, self.recent_share), window=self.float_window,
-                                  center=bool(self.center_keys))
-        return dataclasses.replace(self, budget=budget)
+                                  center=center)
+        return dataclasses.replace(self, budget=budget, center_keys=center)
 
     def _check_kv_bits(self, rolling: bool) -> None:
         window = self.float_window

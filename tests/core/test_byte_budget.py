@@ -77,8 +77,11 @@ def test_a_fraction_of_bytes_buys_that_share_of_a_16_bit_cache(model):
     cache = H2OCache(model, bytes=0.1)
     assert cache.settings.budget == pytest.approx(0.1 / share)  # 22.9% of the tokens in 8/4 bits
     stats = run(model, cache)
-    assert stats["kv_coding"] == "8-bit keys, 4-bit values"
-    assert 0.09 <= stats["kv_share_16bit"] <= 0.1 + 1e-9, stats["kv_share_16bit"]
+    # a RoPE model's keys are centered by default: one 16-bit mean key per layer and KV head on top,
+    # a share of 1 / (2 x tokens) of a full 16-bit cache
+    assert stats["kv_coding"] == "8-bit keys, 4-bit values, keys centered" and stats["center_keys"]
+    slack = 1 / (2 * stats["tokens_seen"])
+    assert 0.09 <= stats["kv_share_16bit"] <= 0.1 + slack + 1e-9, stats["kv_share_16bit"]
     assert "bytes" in stats["settings"] and stats["settings"]["bytes"] == 0.1
     # a fraction beyond what every token costs keeps every token (coded), never more bytes
     everything = H2OCache(model, bytes=0.9, budget_floor=0)
@@ -90,14 +93,16 @@ def test_a_fraction_of_bytes_buys_that_share_of_a_16_bit_cache(model):
 def test_bytes_per_sequence_buy_slots_per_layer_and_head(model):
     geometry = Geometry.of(model.config)
     slot = geometry.slot_bytes(8, 4, 32)
-    # 64 slots, the next token's slot beside them, and change
-    asked = 65 * geometry.layers * geometry.kv_heads * slot + slot - 1
+    # 64 slots, the next token's slot beside them, the centered keys' means (a 16-bit key per layer
+    # and KV head: a RoPE model's keys are centered by default), and change
+    means = geometry.layers * geometry.kv_heads * geometry.key_dim * 2
+    asked = 65 * geometry.layers * geometry.kv_heads * slot + means + slot - 1
     cache = H2OCache(model, budget=f"{asked}B")
     assert cache.settings.budget == 64 and cache.settings.bytes == asked
     stats = run(model, cache)
     assert stats["kv_bytes"] <= asked and set(stats["budget"]) == {64}
     with pytest.raises(H2OError, match="holds 1 slot"):
-        H2OCache(model, bytes=2 * geometry.layers * geometry.kv_heads * slot + 1)  # h2o needs a heavy and a recent slot
+        H2OCache(model, bytes=2 * geometry.layers * geometry.kv_heads * slot + means + 1)  # h2o needs a heavy and a recent slot
     assert budget_for_bytes(10 * geometry.layers * geometry.kv_heads * slot, geometry, 8, 4, 32) == 9
     windowed = H2OCache(model, budget=f"{asked}B", float_window=8)  # the window's 16-bit tokens come first
     stats = run(model, windowed)
@@ -111,6 +116,7 @@ def test_every_recipe_takes_a_budget_in_bytes(model, recipe):
     assert cache.settings.kv_bits == 4 and cache.settings.key_bits == 8
     # kvzip's tail sits above its budget (its stated slack, RESULTS); the others hold the bytes asked
     slack = stats["above_budget_tokens"] / stats["tokens_seen"] * (stats["kv_share_16bit"] / stats["kv_share"])
+    slack += 1 / (2 * stats["tokens_seen"]) if stats["center_keys"] else 0.0  # the means: a key a layer and head
     assert stats["kv_share_16bit"] <= 0.1 + slack + 1e-9, (recipe, stats["kv_share_16bit"])
 
 
@@ -124,9 +130,13 @@ def test_the_server_turns_its_bytes_into_slots_once_the_model_is_loaded(model):
         server.resolve(1000)
     served = server.for_model(model.config)
     policy, heavy, recent = served.resolve(1000)
-    assert heavy + recent == (4 << 20) // (geometry.layers * geometry.kv_heads * geometry.slot_bytes(8, 4, 32)) - 1
+    per_layer_head = geometry.layers * geometry.kv_heads
+    means = per_layer_head * geometry.key_dim * 2  # centered keys' means, a 16-bit key a layer and head
+    assert heavy + recent == ((4 << 20) - means) // (per_layer_head * geometry.slot_bytes(8, 4, 32)) - 1
     # every request's cache is coded as the bytes were counted, and admitted by a coded slot's bytes
-    assert served.cache_options()[EVERY_POLICY] == {"kv_bits": 4, "kv_group": 32, "key_bits": 8}
+    assert served.cache_options()[EVERY_POLICY] == {"kv_bits": 4, "kv_group": 32, "key_bits": 8, "center_keys": True}
+    plain = EvictionDefaults.from_options(recipe="bounded", budget="4MiB", center_keys=False).for_model(model.config)
+    assert plain.cache_options()[EVERY_POLICY] == {"kv_bits": 4, "kv_group": 32, "key_bits": 8}
     # a request's own budget is slots or a fraction: bytes are the server's to set (a 400 naming h2o.budget)
     with pytest.raises(SettingError) as err:
         served.resolve(1000, budget={"budget": "4MiB"})

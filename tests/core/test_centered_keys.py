@@ -32,9 +32,10 @@ def test_a_mean_is_turned_as_the_model_s_rope_turns_a_key():
     ordinal = torch.randint(0, 900, (2, 3, 7))
     want = mean[:, :, None, :].expand(2, 3, 7, 16).contiguous()
     rope.rotate_(want, ordinal)
-    torch.testing.assert_close(center.offset((mean, freq), ordinal), want, atol=1e-6, rtol=1e-5)
+    # float32 angles (``KeyCenter.frequencies``): ordinal 900's rounding, ~1e-4 of a radian
+    torch.testing.assert_close(center.offset((mean, freq), ordinal), want, atol=1e-3, rtol=1e-3)
     turned = center.turn(want, ordinal, freq, -1.0)  # and back: the mean at every position
-    torch.testing.assert_close(turned, mean[:, :, None, :].expand_as(turned), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(turned, mean[:, :, None, :].expand_as(turned), atol=1e-3, rtol=1e-3)
 
 
 def test_a_row_s_mean_is_its_first_real_tokens_before_their_turn():
@@ -181,3 +182,16 @@ def test_settings_it_cannot_run_are_refused_in_one_line(model_kind, settings, me
     model = tiny_model(model_kind, layers=1, max_position_embeddings=1024)
     with pytest.raises(H2OError, match=message):
         H2OCache(model, **{"policy": "h2o", "budget": 16, **settings})
+
+
+def test_a_budget_in_bytes_centers_the_keys_where_the_model_has_rope():
+    ids = random_ids(80, batch=1, seed=6)
+    for kind, centered in (("qwen2", True), ("opt", False)):  # OPT has learned positions: nothing to turn
+        model = tiny_model(kind, layers=1, max_position_embeddings=1024)
+        cache = H2OCache(model, policy="h2o", bytes=0.3)
+        greedy(model, ids, cache, new=2)
+        assert cache.settings.center_keys is centered and cache.stats()["center_keys"] is centered
+        assert (cache.layers[0].key_center is not None) is centered
+    model = tiny_model("qwen2", layers=1, max_position_embeddings=1024)
+    assert H2OCache(model, policy="h2o", bytes=0.3, center_keys=False).settings.center_keys is False
+    assert H2OCache(model, policy="h2o", budget=0.3, kv_bits=4).settings.center_keys is None  # bits given: as given

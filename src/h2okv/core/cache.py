@@ -353,7 +353,7 @@ class H2OCache(Cache):
             return None
         label = (f"{s.kv_bits}-bit slots" if s.key_bits in (None, s.kv_bits)
                  else f"{s.key_bits}-bit keys, {s.kv_bits}-bit values")
-        label += ", keys centered" if s.center_keys else ""
+        label += ", keys centered" if self.layer_config.coding.center is not None else ""
         return label + (f", the last {s.float_window} tokens also in float" if s.float_window else "")
 
     def stats(self) -> dict:
@@ -392,6 +392,8 @@ class H2OCache(Cache):
             # layer of uneven head budgets holds for every head)
             "kv_share": kv / full if full else 1.0,
             "kv_bits": self.settings.kv_bits,  # quantized slots (None: the model's dtype)
+            # keys coded less their turned mean (``center_keys``; by default for a budget in bytes)
+            "center_keys": self.layer_config.coding is not None and self.layer_config.coding.center is not None,
             "kv_coding": self._coding_label(),
             "full_kv_bytes_16bit": full_16,
             # what this cache would hold in a 16-bit model (float slots at 2 bytes, coded ones as

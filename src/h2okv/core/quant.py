@@ -155,26 +155,29 @@ class KeyCenter:
     first: int = CENTER_TOKENS
 
     def frequencies(self, device) -> torch.Tensor:
-        """The frequencies as a tensor on ``device``, float64 where it runs (``RopeRotation.rotate_``'s
-        reason: a far position's fractional turn); a layer builds it once (``SlotStorage.center_freq``)."""
-        wide = torch.float64 if torch.device(device).type in ("cpu", "cuda") else torch.float32
-        return torch.tensor(self.inv_freq, dtype=wide, device=device)
+        """The frequencies as a float32 tensor on ``device`` (a layer builds it once:
+        ``SlotStorage.center_freq``). float32 angles, not the float64 that ``RopeRotation`` turns
+        keys with: the turn only has to be the same when a key is coded and when it is read (both
+        form it from the slot's ordinal alike), and at far positions its rounding (a few thousandths
+        of a radian at 32k) only centers a little less exactly. Half the cost of a step's turn."""
+        return torch.tensor(self.inv_freq, dtype=torch.float32, device=device)
 
     @staticmethod
     def turn(x: torch.Tensor, ordinal: torch.Tensor, freq: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
-        """``x`` ``[B, H, n, D]`` (float32) turned to positions ``sign * ordinal`` ``[B, H, n]`` at
-        frequencies ``freq`` (``frequencies``), a new tensor."""
+        """``x`` ``[B, H, n, D]`` or ``[B, H, 1, D]`` (float32) turned to positions ``sign * ordinal``
+        ``[B, H, n]`` at frequencies ``freq`` (``frequencies``): a new ``[B, H, n, D]`` tensor."""
         half = freq.numel()
         angle = (ordinal.to(freq.dtype) * sign)[..., None] * freq
-        cos, sin = angle.cos().float(), angle.sin().float()
-        first, second = x[..., :half], x[..., half:2 * half]
-        return torch.cat([first * cos - second * sin, second * cos + first * sin, x[..., 2 * half:]], dim=-1)
+        cos, sin = angle.cos(), angle.sin()
+        first, second, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+        rest = rest.expand(*angle.shape[:-1], rest.shape[-1])  # channels past the rotary ones stay
+        return torch.cat([first * cos - second * sin, second * cos + first * sin, rest], dim=-1)
 
     def offset(self, centering: tuple, ordinal: torch.Tensor) -> torch.Tensor:
         """A layer's ``(mean [B, H, D], freq)`` (``SlotStorage.centering``), the mean turned to each
-        slot's ordinal ``[B, H, n]``: ``[B, H, n, D]`` float32."""
+        slot's ordinal ``[B, H, n]``: ``[B, H, n, D]`` float32 (the mean broadcast, never copied per slot)."""
         mean, freq = centering
-        return self.turn(mean.float()[:, :, None, :].expand(*ordinal.shape, mean.shape[-1]), ordinal, freq)
+        return self.turn(mean.float()[:, :, None, :], ordinal, freq)
 
     def mean_of(self, keys: torch.Tensor, ordinal: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
         """``[B, H, D]``: each row's mean key before the turn over its tokens of ordinal below

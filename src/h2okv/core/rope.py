@@ -39,6 +39,14 @@ def rotary_module(model):
     return rotary
 
 
+def has_static_rope(config) -> bool:
+    """Whether a (transformers) config's model turns its keys with a RoPE of fixed frequencies
+    (``STATIC_ROPE``), read from the config alone (``RopeRotation.from_model`` checks the model)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    params = getattr(config, "rope_parameters", None)
+    return isinstance(params, dict) and params.get("rope_type", "default") in STATIC_ROPE
+
+
 def _rope_type(config) -> str:
     params = getattr(config, "rope_parameters", None) or {}
     return params.get("rope_type", "default") if isinstance(params, dict) else "default"
