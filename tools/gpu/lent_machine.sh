@@ -87,7 +87,12 @@ bench)
     timeout 60 $FAST python3 -m h2okv.cli bench --device cuda --policies h2o --kv-bits 4 --key-bits 8 \
         --scoring-tokens 256 --no-progress --json "$KEEP/bench-quantized-8-4-cuda.json" 2>&1 \
         | grep -v "Loading weights" | grep "^| h2o \|^| reference "
-    echo "bench --kv-bits took $(( $(date +%s) - start )) s"
+    echo "bench --kv-bits took $(( $(date +%s) - start )) s"; start=$(date +%s)
+    # ... with centered keys (what a budget in bytes codes now): the mean's turn of every kept key
+    timeout 60 $FAST python3 -m h2okv.cli bench --device cuda --policies h2o --kv-bits 4 --key-bits 8 --center-keys \
+        --scoring-tokens 256 --no-progress --json "$KEEP/bench-quantized-8-4-centered-cuda.json" 2>&1 \
+        | grep -v "Loading weights" | grep "^| h2o \|^| reference "
+    echo "bench --center-keys took $(( $(date +%s) - start )) s"
     ;;
 longctx)
     # the test split past what the CPU grid reaches, bf16, within LONG_BUDGET seconds in all; each cell
