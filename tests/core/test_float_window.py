@@ -151,8 +151,13 @@ def test_bytes_per_sequence_pay_for_the_window_first_and_a_fraction_cannot_hold_
     cost = geometry.layers * geometry.kv_heads * 16 * geometry.full_slot_bytes()
     slot = geometry.slot_bytes(8, 4, 8)
     assert windowed == (asked - cost) // (geometry.layers * geometry.kv_heads * slot) - 1 < plain
-    settings = CacheSettings.build("h2o", bytes=asked, kv_bits=4, key_bits=8, kv_group=8, float_window=16)
+    settings = CacheSettings.build("h2o", bytes=asked, kv_bits=4, key_bits=8, kv_group=8, float_window=16,
+                                   center_keys=False)
     assert settings.for_model(lm.config).budget == windowed
+    # centered keys (a budget in bytes' default on a RoPE model) also pay for their means first
+    centered = CacheSettings.build("h2o", bytes=asked, kv_bits=4, key_bits=8, kv_group=8, float_window=16)
+    means = geometry.layers * geometry.kv_heads * geometry.key_dim * 2
+    assert centered.for_model(lm.config).budget == (asked - cost - means) // (geometry.layers * geometry.kv_heads * slot) - 1
     with pytest.raises(H2OError, match="a float window holds 16 tokens"):
         CacheSettings.build("h2o", bytes=0.1, float_window=16)
     with pytest.raises(H2OError, match="beside a float window of 4096 tokens"):
