@@ -140,16 +140,18 @@ class KeyCenter:
     """Keys coded less their channel's mean, turned to each key's position (``center_keys``).
 
     A model with a key bias (Qwen2.5's) gives some channels a large constant offset before the
-    rotary turn (the bias alone explains the first layer's; the tokens' mean, the others' too). Coded per token, that offset sets the group's range and 4 bits lose the small
-    channels (2.2x the 0.5B's perplexity, ``docs/RESULTS.md``). Per row and KV head, the mean of
-    the row's first ``first`` keys (256, at most the cache's chunk: taken from its first call, so a
-    server that reads a prompt a chunk a call gets the mean a whole call gets) taken back before their turn (``mean``, float16, kept beside the
-    slots) is turned to each slot's position and taken from its key before coding, and put back when
-    read: only the residual is coded, and a slot still codes alone, so eviction touches nothing.
-    Encoding and decoding turn the mean by the slot's ordinal, so they agree whatever positions the
-    model gave (a constant shift of the positions only shifts the mean's turn with them).
-    ``inv_freq``: the model's rotary frequencies (rotate-half pairs over the first
-    ``2 * len(inv_freq)`` channels, ``core/rope.py``), a tuple so that codings compare by value."""
+    rotary turn (the bias alone explains the first layer's; the tokens' mean, the later layers' too).
+    Coded per token, that offset sets the group's range and 4 bits lose the small channels (2.2x the
+    0.5B's perplexity, ``docs/RESULTS.md``). Per row and KV head, the mean of the row's first
+    ``first`` keys taken back before their turn (``mean``, float16, kept beside the slots) is turned
+    to each slot's position and taken from its key before coding, and put back when read: only the
+    residual is coded, and a slot still codes alone, so eviction touches nothing. ``first`` is 256,
+    at most the cache's chunk: the mean comes from a row's first call, so a server that reads a
+    prompt a chunk a call gets the mean a whole call gets. Encoding and decoding turn the mean by
+    the slot's ordinal, so they agree whatever positions the model gave (a constant shift of the
+    positions only shifts the mean's turn with them). ``inv_freq``: the model's rotary frequencies
+    (rotate-half pairs over the first ``2 * len(inv_freq)`` channels, ``core/rope.py``), a tuple so
+    that codings compare by value."""
 
     inv_freq: tuple[float, ...]
     first: int = CENTER_TOKENS

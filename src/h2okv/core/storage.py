@@ -25,7 +25,7 @@ import torch
 
 from h2okv.core.quant import SCALE_DTYPE
 
-# per-slot tensors [B, H, capacity(, D)] and per-row vectors [B]
+# per-slot tensors [B, H, capacity(, D)] and per-row tensors [B(, ...)] (``key_center``: [B, H, D])
 SLOT_TENSORS = ("keys", "values", "score", "ordinal", "valid")
 ROW_VECTORS = ("n_real", "heavy", "recent", "sinks", "head_heavy", "key_center")
 # quantized slots (``core/quant.py``): ``keys`` and ``values`` hold the codes, and these each
