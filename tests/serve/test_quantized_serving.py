@@ -47,6 +47,8 @@ def test_a_quantized_engine_gives_each_request_its_tokens_alone_and_admits_by_co
 
     engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, max_batch=8), cache_options=cache_options)
     assert engine.slot_bytes == coded_bytes
+    # centered keys' means, a float16 key per layer and head, are admitted as slots per sequence
+    assert engine.sequence_slots == (-(-2 * head_dim // per_slot) if centered else 0)
     engine.start()
     try:
         handles = [engine.submit(GenerationRequest(prompt(n, i), steps, policy, heavy, recent, temperature=0.0,
@@ -98,9 +100,9 @@ def test_a_float_window_is_admitted_as_bytes_per_sequence_and_each_request_gets_
     assert sum(layer.window_bytes() for layer in held.layers) == window  # what a sequence's window holds
     assert bytes_per_slot(model, **windowed) == bytes_per_slot(model, **CODING)  # a slot costs what it did
     engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, max_batch=8), cache_options=cache_options)
-    assert engine.window_slots == -(-window // engine.slot_bytes)  # counted from the config, no forward
+    assert engine.sequence_slots == -(-window // engine.slot_bytes)  # counted from the config, no forward
     request = GenerationRequest(prompt(40, 0), 12, "h2o", 6, 6, temperature=0.0, ignore_eos=True)
-    assert engine.reservation(request).slots == 13 + engine.window_slots  # budget + the next token's + the window
+    assert engine.reservation(request).slots == 13 + engine.sequence_slots  # budget + the next token's + the window
     engine.start()
     try:
         _, done = engine.submit(request).result_blocking()

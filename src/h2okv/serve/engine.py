@@ -48,7 +48,7 @@ from h2okv.policies import make_policy, policy_class
 from h2okv.serve.errors import ErrorKind, ServeError
 from h2okv.serve.eviction import EVERY_POLICY
 from h2okv.serve.executor import Executor
-from h2okv.serve.memory import Reservation, prefill_chunks, reservation, window_slots
+from h2okv.serve.memory import Reservation, per_sequence_slots, prefill_chunks, reservation
 from h2okv.serve.outputs import Output, choose, eos_ids
 from h2okv.serve.prefix import Entry, PrefixIndex, block_checkpoints
 from h2okv.serve.sampling import GREEDY_BELOW, INVALID, argmax_ids
@@ -268,8 +268,9 @@ class Engine:
         self.detokenize = plain_decoder(tokenizer)
         self.device = model.device
         self.slot_bytes = self.executor.slot_bytes()
-        # a float window (``float_window``) is bytes per sequence: admitted as that many slots more
-        self.window_slots = window_slots(model, **self.cache_options.get(EVERY_POLICY, {}))
+        # a float window (``float_window``) and centered keys' means are bytes per sequence: admitted
+        # as that many slots more
+        self.sequence_slots = per_sequence_slots(model, **self.cache_options.get(EVERY_POLICY, {}))
         self.scheduler = Scheduler(options.schedule, options.kv_memory, self.slot_bytes, options.max_batch,
                                    options.step_tokens)
         # HF fast tokenizers are not safe to share across threads; reentrant: a plain request's handle
@@ -310,7 +311,7 @@ class Engine:
         if budget is not None:  # kvzip keeps up to ``tail`` tokens read after its ranking on top of it
             budget += make_policy(request.policy).slots_above_budget
         return reservation(len(request.prompt_ids), request.max_tokens, budget, self.chunk_for(request),
-                           self.window_slots)
+                           self.sequence_slots)
 
     def reads_question(self, request: GenerationRequest) -> bool:
         """Does this request's policy rank its prompt with the question in view? A late prefill

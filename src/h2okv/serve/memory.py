@@ -54,17 +54,19 @@ def bytes_per_slot(model, **coding) -> int:
                for layer in _measured_layers(model, coding))
 
 
-def window_slots(model, **coding) -> int:
-    """A sequence's float window as the slots a request is admitted by: its tokens at the model's
-    width over a coded slot's bytes, rounded up. A ratio of one head's bytes, so it holds whatever
+def per_sequence_slots(model, **coding) -> int:
+    """What a sequence holds beside its slots, as the slots a request is admitted by: a float
+    window's tokens at the model's width, and centered keys' means (a float16 key per layer and
+    head), over a coded slot's bytes, rounded up. A ratio of one head's bytes, so it holds whatever
     share of the heads a tensor-parallel rank keeps, and it needs no forward (no collective)."""
-    window = coding.get("float_window") or 0
-    if not window:
+    window, center = coding.get("float_window") or 0, bool(coding.get("center_keys"))
+    if not window and not center:
         return 0
     geometry = Geometry.of(model.config)
     group = min(coding.get("kv_group", DEFAULT_KV_GROUP), geometry.key_dim)
     coded = geometry.slot_bytes(coding.get("key_bits") or coding["kv_bits"], coding["kv_bits"], group)
-    return -(-window * (geometry.key_dim + geometry.value_dim) * model.dtype.itemsize // coded)
+    held = window * (geometry.key_dim + geometry.value_dim) * model.dtype.itemsize + (2 * geometry.key_dim if center else 0)
+    return -(-held // coded)
 
 
 def prefill_chunks(prompt_len: int, chunk: int) -> list[tuple[int, int]]:
