@@ -198,9 +198,10 @@ def test_the_c_step_on_quantized_slots_equals_the_tensor_op_step(policy, coding,
         assert torch.equal(mine.keys[prompt], theirs.keys[prompt])
 
 
-@pytest.mark.parametrize("policy, budget, cuts", [("h2o", 16, (24, 30)), ("rkv", 16, (24, 30)),
-                                                  ("h2o", 40, (24, 30))])  # 40: rows fill up first (general)
-def test_the_triton_step_on_quantized_slots_equals_the_tensor_op_step(policy, budget, cuts, monkeypatch):
+@pytest.mark.parametrize("policy, budget, cuts, centered", [("h2o", 16, (24, 30), False), ("rkv", 16, (24, 30), False),
+                                                            ("h2o", 40, (24, 30), False),  # 40: rows fill up first (general)
+                                                            ("h2o", 16, (24, 30), True)])  # centered keys (quant.KeyCenter)
+def test_the_triton_step_on_quantized_slots_equals_the_tensor_op_step(policy, budget, cuts, centered, monkeypatch):
     """The fused Triton decode step (under the interpreter on a CPU) over a quantized layer's float
     copy, step by step from one state: eager's logits, kept sets and codes.
 
@@ -232,7 +233,8 @@ def test_the_triton_step_on_quantized_slots_equals_the_tensor_op_step(policy, bu
                 layer.changed()
             return model(ids[:, t:t + 1], **cache_arg(cache)).logits
 
-    cache = H2OCache(model, policy=policy, budget=budget, kv_bits=4, key_bits=8, kv_group=8, float_window=4)
+    cache = H2OCache(model, policy=policy, budget=budget, kv_bits=4, key_bits=8, kv_group=8, float_window=4,
+                     center_keys=centered)
     with use_kernels("eager"), torch.inference_mode():
         model(ids[:, :cuts[0]], **cache_arg(cache))
     for t in range(cuts[0], cuts[1]):
