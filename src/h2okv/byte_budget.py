@@ -109,15 +109,14 @@ def budget_for_bytes(asked: int | float, geometry: Geometry, key_bits: int, valu
     if isinstance(asked, float):
         return min(1.0, asked * geometry.full_slot_bytes() / slot)
     per_layer_head = geometry.layers * geometry.kv_heads
-    asked -= per_layer_head * (window * geometry.full_slot_bytes() + (geometry.key_dim * 2 if center else 0))
+    # what a sequence holds beside its slots: the window's tokens, the means (a float16 key each)
+    beside = per_layer_head * (window * geometry.full_slot_bytes() + (geometry.key_dim * 2 if center else 0))
     # a layer holds one slot more than its budget, the next token's (written, then the step evicts)
-    slots = max(asked, 0) // (per_layer_head * slot) - 1
+    slots = max(asked - beside, 0) // (per_layer_head * slot) - 1
     if slots < least:
         raise SettingError("{bytes} {got} holds {slots} slot(s) per layer and KV head ({slot} bytes each over {layers} "
                            "layers x {heads} KV heads{beside}); this policy needs at least {least}: give more bytes",
-                           got=asked + per_layer_head * (window * geometry.full_slot_bytes()
-                                                         + (geometry.key_dim * 2 if center else 0)),
-                           slots=max(slots, 0),
+                           got=asked, slots=max(slots, 0),
                            slot=slot, layers=geometry.layers, heads=geometry.kv_heads, least=least,
                            beside=f", beside a float window of {window} tokens" if window else "")
     return int(slots)

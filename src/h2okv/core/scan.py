@@ -103,11 +103,12 @@ def token_scan(layer, query, key_new, value_new, scaling) -> torch.Tensor:
     g = hq // hkv
     device = layer.device
     window = layer.window_ordinal.shape[1] if layer.window_ordinal is not None else 0
+    n0 = int(layer.n_real[0])
+    new_ord = (n0 + torch.arange(n, device=device)).expand(b, hkv, n)
     if window:  # each query reads its own last W tokens in float (``storage.banded_kv``), older ones coded
         coded_keys, coded_values = layer.coded_kv()
         held_keys, held_values = layer.with_window(coded_keys, coded_values)
-        new_ordinal = (layer.n_real[:, None, None] + torch.arange(n, device=device)).expand(b, hkv, n)
-        _, coded_new = layer.coding.encode_and_decode_keys(key_new, layer.centering, new_ordinal)
+        _, coded_new = layer.coding.encode_and_decode_keys(key_new, layer.centering, new_ord)
         coded_keys = torch.cat([coded_keys, coded_new], dim=2)
         coded_values = torch.cat([coded_values, layer.coding.values.roundtrip(value_new)], dim=2)
     else:
@@ -115,12 +116,10 @@ def token_scan(layer, query, key_new, value_new, scaling) -> torch.Tensor:
     keys = torch.cat([held_keys, key_new], dim=2)
     values = torch.cat([held_values, value_new], dim=2)
     total = cap + n
-    n0 = int(layer.n_real[0])
     recent, sinks = int(layer.recent[0]), int(layer.sinks[0])
     budget = int(layer.heavy[0]) + recent
     live0 = int(layer.valid[0, 0].sum())
 
-    new_ord = (n0 + torch.arange(n, device=device)).expand(b, hkv, n)
     ordinal = torch.cat([layer.ordinal, new_ord], dim=2)
     bias = torch.full((b, hkv, total), -math.inf, device=device)
     bias[:, :, :cap].masked_fill_(layer.valid, 0.0)
