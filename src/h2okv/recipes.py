@@ -27,9 +27,9 @@ DEFAULT_RECIPE_BUDGET = 0.2
 # perplexity (their outlier channels), 4-bit values cost nothing measurable (docs/RESULTS.md).
 BYTES_CODING = {"kv_bits": 4, "key_bits": 8}
 # ... with the keys centered (``center_keys``) where the model turns them with RoPE, unless
-# center_keys=False: on Hamlet at ~10% of the bytes h2o in 8/4 bits read 1.021x full's perplexity
+# center_keys=False: on Hamlet at ~10% of the bytes h2o in 8/4 bits read 1.016x full's perplexity
 # centered against 1.048x, and RULER's dev split (2k, 50 prompts) gave `bounded` 82.8 either way;
-# 4/4 bits centered at 32% of the tokens (the same bytes) 1.044x and 83.4 (docs/RESULTS.md).
+# 4/4 bits centered at 32% of the tokens (the same bytes) 1.047x and 83.4 (docs/RESULTS.md).
 BYTES_CENTER_KEYS = True
 
 

@@ -134,9 +134,9 @@ class CacheSettings:
                                     "read from there until newer ones take their place, then from their codes "
                                     "(KIVI's full-precision recent window)", kind="int")
     center_keys: bool | None = _setting(
-        None, "with --kv-bits: code each key less its channel's mean over the sequence's first 256 tokens, turned "
-              "to the key's position (a RoPE model's key offsets are then not coded: 8/4 bits read Hamlet at 1.00x "
-              "full's perplexity, not 1.03x)", kind="switch", shown="on for a budget in bytes where the model has RoPE")
+        None, "with --kv-bits: code each key less its channel's mean over the sequence's first 256 tokens (at most "
+              "its first chunk), turned to the key's position (a RoPE model's key offsets are then not coded: 8/4 "
+              "bits read Hamlet at 0.99x full's perplexity, not 1.03x)", kind="switch", shown="on for a budget in bytes where the model has RoPE")
     protect_prompt: bool = _setting(False, "keep the prompt whole: the budget applies to the generated tokens (the "
                                            "KV reported counts both)", kind="switch")
     #: the recipe the value was expanded from (a label: its keywords are already in the fields)
