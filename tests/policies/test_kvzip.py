@@ -301,3 +301,66 @@ def test_a_planted_number_survives_whole_with_a_kernel():
         smoothed = make_policy(spec).smooth_probe(scores.clone(), ordinal, valid)
         top = set(smoothed[0, 0].topk(len(want)).indices.tolist())
         assert top == want, spec
+
+
+def question_only_scores(ids, question):
+    """``[layers, KV heads, n]``: each token's largest probability from the prompt's own last
+    ``question`` queries (any query head of its KV head's group), no probe read."""
+    model, n = gqa_model(eager=True), ids.shape[1]
+    with torch.inference_mode():
+        attentions = model(input_ids=ids, output_attentions=True).attentions
+    return torch.stack([a[0, :, n - question:, :n].amax(dim=1).view(2, 2, n).amax(1) for a in attentions])
+
+
+def test_a_prompt_past_probe_upto_is_ranked_by_its_question_alone(monkeypatch):
+    """``kvzip:question=W,probe_upto=N``: a prompt of at most N tokens is ranked as without the
+    option (the probe read); a longer one reads no probe and keeps the reference's top tokens of
+    the question's attention alone, which differ from the probe's (else the test proves nothing)."""
+    import h2okv.core.reconstruction as reconstruction
+
+    torch.manual_seed(0)
+    ids = torch.randint(2, 90, (1, 60))
+    probe_calls = []
+    real = reconstruction.cache_arg
+    monkeypatch.setattr(reconstruction, "cache_arg", lambda cache: probe_calls.append(1) or real(cache))
+    short = read_and_rank(gqa_model(), ids, heavy=10, recent=4, policy="kvzip:question=2,probe_upto=60")
+    assert probe_calls and [kept(layer) for layer in short.layers] == reference_kept(ids, 10, 4, question=2)
+    probe_calls.clear()
+    long = read_and_rank(gqa_model(), ids, heavy=10, recent=4, policy="kvzip:question=2,probe_upto=59")
+    assert not probe_calls
+    want = []
+    for layer_scores in question_only_scores(ids, 2):
+        heads = []
+        for s in layer_scores.clone():
+            s[:SINKS] = s[60 - 4:] = float("inf")
+            heads.append(sorted(s.topk(14).indices.tolist()))
+        want.append(heads)
+    assert [kept(layer) for layer in long.layers] == want
+    assert want != reference_kept(ids, 10, 4, question=2)
+    assert long.get_seq_length() == 60
+
+
+def test_question_kernel_pools_the_question_scores_of_a_long_prompt():
+    """Past ``probe_upto`` each token ranks by the best question score of the ``question_kernel``
+    tokens around it: the kept slots' scores are those pooled maxima, and no evicted candidate
+    (outside the sinks and the recent window) scores above a kept one."""
+    torch.manual_seed(0)
+    ids = torch.randint(2, 90, (1, 60))
+    cache = read_and_rank(gqa_model(), ids, heavy=10, recent=4, policy="kvzip:question=6,probe_upto=8,question_kernel=5")
+    raw = question_only_scores(ids, 6)
+    pooled = torch.nn.functional.max_pool1d(raw.flatten(0, 1)[:, None], 5, stride=1, padding=2)[:, 0].view_as(raw)
+    for layer, scores in zip(cache.layers, pooled, strict=True):
+        layer.to_dense()
+        for h in range(2):
+            live = layer.valid[0, h]
+            ordinals = layer.ordinal[0, h][live]
+            torch.testing.assert_close(layer.score[0, h][live], scores[h][ordinals], rtol=1e-4, atol=1e-6)
+            candidates = [t for t in range(SINKS, 60 - 4)]
+            kept_here = [t for t in ordinals.tolist() if t in candidates]
+            dropped = [t for t in candidates if t not in kept_here]
+            assert min(scores[h][kept_here]) >= max(scores[h][dropped]) - 1e-6
+
+
+def test_probe_upto_needs_the_question():
+    with pytest.raises(H2OError, match="probe_upto .* give question=W"):
+        H2OCache(gqa_model(), policy="kvzip:probe_upto=100", heavy=10, recent=4, prefill="late")

@@ -18,12 +18,17 @@ ORDER = {"full": (), "h2o": ("decay", "heads"), "local": (), "sink": (), "random
          "h2o-sink": ("decay", "heads"), "h2o-mean": ("decay", "heads"),
          "snapkv": ("window", "kernel", "pool", "chunk", "decay", "heads"), "knorm": ("heads",),
          "rkv": ("weight", "decay", "kernel", "copies", "heads"), "expected": ("future", "sinks", "heads"),
-         "kvzip": ("kernel", "tail", "question", "tail_in_budget", "heads")}
+         "kvzip": ("kernel", "tail", "question", "tail_in_budget", "probe_upto", "question_kernel", "heads")}
 # a valid value other than the default, and one its check refuses, for every option
 OTHER = {"decay": 0.75, "heads": "shared", "window": 8, "kernel": 3, "pool": "max", "chunk": 4, "weight": 0.5,
-         "copies": 0.5, "future": 16, "sinks": 2, "tail": 12, "question": 4, "tail_in_budget": 1}
+         "copies": 0.5, "future": 16, "sinks": 2, "tail": 12, "question": 4, "tail_in_budget": 1, "probe_upto": 4096,
+         "question_kernel": 31}
 REFUSED = {"decay": 0.0, "heads": "all", "window": 0, "kernel": 4, "pool": "mean", "chunk": -1, "weight": 1.5,
-           "copies": 1.0, "future": 0, "sinks": -1, "tail": -1, "question": -2, "tail_in_budget": 2}
+           "copies": 1.0, "future": 0, "sinks": -1, "tail": -1, "question": -2, "tail_in_budget": 2, "probe_upto": -1,
+           "question_kernel": 2}
+# what an option is given beside it, where it means nothing alone (kvzip ranks a prompt past probe_upto
+# by its question's attention)
+NEEDS = {"probe_upto": {"question": 4}}
 EACH_OPTION = [(name, opt) for name, cls in POLICIES.items() for opt in cls.options()]
 
 
@@ -51,8 +56,9 @@ def test_defaults_come_from_the_fields(name):
 @pytest.mark.parametrize("name, opt", EACH_OPTION, ids=[f"{n}-{o.name}" for n, o in EACH_OPTION])
 def test_a_spec_round_trips_with_each_option_changed(name, opt):
     cls = POLICIES[name]
-    by_spec = make_policy(f"{name}:{opt.name}={OTHER[opt.name]}")
-    by_keyword = cls(**{opt.name: OTHER[opt.name]})
+    needs = NEEDS.get(opt.name, {})
+    by_spec = make_policy(",".join([f"{name}:{opt.name}={OTHER[opt.name]}", *(f"{k}={v}" for k, v in needs.items())]))
+    by_keyword = cls(**{opt.name: OTHER[opt.name]}, **needs)
     assert getattr(by_spec, opt.name) == OTHER[opt.name] != opt.default
     assert f"{opt.name}={OTHER[opt.name]}" in by_spec.spec.split(":")[1].split(",")
     for policy in (by_spec, by_keyword):

@@ -124,6 +124,11 @@ DEV_PIECES = [
     dev("bounded-k63-6k", "--policies", "snapkv:kernel=63,pool=max", "--cache-option", "prefill=streamed",
         "--cache-option", "recent_share=0.078"),
     dev("document-6k", "--policies", "none", "--recipe", "document", "--question", "agnostic"),
+    # `prompt` without the reconstruction pass past 4k tokens: the question's attention alone, pooled
+    # over bounded's kernel (31); the rest of the recipe as it is
+    dev("prompt-question-only-6k", "--policies", "kvzip:question=32,probe_upto=4096,question_kernel=31",
+        "--cache-option", "prefill=late", "--cache-option", "head_budgets=layers", "--cache-option", "head_floor=0",
+        "--cache-option", "recent_share=0.01"),
 ]
 
 

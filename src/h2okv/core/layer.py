@@ -464,14 +464,14 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         """The reconstruction pass begins: probe calls record each slot's best score from now on."""
         self.probe.best = torch.zeros(self.valid.shape, dtype=torch.float32, device=self.device)
 
-    def take_probe_scores(self) -> None:
+    def take_probe_scores(self, probed: bool = True) -> None:
         """The pass is over: every live slot's score becomes its reconstruction score
-        (``rank_by_probe`` evicts)."""
+        (``rank_by_probe`` evicts); ``probed`` False: no probe ran, the question's attention ranks."""
         best, self.probe.best = self.probe.best, None
         if self.config.policy.question:  # the question's attention, set by _attend_late
             best = torch.maximum(best, self.score)
         best = self.config.policy.smooth_probe(torch.where(self.valid, best, torch.zeros_like(best)), self.ordinal,
-                                               self.valid)
+                                               self.valid, probed)
         self.score.copy_(best)
 
     def stop_probe(self) -> None:

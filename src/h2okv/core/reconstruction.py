@@ -115,14 +115,16 @@ def rank_by_probes(model, cache, calls: list[torch.Tensor]) -> None:
     then evict every layer to its budget by the scores they give."""
     if not cache.policy.ranks_by_reconstruction:  # only such a policy has the probe's hooks
         raise H2OError(f"rank_by_probes ranks a cache whose policy ranks by reconstruction, not {cache.policy.spec!r}")
+    # a prompt past the policy's ``probe_upto`` is ranked by its question's attention alone
+    probed = cache.policy.runs_probe(cache.get_seq_length())
     for layer in cache.layers:
         layer.start_probe()
     try:
         with without_grad(cache):
-            for ids in calls:
+            for ids in calls if probed else ():
                 model(input_ids=ids, **cache_arg(cache), use_cache=True, logits_to_keep=1)
             for layer in cache.layers:
-                layer.take_probe_scores()
+                layer.take_probe_scores(probed)
             shares = [None] * len(cache.layers)
             if cache.head_budgets == "layers":  # KVzip's own split: the whole cache's slots by rank
                 keys, candidates = zip(*(layer.ranking() for layer in cache.layers), strict=True)

@@ -42,6 +42,12 @@ probability the probe's queries *or the question's* give it. Reconstruction keep
 needs to repeat the context (a whole UUID, a list it must count over); the question's attention
 keeps what it asks about, and the question itself.
 
+``probe_upto=N`` (default 0: always) runs the reconstruction only for a prompt of at most ``N``
+tokens; a longer one is ranked by the question's attention alone (``question=W``), each token then
+taking the best score of the ``question_kernel`` tokens around it (odd, default 1), as ``snapkv``'s
+pooling keeps a value of many tokens whole. The pass costs about one more prefill, and its probe
+grows with the prompt; where it buys nothing measured, a long prompt skips it.
+
 A cache with this policy must be ranked by ``h2okv.reconstruct`` before it decodes: a forward call
 after the prompt without one is a one-line error, never a silent full cache.
 """
@@ -50,6 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
+from h2okv.errors import H2OError
 from h2okv.policies.base import heads_option, option
 from h2okv.policies.h2o import HeavyHitters
 from h2okv.policies.pooling import pool_in_order
@@ -69,7 +76,21 @@ class KVzipPolicy(ReconstructionPolicy, HeavyHitters):
     tail: int = option(256, check=lambda v: v >= 0, must_be="an integer >= 0", shown=False)
     question: int = option(0, check=lambda v: v >= 0, must_be="an integer >= 0", shown=False)
     tail_in_budget: int = option(0, choices=(0, 1), shown=False)
+    probe_upto: int = option(0, check=lambda v: v >= 0, must_be="an integer >= 0 (tokens; 0: always)", shown=False)
+    question_kernel: int = option(1, check=lambda v: v >= 1 and v % 2 == 1, must_be="an odd number >= 1",
+                                  shown=False)
     heads: str = heads_option()
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.probe_upto and not self.question:
+            raise H2OError(f"{self.name} probe_upto ranks a longer prompt by its question's attention alone: "
+                           f"give question=W too")
+
+    def runs_probe(self, prompt_tokens: int) -> bool:
+        """Whether a prompt of this many tokens is ranked by the reconstruction pass (``probe_upto``);
+        else by the question's attention alone."""
+        return not self.probe_upto or prompt_tokens <= self.probe_upto
 
     def question_scores(self, query, key_new, old_keys, old_valid, new_real, scaling):
         """``(old [B, Hkv, cap], new [B, Hkv, n])`` for the call the probe will rank (``question=W``):
@@ -83,7 +104,9 @@ class KVzipPolicy(ReconstructionPolicy, HeavyHitters):
         cap = old_keys.shape[2]
         return best[..., :cap], best[..., cap:]
 
-    def smooth_probe(self, scores: torch.Tensor, ordinal: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def smooth_probe(self, scores: torch.Tensor, ordinal: torch.Tensor, valid: torch.Tensor,
+                     probed: bool = True) -> torch.Tensor:
         """``scores`` ``[B, H, cap]`` (each live slot's reconstruction score), each the largest of the
-        ``kernel`` live tokens around it in prompt order (``ordinal``); free slots stay 0."""
-        return pool_in_order(scores, ordinal, valid, self.kernel, "max")
+        ``kernel`` live tokens around it in prompt order (``ordinal``); free slots stay 0. A prompt
+        ranked by its question alone (not ``probed``) pools over ``question_kernel`` tokens."""
+        return pool_in_order(scores, ordinal, valid, self.kernel if probed else self.question_kernel, "max")

@@ -27,9 +27,15 @@ class ReconstructionPolicy(Policy):
     def slots_above_budget(self) -> int:
         return 0 if self.tail_in_budget else self.tail
 
-    def smooth_probe(self, scores: torch.Tensor, ordinal: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def runs_probe(self, prompt_tokens: int) -> bool:
+        """Whether a prompt of this many tokens is ranked by the probe (``kvzip``'s ``probe_upto``);
+        else by the scores its own call set (the question's attention). Always, by default."""
+        return True
+
+    def smooth_probe(self, scores: torch.Tensor, ordinal: torch.Tensor, valid: torch.Tensor,
+                     probed: bool = True) -> torch.Tensor:
         """The probe's per-slot scores ``[B, H, cap]``, reshaped before the one eviction (``kvzip``'s
-        ``kernel``); as they are by default."""
+        ``kernel``; ``probed`` False: no probe ran); as they are by default."""
         return scores
 
     def question_scores(self, query, key_new, old_keys, old_valid, new_real, scaling):
