@@ -151,3 +151,27 @@ def test_a_tail_in_the_budget_keeps_the_live_tokens_within_it(recipe):
         assert cache.stats()["above_budget_tokens"] == (0 if inside else 4)
     whole = cache.budget()[0] * len(cache.layers) * cache.layers[0].valid.shape[1]
     assert live[1] <= whole < live[0]
+
+
+def test_a_prompt_past_probe_upto_is_ranked_in_generate_without_a_tokenizer():
+    """Past ``kvzip:probe_upto`` no probe is read, so none is built: ``generate`` ranks the prompt by
+    its question's attention with no tokenizer at hand, as the explicit pass does."""
+    model, ids = tiny_model(seed=3), random_ids(60, seed=2)
+    options = dict(recipe="prompt", policy="kvzip:question=8,probe_upto=40,question_kernel=3", budget=0.2,
+                   budget_floor=0)
+    cache = H2OCache(model, **options)  # no tokenizer
+    dropped = greedy(model, ids, cache)
+    assert not any(layer.probe.awaiting for layer in cache.layers)
+    explicit = H2OCache(model, **options)
+    with torch.inference_mode():
+        model(input_ids=ids, **cache_arg(explicit), use_cache=True)
+    reconstruct(model, explicit, ids, Tok())
+    for a, b in zip(cache.layers, explicit.layers, strict=True):  # the prompt's tokens each kept (the tail on top)
+        assert prompt_kept(a, 60) == prompt_kept(b, 60)
+    assert dropped.shape == (1, NEW)
+
+
+def prompt_kept(layer, n):
+    layer.to_dense()
+    return [sorted(o for o in layer.ordinal[0, h][layer.valid[0, h]].tolist() if o < n)
+            for h in range(layer.valid.shape[1])]

@@ -78,6 +78,10 @@ def _rank(model, cache) -> None:
     if ids is None or ids.shape[1] != cache.get_seq_length() or ids.shape[0] != cache.rows:
         raise H2OError(f"policy {cache.policy.spec!r} ranks the prompt by repeating its ids: read it in one call "
                        f"with input_ids, or rank it with h2okv.reconstruct(model, cache, prompt_ids, tokenizer)")
+    if not cache.policy.runs_probe(ids.shape[1]):  # past kvzip's probe_upto: no probe, no tokenizer
+        with without_grad(cache):
+            rank_by_probes(model, cache, [])
+        return
     tokenizer = cache_tokenizer(model, cache)
     start = chat_head_length(tokenizer, ids[0].tolist())
     with without_grad(cache):
