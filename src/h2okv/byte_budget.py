@@ -28,6 +28,7 @@ from h2okv.core.compat import config_head_dim  # torch-free: the core package lo
 from h2okv.vocabulary import SettingError
 
 SCALE_BYTES = 2  # a group's scale and its low, each float16 (core/quant.py)
+MEAN_BYTES = 2  # a centered key's mean, float16 a channel (core/quant.py: KeyCenter)
 FULL_BITS = 16  # the full cache a fraction of bytes is measured against
 
 
@@ -61,6 +62,11 @@ class Geometry:
 
     def full_slot_bytes(self) -> int:
         return (self.key_dim + self.value_dim) * FULL_BITS // 8
+
+    def beside_slot_bytes(self, window: int, center: bool, itemsize: int = FULL_BITS // 8) -> int:
+        """What one sequence holds beside its slots in one layer and KV head: a float window's
+        ``window`` tokens at ``itemsize`` bytes a channel, and centered keys' mean."""
+        return window * (self.key_dim + self.value_dim) * itemsize + (self.key_dim * MEAN_BYTES if center else 0)
 
 
 def parse_bytes_budget(value) -> int | float:
@@ -109,8 +115,7 @@ def budget_for_bytes(asked: int | float, geometry: Geometry, key_bits: int, valu
     if isinstance(asked, float):
         return min(1.0, asked * geometry.full_slot_bytes() / slot)
     per_layer_head = geometry.layers * geometry.kv_heads
-    # what a sequence holds beside its slots: the window's tokens, the means (a float16 key each)
-    beside = per_layer_head * (window * geometry.full_slot_bytes() + (geometry.key_dim * 2 if center else 0))
+    beside = per_layer_head * geometry.beside_slot_bytes(window, center)
     # a layer holds one slot more than its budget, the next token's (written, then the step evicts)
     slots = max(asked - beside, 0) // (per_layer_head * slot) - 1
     if slots < least:

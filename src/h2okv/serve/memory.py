@@ -65,8 +65,7 @@ def per_sequence_slots(model, **coding) -> int:
     geometry = Geometry.of(model.config)
     group = min(coding.get("kv_group", DEFAULT_KV_GROUP), geometry.key_dim)
     coded = geometry.slot_bytes(coding.get("key_bits") or coding["kv_bits"], coding["kv_bits"], group)
-    held = window * (geometry.key_dim + geometry.value_dim) * model.dtype.itemsize + (2 * geometry.key_dim if center else 0)
-    return -(-held // coded)
+    return -(-geometry.beside_slot_bytes(window, center, model.dtype.itemsize) // coded)
 
 
 def prefill_chunks(prompt_len: int, chunk: int) -> list[tuple[int, int]]:
