@@ -10,6 +10,7 @@ import torch
 from h2okv import H2OCache, reconstruct
 from h2okv.chat import chat_frame, encode_text
 from h2okv.core.compat import cache_arg
+from h2okv.errors import H2OError
 from h2okv.serve.engine import Engine, EngineOptions, GenerationRequest
 from h2okv.serve.errors import ErrorKind, ServeError
 from h2okv.serve.eviction import EvictionDefaults
@@ -51,6 +52,8 @@ def test_served_kvzip_equals_eval_order_beside_other_policies(model_tok, schedul
         (prompt(35, 3), "h2o", 6, 6, 10, None),
         (prompt(9, 4), "kvzip", 12, 4, 8, 0),  # budget above the prompt: nothing evicted
         (prompt(50, 5), "kvzip", 4, 4, 14, 0),
+        # past probe_upto: no probe built or read, the question's attention ranks
+        (prompt(56, 6), "kvzip:question=4,probe_upto=30,question_kernel=3", 8, 4, 10, 0),
     ]
     engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, max_batch=8, schedule=schedule,
                                                 step_tokens=3 * CHUNK))
@@ -62,7 +65,7 @@ def test_served_kvzip_equals_eval_order_beside_other_policies(model_tok, schedul
         for (ids, policy, heavy, recent, steps, start), handle in zip(cases, handles, strict=True):
             _, done = handle.result_blocking()
             assert done.kind == "done"
-            want = (kvzip_alone(model, tok, ids, heavy, recent, steps, start) if policy == "kvzip"
+            want = (kvzip_alone(model, tok, ids, heavy, recent, steps, start, policy) if policy.startswith("kvzip")
                     else alone(model, ids, policy, heavy, recent, steps))
             assert done.token_ids == want, (len(ids), policy)
     finally:
@@ -95,6 +98,29 @@ def test_executor_ranks_then_keeps_the_budget(model_tok, tail):
                 # the last prompt token and the steps so far are read after the ranking
                 assert (layer.valid.sum(-1) <= heavy + recent + min(tail, step + 2)).all()
     assert token == kvzip_alone(model, tok, ids, heavy, recent, 7, policy=policy)[-1]
+
+
+def test_no_probe_is_built_past_probe_upto(model_tok):
+    """The engine builds a request's probe calls only where its policy reads them: the cache holds
+    all but the prompt's last token when it is ranked, so a 31-token prompt under ``probe_upto=30``
+    is probed and a 32-token one is not; ``reconstruct`` then needs no tokenizer."""
+    model, tok = model_tok
+    engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK))
+    policy = "kvzip:question=4,probe_upto=30"
+    short = engine._sequence(GenerationRequest(prompt(31, 0), 4, policy, 8, 4), None)
+    long = engine._sequence(GenerationRequest(prompt(32, 0), 4, policy, 8, 4), None)
+    assert short.probe and long.probe == []
+    cache = H2OCache(model, policy=policy, heavy=8, recent=4, prefill="late")
+    context = torch.tensor([prompt(32, 0)])
+    with torch.inference_mode():
+        model(input_ids=context, **cache_arg(cache), use_cache=True)
+        reconstruct(model, cache, context, None)
+    assert all((layer.valid.sum(-1) <= 8 + 4).all() for layer in cache.layers)
+    cache = H2OCache(model, policy=policy, heavy=8, recent=4, prefill="late")
+    with torch.inference_mode():
+        model(input_ids=context[:, :30], **cache_arg(cache), use_cache=True)
+        with pytest.raises(H2OError, match="builds the probe of this 30-token prompt with the tokenizer"):
+            reconstruct(model, cache, context[:, :30], None)
 
 
 def test_reservation_counts_the_whole_prompt(model_tok):

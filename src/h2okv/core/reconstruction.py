@@ -96,7 +96,8 @@ def reconstruct(model, cache, context: torch.Tensor, tokenizer, start: int = 0,
                 chunk_size: int = DEFAULT_CHUNK) -> None:
     """Rank the prompt ``cache`` holds (``context`` ``[B, n]``: the ids it read, one length, no
     padding) by the attention the model pays it while repeating it, then evict every layer to its
-    budget. The cache's policy must rank by reconstruction (``kvzip``)."""
+    budget. The cache's policy must rank by reconstruction (``kvzip``). A prompt past its
+    ``probe_upto`` builds no probe, so ``tokenizer`` may then be None."""
     if not cache.policy.ranks_by_reconstruction:
         raise H2OError(f"reconstruct ranks a cache whose policy ranks by reconstruction (kvzip), "
                        f"not {cache.policy.spec!r}")
@@ -106,7 +107,13 @@ def reconstruct(model, cache, context: torch.Tensor, tokenizer, start: int = 0,
                        f"of {cache.get_seq_length()} tokens, got shape {tuple(context.shape)}")
     if not all(layer.probe.awaiting for layer in cache.layers):
         raise H2OError("reconstruct needs a cache that has read the prompt in one call and not been ranked yet")
-    rank_by_probes(model, cache, probes(tokenizer, context.to(model.device), start, chunk_size))
+    # past kvzip's ``probe_upto`` the question's attention alone ranks: no probe to build (nor a tokenizer)
+    probed = cache.policy.runs_probe(context.shape[1])
+    if probed and tokenizer is None:
+        raise H2OError(f"reconstruct builds the probe of this {context.shape[1]}-token prompt with the tokenizer: "
+                       f"give the model's tokenizer")
+    calls = probes(tokenizer, context.to(model.device), start, chunk_size) if probed else []
+    rank_by_probes(model, cache, calls)
 
 
 def rank_by_probes(model, cache, calls: list[torch.Tensor]) -> None:

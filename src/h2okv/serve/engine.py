@@ -406,8 +406,11 @@ class Engine:
         seq = Sequence(request, handle, self.reservation(request), next(self.uids), max(1, call), output)
         if policy_class(request.policy).ranks_by_reconstruction:  # built here, where the tokenizer is
             seq.ranked = ranked_length(request)
-            with self.tokenizer_lock:
-                seq.probe = prompt_probes(self.tokenizer, request.prompt_ids[:seq.ranked])
+            seq.probe = []  # past kvzip's probe_upto: no probe calls, the question's attention ranks
+            # the cache holds all but the ranked part's last token when it is ranked (prompt_probes)
+            if make_policy(request.policy).runs_probe(seq.ranked - 1):
+                with self.tokenizer_lock:
+                    seq.probe = prompt_probes(self.tokenizer, request.prompt_ids[:seq.ranked])
         return seq
 
     def wake(self) -> None:
