@@ -59,8 +59,8 @@ RECIPES: dict[str, Recipe] = {
             # asked); the whole cache's slots shared out by that score. Costs one more prefill, so
             # only up to 4,096 tokens: past them the question's attention alone ranks, each token
             # taking the best of the 31 around it (bounded's kernel). Dev at 6k: 85.9 against the
-            # pass's 82.7 (paired +3.2, SE 2.7) at 0.28x its prefill; at 2k the pass won by 8
-            # points. 4,096: between the two dev lengths (docs/RESULTS.md, "Recipes")
+            # pass's 82.7 (paired +3.2, SE 2.7) at 0.28x its prefill; at 2k the pass wins (88.2
+            # against 83.4, paired -4.9, SE 3.1). 4,096: between the two dev lengths (docs/RESULTS.md)
             {"policy": PROMPT_POLICY, "prefill": "late", "head_budgets": "layers", "head_floor": 0.0,
              "recent_share": 0.01},
         ),
