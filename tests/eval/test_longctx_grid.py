@@ -47,6 +47,18 @@ def test_unknown_piece_is_a_one_line_error(grid, monkeypatch, capsys):
     assert "no piece starts with 'nope'" in capsys.readouterr().err
 
 
+def test_a_whole_name_runs_that_piece_alone_a_prefix_all_it_starts(grid, monkeypatch, capsys):
+    def listed(only):
+        monkeypatch.setattr("sys.argv", ["longctx_grid.py", "--only", only, "--list"])
+        assert grid.main() == 0
+        return [line.split(":")[0] for line in capsys.readouterr().out.splitlines()]
+
+    assert listed("prompt-8192") == ["prompt-8192"]  # not also prompt-8192-1.5b
+    assert listed("prompt-8192-") == ["prompt-8192-1.5b"]
+    assert set(listed("full-8k")) == {"full-8k"}
+    assert set(listed("full-")) >= {"full-2k", "full-8k", "full-8k-1.5b"}
+
+
 def test_dev_pieces_run_a_length_the_test_split_never_runs(grid):
     test_lengths = {int(c) for _, _, argv in grid.PIECES if "--contexts" in argv for c in flag(argv, "--contexts").split(",")}
     for _, _, argv in grid.DEV_PIECES:

@@ -7,9 +7,9 @@ runs again. Pieces are ordered by what they unlock: the full cache's rows first 
 whatever recipe is chosen later), then the recipes, then the long lengths.
 
     .venv/bin/python tools/measure/longctx_grid.py                 # every piece, in order
-    .venv/bin/python tools/measure/longctx_grid.py --only full-2k  # one piece (prefix match)
+    .venv/bin/python tools/measure/longctx_grid.py --only full-2k  # one piece (its name, else a prefix)
     .venv/bin/python tools/measure/longctx_grid.py --list          # the pieces and their commands
-    .venv/bin/python tools/measure/longctx_grid.py --split dev     # the dev pieces at 6k (choosing)
+    .venv/bin/python tools/measure/longctx_grid.py --split dev     # the dev pieces, 3k and 6k (choosing)
 
 A run from a frozen checkout (so edits in the working tree cannot change a piece half-way):
 ``git worktree add /tmp/grid HEAD; PYTHONPATH=/tmp/grid/src .venv/bin/python
@@ -104,13 +104,20 @@ PIECES = [
 ]
 
 
-# The dev split at a length the test split never runs (6k, essays, seed 0): where a recipe is chosen
-# for long prompts (docs/guides/evaluation.md, "Choosing and reporting"). Two samples a family.
-DEV_OUT = ROOT / "docs" / "results" / "longctx" / "dev6k"
+# The dev split at lengths the test split never runs (3k and 6k, essays, seed 0): where a recipe is
+# chosen for long prompts (docs/guides/evaluation.md, "Choosing and reporting"). Two samples a family.
+DEV_OUT = ROOT / "docs" / "results" / "longctx" / "dev"
 
 
-def dev(name: str, *flags: str) -> tuple[str, str, list[str]]:
-    return piece(name, "--contexts", "6144", "--samples", "2", "--tasks", FAMILIES, *flags, split="dev")
+def dev(name: str, *flags: str, context: str = "6144") -> tuple[str, str, list[str]]:
+    return piece(name, "--contexts", context, "--samples", "2", "--tasks", FAMILIES, *flags, split="dev")
+
+
+# `prompt`'s two rankings as explicit policies (the recipe picks one by the prompt's length)
+PROMPT_RANKING = ("--cache-option", "prefill=late", "--cache-option", "head_budgets=layers", "--cache-option",
+                  "head_floor=0", "--cache-option", "recent_share=0.01")
+PASS = ("--policies", "kvzip:question=32", *PROMPT_RANKING)
+QUESTION_ONLY = ("--policies", "kvzip:question=32,probe_upto=1,question_kernel=31", *PROMPT_RANKING)
 
 
 DEV_PIECES = [
@@ -127,14 +134,19 @@ DEV_PIECES = [
     # `prompt` without the reconstruction pass past 4k tokens: the question's attention alone, pooled
     # over bounded's kernel (31); the rest of the recipe as it is
     dev("prompt-question-only-6k", "--policies", "kvzip:question=32,probe_upto=4096,question_kernel=31",
-        "--cache-option", "prefill=late", "--cache-option", "head_budgets=layers", "--cache-option", "head_floor=0",
-        "--cache-option", "recent_share=0.01"),
+        *PROMPT_RANKING),
+    # where `prompt`'s cut belongs: at 2k the pass wins (paired +4.9, SE 3.1), at 6k the question's
+    # attention alone (+3.2, SE 2.7), and the test's 4k prompts run the pass below ChunkKV
+    dev("full-3k", "--policies", "full", context="3072"),
+    dev("prompt-question-only-3k", *QUESTION_ONLY, context="3072"),
+    dev("prompt-pass-3k", *PASS, context="3072"),
 ]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--only", default=None, help="run the pieces whose names start with this")
+    parser.add_argument("--only", default=None,
+                        help="run the piece of this name, else the pieces whose names start with this")
     parser.add_argument("--list", action="store_true", help="print the pieces and their commands, run nothing")
     parser.add_argument("--out", type=Path, default=None,
                         help=f"the pieces' JSON folder (default: {OUT}, with --split dev {DEV_OUT})")
@@ -144,7 +156,9 @@ def main() -> int:
     args.out = args.out or (DEV_OUT if args.split == "dev" else OUT)
     args.out.mkdir(parents=True, exist_ok=True)
     pieces = DEV_PIECES if args.split == "dev" else PIECES
-    chosen = [p for p in pieces if args.only is None or p[0].startswith(args.only)]
+    # a piece's whole name picks it alone (``prompt-8192`` is not also ``prompt-8192-1.5b``)
+    exact = [p for p in pieces if p[0] == args.only]
+    chosen = exact or [p for p in pieces if args.only is None or p[0].startswith(args.only)]
     if not chosen:
         parser.error(f"no piece starts with {args.only!r}; pieces: {', '.join(p[0] for p in pieces)}")
     for name, runner, argv in chosen:
