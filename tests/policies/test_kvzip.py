@@ -36,25 +36,31 @@ def kept(layer, row=0):
     return [sorted(layer.ordinal[row, h][layer.valid[row, h]].tolist()) for h in range(layer.valid.shape[1])]
 
 
-def reference_scores(ids, start=0, chunk_size=2048, question=0):
+def reference_scores(ids, start=0, chunk_size=2048, question=0, local=False):
     """``[layers, KV heads, n]``: each probe read after the prompt by a plain full-cache forward
     (eager attention, every probability returned); a token's score is its largest probability from
     any probe query of its KV head's group, over all probes, and with ``question=W`` from any of
-    the prompt's own last ``W`` queries too."""
+    the prompt's own last ``W`` queries too. ``local``: each probe's probabilities renormalized
+    over the prompt positions it repeats, the first ``max(start, SINKS)`` and the probe itself (a
+    softmax over a subset is the whole softmax divided by the subset's mass)."""
     model, n = gqa_model(eager=True), ids.shape[1]
     best = None
-    for probe in probes(Tok(), ids, start, chunk_size):
+    for probe, first in zip(probes(Tok(), ids, start, chunk_size), range(start, n, chunk_size), strict=True):
         with torch.inference_mode():
             attentions = model(input_ids=torch.cat([ids, probe], 1), output_attentions=True).attentions
+        if local:
+            keep = torch.ones(n + probe.shape[1], dtype=torch.bool)
+            keep[max(start, SINKS):first] = keep[min(first + chunk_size, n):n] = False
+            attentions = [a * keep / (a * keep).sum(-1, keepdim=True) for a in attentions]
         readers = slice(n - question, None) if question else slice(n, None)
         scores = torch.stack([a[0, :, readers, :n].amax(dim=1).view(2, 2, n).amax(1) for a in attentions])
         best = scores if best is None else torch.maximum(best, scores)
     return best
 
 
-def reference_kept(ids, heavy, recent, start=0, chunk_size=2048, question=0):
+def reference_kept(ids, heavy, recent, start=0, chunk_size=2048, question=0, local=False):
     """Sinks and the recent window are kept, then each head's top scores."""
-    n, best = ids.shape[1], reference_scores(ids, start, chunk_size, question)
+    n, best = ids.shape[1], reference_scores(ids, start, chunk_size, question, local)
     out = []
     for layer_scores in best:
         heads = []
@@ -74,6 +80,38 @@ def test_kept_tokens_equal_the_reference(start, chunk_size):
     assert [kept(layer) for layer in cache.layers] == reference_kept(ids, 10, 4, start, chunk_size)
     assert cache.get_seq_length() == 60  # the probe is read, never kept: positions go on from the prompt
     assert all(layer.keys.shape[1] == 2 for layer in cache.layers)  # KV heads, not query heads
+
+
+@pytest.mark.parametrize("start, chunk_size", [(0, 20), (3, 20), (3, 2048)])
+def test_local_scores_each_chunk_on_what_it_repeats(start, chunk_size):
+    """``kvzip:local=1``: each probe call's scores are its probabilities renormalized over the
+    chunk it repeats, the head and sinks, and itself; the kept sets equal that reference, differ
+    from the whole-cache scores' where there are several chunks, and equal them with one."""
+    torch.manual_seed(0)
+    ids = torch.randint(2, 90, (1, 60))
+    cache = read_and_rank(gqa_model(), ids, heavy=10, recent=4, start=start, chunk_size=chunk_size,
+                          policy="kvzip:local=1")
+    want = reference_kept(ids, 10, 4, start, chunk_size, local=True)
+    assert [kept(layer) for layer in cache.layers] == want
+    assert (want == reference_kept(ids, 10, 4, start, chunk_size)) == (chunk_size >= 60)
+    for layer, scores in zip(cache.layers, reference_scores(ids, start, chunk_size, local=True), strict=True):
+        layer.to_dense()
+        for h in range(2):
+            live = layer.valid[0, h]
+            torch.testing.assert_close(layer.score[0, h][live], scores[h][layer.ordinal[0, h][live]],
+                                       rtol=1e-4, atol=1e-6)
+
+
+def test_local_scores_need_each_calls_span():
+    from h2okv.core.reconstruction import rank_by_probes
+
+    model, ids = gqa_model(), torch.randint(2, 90, (1, 40))
+    cache = H2OCache(model, policy="kvzip:local=1", heavy=10, recent=4, prefill="late")
+    with torch.inference_mode():
+        model(input_ids=ids, **cache_arg(cache))
+        with pytest.raises(H2OError, match="give rank_by_probes each call's span") as err:
+            rank_by_probes(model, cache, probes(Tok(), ids, 0, 20))
+    assert "\n" not in str(err.value)
 
 
 def test_a_probe_block_held_to_its_bytes_gives_the_same_scores(monkeypatch):

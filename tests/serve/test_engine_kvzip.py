@@ -139,6 +139,9 @@ def test_kvzip_refusals_are_one_line(model_tok):
     with pytest.raises(ServeError, match="at least 2 prompt tokens") as err:
         engine.check_request(GenerationRequest([5], 4, "kvzip", 8, 8))
     assert err.value.kind == ErrorKind.INVALID_REQUEST
+    with pytest.raises(ServeError, match="local=1.* is not served yet") as err:
+        engine.check_request(GenerationRequest(prompt(20, 0), 4, "kvzip:local=1", 8, 8))
+    assert err.value.kind == ErrorKind.INVALID_REQUEST and "\n" not in str(err.value)
     rolling = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, positions="rolling"))
     with pytest.raises(ServeError, match="positions=rolling would count"):
         rolling.check_request(GenerationRequest(prompt(20, 0), 4, "kvzip", 8, 8))

@@ -109,8 +109,8 @@ PIECES = [
 DEV_OUT = ROOT / "docs" / "results" / "longctx" / "dev"
 
 
-def dev(name: str, *flags: str, context: str = "6144") -> tuple[str, str, list[str]]:
-    return piece(name, "--contexts", context, "--samples", "2", "--tasks", FAMILIES, *flags, split="dev")
+def dev(name: str, *flags: str, context: str = "6144", tasks: str = FAMILIES) -> tuple[str, str, list[str]]:
+    return piece(name, "--contexts", context, "--samples", "2", "--tasks", tasks, *flags, split="dev")
 
 
 # `prompt`'s two rankings as explicit policies (the recipe picks one by the prompt's length)
@@ -135,6 +135,12 @@ DEV_PIECES = [
     # over bounded's kernel (31); the rest of the recipe as it is
     dev("prompt-question-only-6k", "--policies", "kvzip:question=32,probe_upto=4096,question_kernel=31",
         *PROMPT_RANKING),
+    # `document` scored as KVzip's reference code does (kvzip:local=1: each probe chunk's softmax over
+    # the part it repeats); in two halves of the families, one a core
+    *(dev(f"document-local-6k-{half}", "--policies", "kvzip:local=1", "--cache-option", "prefill=late",
+          "--cache-option", "head_budgets=layers", "--cache-option", "head_floor=0", "--cache-option",
+          "recent_share=0.01", "--question", "agnostic", tasks=tasks)
+      for half, tasks in (("a", ",".join(FAMILIES.split(",")[:5])), ("b", ",".join(FAMILIES.split(",")[5:])))),
     # where `prompt`'s cut belongs: at 2k the pass wins (paired +4.9, SE 3.1), at 6k the question's
     # attention alone (+3.2, SE 2.7), and the test's 4k prompts run the pass below ChunkKV
     dev("full-3k", "--policies", "full", context="3072"),

@@ -31,7 +31,7 @@ import os
 import torch
 
 from h2okv.core.compat import passed_cache, without_grad
-from h2okv.core.reconstruction import chat_head_length, probes, rank_by_probes
+from h2okv.core.reconstruction import chat_head_length, probe_spans, probes, rank_by_probes
 from h2okv.errors import H2OError
 
 _HOOKED = "_h2okv_autorank_hook"
@@ -85,7 +85,7 @@ def _rank(model, cache) -> None:
     tokenizer = cache_tokenizer(model, cache)
     start = chat_head_length(tokenizer, ids[0].tolist())
     with without_grad(cache):
-        rank_by_probes(model, cache, probes(tokenizer, ids, start))
+        rank_by_probes(model, cache, probes(tokenizer, ids, start), probe_spans(ids.shape[1], start))
 
 
 def cache_tokenizer(model, cache):

@@ -45,6 +45,7 @@ class ProbeState:
     awaiting: bool = False  # the prompt is read and held whole until the pass ranks it
     ranked: bool = False  # the pass has ranked it (a later call is read as any other)
     best: torch.Tensor | None = None  # while probing: each slot's best probe score
+    span: tuple[int, int, int] | None = None  # the call's (head, first, stop) under kvzip:local=1
     tail_slots: int = 0  # once ranked: the slots kvzip's tail adds above the budget (rank_by_probe)
 
 
@@ -431,7 +432,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
             raise H2OError("reconstruct needs a cache that has read the prompt and not been ranked yet")
         self.tokens_seen -= key_new.shape[2]  # read, never kept: positions go on from the prompt
         block = self.query_block
-        out, best = probe_attention(self, query, key_new, value_new, scaling, block)
+        out, best = probe_attention(self, query, key_new, value_new, scaling, block, span=self.probe.span)
         torch.maximum(self.probe.best, best, out=self.probe.best)
         return out.transpose(1, 2).contiguous()
 

@@ -80,6 +80,13 @@ def probes(tokenizer, context: torch.Tensor, start: int = 0, chunk_size: int = D
     return calls
 
 
+def probe_spans(n: int, start: int = 0, chunk_size: int = DEFAULT_CHUNK) -> list[tuple[int, int, int]]:
+    """``(head, first, stop)`` for each of ``probes``' calls over an ``n``-token context: the call
+    repeats prompt positions ``[first, stop)``, and the prompt's first ``head`` tokens (``start``,
+    a chat template's head) are not repeated. ``kvzip:local=1`` scores each call on them."""
+    return [(start, first, min(first + chunk_size, n)) for first in range(start, n, chunk_size)]
+
+
 def prompt_probes(tokenizer, prompt: list[int], chunk_size: int = DEFAULT_CHUNK) -> list[list[int]]:
     """The probe calls (id lists) for a ``prompt`` of which all but the last token is read and
     ranked, the last one then read on the ranked cache (as ``eval longctx`` does, so the first
@@ -113,22 +120,29 @@ def reconstruct(model, cache, context: torch.Tensor, tokenizer, start: int = 0,
         raise H2OError(f"reconstruct builds the probe of this {context.shape[1]}-token prompt with the tokenizer: "
                        f"give the model's tokenizer")
     calls = probes(tokenizer, context.to(model.device), start, chunk_size) if probed else []
-    rank_by_probes(model, cache, calls)
+    rank_by_probes(model, cache, calls, probe_spans(context.shape[1], start, chunk_size) if probed else [])
 
 
-def rank_by_probes(model, cache, calls: list[torch.Tensor]) -> None:
+def rank_by_probes(model, cache, calls: list[torch.Tensor], spans: list[tuple[int, int, int]] | None = None) -> None:
     """Read the probe ``calls`` (``probes``' output, already built: the server builds them where
     its tokenizer lives) on top of ``cache``, which has read its prompt whole and not been ranked,
-    then evict every layer to its budget by the scores they give."""
+    then evict every layer to its budget by the scores they give. ``spans``: each call's
+    ``probe_spans`` entry, which ``kvzip:local=1`` scores on (the others need none)."""
     if not cache.policy.ranks_by_reconstruction:  # only such a policy has the probe's hooks
         raise H2OError(f"rank_by_probes ranks a cache whose policy ranks by reconstruction, not {cache.policy.spec!r}")
     # a prompt past the policy's ``probe_upto`` is ranked by its question's attention alone
     probed = cache.policy.runs_probe(cache.get_seq_length())
+    local = probed and calls and cache.policy.local
+    if local and (spans is None or len(spans) != len(calls)):
+        raise H2OError(f"policy {cache.policy.spec!r} scores each probe call on the part of the prompt it "
+                       f"repeats: give rank_by_probes each call's span (probe_spans), or use h2okv.reconstruct")
     for layer in cache.layers:
         layer.start_probe()
     try:
         with without_grad(cache):
-            for ids in calls if probed else ():
+            for i, ids in enumerate(calls if probed else ()):
+                for layer in cache.layers:
+                    layer.probe.span = spans[i] if local else None
                 model(input_ids=ids, **cache_arg(cache), use_cache=True, logits_to_keep=1)
             for layer in cache.layers:
                 layer.take_probe_scores(probed)
@@ -142,6 +156,7 @@ def rank_by_probes(model, cache, calls: list[torch.Tensor]) -> None:
                 layer.rank_by_probe(share)
     finally:
         for layer in cache.layers:
+            layer.probe.span = None
             layer.stop_probe()
 
 
@@ -185,11 +200,14 @@ def chat_head_length(tokenizer, ids: list[int]) -> int:
 
 
 # -- the probe call inside a layer (SlotLayer's probe route) -------------------------------------
-def probe_attention(layer, query, key_new, value_new, scaling: float, block: int, reduce: str = "max"):
+def probe_attention(layer, query, key_new, value_new, scaling: float, block: int, reduce: str = "max",
+                    span: tuple[int, int, int] | None = None):
     """``(out [B, Hq, n, Dv], best [B, Hkv, cap])`` of a probe call over ``layer``'s live slots:
     ``best`` is each slot's largest probability from any probe query of its KV head's group
     (KVzip's), or with ``reduce="sum"`` their sum (SnapKV's window mass: the streamed prefill's
-    ranking, ``core/streamed.py``)."""
+    ranking, ``core/streamed.py``). ``span`` ``(head, first, stop)``: the probabilities scored are
+    a second softmax over the slots of prompt positions ``[first, stop)``, the first ``head`` and
+    the sinks, and the probe itself (``kvzip:local=1``); ``out`` is the whole attention's."""
     b, hq, n, d = query.shape
     hkv, cap = key_new.shape[1], layer.capacity
     g = hq // hkv
@@ -197,6 +215,11 @@ def probe_attention(layer, query, key_new, value_new, scaling: float, block: int
     keys = torch.cat([held_keys, key_new], dim=2)
     values = torch.cat([held_values, value_new], dim=2)
     live = layer.valid[:, :, None, :]  # [B, Hkv, 1, cap]
+    scored = None
+    if span is not None:
+        head, first, stop = span
+        ordinal = layer.ordinal[:, :, None, :]
+        scored = live & ((ordinal < max(head, layer.config.policy.sink_tokens)) | ((ordinal >= first) & (ordinal < stop)))
     block = max(1, min(block, PROBE_BLOCK_BYTES // (4 * b * hq * (cap + n))))
     best = torch.zeros(b, hkv, cap, dtype=torch.float32, device=query.device)
     outputs = []
@@ -209,10 +232,14 @@ def probe_attention(layer, query, key_new, value_new, scaling: float, block: int
         allowed = torch.cat([live.expand(b, hkv, m, cap), sees_new.expand(b, hkv, m, n)], dim=-1)
         logits.masked_fill_(~allowed[:, :, None], float("-inf"))
         probs = torch.softmax(logits, dim=-1)
+        scores = probs
+        if scored is not None:  # the same logits, normalized over the chunk the call repeats
+            mine = torch.cat([scored.expand(b, hkv, m, cap), sees_new.expand(b, hkv, m, n)], dim=-1)
+            scores = torch.softmax(logits.masked_fill(~mine[:, :, None], float("-inf")), dim=-1)
         if reduce == "sum":
-            best += probs[..., :cap].sum(dim=(2, 3))
+            best += scores[..., :cap].sum(dim=(2, 3))
         else:
-            best = torch.maximum(best, probs[..., :cap].amax(dim=(2, 3)))
+            best = torch.maximum(best, scores[..., :cap].amax(dim=(2, 3)))
         out = torch.matmul(probs.view(b, hkv, g * m, cap + n).to(values.dtype), values)
         outputs.append(out.view(b, hq, m, values.shape[-1]))
     return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0], best

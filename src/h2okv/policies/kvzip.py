@@ -48,6 +48,14 @@ taking the best score of the ``question_kernel`` tokens around it (odd, default 
 pooling keeps a value of many tokens whole. The pass costs about one more prefill, and its probe
 grows with the prompt; where it buys nothing measured, a long prompt skips it.
 
+``local=1`` scores each probe chunk as KVzip's reference code does: a probe query's probabilities
+for the score are a softmax over the chunk of the prompt it repeats, the first tokens (the sinks,
+and a chat template's head) and the probe itself, where by default (0) they are the call's own
+attention over every live slot. A long prompt's far chunks then no longer share each query's mass:
+a token is scored against its own chunk, every chunk on one scale. The call's output (what the
+model reads on) is the full attention either way. Prompts of one chunk (2,048 tokens) rank the
+same. Not served yet: the server refuses it in one line.
+
 A cache with this policy must be ranked by ``h2okv.reconstruct`` before it decodes: a forward call
 after the prompt without one is a one-line error, never a silent full cache.
 """
@@ -79,6 +87,7 @@ class KVzipPolicy(ReconstructionPolicy, HeavyHitters):
     probe_upto: int = option(0, check=lambda v: v >= 0, must_be="an integer >= 0 (tokens; 0: always)", shown=False)
     question_kernel: int = option(1, check=lambda v: v >= 1 and v % 2 == 1, must_be="an odd number >= 1",
                                   shown=False)
+    local: int = option(0, choices=(0, 1), shown=False)
     heads: str = heads_option()
 
     def __post_init__(self):

@@ -22,6 +22,9 @@ class ReconstructionPolicy(Policy):
     #: the prompt's last queries whose attention joins the ranking (``question_scores``); 0: the
     #: reconstruction alone ranks
     question: int = 0
+    #: 1: each probe chunk's scores are a softmax over the chunk it repeats (and the sinks and the
+    #: prompt's chat head) only, not over every live slot (``kvzip``'s ``local``)
+    local: int = 0
 
     @property
     def slots_above_budget(self) -> int:

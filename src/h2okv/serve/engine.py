@@ -367,6 +367,9 @@ class Engine:
             if policy.ranks_by_reconstruction and len(request.prompt_ids) < 2:
                 raise H2OError(f"policy {policy.spec!r} ranks all but the prompt's last token by reconstruction: "
                                f"it needs at least 2 prompt tokens")
+            if policy.ranks_by_reconstruction and policy.local:  # its calls' spans are not carried yet
+                raise H2OError(f"policy {policy.spec!r} (local=1) is not served yet: rank with h2okv.reconstruct, "
+                               f"or serve it without local")
             check_positions(policy, self.options.positions)
         except (H2OError, ValueError, TypeError) as exc:
             raise invalid(f"h2o: {exc}", "h2o") from None
