@@ -30,13 +30,13 @@ def chat_prompt(tok, n: int, seed: int) -> list[int]:
     return head + prompt(n, seed) + tail
 
 
-def kvzip_alone(model, tok, ids, heavy, recent, steps, start=0, policy="kvzip"):
+def kvzip_alone(model, tok, ids, heavy, recent, steps, start=0, policy="kvzip", chunk_size=2048):
     """Reference: ``eval longctx``'s order (``generate_answers``), one sequence."""
     cache = H2OCache(model, policy=policy, heavy=heavy, recent=recent, prefill="late")
     context = torch.tensor([ids[:-1]])
     with torch.inference_mode():
         model(input_ids=context, **cache_arg(cache), use_cache=True)
-        reconstruct(model, cache, context, tok, start=start)
+        reconstruct(model, cache, context, tok, start=start, chunk_size=chunk_size)
         out = model.generate(torch.tensor([ids]), **cache_arg(cache), max_new_tokens=steps, min_new_tokens=steps,
                              do_sample=False, pad_token_id=257)
     return out[0, len(ids):].tolist()
@@ -100,6 +100,39 @@ def test_executor_ranks_then_keeps_the_budget(model_tok, tail):
     assert token == kvzip_alone(model, tok, ids, heavy, recent, 7, policy=policy)[-1]
 
 
+def test_served_local_scores_equal_reconstruct_over_several_chunks(model_tok, monkeypatch):
+    """``kvzip:local=1`` served: the engine hands the executor each probe call's span, and the
+    answers equal ``reconstruct``'s with the same chunks (20 tokens here, so a prompt has several;
+    a plain ``kvzip`` beside it, whose answers differ, shows the spans matter)."""
+    import functools
+
+    import h2okv.serve.engine as engine_module
+    from h2okv.core.reconstruction import prompt_probes, prompt_spans
+
+    model, tok = model_tok
+    monkeypatch.setattr(engine_module, "prompt_probes", functools.partial(prompt_probes, chunk_size=20))
+    monkeypatch.setattr(engine_module, "prompt_spans", functools.partial(prompt_spans, chunk_size=20))
+    head = len(encode_text(tok, chat_frame(tok)[0]))
+    cases = [(chat_prompt(tok, 70, 11), head), (prompt(64, 12), 0)]
+    engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, max_batch=4))
+    engine.start()
+    try:
+        handles = [engine.submit(GenerationRequest(ids, 10, "kvzip:local=1", 8, 4, temperature=0.0, ignore_eos=True))
+                   for ids, _ in cases]
+        for (ids, start), handle in zip(cases, handles, strict=True):
+            _, done = handle.result_blocking()
+            assert done.token_ids == kvzip_alone(model, tok, ids, 8, 4, 10, start, "kvzip:local=1", chunk_size=20)
+            assert done.token_ids != kvzip_alone(model, tok, ids, 8, 4, 10, start, "kvzip", chunk_size=20)
+    finally:
+        engine.stop()
+    seq = engine._sequence(GenerationRequest(prompt(64, 12), 4, "kvzip:local=1", 8, 4), None)
+    assert seq.spans == [(0, 0, 20), (0, 20, 40), (0, 40, 60), (0, 60, 63)] and len(seq.probe) == 4
+    assert engine._sequence(GenerationRequest(prompt(64, 12), 4, "kvzip", 8, 4), None).spans is None
+    executor = Executor(model, CHUNK)
+    with pytest.raises(ValueError, match="one span per probe call"):
+        executor.open(1, "kvzip:local=1", 8, 4, 0, [[1, 2, 3]], None, None, False, [(0, 0, 2), (0, 2, 4)])
+
+
 def test_no_probe_is_built_past_probe_upto(model_tok):
     """The engine builds a request's probe calls only where its policy reads them: the cache holds
     all but the prompt's last token when it is ranked, so a 31-token prompt under ``probe_upto=30``
@@ -139,9 +172,6 @@ def test_kvzip_refusals_are_one_line(model_tok):
     with pytest.raises(ServeError, match="at least 2 prompt tokens") as err:
         engine.check_request(GenerationRequest([5], 4, "kvzip", 8, 8))
     assert err.value.kind == ErrorKind.INVALID_REQUEST
-    with pytest.raises(ServeError, match="local=1.* is not served yet") as err:
-        engine.check_request(GenerationRequest(prompt(20, 0), 4, "kvzip:local=1", 8, 8))
-    assert err.value.kind == ErrorKind.INVALID_REQUEST and "\n" not in str(err.value)
     rolling = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, positions="rolling"))
     with pytest.raises(ServeError, match="positions=rolling would count"):
         rolling.check_request(GenerationRequest(prompt(20, 0), 4, "kvzip", 8, 8))

@@ -99,6 +99,12 @@ def prompt_probes(tokenizer, prompt: list[int], chunk_size: int = DEFAULT_CHUNK)
     return [call[0].tolist() for call in probes(tokenizer, torch.tensor([context]), start, chunk_size)]
 
 
+def prompt_spans(tokenizer, prompt: list[int], chunk_size: int = DEFAULT_CHUNK) -> list[tuple[int, int, int]]:
+    """``probe_spans`` of ``prompt_probes``' calls (``kvzip:local=1`` scores each on its own)."""
+    context = list(prompt[:-1])
+    return probe_spans(len(context), chat_head_length(tokenizer, context), chunk_size)
+
+
 def reconstruct(model, cache, context: torch.Tensor, tokenizer, start: int = 0,
                 chunk_size: int = DEFAULT_CHUNK) -> None:
     """Rank the prompt ``cache`` holds (``context`` ``[B, n]``: the ids it read, one length, no

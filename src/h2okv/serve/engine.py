@@ -42,7 +42,7 @@ import torch
 
 from h2okv.core.budget import BudgetSpec
 from h2okv.core.positions import check_positions
-from h2okv.core.reconstruction import prompt_probes
+from h2okv.core.reconstruction import prompt_probes, prompt_spans
 from h2okv.errors import H2OError
 from h2okv.policies import make_policy, policy_class
 from h2okv.serve.errors import ErrorKind, ServeError
@@ -113,6 +113,7 @@ class Sequence:
         self.last_token_at: float | None = None  # its first token's time (a decode row's later ones: its batch's)
         self.evicted_counted = 0  # tokens evicted so far, as already added to the engine's counter
         self.probe: list[list[int]] | None = None  # a policy ranked by reconstruction: its probe calls
+        self.spans: list[tuple[int, int, int]] | None = None  # ... and their spans (kvzip:local=1)
         self.ranked = len(request.prompt_ids)  # ... and the prompt's first tokens they rank
         policy = make_policy(request.policy)
         self.tail = policy.slots_above_budget  # kvzip: tokens read after the ranking kept on top
@@ -367,9 +368,6 @@ class Engine:
             if policy.ranks_by_reconstruction and len(request.prompt_ids) < 2:
                 raise H2OError(f"policy {policy.spec!r} ranks all but the prompt's last token by reconstruction: "
                                f"it needs at least 2 prompt tokens")
-            if policy.ranks_by_reconstruction and policy.local:  # its calls' spans are not carried yet
-                raise H2OError(f"policy {policy.spec!r} (local=1) is not served yet: rank with h2okv.reconstruct, "
-                               f"or serve it without local")
             check_positions(policy, self.options.positions)
         except (H2OError, ValueError, TypeError) as exc:
             raise invalid(f"h2o: {exc}", "h2o") from None
@@ -410,10 +408,13 @@ class Engine:
         if policy_class(request.policy).ranks_by_reconstruction:  # built here, where the tokenizer is
             seq.ranked = ranked_length(request)
             seq.probe = []  # past kvzip's probe_upto: no probe calls, the question's attention ranks
+            policy = make_policy(request.policy)
             # the cache holds all but the ranked part's last token when it is ranked (prompt_probes)
-            if make_policy(request.policy).runs_probe(seq.ranked - 1):
+            if policy.runs_probe(seq.ranked - 1):
                 with self.tokenizer_lock:
                     seq.probe = prompt_probes(self.tokenizer, request.prompt_ids[:seq.ranked])
+                    if policy.local:  # each call scored on the part of the prompt it repeats
+                        seq.spans = prompt_spans(self.tokenizer, request.prompt_ids[:seq.ranked])
         return seq
 
     def wake(self) -> None:
@@ -631,7 +632,7 @@ class Engine:
         req = seq.request
         # positional, as every executor call: plain data a recorder or a TP follower replays
         self.executor.open(seq.uid, req.policy, req.heavy, req.recent, req.seed or 0, seq.probe, seq.resume,
-                           seq.resume_length, seq.held_until is not None)
+                           seq.resume_length, seq.held_until is not None, seq.spans)
         if seq.held_until is not None and seq.chunks[0][0] == seq.held_until:
             self.executor.set_budget(seq.uid)
 
@@ -849,7 +850,7 @@ class Engine:
         done = 0
         if hit is not None:
             done = hit.length
-            seq.resume, seq.probe = hit.entry.id, None  # its first part was ranked when it was saved
+            seq.resume, seq.probe, seq.spans = hit.entry.id, None, None  # ranked when it was saved
             seq.resume_length = done if done < len(hit.entry.ids) else None
             seq.output.cached_tokens = done
         cut = req.cache_prefix

@@ -106,6 +106,7 @@ class SequenceSpec:
     length: int | None = None  # ... cut to its first tokens (a state of a policy that never evicts)
     whole: bool = False  # its prompt's first part is held whole until ``set_budget`` (``open``)
     lowered: bool = False  # ... and ``set_budget`` came before its cache was made (a resumed history)
+    spans: tuple[tuple[int, int, int], ...] | None = None  # the probe calls' spans (kvzip:local=1)
 
 
 def keep_first(cache: H2OCache, n: int) -> None:
@@ -162,9 +163,10 @@ class Executor:
     # -- sequences -----------------------------------------------------------------------------
     def open(self, uid: int, policy: str, heavy: int | None, recent: int | None, seed: int,
              probe: list[list[int]] | None = None, resume: int | None = None, length: int | None = None,
-             whole: bool = False) -> None:
+             whole: bool = False, spans: list[tuple[int, int, int]] | None = None) -> None:
         """Register a sequence; its cache is built by its first ``prefill``. ``probe``: the probe
-        calls (id lists) of a policy that ranks by reconstruction, which needs them. ``resume``: a
+        calls (id lists) of a policy that ranks by reconstruction, which needs them; ``spans``: each
+        call's ``(head, first, stop)``, for a policy that scores each on its own (``kvzip:local=1``). ``resume``: a
         saved entry it starts from (its cache is a copy of it; no probe), ``length``: its first
         tokens only (a state of a policy that never evicts). ``whole``: an evicting policy's
         sequence read on a cache of its own that evicts nothing (resumed: a state saved so) until
@@ -195,7 +197,10 @@ class Executor:
         calls = None if probe is None else tuple(tuple(int(t) for t in call) for call in probe)
         if calls is not None and not all(calls):
             raise ValueError(f"sequence {uid}: an empty probe call")
-        self._specs[uid] = SequenceSpec(policy, heavy, recent, int(seed), calls)
+        if spans is not None and (calls is None or len(spans) != len(calls)):
+            raise ValueError(f"sequence {uid}: one span per probe call")
+        spans = None if spans is None else tuple(tuple(int(v) for v in span) for span in spans)
+        self._specs[uid] = SequenceSpec(policy, heavy, recent, int(seed), calls, spans=spans)
 
     def prefill(self, parts: list[tuple[int, list[int], int]]) -> dict[int, torch.Tensor]:
         """Feed prompt chunks: ``parts`` is ``[(uid, token_ids, first_position), ...]``, each uid at
@@ -427,7 +432,7 @@ class Executor:
             # two-token prompt, e.g. [0, 0], stopped here with a 500 under the default recipe)
             if all(layer.probe.awaiting for layer in cache.layers):
                 rank_by_probes(self.model, cache, [torch.tensor([call], dtype=torch.long, device=device)
-                                                   for call in spec.probe])
+                                                   for call in spec.probe], spec.spans)
             out = self.model(input_ids=torch.tensor([last], dtype=torch.long, device=device),
                              position_ids=torch.tensor([[len(head)]], dtype=torch.long, device=device),
                              **cache_arg(cache), use_cache=True, **self._keep_last)
