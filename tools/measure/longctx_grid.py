@@ -146,6 +146,7 @@ DEV_PIECES = [
     dev("full-3k", "--policies", "full", context="3072"),
     dev("prompt-question-only-3k", *QUESTION_ONLY, context="3072"),
     dev("prompt-pass-3k", *PASS, context="3072"),
+    dev("prompt-pass-local-3k", "--policies", "kvzip:question=32,local=1", *PROMPT_RANKING, context="3072"),
 ]
 
 
