@@ -113,11 +113,12 @@ def dev(name: str, *flags: str, context: str = "6144", tasks: str = FAMILIES) ->
     return piece(name, "--contexts", context, "--samples", "2", "--tasks", tasks, *flags, split="dev")
 
 
-# `prompt`'s two rankings as explicit policies (the recipe picks one by the prompt's length)
-PROMPT_RANKING = ("--cache-option", "prefill=late", "--cache-option", "head_budgets=layers", "--cache-option",
+# the cache options of the recipes ranked by reconstruction (`prompt`, `document`), beside an
+# explicit kvzip policy; `prompt`'s two rankings as such policies (the recipe picks one by length)
+RECONSTRUCTION_CACHE = ("--cache-option", "prefill=late", "--cache-option", "head_budgets=layers", "--cache-option",
                   "head_floor=0", "--cache-option", "recent_share=0.01")
-PASS = ("--policies", "kvzip:question=32", *PROMPT_RANKING)
-QUESTION_ONLY = ("--policies", "kvzip:question=32,probe_upto=1,question_kernel=31", *PROMPT_RANKING)
+PASS = ("--policies", "kvzip:question=32", *RECONSTRUCTION_CACHE)
+QUESTION_ONLY = ("--policies", "kvzip:question=32,probe_upto=1,question_kernel=31", *RECONSTRUCTION_CACHE)
 
 
 DEV_PIECES = [
@@ -134,19 +135,18 @@ DEV_PIECES = [
     # `prompt` without the reconstruction pass past 4k tokens: the question's attention alone, pooled
     # over bounded's kernel (31); the rest of the recipe as it is
     dev("prompt-question-only-6k", "--policies", "kvzip:question=32,probe_upto=4096,question_kernel=31",
-        *PROMPT_RANKING),
+        *RECONSTRUCTION_CACHE),
     # `document` scored as KVzip's reference code does (kvzip:local=1: each probe chunk's softmax over
     # the part it repeats); in two halves of the families, one a core
-    *(dev(f"document-local-6k-{half}", "--policies", "kvzip:local=1", "--cache-option", "prefill=late",
-          "--cache-option", "head_budgets=layers", "--cache-option", "head_floor=0", "--cache-option",
-          "recent_share=0.01", "--question", "agnostic", tasks=tasks)
+    *(dev(f"document-local-6k-{half}", "--policies", "kvzip:local=1", *RECONSTRUCTION_CACHE, "--question",
+          "agnostic", tasks=tasks)
       for half, tasks in (("a", ",".join(FAMILIES.split(",")[:5])), ("b", ",".join(FAMILIES.split(",")[5:])))),
     # where `prompt`'s cut belongs: at 2k the pass wins (paired +4.9, SE 3.1), at 6k the question's
     # attention alone (+3.2, SE 2.7), and the test's 4k prompts run the pass below ChunkKV
     dev("full-3k", "--policies", "full", context="3072"),
     dev("prompt-question-only-3k", *QUESTION_ONLY, context="3072"),
     dev("prompt-pass-3k", *PASS, context="3072"),
-    dev("prompt-pass-local-3k", "--policies", "kvzip:question=32,local=1", *PROMPT_RANKING, context="3072"),
+    dev("prompt-pass-local-3k", "--policies", "kvzip:question=32,local=1", *RECONSTRUCTION_CACHE, context="3072"),
 ]
 
 

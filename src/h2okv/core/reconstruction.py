@@ -126,7 +126,7 @@ def reconstruct(model, cache, context: torch.Tensor, tokenizer, start: int = 0,
         raise H2OError(f"reconstruct builds the probe of this {context.shape[1]}-token prompt with the tokenizer: "
                        f"give the model's tokenizer")
     calls = probes(tokenizer, context.to(model.device), start, chunk_size) if probed else []
-    rank_by_probes(model, cache, calls, probe_spans(context.shape[1], start, chunk_size) if probed else [])
+    rank_by_probes(model, cache, calls, probe_spans(context.shape[1], start, chunk_size))
 
 
 def rank_by_probes(model, cache, calls: list[torch.Tensor], spans: list[tuple[int, int, int]] | None = None) -> None:

@@ -115,7 +115,7 @@ class Sequence:
         self.probe: list[list[int]] | None = None  # a policy ranked by reconstruction: its probe calls
         self.spans: list[tuple[int, int, int]] | None = None  # ... and their spans (kvzip:local=1)
         self.ranked = len(request.prompt_ids)  # ... and the prompt's first tokens they rank
-        policy = make_policy(request.policy)
+        self.policy = policy = make_policy(request.policy)  # built once, asked here and by the engine
         self.tail = policy.slots_above_budget  # kvzip: tokens read after the ranking kept on top
         self.evicts = policy.evicts
         self.policy_name = policy.name  # the store's metrics label: names are few, specs with options are not
@@ -405,10 +405,10 @@ class Engine:
         # a question-aware policy reads its prompt in one call (its cache still evicts chunk by chunk)
         call = len(request.prompt_ids) if self.reads_question(request) else self.chunk_for(request)
         seq = Sequence(request, handle, self.reservation(request), next(self.uids), max(1, call), output)
-        if policy_class(request.policy).ranks_by_reconstruction:  # built here, where the tokenizer is
+        policy = seq.policy
+        if policy.ranks_by_reconstruction:  # built here, where the tokenizer is
             seq.ranked = ranked_length(request)
             seq.probe = []  # past kvzip's probe_upto: no probe calls, the question's attention ranks
-            policy = make_policy(request.policy)
             # the cache holds all but the ranked part's last token when it is ranked (prompt_probes)
             if policy.runs_probe(seq.ranked - 1):
                 with self.tokenizer_lock:
