@@ -83,7 +83,7 @@ def test_executor_ranks_then_keeps_the_budget(model_tok, tail):
     from h2okv.core.reconstruction import prompt_probes
 
     policy = f"kvzip:tail={tail}"
-    executor.open(0, policy, heavy, recent, 0, probe=prompt_probes(tok, ids))
+    executor.open(0, policy, heavy, recent, 0, probe=prompt_probes(tok, ids).calls)
     with torch.inference_mode():
         logits = executor.prefill([(0, ids, 0)])[0]
         cache = executor._ranked[0]
@@ -107,11 +107,10 @@ def test_served_local_scores_equal_reconstruct_over_several_chunks(model_tok, mo
     import functools
 
     import h2okv.serve.engine as engine_module
-    from h2okv.core.reconstruction import prompt_probes, prompt_spans
+    from h2okv.core.reconstruction import prompt_probes
 
     model, tok = model_tok
     monkeypatch.setattr(engine_module, "prompt_probes", functools.partial(prompt_probes, chunk_size=20))
-    monkeypatch.setattr(engine_module, "prompt_spans", functools.partial(prompt_spans, chunk_size=20))
     head = len(encode_text(tok, chat_frame(tok)[0]))
     cases = [(chat_prompt(tok, 70, 11), head), (prompt(64, 12), 0)]
     engine = Engine(model, tok, EngineOptions(prefill_chunk=CHUNK, max_batch=4))

@@ -35,6 +35,8 @@ prompt the probe's blocks took the ``prompt`` recipe's peak to 2.9x full's (an H
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from h2okv.chat import chat_frame, encode_text
@@ -87,22 +89,25 @@ def probe_spans(n: int, start: int = 0, chunk_size: int = DEFAULT_CHUNK) -> list
     return [(start, first, min(first + chunk_size, n)) for first in range(start, n, chunk_size)]
 
 
-def prompt_probes(tokenizer, prompt: list[int], chunk_size: int = DEFAULT_CHUNK) -> list[list[int]]:
+class ProbePlan(NamedTuple):
+    """A served prompt's probe ``calls`` (id lists) and each call's ``probe_spans`` entry."""
+
+    calls: list[list[int]]
+    spans: list[tuple[int, int, int]]
+
+
+def prompt_probes(tokenizer, prompt: list[int], chunk_size: int = DEFAULT_CHUNK) -> ProbePlan:
     """The probe calls (id lists) for a ``prompt`` of which all but the last token is read and
     ranked, the last one then read on the ranked cache (as ``eval longctx`` does, so the first
-    generated token already sees the ranked cache). A chat template's head that opens the prompt
-    is ranked but not repeated (``reconstruct``'s ``start``). Used by the server."""
+    generated token already sees the ranked cache), with their spans (``kvzip:local=1`` scores
+    each call on its own). A chat template's head that opens the prompt is ranked but not repeated
+    (``reconstruct``'s ``start``); it is encoded once for both. Used by the server."""
     context = list(prompt[:-1])
     if not context:
         raise H2OError("a prompt ranked by reconstruction needs at least 2 tokens")
     start = chat_head_length(tokenizer, context)
-    return [call[0].tolist() for call in probes(tokenizer, torch.tensor([context]), start, chunk_size)]
-
-
-def prompt_spans(tokenizer, prompt: list[int], chunk_size: int = DEFAULT_CHUNK) -> list[tuple[int, int, int]]:
-    """``probe_spans`` of ``prompt_probes``' calls (``kvzip:local=1`` scores each on its own)."""
-    context = list(prompt[:-1])
-    return probe_spans(len(context), chat_head_length(tokenizer, context), chunk_size)
+    calls = [call[0].tolist() for call in probes(tokenizer, torch.tensor([context]), start, chunk_size)]
+    return ProbePlan(calls, probe_spans(len(context), start, chunk_size))
 
 
 def reconstruct(model, cache, context: torch.Tensor, tokenizer, start: int = 0,

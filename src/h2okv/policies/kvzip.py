@@ -54,7 +54,7 @@ and a chat template's head) and the probe itself, where by default (0) they are 
 attention over every live slot. A long prompt's far chunks then no longer share each query's mass:
 a token is scored against its own chunk, every chunk on one scale. The call's output (what the
 model reads on) is the full attention either way. Prompts of one chunk (2,048 tokens) rank the
-same. The server hands each probe call's span to its executor (``prompt_spans``). Not a default:
+same. The server hands each probe call's span to its executor (``prompt_probes``' spans). Not a default:
 `document` with it on the dev split at 6k scored 74.7 against 81.4 (paired -6.7, SE 5.8, 20 prompts;
 several questions and a key lost), at 1.16x the prefill.
 

@@ -42,7 +42,7 @@ import torch
 
 from h2okv.core.budget import BudgetSpec
 from h2okv.core.positions import check_positions
-from h2okv.core.reconstruction import prompt_probes, prompt_spans
+from h2okv.core.reconstruction import prompt_probes
 from h2okv.errors import H2OError
 from h2okv.policies import make_policy, policy_class
 from h2okv.serve.errors import ErrorKind, ServeError
@@ -412,9 +412,10 @@ class Engine:
             # the cache holds all but the ranked part's last token when it is ranked (prompt_probes)
             if policy.runs_probe(seq.ranked - 1):
                 with self.tokenizer_lock:
-                    seq.probe = prompt_probes(self.tokenizer, request.prompt_ids[:seq.ranked])
-                    if policy.local:  # each call scored on the part of the prompt it repeats
-                        seq.spans = prompt_spans(self.tokenizer, request.prompt_ids[:seq.ranked])
+                    plan = prompt_probes(self.tokenizer, request.prompt_ids[:seq.ranked])
+                seq.probe = plan.calls
+                if policy.local:  # each call scored on the part of the prompt it repeats
+                    seq.spans = plan.spans
         return seq
 
     def wake(self) -> None:
