@@ -132,7 +132,7 @@ def test_a_probe_block_held_to_its_bytes_gives_the_same_scores(monkeypatch):
         return cache, len(softmaxes)
 
     wide, wide_blocks = ranked()
-    monkeypatch.setattr(reconstruction, "PROBE_BLOCK_BYTES", 1)
+    monkeypatch.setattr(reconstruction, "CPU_PROBE_BLOCK_BYTES", 1)
     narrow, narrow_blocks = ranked()
     assert narrow_blocks > 5 * wide_blocks  # the cap took the blocks down to one query each
     assert [kept(layer) for layer in narrow.layers] == reference_kept(ids, 10, 4, 3, 20)

@@ -29,7 +29,8 @@ is written: the probe's keys and values live only for the call. Each live slot's
 largest probability any probe query of its KV head's query group gives it (KVzip's max over the
 group and the queries). The queries run in blocks, so a probability block is
 ``[block x (capacity + probe)]``, and a block holds at most ``PROBE_BLOCK_BYTES`` of float32
-logits: with the chunk size alone (512 queries) the block grows with the prompt, and on a 16k
+logits (``CPU_PROBE_BLOCK_BYTES`` on a CPU, where a block that stays in cache is faster): with
+the chunk size alone (512 queries) the block grows with the prompt, and on a 16k
 prompt the probe's blocks took the ``prompt`` recipe's peak to 2.9x full's (an H200, bf16).
 """
 
@@ -53,6 +54,16 @@ DEFAULT_CHUNK = 2048
 # and half of it. A smaller block ranks the same: each query's row is its own softmax, and the max
 # (or, for the streamed probe, the sum) is taken across blocks; only a matmul's rounding moves
 PROBE_BLOCK_BYTES = 64 * 2**20
+# on a CPU a block of logits that fits a core's L2 cache (4 MiB here) is read and written by the
+# softmax, the max and the value product without going out to memory: a probe call at 8k (0.5B's
+# shapes) took 1.3-1.9 s per layer against 2.5-2.8 s with 64 MiB blocks, the same bits
+# (``tools/measure/probe_blocks.py``). An accelerator wants its larger blocks.
+CPU_PROBE_BLOCK_BYTES = 4 * 2**20
+
+
+def probe_block_bytes(device: torch.device) -> int:
+    """The most float32 logits one probe block holds on ``device``."""
+    return min(PROBE_BLOCK_BYTES, CPU_PROBE_BLOCK_BYTES) if device.type == "cpu" else PROBE_BLOCK_BYTES
 
 
 def turn_end(tokenizer) -> list[int]:
@@ -231,7 +242,8 @@ def probe_attention(layer, query, key_new, value_new, scaling: float, block: int
         head, first, stop = span
         ordinal = layer.ordinal[:, :, None, :]
         scored = live & ((ordinal < max(head, layer.config.policy.sink_tokens)) | ((ordinal >= first) & (ordinal < stop)))
-    block = max(1, min(block, PROBE_BLOCK_BYTES // (4 * b * hq * (cap + n))))
+    block = max(1, min(block, probe_block_bytes(query.device) // (4 * b * hq * (cap + n))))
+    every_slot_live = bool(layer.valid.all())  # a probe on a prompt read whole: only its own tokens are masked
     best = torch.zeros(b, hkv, cap, dtype=torch.float32, device=query.device)
     outputs = []
     for start in range(0, n, block):
@@ -240,8 +252,11 @@ def probe_attention(layer, query, key_new, value_new, scaling: float, block: int
         q = query[:, :, start:stop].reshape(b, hkv, g * m, d)  # query head kv*g + j serves KV head kv
         logits = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(scaling).view(b, hkv, g, m, cap + n)
         sees_new = torch.arange(n, device=query.device) <= torch.arange(start, stop, device=query.device)[:, None]
-        allowed = torch.cat([live.expand(b, hkv, m, cap), sees_new.expand(b, hkv, m, n)], dim=-1)
-        logits.masked_fill_(~allowed[:, :, None], float("-inf"))
+        if every_slot_live:
+            logits[..., cap:].masked_fill_(~sees_new, float("-inf"))
+        else:
+            allowed = torch.cat([live.expand(b, hkv, m, cap), sees_new.expand(b, hkv, m, n)], dim=-1)
+            logits.masked_fill_(~allowed[:, :, None], float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         scores = probs
         if scored is not None:  # the same logits, normalized over the chunk the call repeats
