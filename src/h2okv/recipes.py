@@ -34,8 +34,8 @@ BYTES_CENTER_KEYS = True
 
 
 # `prompt`'s policy: KVzip's pass with the question's attention beside it, for prompts of up to
-# 4,096 tokens; the question's attention alone past them
-PROMPT_POLICY = "kvzip:question=32,probe_upto=4096,question_kernel=31"
+# 2,560 tokens; the question's attention alone past them
+PROMPT_POLICY = "kvzip:question=32,probe_upto=2560,question_kernel=31"
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,12 @@ RECIPES: dict[str, Recipe] = {
             # attention the model pays it while repeating the prompt (a whole UUID, every word of a
             # list it must count) and the attention of the question's last 32 queries (what is
             # asked); the whole cache's slots shared out by that score. Costs one more prefill, so
-            # only up to 4,096 tokens: past them the question's attention alone ranks, each token
-            # taking the best of the 31 around it (bounded's kernel). Dev at 6k: 85.9 against the
-            # pass's 82.7 (paired +3.2, SE 2.7) at 0.28x its prefill; at 2k the pass wins (88.2
-            # against 83.4, paired -4.9, SE 3.1). 4,096: between the two dev lengths (docs/RESULTS.md)
+            # only up to 2,560 tokens: past them the question's attention alone ranks, each token
+            # taking the best of the 31 around it (bounded's kernel). Dev (essays, seed 0): at 2k
+            # the pass wins (88.2 against 83.4, paired -4.9, SE 3.1); at 3k it ties (80.7 against
+            # 80.4, paired -0.2, SE 6.3) at 1.58x the prefill; at 6k it loses (82.7 against 85.9,
+            # paired +3.2, SE 2.7). 2,560: between the last dev length it won and the first it did
+            # not (docs/RESULTS.md)
             {"policy": PROMPT_POLICY, "prefill": "late", "head_budgets": "layers", "head_floor": 0.0,
              "recent_share": 0.01},
         ),
