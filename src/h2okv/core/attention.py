@@ -150,10 +150,12 @@ def slot_attention(
     packed = query.reshape(b, hkv, g * m, d)
 
     if not need_mass:
-        if allowed is not None and g > 1 and m > 1 and allowed.shape[1] > 1 and heads_share(allowed):
+        if (query.device.type == "cpu" and allowed is not None and g > 1 and m > 1 and allowed.shape[1] > 1
+                and heads_share(allowed)):
             # every KV head sees the same slots (a prefill before any head evicted): one [m, cap]
             # mask for all query heads, where the mask expanded over each group's queries cost as
-            # much to build as the attention it masked (CPU, 512 queries over 2k slots: 2x the call)
+            # much to build as the attention it masked (CPU, 512 queries over 2k slots: 2x the call).
+            # Not on CUDA, where a masked grouped call falls back to SDPA's math kernel
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed[:, :1], scale=scaling,
                                                  enable_gqa=True)
             return out, None
