@@ -156,6 +156,20 @@ def test_rows_merge_later_wins_and_keys_name_the_configuration(tmp_path):
         make_row(task="vt")
 
 
+def test_a_recipe_row_departs_only_where_its_cut_ranks_otherwise():
+    """``prompt``'s cut (kvzip ``probe_upto``) names a row as the recipe wherever the row's length
+    is ranked as the recipe ranks it now, and as a departure where it is not."""
+    now = {"policy": "kvzip:question=32,probe_upto=2560,question_kernel=31", "prefill": "late"}
+    options = {"prefill": "late"}
+    old_cut = "kvzip:question=32,probe_upto=4096,question_kernel=31"
+    assert config_label(old_cut, options, "prompt", now, 8192) == "recipe prompt"  # both past the cut
+    assert config_label(old_cut, options, "prompt", now, 3072) == f"recipe prompt [{old_cut}]"  # pass vs none
+    assert config_label("kvzip:question=32", options, "prompt", now, 2048) == "recipe prompt"  # both run the pass
+    assert config_label("kvzip:question=32", options, "prompt", now, 4096) == "recipe prompt [kvzip:question=32]"
+    assert config_label("kvzip:question=8", options, "prompt", now, 2048) == "recipe prompt [kvzip:question=8]"
+    assert config_label(old_cut, options, "prompt", now) == f"recipe prompt [{old_cut}]"  # no length: as written
+
+
 def test_agnostic_full_answers_like_aware_full_and_evicts_before_the_question(essay):
     tok = Chars()
     model = tiny_model("llama", seed=4, max_position_embeddings=2048)

@@ -34,7 +34,7 @@ def label(row: dict) -> str:
     """A row's configuration name; a recipe row is named by the recipe, and by what departs from
     what the recipe means now (``rows.config_label``)."""
     recipe = row.get("recipe")
-    return config_label(row["policy"], row.get("cache_options"), recipe, recipe_settings(recipe))
+    return config_label(row["policy"], row.get("cache_options"), recipe, recipe_settings(recipe), row.get("context"))
 
 
 def recipe_settings(name: str | None) -> dict | None:

@@ -42,28 +42,49 @@ CODING_OPTIONS = ("kv_bits", "key_bits", "kv_group", "float_window", "center_key
 
 
 def config_label(policy: str, cache_options: dict | None, recipe: str | None = None,
-                 recipe_settings: dict | None = None) -> str:
+                 recipe_settings: dict | None = None, context: int | None = None) -> str:
     """How a configuration is named in tables and plots: a recipe by its name, else the policy
     spec, then its cache options.
 
     ``recipe_settings``: the recipe's keywords as they are now (``h2okv.recipes``; this file imports
     none of h2okv). A recipe row that departs from them (a row written when the recipe meant
     something else, or an option given beside it, e.g. ``prefill=chunked``) names what departs, so
-    it is never one configuration with the recipe's own rows (whose cells would overwrite each other's)."""
+    it is never one configuration with the recipe's own rows (whose cells would overwrite each other's).
+    ``context``: the row's prompt length, where a policy's meaning depends on it (``ranking_at``)."""
     if recipe:
-        return f"recipe {recipe}{coding_suffix(cache_options)}{departures(policy, cache_options, recipe_settings)}"
+        departs = departures(policy, cache_options, recipe_settings, context)
+        return f"recipe {recipe}{coding_suffix(cache_options)}{departs}"
     if not cache_options:
         return policy
     return f"{policy} [{','.join(f'{k}={v}' for k, v in sorted(cache_options.items()))}]"
 
 
-def departures(policy: str, cache_options: dict | None, recipe_settings: dict | None) -> str:
+def ranking_at(policy: str, context: int | None) -> str:
+    """``policy`` as it ranks a prompt of ``context`` tokens: kvzip's ``probe_upto=N`` runs the
+    reconstruction pass up to N tokens and its ``question_kernel`` pools only past them, so two
+    cuts on the same side of the length rank alike (``kvzip:question=32`` and
+    ``kvzip:question=32,probe_upto=2560,question_kernel=31`` at 2k; cuts 2,560 and 4,096 at 8k)."""
+    name, _, spec = policy.partition(":")
+    if name != "kvzip" or context is None:
+        return policy
+    options = dict(part.split("=", 1) for part in spec.split(",") if "=" in part)
+    upto = int(options.pop("probe_upto", 0))
+    if not upto or context <= upto:
+        options.pop("question_kernel", None)  # the pass ranks; the kernel pools only past the cut
+    else:
+        options["probe_upto"] = "below"  # past the cut: the question's attention alone
+    return f"{name}:{','.join(f'{k}={v}' for k, v in sorted(options.items()))}" if options else name
+
+
+def departures(policy: str, cache_options: dict | None, recipe_settings: dict | None,
+               context: int | None = None) -> str:
     """`` [what differs]`` between a recipe row's policy and options and the recipe's, else empty."""
     if not recipe_settings:
         return ""
     ours = {k: v for k, v in (cache_options or {}).items() if k not in CODING_OPTIONS}
     theirs = {k: v for k, v in recipe_settings.items() if k != "policy"}
-    parts = [policy] if policy != recipe_settings.get("policy", policy) else []
+    recipe_policy = recipe_settings.get("policy", policy)
+    parts = [policy] if ranking_at(policy, context) != ranking_at(recipe_policy, context) else []
     parts += [f"{k}={ours.get(k)}" for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
     return f" [{' '.join(parts)}]" if parts else ""
 
