@@ -56,8 +56,9 @@ DEFAULT_CHUNK = 2048
 PROBE_BLOCK_BYTES = 64 * 2**20
 # on a CPU a block of logits that fits a core's L2 cache (4 MiB here) is read and written by the
 # softmax, the max and the value product without going out to memory: a probe call at 8k (0.5B's
-# shapes) took 1.3-1.9 s per layer against 2.5-2.8 s with 64 MiB blocks, the same bits
-# (``tools/measure/probe_blocks.py``). An accelerator wants its larger blocks.
+# shapes) took 1.25 s per layer against 2.33 s with 64 MiB blocks (medians of 3), the same bits
+# (``tools/measure/probe_blocks.py``, docs/results/probe-blocks-8k.json). An accelerator wants its
+# larger blocks.
 CPU_PROBE_BLOCK_BYTES = 4 * 2**20
 
 
