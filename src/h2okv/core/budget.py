@@ -22,6 +22,7 @@ from h2okv.budget_spec import (  # noqa: F401 (re-exported: the budget's public 
     takes_no_budget,
     two_spellings,
 )
+from h2okv.core.words import WordRecord
 from h2okv.policies import Budget, Policy, policy_class
 
 # a budget below this many slots per (layer, KV head) warns once: it rarely keeps an answer
@@ -66,6 +67,8 @@ class RowBudgets:
         self.heavy: torch.Tensor | None = None
         self.recent: torch.Tensor | None = None
         self.sinks: torch.Tensor | None = None  # protected first tokens per row
+        # each row's token ids by ordinal, for a policy that pools by words (core/words.py)
+        self.words: WordRecord | None = WordRecord() if policy.words else None
 
     @property
     def rows(self) -> int:
@@ -120,10 +123,14 @@ class RowBudgets:
         if self.heavy is not None:
             index = index.cpu()
             twin.heavy, twin.recent, twin.sinks = (t.index_select(0, index) for t in (self.heavy, self.recent, self.sinks))
+        if self.words is not None:
+            twin.words = self.words.select(index)
         return twin
 
     def extend(self, other: RowBudgets) -> None:
         """Append ``other``'s rows (their budgets fixed)."""
+        if self.words is not None:
+            self.words.extend(self.rows, other.words, other.rows)
         self.heavy, self.recent, self.sinks = (torch.cat([mine, theirs]) for mine, theirs in
                                                ((self.heavy, other.heavy), (self.recent, other.recent),
                                                 (self.sinks, other.sinks)))

@@ -9,7 +9,7 @@ import math
 import torch
 from transformers.cache_utils import Cache
 
-from h2okv.core import autorank, streamed
+from h2okv.core import autorank, streamed, words
 from h2okv.core.attention import prepare_model
 from h2okv.core.budget import BudgetSpec, RowBudgets
 from h2okv.core.compat import config_head_dim
@@ -152,6 +152,8 @@ class H2OCache(Cache):
             autorank.install_hook(model)
         if settings.prefill == "streamed":  # model.generate streams the prompt by itself (core/streamed.py)
             streamed.install_hook(model)
+        if self.policy.words:  # every call's ids recorded by ordinal: the policy pools by words
+            words.install_hook(model)
 
     # what the cache was built with, read from its settings (one copy of them)
     recipe = property(lambda self: self.settings.recipe)

@@ -25,6 +25,7 @@ from h2okv.core.reconstruction import check_probe_call, probe_attention
 from h2okv.core.scan import can_scan, token_scan
 from h2okv.core.step import chunk_step, evict, policy_key, protected
 from h2okv.core.storage import CODEC_TENSORS, SlotStorage
+from h2okv.core.words import span_max
 from h2okv.errors import H2OError
 from h2okv.policies import Policy
 
@@ -456,7 +457,8 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         block = self.query_block
         out, mass = probe_attention(self, query, key_new, value_new, scaling, block, reduce="sum")
         mass = torch.where(self.valid, mass, torch.zeros_like(mass))
-        self.score.copy_(self.config.policy.smooth_held(mass, self.ordinal, self.valid))
+        self.score.copy_(self._spans(self.config.policy.smooth_held(mass, self.ordinal, self.valid), self.ordinal,
+                                     self.valid))
         evict(self, self.capacity)  # any m > 1: every row down to its budget at once
         self.changed()
         return out.transpose(1, 2).contiguous()
@@ -473,7 +475,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
             best = torch.maximum(best, self.score)
         best = self.config.policy.smooth_probe(torch.where(self.valid, best, torch.zeros_like(best)), self.ordinal,
                                                self.valid, probed)
-        self.score.copy_(best)
+        self.score.copy_(self._spans(best, self.ordinal, self.valid))
 
     def stop_probe(self) -> None:
         self.probe.best = None
@@ -574,8 +576,27 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
             # value of many tokens the probes kept whole loses the pieces with little mass of their own
             old = self.config.policy.smooth_held(torch.where(self.valid, old, torch.zeros_like(old)), self.ordinal,
                                                  self.valid)
+        if policy.words and hook is None:  # the held slots and the call's tokens, one word across both
+            old, new = self._spans_across(old, new, real)
         self.score.copy_(old)
         return new
+
+    def _spans(self, scores, ordinal, valid):
+        """``scores`` ``[B, H, N]`` of slots ``ordinal`` / ``valid``, each raised to its word's best
+        where the policy pools by words and the cache knows the words (``core/words.py``)."""
+        record = self.rows.words
+        numbers = record.of(ordinal) if record is not None else None
+        return scores if numbers is None else span_max(scores, numbers, valid)
+
+    def _spans_across(self, old, new, real):
+        """``_spans`` over the live slots and the call's ``real`` ``[B]`` tokens (in the real-first
+        order: ordinals from ``n_real`` on) as one set: a word that straddles the call's start."""
+        b, h, n = new.shape
+        ordinals = (self.n_real[:, None] + torch.arange(n, device=self.device))[:, None].expand(b, h, n)
+        fresh = (torch.arange(n, device=self.device)[None, :] < real[:, None])[:, None].expand(b, h, n)
+        joined = self._spans(torch.cat([old, new], -1), torch.cat([self.ordinal, ordinals], -1),
+                             torch.cat([self.valid, fresh], -1))
+        return joined[..., :old.shape[-1]], joined[..., old.shape[-1]:]
 
     def held_in_order(self) -> torch.Tensor:
         """``[B]``: each row's tokens read so far where every head holds all of them in its first

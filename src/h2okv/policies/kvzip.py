@@ -90,6 +90,8 @@ class KVzipPolicy(ReconstructionPolicy, HeavyHitters):
     question_kernel: int = option(1, check=lambda v: v >= 1 and v % 2 == 1, must_be="an odd number >= 1",
                                   shown=False)
     local: int = option(0, choices=(0, 1), shown=False)
+    # 1: every token of a word takes the word's best score after the pool (core/words.py)
+    words: int = option(0, choices=(0, 1), shown=False)
     heads: str = heads_option()
 
     def __post_init__(self):
