@@ -50,6 +50,13 @@ def test_a_run_without_whitespace_is_cut_every_max_word_tokens():
     assert int(numbers[-1]) == 2
 
 
+def test_a_vocabulary_without_whitespace_marks_makes_each_token_a_word():
+    from h2okv.tools.tiny import word_tokenizer
+
+    begins, ends = word_edges(word_tokenizer())  # "w5", "w6", ...: its pre-tokenizer drops the spaces
+    assert word_numbers(torch.tensor([[5, 6, 7]]), begins, ends).tolist() == [[0, 1, 2]]
+
+
 def test_ids_past_the_vocabulary_stand_alone():
     begins, ends = edges(size=10)
     assert word_numbers(torch.tensor([[4, 11, 4]]), begins, ends).tolist() == [[0, 1, 2]]

@@ -27,6 +27,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from h2okv.recipes import PROMPT_POLICY
+
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "docs" / "results" / "longctx" / "test"
 FAMILIES = "niah_single_1,niah_single_2,niah_single_3,niah_single_word,niah_multikey_1,niah_multivalue,niah_multiquery,vt,cwe,fwe"
@@ -151,6 +153,10 @@ DEV_PIECES = [
     # attention alone (+3.2, SE 2.7), and the test's 4k prompts ran the pass below ChunkKV. At 3k
     # they tie (the pass -0.2 below, SE 6.3), so the cut moved to 2,560
     dev("full-3k", "--policies", "full", context="3072"),
+    # `prompt` with word spans (core/words.py): the fresh split's 4k UUID miss is one digit in the
+    # middle, as bounded's; past its cut the question's attention alone ranks, pooled over 31 tokens
+    *(dev(f"prompt-words-{label}", "--policies", PROMPT_POLICY + ",words=1", *RECONSTRUCTION_CACHE, context=context)
+      for label, context in (("3k", "3072"), ("6k", "6144"))),
     dev("prompt-question-only-3k", *QUESTION_ONLY, context="3072"),
     dev("prompt-pass-3k", *PASS, context="3072"),
 ]

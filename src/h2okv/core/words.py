@@ -38,23 +38,26 @@ MAX_WORD_TOKENS = 64
 TIE_BREAK = 1e-3
 _WHITESPACE = frozenset(" \t\n\r\u0120\u010a\u0109\u2581")  # and byte-level BPE's / SentencePiece's marks
 _HOOKED = "_h2okv_words_hook"
-_EDGES: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_EDGES = "_h2okv_word_edges"
 
 
 def word_edges(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     """``(begins, ends)`` ``[vocab]`` bool: whether a token's text begins / ends with whitespace.
     Special tokens (a chat template's markers) count as both: a span never crosses them."""
-    key = id(tokenizer)
-    if key not in _EDGES:
+    found = getattr(tokenizer, _EDGES, None)
+    if found is None:
         size = len(tokenizer)
         pieces = tokenizer.convert_ids_to_tokens(list(range(size)))
         begins = torch.tensor([bool(p) and p[0] in _WHITESPACE for p in pieces], dtype=torch.bool)
         ends = torch.tensor([bool(p) and p[-1] in _WHITESPACE for p in pieces], dtype=torch.bool)
+        if not bool(begins.any() | ends.any()):
+            begins[:] = True  # a vocabulary with no whitespace marks (a word-level one): each token alone
         special = [i for i in getattr(tokenizer, "all_special_ids", []) if 0 <= i < size]
         begins[special] = True
         ends[special] = True
-        _EDGES[key] = (begins, ends)
-    return _EDGES[key]
+        found = (begins, ends)
+        setattr(tokenizer, _EDGES, found)  # kept with the tokenizer: built once, gone with it
+    return found
 
 
 def span_max(scores: torch.Tensor, words: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
