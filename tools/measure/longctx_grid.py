@@ -157,6 +157,8 @@ DEV_PIECES = [
     # middle, as bounded's; past its cut the question's attention alone ranks, pooled over 31 tokens
     *(dev(f"prompt-words-{label}", "--policies", PROMPT_POLICY + ",words=1", *RECONSTRUCTION_CACHE, context=context)
       for label, context in (("3k", "3072"), ("6k", "6144"))),
+    # `document` with word spans: its 8k misses are several values (7-digit numbers, one word each)
+    dev("document-words-6k", "--policies", "kvzip:words=1", *RECONSTRUCTION_CACHE, "--question", "agnostic"),
     dev("prompt-question-only-3k", *QUESTION_ONLY, context="3072"),
     dev("prompt-pass-3k", *PASS, context="3072"),
 ]
