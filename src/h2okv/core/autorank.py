@@ -35,6 +35,7 @@ from h2okv.core.reconstruction import chat_head_length, probe_spans, probes, ran
 from h2okv.errors import H2OError
 
 _HOOKED = "_h2okv_autorank_hook"
+_FOLDER_TOKENIZER = "_h2okv_folder_tokenizer"  # on the model: (its folder, that folder's tokenizer or None)
 
 
 def install_hook(model) -> None:
@@ -101,8 +102,17 @@ def cache_tokenizer(model, cache):
 
 
 def folder_tokenizer(model):
-    """The tokenizer in the local folder the model was loaded from, or None (never a download)."""
+    """The tokenizer in the local folder the model was loaded from, or None (never a download);
+    loaded once per model and folder (a server builds a cache per request)."""
     path = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    found = vars(model).get(_FOLDER_TOKENIZER)
+    if found is None or found[0] != path:
+        found = (path, _load_folder_tokenizer(path))
+        setattr(model, _FOLDER_TOKENIZER, found)
+    return found[1]
+
+
+def _load_folder_tokenizer(path):
     if not path or not os.path.isdir(path):
         return None
     from transformers import AutoTokenizer
