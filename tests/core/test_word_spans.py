@@ -15,8 +15,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:h2okv. a budget of")
 
 
 class SpacedTokenizer:
-    """A byte-level-BPE-like vocabulary: every third id begins with a space mark, so words are
-    runs of one to three tokens; ids 0 and 1 are special."""
+    """A byte-level-BPE-like vocabulary: the ids divisible by 3 begin with a space mark (a word is
+    one of them and the ids after it that are not); ids 0 and 1 are special."""
 
     all_special_ids = [0, 1]
 
@@ -62,22 +62,24 @@ def test_ids_past_the_vocabulary_stand_alone():
     assert word_numbers(torch.tensor([[4, 11, 4]]), begins, ends).tolist() == [[0, 1, 2]]
 
 
-def test_span_max_raises_each_live_slot_to_its_words_best():
-    scores = torch.tensor([[[1.0, 5.0, 2.0, 3.0, 9.0, 4.0]]])
-    words = torch.tensor([[[0, 0, 1, 1, 1, -1]]])
-    valid = torch.tensor([[[True, True, True, True, False, True]]])
-    out = span_max(scores, words, valid)
-    expected = torch.tensor([5.0, 5.0, 3.0, 3.0, 0.0, 0.0]) + TIE_BREAK * scores[0, 0]
-    expected[4], expected[5] = 9.0, 4.0  # a free slot, and a token of no known word: as they were
-    torch.testing.assert_close(out[0, 0], expected)
-    assert out[0, 0, 1] > out[0, 0, 0]  # a word's own best stays first among its tokens
+def test_span_max_raises_each_live_slot_to_its_words_best_raw_score():
+    raw = torch.tensor([[[1.0, 5.0, 2.0, 3.0, 9.0, 4.0, 1.0]]])
+    pooled = torch.tensor([[[1.0, 5.0, 2.5, 4.0, 9.0, 4.0, 6.0]]])
+    words = torch.tensor([[[0, 0, 1, 1, 1, -1, 2]]])
+    valid = torch.tensor([[[True, True, True, True, False, True, True]]])
+    out = span_max(pooled, raw, words, valid)[0, 0]
+    # token 0 raised to its word's best (5) with its own raw as the tie-break; token 2 to 3 (the free
+    # slot's 9 is nobody's); token 3 already pooled above its word's best; a token of no known word
+    # and a word of one token stay as pooled
+    expected = torch.tensor([5.0 + TIE_BREAK * 1.0, 5.0, 3.0 + TIE_BREAK * 2.0, 4.0, 9.0, 4.0, 6.0])
+    torch.testing.assert_close(out, expected)
 
 
 def test_span_max_keeps_heads_and_rows_apart():
-    scores = torch.arange(8.0).view(2, 2, 2)
-    words = torch.zeros(2, 2, 2, dtype=torch.long)
-    out = span_max(scores, words, torch.ones(2, 2, 2, dtype=torch.bool))
-    assert torch.allclose(out[..., 0] - TIE_BREAK * scores[..., 0], scores[..., 1])
+    raw = torch.arange(8.0).view(2, 2, 2)
+    out = span_max(raw, raw, torch.zeros(2, 2, 2, dtype=torch.long), torch.ones(2, 2, 2, dtype=torch.bool))
+    torch.testing.assert_close(out[..., 0], raw[..., 1] + TIE_BREAK * raw[..., 0])
+    torch.testing.assert_close(out[..., 1], raw[..., 1])
 
 
 def model_and_ids(n=300, batch=2):
@@ -102,18 +104,32 @@ def read_prompt(model, ids, tokenizer, policy, **keywords):
 
 
 @pytest.mark.parametrize("prefill", ["late", "chunked"])
-def test_a_prompts_scores_are_the_pooled_scores_raised_to_their_words_best(prefill):
-    """Nothing evicted: the word-spanned cache holds exactly the pooled scores, each raised to the best of
-    its word (the same tokens are read either way)."""
+def test_a_prompts_scores_are_raised_to_their_words_best(prefill):
+    """Nothing evicted and no pool (kernel 1): the word-spanned cache holds exactly the plain scores,
+    each raised to the best of its word (the same tokens are read either way)."""
     model, ids, tok = model_and_ids()
-    plain = read_prompt(model, ids, tok, "snapkv:kernel=5,pool=max", budget=400, prefill=prefill)
-    spanned = read_prompt(model, ids, tok, "snapkv:kernel=5,pool=max,words=1", budget=400, prefill=prefill)
+    plain = read_prompt(model, ids, tok, "snapkv:kernel=1,pool=max", budget=400, prefill=prefill)
+    spanned = read_prompt(model, ids, tok, "snapkv:kernel=1,pool=max,words=1", budget=400, prefill=prefill)
     record = spanned.row_budgets.words
     assert torch.equal(record.ids[:, :ids.shape[1]], ids)
     for mine, theirs in zip(plain.layers, spanned.layers, strict=True):
-        expected = span_max(mine.score, record.of(mine.ordinal), mine.valid)
+        expected = span_max(mine.score, mine.score, record.of(mine.ordinal), mine.valid)
         torch.testing.assert_close(theirs.score, expected)
         assert not torch.equal(theirs.score, mine.score)
+
+
+@pytest.mark.parametrize("prefill", ["late", "chunked", "streamed"])
+def test_words_the_kernel_reaches_across_rank_as_without_spans(prefill):
+    """A pool of 5 (2 either side) reaches across every word of one to three tokens: word spans
+    change no score, so what is kept and the tokens generated are the plain policy's."""
+    model, ids, tok = model_and_ids(n=400)
+    ids[:, ::3] = ids[:, ::3] // 3 * 3  # a word starts at least every third token
+    caches = [H2OCache(model, policy=f"snapkv:kernel=5,pool=max,words={w}", budget=50, prefill=prefill,
+                       chunk_size=64, tokenizer=tok) for w in (0, 1)]
+    out = [generate(model, ids, 4, cache) for cache in caches]
+    assert torch.equal(out[0], out[1])
+    for mine, theirs in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert torch.equal(mine.score, theirs.score) and torch.equal(mine.ordinal, theirs.ordinal)
 
 
 def test_nothing_evicted_equals_a_plain_run():
@@ -149,20 +165,20 @@ def test_a_row_alone_keeps_what_it_keeps_in_a_batch():
 
 
 def test_the_reconstruction_pass_takes_word_spans():
-    """kvzip: the pass's scores (nothing evicted) are the plain pass's raised to their words' best, and
+    """kvzip (kernel 1): the pass's scores (nothing evicted) are the plain pass's raised to their words' best, and
     its probe calls leave no ids behind."""
     model, ids, tok = model_and_ids(n=120, batch=1)
     probe = random_ids(40, batch=1, seed=2)
     caches = []
     for words in (0, 1):
-        cache = read_prompt(model, ids, tok, f"kvzip:kernel=3,words={words}", budget=400, prefill="late")
+        cache = read_prompt(model, ids, tok, f"kvzip:words={words}", budget=400, prefill="late")
         with torch.inference_mode():
             rank_by_probes(model, cache, [probe])
         caches.append(cache)
     record = caches[1].row_budgets.words
     assert torch.equal(record.ids[:, :120], ids) and bool((record.ids[:, 120:] == -1).all())
     for mine, theirs in zip(caches[0].layers, caches[1].layers, strict=True):
-        torch.testing.assert_close(theirs.score, span_max(mine.score, record.of(mine.ordinal), mine.valid))
+        torch.testing.assert_close(theirs.score, span_max(mine.score, mine.score, record.of(mine.ordinal), mine.valid))
 
 
 def test_rows_taken_and_appended_keep_their_ids():

@@ -457,8 +457,8 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         block = self.query_block
         out, mass = probe_attention(self, query, key_new, value_new, scaling, block, reduce="sum")
         mass = torch.where(self.valid, mass, torch.zeros_like(mass))
-        self.score.copy_(self._spans(self.config.policy.smooth_held(mass, self.ordinal, self.valid), self.ordinal,
-                                     self.valid))
+        self.score.copy_(self._spans(self.config.policy.smooth_held(mass, self.ordinal, self.valid), mass,
+                                     self.ordinal, self.valid))
         evict(self, self.capacity)  # any m > 1: every row down to its budget at once
         self.changed()
         return out.transpose(1, 2).contiguous()
@@ -473,9 +473,9 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         best, self.probe.best = self.probe.best, None
         if self.config.policy.question:  # the question's attention, set by _attend_late
             best = torch.maximum(best, self.score)
-        best = self.config.policy.smooth_probe(torch.where(self.valid, best, torch.zeros_like(best)), self.ordinal,
-                                               self.valid, probed)
-        self.score.copy_(self._spans(best, self.ordinal, self.valid))
+        best = torch.where(self.valid, best, torch.zeros_like(best))
+        pooled = self.config.policy.smooth_probe(best, self.ordinal, self.valid, probed)
+        self.score.copy_(self._spans(pooled, best, self.ordinal, self.valid))
 
     def stop_probe(self) -> None:
         self.probe.best = None
@@ -561,8 +561,12 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         n = query.shape[2]
         real = nonpad.sum(-1) if nonpad is not None else torch.full((query.shape[0],), n, device=self.device)
         old_keys, old_values = self.kv()
+        raw = None
         if hook is not None:
             ranked = hook(query, key_new, old_keys, self.valid, real, scaling)
+        elif policy.words and policy.ranks_upfront:  # the unpooled mass too: each word's best raises its tokens (core/words.py)
+            raw = policy.prefill_mass(query, key_new, old_keys, self.valid, real, scaling)
+            ranked = policy.pool_call(*raw, real, self.held_in_order())
         else:
             ranked = policy.prefill_scores(query, key_new, old_keys, self.valid, real, scaling,
                                            value_new=value_new, old_values=old_values,
@@ -576,27 +580,29 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
             # value of many tokens the probes kept whole loses the pieces with little mass of their own
             old = self.config.policy.smooth_held(torch.where(self.valid, old, torch.zeros_like(old)), self.ordinal,
                                                  self.valid)
-        if policy.words and hook is None:  # the held slots and the call's tokens, one word across both
-            old, new = self._spans_across(old, new, real)
+        if raw is not None:  # the held slots and the call's tokens, one word across both
+            old, new = self._spans_across((old, new), raw, real)
         self.score.copy_(old)
         return new
 
-    def _spans(self, scores, ordinal, valid):
-        """``scores`` ``[B, H, N]`` of slots ``ordinal`` / ``valid``, each raised to its word's best
-        where the policy pools by words and the cache knows the words (``core/words.py``)."""
+    def _spans(self, pooled, raw, ordinal, valid):
+        """``pooled`` ``[B, H, N]`` (slots ``ordinal`` / ``valid``), each raised to its word's best
+        ``raw`` score where the policy pools by words and the cache knows the words (``core/words.py``)."""
         record = self.rows.words
         numbers = record.of(ordinal) if record is not None else None
-        return scores if numbers is None else span_max(scores, numbers, valid)
+        return pooled if numbers is None else span_max(pooled, raw, numbers, valid)
 
-    def _spans_across(self, old, new, real):
+    def _spans_across(self, pooled, raw, real):
         """``_spans`` over the live slots and the call's ``real`` ``[B]`` tokens (in the real-first
-        order: ordinals from ``n_real`` on) as one set: a word that straddles the call's start."""
-        b, h, n = new.shape
+        order: ordinals from ``n_real`` on) as one set, so a word may straddle the call's start;
+        ``pooled`` and ``raw``: ``(old [B, H, cap], new [B, H, n])`` each."""
+        b, h, n = pooled[1].shape
         ordinals = (self.n_real[:, None] + torch.arange(n, device=self.device))[:, None].expand(b, h, n)
         fresh = (torch.arange(n, device=self.device)[None, :] < real[:, None])[:, None].expand(b, h, n)
-        joined = self._spans(torch.cat([old, new], -1), torch.cat([self.ordinal, ordinals], -1),
+        joined = self._spans(torch.cat(pooled, -1), torch.cat(raw, -1), torch.cat([self.ordinal, ordinals], -1),
                              torch.cat([self.valid, fresh], -1))
-        return joined[..., :old.shape[-1]], joined[..., old.shape[-1]:]
+        cap = pooled[0].shape[-1]
+        return joined[..., :cap], joined[..., cap:]
 
     def held_in_order(self) -> torch.Tensor:
         """``[B]``: each row's tokens read so far where every head holds all of them in its first

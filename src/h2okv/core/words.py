@@ -1,4 +1,4 @@
-"""Word spans (policy option ``words=1``): a token takes the best pooled score of the word it is part of.
+"""Word spans (policy option ``words=1``): a token takes at least the best score of the word it is part of.
 
 Why: a value of many tokens must be kept whole. Qwen's tokenizer reads a UUID as ~34 tokens (hex
 digits one by one), and the question's attention lands on its first and last tokens: a pool of
@@ -7,8 +7,8 @@ fourth group's first digit) ranked low, was evicted, and the answer lost one cha
 (``...-933c-`` answered ``...-333c-``: every UUID ``bounded`` missed on the test split, at 2k, 8k and
 16k). A wider kernel keeps that digit and wastes its slots on the filler around every chosen token.
 A word (a run of tokens with no whitespace inside) is the unit a value is written in, so every
-token of a word takes the word's best score: the UUID stays whole, ordinary words take nothing
-from their neighbours.
+token of a word takes at least the word's best raw score: the UUID stays whole, and a word the
+kernel already reaches across (every ordinary one) ranks exactly as without spans.
 
 How: the cache reads each call's token ids before the model runs (a forward pre-hook, ``install_hook``)
 and records, per row, each token's word number by its ordinal (``WordRecord``, shared by the layers
@@ -16,8 +16,8 @@ through ``RowBudgets``). A token starts a word when its text begins with whitesp
 before it ends with whitespace (``word_edges``, from the tokenizer's vocabulary); a word is cut every
 ``MAX_WORD_TOKENS`` tokens, so a long run without spaces (code, a base64 blob) is not one span. Where
 a layer pools a ranking (a streamed probe's mass, a prompt's look-ahead scores, the reconstruction
-pass), it then takes each live slot's word maximum (``span_max``) over the live slots of its row and
-head. A call writes its ids at each row's ordinals from the count of tokens the row has read; a
+pass), it then raises each live slot to its word's best unpooled score (``span_max``) over the live
+slots of its row and head. A call writes its ids at each row's ordinals from the count of tokens the row has read; a
 probe's call (read, never kept) writes nothing, nor does a decode step (never pooled; its token
 stands alone).
 """
@@ -60,20 +60,22 @@ def word_edges(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     return found
 
 
-def span_max(scores: torch.Tensor, words: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``scores`` ``[B, H, N]``, each live slot raised to the largest score among the live slots of
-    its row and head with the same word number (``words`` ``[B, H, N]``; a negative one: a token of
-    no known word, left as it is), plus ``TIE_BREAK`` of its own score."""
+def span_max(pooled: torch.Tensor, raw: torch.Tensor, words: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``pooled`` ``[B, H, N]`` (a ranking after its pool), each live slot raised to the best ``raw``
+    (unpooled) score among the live slots of its row and head with the same word number (``words``;
+    a negative one: a token of no known word, left as it is), plus ``TIE_BREAK`` of its own raw
+    score where that raises it. Only a word the pool did not already reach across changes: a token
+    within the kernel of its word's best already holds at least that best."""
     known = valid & (words >= 0)
     if not bool(known.any()):
-        return scores
+        return pooled
     index = words.clamp(min=0)
     width = int(index.max()) + 1
-    lowest = torch.finfo(scores.dtype).min
-    table = torch.full((*scores.shape[:2], width), lowest, dtype=scores.dtype, device=scores.device)
-    table.scatter_reduce_(-1, index, torch.where(known, scores, torch.full_like(scores, lowest)), "amax")
-    spanned = torch.maximum(scores, table.gather(-1, index)) + TIE_BREAK * scores
-    return torch.where(known, spanned, scores)
+    lowest = torch.finfo(raw.dtype).min
+    table = torch.full((*raw.shape[:2], width), lowest, dtype=raw.dtype, device=raw.device)
+    table.scatter_reduce_(-1, index, torch.where(known, raw, torch.full_like(raw, lowest)), "amax")
+    best = table.gather(-1, index).to(pooled.dtype)
+    return torch.where(known & (best > pooled), best + TIE_BREAK * raw.to(pooled.dtype), pooled)
 
 
 class WordRecord:

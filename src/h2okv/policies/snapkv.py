@@ -69,15 +69,28 @@ class SnapKVPolicy(HeavyHitters):
 
     def prefill_scores(self, query, key_new, old_keys, old_valid, new_real, scaling, value_new=None, old_values=None,
                        old_in_order=None):
-        """``(old [B, Hkv, cap], new [B, Hkv, n])``: the window's attention mass per slot / new token.
+        """``(old [B, Hkv, cap], new [B, Hkv, n])``: the window's attention mass per slot / new token
+        (``prefill_mass``), pooled (``pool_call``)."""
+        old, new = self.prefill_mass(query, key_new, old_keys, old_valid, new_real, scaling)
+        return self.pool_call(old, new, new_real, old_in_order)
+
+    def prefill_mass(self, query, key_new, old_keys, old_valid, new_real, scaling):
+        """``(old [B, Hkv, cap], new [B, Hkv, n])``: the mass the window's queries pay each slot and
+        new token, before any pool (``words=1`` reads it: core/words.py).
 
         ``query`` ``[B, Hq, n, D]`` and ``key_new`` ``[B, Hkv, n, D]`` hold each row's real tokens
         first; ``new_real`` ``[B]`` counts them; ``old_valid`` ``[B, Hkv, cap]`` marks live old slots.
         """
-        n, cap = query.shape[2], old_keys.shape[2]
+        cap = old_keys.shape[2]
         probs, counts = window_probs(query, key_new, old_keys, old_valid, new_real, scaling, self.window)
         mass = (probs * counts[:, None, None, :, None]).sum(dim=(2, 3))  # [B, Hkv, cap + n]
-        old, new = mass[..., :cap], mass[..., cap:]
+        return mass[..., :cap], mass[..., cap:]
+
+    def pool_call(self, old, new, new_real, old_in_order=None):
+        """The call's mass smoothed over ``kernel`` neighbours (``pool``), across the call's start
+        where the old slots are its row's first tokens in order (``old_in_order``), then ChunkKV's
+        blocks (``chunk``)."""
+        n = new.shape[-1]
         if self.kernel > 1 and n > 1:
             if old_in_order is None or not bool((old_in_order > 0).any()):
                 new = self.smooth(new, new_real)
