@@ -37,7 +37,7 @@ def test_a_value_and_its_keywords_build_the_same_cache(llama, recipe):
 
 def test_from_recipe_expands_the_recipe_and_overrides_win():
     settings = CacheSettings.from_recipe("bounded", 0.25, chunk_size=64)
-    assert settings.policy == "snapkv:window=32,kernel=31,pool=max"  # the spec with every option spelled out
+    assert settings.policy == "snapkv:window=32,kernel=31,pool=max,words=1"  # the spec with every option spelled out
     assert settings.prefill == "streamed"
     assert settings.recent_share == 0.078 and settings.budget == 0.25 and settings.chunk_size == 64
     assert CacheSettings.from_recipe("generation").budget == 0.2  # a recipe without a budget keeps its fifth

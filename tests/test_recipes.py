@@ -17,7 +17,7 @@ from h2okv.tools.tiny import tiny_model
 EXPECTED = {
     "prompt": {"policy": "kvzip:question=32,probe_upto=2560,question_kernel=31", "prefill": "late", "head_budgets": "layers", "head_floor": 0.0,
                "recent_share": 0.01},
-    "bounded": {"policy": "snapkv:kernel=31,pool=max", "prefill": "streamed", "recent_share": 0.078},
+    "bounded": {"policy": "snapkv:kernel=31,pool=max,words=1", "prefill": "streamed", "recent_share": 0.078},
     "document": {"policy": "kvzip", "prefill": "late", "head_budgets": "layers", "head_floor": 0.0,
                  "recent_share": 0.01},
     "generation": {"policy": "rkv", "prefill": "chunked", "recent_share": 0.5},
@@ -49,7 +49,7 @@ def test_each_recipe_expands_to_its_measured_configuration(llama, name):
 
 def test_a_recipe_is_the_same_cache_as_its_keywords_spelled_out(llama):
     by_name = H2OCache(llama, recipe="bounded", budget=0.5, budget_floor=0)
-    spelled = H2OCache(llama, policy="snapkv:window=32,kernel=31,pool=max", budget=0.5, recent_share=0.078,
+    spelled = H2OCache(llama, policy="snapkv:window=32,kernel=31,pool=max,words=1", budget=0.5, recent_share=0.078,
                        prefill="chunked", budget_floor=0)
     out_a, out_b = run(llama, by_name, new=6), run(llama, spelled, new=6)
     assert torch.equal(out_a, out_b)
@@ -177,7 +177,7 @@ def test_summary_is_one_line_with_the_recipe_and_the_bytes(llama):
     line = cache.summary()
     stats = cache.stats()
     assert "\n" not in line
-    assert line.startswith("snapkv:window=32,kernel=31,pool=max (recipe bounded): 43 tokens seen")
+    assert line.startswith("snapkv:window=32,kernel=31,pool=max,words=1 (recipe bounded): 43 tokens seen")
     assert "budget 16 slots per layer and KV head" in line and "nothing evicted" not in line
     assert f"{stats['kv_bytes'] / 2**20:.2f} MiB vs {stats['full_kv_bytes'] / 2**20:.2f} MiB full" in line
     short = H2OCache(llama, recipe="bounded", budget=0.2)  # the floor (128 slots) keeps 11 tokens whole
@@ -190,7 +190,7 @@ def test_summary_is_one_line_with_the_recipe_and_the_bytes(llama):
 
 def test_recipe_runs_name_the_policy_and_its_settings():
     runs = recipe_runs(["bounded", "document"])
-    assert runs[0] == ("snapkv:kernel=31,pool=max", {"prefill": "streamed", "recent_share": 0.078}, "bounded")
+    assert runs[0] == ("snapkv:kernel=31,pool=max,words=1", {"prefill": "streamed", "recent_share": 0.078}, "bounded")
     assert runs[1][0] == "kvzip" and runs[1][1]["head_budgets"] == "layers" and runs[1][2] == "document"
     assert set(RECIPE_NAMES) == set(RECIPES) == set(EXPECTED)
 

@@ -36,6 +36,8 @@ BYTES_CENTER_KEYS = True
 # `prompt`'s policy: KVzip's pass with the question's attention beside it, for prompts of up to
 # 2,560 tokens; the question's attention alone past them
 PROMPT_POLICY = "kvzip:question=32,probe_upto=2560,question_kernel=31"
+# `bounded`'s policy: the question's attention pooled over 31 tokens, then over each word
+BOUNDED_POLICY = "snapkv:kernel=31,pool=max,words=1"
 
 
 @dataclass(frozen=True)
@@ -71,9 +73,11 @@ RECIPES: dict[str, Recipe] = {
             "the question is in the prompt and memory must stay at budget + one chunk",
             # the prompt read through the model in pieces of 512 (core/streamed.py), each ranked by
             # the question's last 32 queries read on top, each token taking the best score within
-            # 15 on either side (a value of many tokens stays whole): K/V and activations flat in
-            # the prompt's length. Dev: 82.2 against 80.3 read in one call, no family lower
-            {"policy": "snapkv:kernel=31,pool=max", "prefill": "streamed", "recent_share": 0.078},
+            # 15 on either side, then its word's best (core/words.py: a UUID of ~34 tokens stays
+            # whole): K/V and activations flat in the prompt's length. Dev: 82.2 against 80.3 read
+            # in one call, no family lower; with words 86.2 (paired +4.0, SE 2.8: two UUIDs kept, no
+            # other answer changed), at 6k every answer the same (docs/RESULTS.md)
+            {"policy": BOUNDED_POLICY, "prefill": "streamed", "recent_share": 0.078},
         ),
         Recipe(
             "document",

@@ -158,7 +158,7 @@ def test_serve_says_at_startup_what_a_request_runs():
     from h2okv.serve.eviction import EvictionDefaults
 
     line = serving_line(EvictionDefaults.from_options(recipe=DEFAULT_RECIPE), None, DEFAULT_PREFIX_MEMORY)
-    assert line.startswith("h2okv: requests run the bounded recipe (snapkv:window=32,kernel=31,pool=max) at 20%, chunked prefill")
+    assert line.startswith("h2okv: requests run the bounded recipe (snapkv:window=32,kernel=31,pool=max,words=1) at 20%, chunked prefill")
     assert "KV memory no limit, prefix store 512 MiB" in line and "\n" not in line
     line = serving_line(EvictionDefaults.from_options(policy="h2o", budget=256), 2 << 30, 0)
     assert "requests run h2o at 256 slots" in line and "KV memory 2048 MiB, prefix store off" in line

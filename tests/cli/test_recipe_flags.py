@@ -45,7 +45,7 @@ def test_generate_with_a_recipe_and_a_slot_budget(capsys, tiny_dir):
                              "--max-new-tokens", "3")
     assert code == 0, err
     last = out.strip().splitlines()[-1]
-    assert last.startswith("[snapkv:window=32,kernel=31,pool=max, recipe bounded] tokens seen")
+    assert last.startswith("[snapkv:window=32,kernel=31,pool=max,words=1, recipe bounded] tokens seen")
     assert "slots kept 20 per layer/head" in last
 
 
@@ -79,7 +79,7 @@ def test_retrieval_runs_a_recipe_beside_full(capsys, tmp_path, tiny_dir):
                              "--max-new-tokens", "2", "--json", str(rows), "--plot", "")
     assert code == 0, err
     cells = json.loads(rows.read_text())
-    assert [c["policy"] for c in cells] == ["full", "snapkv:kernel=31,pool=max"]  # full by default
+    assert [c["policy"] for c in cells] == ["full", "snapkv:kernel=31,pool=max,words=1"]  # full by default
     recipe = cells[1]
     assert (recipe["recipe"], recipe["recent_share"], recipe["prefill"], recipe["budget"]) == ("bounded", 0.078, "streamed", 0.5)
     assert "recipe bounded" in out
@@ -129,7 +129,7 @@ def test_longctx_recipes_and_options_reach_only_their_runs():
     assert configs[0] == Config("full", 1.0, {})  # full keeps everything: no option reaches it
     assert configs[1] == Config("kvzip", 0.2, {"prefill": "late", "head_budgets": "layers"})
     # the grid's --cache-option does not reach the recipe's run: it keeps its own configuration
-    assert configs[2] == Config("snapkv:kernel=31,pool=max", 0.2, {"prefill": "streamed", "recent_share": 0.078}, "bounded")
+    assert configs[2] == Config("snapkv:kernel=31,pool=max,words=1", 0.2, {"prefill": "streamed", "recent_share": 0.078}, "bounded")
     # ... but quantized slots reach every run, full's and the recipe's too
     coded = GridSpec(tasks=["vt"], contexts=[256], samples=1, policies=["full"], budgets=[0.2], recipes=["bounded"],
                      coding={"kv_bits": 4, "kv_group": 32}).configs()
@@ -143,7 +143,7 @@ def test_lm_eval_model_takes_a_recipe(tiny_dir):
 
     lm = H2OLM(pretrained=str(tiny_dir), recipe="bounded", budget="0.5")
     cache = lm._new_cache(4)
-    assert cache.recipe == "bounded" and cache.policy.spec == "snapkv:window=32,kernel=31,pool=max"
+    assert cache.recipe == "bounded" and cache.policy.spec == "snapkv:window=32,kernel=31,pool=max,words=1"
     assert cache.spec.recent_ratio == pytest.approx(0.5 * 0.078) and cache.spec.floor == 0
     assert lm.get_model_info()["recipe"] == "bounded"
     with pytest.raises(H2OError, match="unknown recipe"):

@@ -313,7 +313,7 @@ def test_cli_recipes_alone_run_no_full_rows(tmp_path, tiny_run):
     assert main(["eval", "longctx", *grid, "--policies", "none", "--recipe", "bounded", "--budgets", "0.3",
                  "--json", str(out), "--plot", ""]) == 0
     rows = json.loads(out.read_text())
-    assert len(rows) == 2 * 2 and {r["policy"] for r in rows} == {"snapkv:kernel=31,pool=max"}
+    assert len(rows) == 2 * 2 and {r["policy"] for r in rows} == {"snapkv:kernel=31,pool=max,words=1"}
     assert {r.get("recipe") for r in rows} == {"bounded"}
     # each row records the settings its cache was built with: the budget split as the recipe splits it
     for r in rows:

@@ -39,7 +39,7 @@ def test_the_python_snippet_answers_as_the_full_cache_in_a_core_install():
     assert full.returncode == 0, full.stderr[-2000:]
     answer, summary = ran.stdout.strip().splitlines()[-2:]
     assert answer == full.stdout.strip().splitlines()[-2] and "Paris" in answer
-    assert summary.startswith("snapkv:window=32,kernel=31,pool=max (recipe bounded):")
+    assert summary.startswith("snapkv:window=32,kernel=31,pool=max,words=1 (recipe bounded):")
 
 
 def test_the_generate_example_answers_as_the_full_cache(capsys):

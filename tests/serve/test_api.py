@@ -88,7 +88,7 @@ def test_per_request_recipe_and_budget(client, model_tok):
                                   extra_body={"h2o": {"recipe": "bounded", "budget": 0.5}, "ignore_eos": True})
     h2o = r.model_extra["h2o"]
     # 50% of the prompt, the recipe's recent share (0.078) of it recent
-    assert h2o["policy"] == "snapkv:window=32,kernel=31,pool=max"
+    assert h2o["policy"] == "snapkv:window=32,kernel=31,pool=max,words=1"
     assert (h2o["heavy"], h2o["recent"]) == (int(0.5 * 0.922 * len(ids)), int(0.5 * 0.078 * len(ids)))
     expected = greedy_alone(model, ids, 6, policy=h2o["policy"], heavy=h2o["heavy"], recent=h2o["recent"])
     assert r.choices[0].text == tok.decode(expected, skip_special_tokens=True)

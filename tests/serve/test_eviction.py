@@ -23,7 +23,7 @@ def test_a_server_recipe_sets_policy_prefill_and_share():
     # 20% of 2000 tokens, 1% of it recent; each part rounds down
     assert prompt.resolve(2000) == ("kvzip:question=32,probe_upto=2560,question_kernel=31", int(0.2 * 0.99 * 2000), int(0.2 * 0.01 * 2000))
     bounded = EvictionDefaults.from_options(recipe="bounded")  # no budget: the recipe's 20%
-    assert bounded.resolve(1000) == ("snapkv:window=32,kernel=31,pool=max", 184, 15)
+    assert bounded.resolve(1000) == ("snapkv:window=32,kernel=31,pool=max,words=1", 184, 15)
     # flags beside the recipe replace its parts
     chunked = EvictionDefaults.from_options(recipe="prompt", prefill="chunked", policy="h2o", budget=256)
     assert chunked.prefill == "chunked" and chunked.resolve(2000) == ("h2o", 253, 3)
@@ -31,9 +31,9 @@ def test_a_server_recipe_sets_policy_prefill_and_share():
 
 def test_a_request_recipe_uses_its_own_policy_and_share():
     server = EvictionDefaults.from_options(budget=0.2)
-    assert server.resolve(1000, recipe="bounded") == ("snapkv:window=32,kernel=31,pool=max", 184, 15)
+    assert server.resolve(1000, recipe="bounded") == ("snapkv:window=32,kernel=31,pool=max,words=1", 184, 15)
     assert server.resolve(1000, recipe="bounded", budget={"budget": 100}) == (
-        "snapkv:window=32,kernel=31,pool=max", 92, 8)
+        "snapkv:window=32,kernel=31,pool=max,words=1", 92, 8)
     assert server.resolve(1000, policy="local", recipe="bounded")[0] == "local"  # an explicit policy wins
     assert server.resolve(2000, budget={"budget": 0.1, "recent_share": 0.25}) == ("h2o", 150, 50)
     assert server.resolve(1000, policy="full") == ("full", None, None)
