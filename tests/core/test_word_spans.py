@@ -57,6 +57,29 @@ def test_a_vocabulary_without_whitespace_marks_makes_each_token_a_word():
     assert word_numbers(torch.tensor([[5, 6, 7]]), begins, ends).tolist() == [[0, 1, 2]]
 
 
+def test_a_tokenizer_with_decode_only_is_read_id_by_id():
+    class Decoding:  # one character an id, no convert_ids_to_tokens, no len()
+        def decode(self, ids):
+            return "".join(" " if i == 2 else chr(ord("a") + i) for i in ids)
+
+    begins, ends = word_edges(Decoding(), size=8)
+    assert word_numbers(torch.tensor([[3, 4, 2, 5, 6]]), begins, ends).tolist() == [[0, 0, 1, 2, 2]]
+
+
+def test_a_tokenizer_with_no_vocabulary_to_read_warns_and_pools_as_without_words():
+    class Opaque:
+        def __call__(self, text):
+            return {"input_ids": [3 for _ in text]}
+
+    assert word_edges(Opaque(), size=8) is None
+    model, ids, _ = model_and_ids(n=200, batch=1)
+    plain = read_prompt(model, ids, None, "snapkv:kernel=1,pool=max", budget=400, prefill="late")
+    with pytest.warns(UserWarning, match="cannot read the tokenizer's vocabulary"):
+        spanned = read_prompt(model, ids, Opaque(), "snapkv:kernel=1,pool=max,words=1", budget=400, prefill="late")
+    for mine, theirs in zip(plain.layers, spanned.layers, strict=True):
+        assert torch.equal(mine.score, theirs.score)
+
+
 def test_ids_past_the_vocabulary_stand_alone():
     begins, ends = edges(size=10)
     assert word_numbers(torch.tensor([[4, 11, 4]]), begins, ends).tolist() == [[0, 1, 2]]

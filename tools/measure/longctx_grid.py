@@ -111,9 +111,8 @@ PIECES = [
 DEV_OUT = ROOT / "docs" / "results" / "longctx" / "dev"
 
 
-def dev(name: str, *flags: str, context: str = "6144", tasks: str = FAMILIES, samples: str = "2"
-        ) -> tuple[str, str, list[str]]:
-    return piece(name, "--contexts", context, "--samples", samples, "--tasks", tasks, *flags, split="dev")
+def dev(name: str, *flags: str, context: str = "6144", tasks: str = FAMILIES) -> tuple[str, str, list[str]]:
+    return piece(name, "--contexts", context, "--samples", "2", "--tasks", tasks, *flags, split="dev")
 
 
 # the cache options of the recipes ranked by reconstruction (`prompt`, `document`), beside an
@@ -135,11 +134,10 @@ DEV_PIECES = [
     dev("bounded-k63-6k", "--policies", "snapkv:kernel=63,pool=max", "--cache-option", "prefill=streamed",
         "--cache-option", "recent_share=0.078"),
     dev("document-6k", "--policies", "none", "--recipe", "document", "--question", "agnostic"),
-    # ... or every token of a word at the word's best (core/words.py: a UUID is one word of ~34
-    # tokens); at 6k and at 2k, five prompts a family there as the recipe's own dev row
-    *(dev(f"bounded-words-{label}", "--policies", "snapkv:kernel=31,pool=max,words=1", "--cache-option",
-          "prefill=streamed", "--cache-option", "recent_share=0.078", context=context, samples=samples)
-      for label, context, samples in (("6k", "6144", "2"), ("2k", "2048", "5"))),
+    # ... or every token at least at its word's best (core/words.py: a UUID is one word of ~34
+    # tokens; its 2k dev row, five prompts a family, by `eval longctx --split dev --contexts 2048`)
+    dev("bounded-words-6k", "--policies", "snapkv:kernel=31,pool=max,words=1", "--cache-option", "prefill=streamed",
+        "--cache-option", "recent_share=0.078"),
     # `prompt` without the reconstruction pass past 4k tokens: the question's attention alone, pooled
     # over bounded's kernel (31); the rest of the recipe as it is
     dev("prompt-question-only-6k", "--policies", "kvzip:question=32,probe_upto=4096,question_kernel=31",

@@ -41,13 +41,20 @@ _HOOKED = "_h2okv_words_hook"
 _EDGES = "_h2okv_word_edges"
 
 
-def word_edges(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+def word_edges(tokenizer, size: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(begins, ends)`` ``[vocab]`` bool: whether a token's text begins / ends with whitespace.
-    Special tokens (a chat template's markers) count as both: a span never crosses them."""
+    Special tokens (a chat template's markers) count as both: a span never crosses them. The
+    vocabulary is read with ``convert_ids_to_tokens`` (the marks byte-level BPE and SentencePiece
+    write for a space), else ``decode`` one id at a time, over ``len(tokenizer)`` ids (else ``size``:
+    the model's vocabulary); None for a tokenizer that gives neither."""
     found = getattr(tokenizer, _EDGES, None)
     if found is None:
-        size = len(tokenizer)
-        pieces = tokenizer.convert_ids_to_tokens(list(range(size)))
+        size = len(tokenizer) if hasattr(tokenizer, "__len__") else size
+        convert, decode = getattr(tokenizer, "convert_ids_to_tokens", None), getattr(tokenizer, "decode", None)
+        if not size or (convert is None and decode is None):
+            return None
+        pieces = convert(list(range(size))) if convert is not None else [decode([i]) for i in range(size)]
+        pieces = [piece or "" for piece in pieces]  # an id with no token: neither
         begins = torch.tensor([bool(p) and p[0] in _WHITESPACE for p in pieces], dtype=torch.bool)
         ends = torch.tensor([bool(p) and p[-1] in _WHITESPACE for p in pieces], dtype=torch.bool)
         if not bool(begins.any() | ends.any()):
@@ -218,5 +225,10 @@ def _find_edges(model, cache, record: WordRecord) -> bool:
                       f"them; pass H2OCache(model, ..., tokenizer=tokenizer)", stacklevel=3)
         return False
     cache.tokenizer = tokenizer
-    record.edges = word_edges(tokenizer)
+    record.edges = word_edges(tokenizer, getattr(model.config, "vocab_size", None))
+    if record.edges is None:
+        record.off = True
+        warnings.warn(f"h2okv: policy {cache.policy.spec!r} pools by words and cannot read the tokenizer's "
+                      f"vocabulary (no convert_ids_to_tokens or decode): pooled without them", stacklevel=3)
+        return False
     return True
