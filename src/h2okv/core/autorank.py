@@ -89,12 +89,17 @@ def _rank(model, cache) -> None:
         rank_by_probes(model, cache, probes(tokenizer, ids, start), probe_spans(ids.shape[1], start))
 
 
-def cache_tokenizer(model, cache):
+def known_tokenizer(model, cache):
     """The cache's ``tokenizer=``, else the tokenizer saved in the model's local folder (kept on
-    the cache), else a one-line error."""
+    the cache), else None."""
     if cache.tokenizer is None:
         cache.tokenizer = folder_tokenizer(model)
-    if cache.tokenizer is None:
+    return cache.tokenizer
+
+
+def cache_tokenizer(model, cache):
+    """``known_tokenizer``, else a one-line error."""
+    if known_tokenizer(model, cache) is None:
         raise H2OError(f"policy {cache.policy.spec!r} ranks the prompt by repeating it and needs the tokenizer: "
                        f"pass H2OCache(model, ..., tokenizer=tokenizer), or rank it with "
                        f"h2okv.reconstruct(model, cache, prompt_ids, tokenizer)")

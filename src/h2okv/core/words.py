@@ -216,15 +216,14 @@ def _before_call(model, args, kwargs):
 
 
 def _find_edges(model, cache, record: WordRecord) -> bool:
-    from h2okv.core.autorank import folder_tokenizer
+    from h2okv.core.autorank import known_tokenizer
 
-    tokenizer = cache.tokenizer if cache.tokenizer is not None else folder_tokenizer(model)
+    tokenizer = known_tokenizer(model, cache)
     if tokenizer is None:
         record.off = True
         warnings.warn(f"h2okv: policy {cache.policy.spec!r} pools by words and found no tokenizer: pooled without "
                       f"them; pass H2OCache(model, ..., tokenizer=tokenizer)", stacklevel=3)
         return False
-    cache.tokenizer = tokenizer
     record.edges = word_edges(tokenizer, getattr(model.config, "vocab_size", None))
     if record.edges is None:
         record.off = True
