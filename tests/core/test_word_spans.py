@@ -1,5 +1,5 @@
 """Word spans (``words=1`` of ``snapkv`` and ``kvzip``, ``core/words.py``): every token of a word
-takes the word's best pooled score; the cache records each row's ids by ordinal through every
+ranks at least at the word's best unpooled score; the cache records each row's ids by ordinal through every
 path that reads a prompt (one call, streamed pieces, the reconstruction pass), never a probe's."""
 
 import pytest

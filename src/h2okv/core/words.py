@@ -11,8 +11,8 @@ token of a word takes at least the word's best raw score: the UUID stays whole, 
 kernel already reaches across (every ordinary one) ranks exactly as without spans.
 
 How: the cache reads each call's token ids before the model runs (a forward pre-hook, ``install_hook``)
-and records, per row, each token's word number by its ordinal (``WordRecord``, shared by the layers
-through ``RowBudgets``). A token starts a word when its text begins with whitespace or the token
+and records them per row by ordinal (``WordRecord``, shared by the layers through ``RowBudgets``),
+which numbers the words when a layer asks. A token starts a word when its text begins with whitespace or the token
 before it ends with whitespace (``word_edges``, from the tokenizer's vocabulary); a word is cut every
 ``MAX_WORD_TOKENS`` tokens, so a long run without spaces (code, a base64 blob) is not one span. Where
 a layer pools a ranking (a streamed probe's mass, a prompt's look-ahead scores, the reconstruction
@@ -116,7 +116,7 @@ class WordRecord:
         self._numbers = None
 
     def _grow(self, length: int) -> None:
-        if self.ids.shape[1] < length:  # doubling: a decode step's write is amortised
+        if self.ids.shape[1] < length:  # doubling: a prompt read in many pieces copies little
             width = max(length, 2 * self.ids.shape[1], 64)
             grown = torch.full((self.rows, width), -1, dtype=torch.long)
             grown[:, :self.ids.shape[1]] = self.ids

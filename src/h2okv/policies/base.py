@@ -214,7 +214,8 @@ class Policy:
     #: ``[B, H, cap]`` as keywords (the other policies' key is asked without them)
     ranks_by_keys: ClassVar[bool] = False
     #: pools its prompt rankings by words too (option ``words=1`` of ``snapkv`` and ``kvzip``): every
-    #: token of a word takes the word's best score (``core/words.py``); the cache then records the ids
+    #: token of a word ranks at least at the word's best unpooled score (``core/words.py``); the
+    #: cache then records the ids
     words = 0
 
     def __init_subclass__(cls, **kwargs):

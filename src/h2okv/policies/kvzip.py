@@ -90,7 +90,7 @@ class KVzipPolicy(ReconstructionPolicy, HeavyHitters):
     question_kernel: int = option(1, check=lambda v: v >= 1 and v % 2 == 1, must_be="an odd number >= 1",
                                   shown=False)
     local: int = option(0, choices=(0, 1), shown=False)
-    # 1: every token of a word takes the word's best score after the pool (core/words.py)
+    # 1: after the pool, every token of a word ranks at least at the word's best unpooled score (core/words.py)
     words: int = option(0, choices=(0, 1), shown=False)
     heads: str = heads_option()
 

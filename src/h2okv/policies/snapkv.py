@@ -14,8 +14,8 @@ ranks with it, so a value of many tokens (a UUID) is kept whole rather than in p
 ``chunk=C`` (ChunkKV, Liu et al. 2025) then gives every token of each aligned block of ``C`` tokens
 (counted from the call's first token) the block's mean score: a block is kept or evicted as one
 span, as kvpress's ``ChunkKVPress`` keeps whole chunks. ``words=1`` then raises every token of a
-word (a run with no whitespace) to the word's best score (``core/words.py``): a UUID is kept whole
-however far it reaches past the kernel.
+word (a run with no whitespace) to at least the word's best unpooled score (``core/words.py``): a
+UUID is kept whole however far it reaches past the kernel.
 
 A forward call of a single token is a decode step. ``chunk_size=1`` (token-by-token scoring,
 ``eval ppl``) means "read as if decoded", so there is no prompt boundary and ``snapkv`` is ``h2o``
@@ -52,8 +52,8 @@ class SnapKVPolicy(HeavyHitters):
     # ChunkKV: whole blocks of this many tokens share one score (0: token by token)
     chunk: int = option(0, check=lambda v: v >= 0, must_be=">= 0", shown=False)
     decay: float = decay_option()  # decode steps re-rank by the latest queries: SnapKV's window, kept moving
-    # 1: after the pool, every token of a word (no whitespace inside) takes the word's best score, so
-    # a value of more tokens than the kernel reaches (a UUID: ~34) stays whole (core/words.py)
+    # 1: after the pool, every token of a word (no whitespace inside) ranks at least at the word's
+    # best unpooled score, so a value longer than the kernel reaches (a UUID: ~34) stays whole
     words: int = option(0, choices=(0, 1), shown=False)
     heads: str = heads_option()
 
