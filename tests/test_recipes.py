@@ -15,7 +15,7 @@ from h2okv.tools.tiny import tiny_model
 
 # what each recipe must stand for: the configurations docs/RESULTS.md measured best for its use
 EXPECTED = {
-    "prompt": {"policy": "kvzip:question=32,probe_upto=2560,question_kernel=31", "prefill": "late", "head_budgets": "layers", "head_floor": 0.0,
+    "prompt": {"policy": "kvzip:question=32,probe_upto=2560,question_kernel=31,words=1", "prefill": "late", "head_budgets": "layers", "head_floor": 0.0,
                "recent_share": 0.01},
     "bounded": {"policy": "snapkv:kernel=31,pool=max,words=1", "prefill": "streamed", "recent_share": 0.078},
     "document": {"policy": "kvzip", "prefill": "late", "head_budgets": "layers", "head_floor": 0.0,

@@ -34,8 +34,8 @@ BYTES_CENTER_KEYS = True
 
 
 # `prompt`'s policy: KVzip's pass with the question's attention beside it, for prompts of up to
-# 2,560 tokens; the question's attention alone past them
-PROMPT_POLICY = "kvzip:question=32,probe_upto=2560,question_kernel=31"
+# 2,560 tokens; the question's attention alone past them, each token at least at its word's best
+PROMPT_POLICY = "kvzip:question=32,probe_upto=2560,question_kernel=31,words=1"
 # `bounded`'s policy: the question's attention pooled over 31 tokens, then over each word
 BOUNDED_POLICY = "snapkv:kernel=31,pool=max,words=1"
 
@@ -64,7 +64,10 @@ RECIPES: dict[str, Recipe] = {
             # the pass wins (88.2 against 83.4, paired -4.9, SE 3.1); at 3k it ties (80.7 against
             # 80.4, paired -0.2, SE 6.3) at 1.58x the prefill; at 6k it loses (82.7 against 85.9,
             # paired +3.2, SE 2.7). 2,560: between the last dev length it won and the first it did
-            # not (docs/RESULTS.md)
+            # not. Past the cut each token also ranks at least at its word's best (words=1, as
+            # bounded: a UUID stays whole): dev 3k 85.4 against 80.4 (paired +5.0, SE 5.0), 6k every
+            # answer the same; over the pass spans lose (2k: -7.9, SE 2.9), so kvzip never spans it
+            # (docs/RESULTS.md)
             {"policy": PROMPT_POLICY, "prefill": "late", "head_budgets": "layers", "head_floor": 0.0,
              "recent_share": 0.01},
         ),

@@ -1,5 +1,5 @@
 """Word spans (``words=1`` of ``snapkv`` and ``kvzip``, ``core/words.py``): every token of a word
-ranks at least at the word's best unpooled score; the cache records each row's ids by ordinal through every
+ranks at least at the word's best unpooled score (kvzip: past its pass only); the cache records each row's ids by ordinal through every
 path that reads a prompt (one call, streamed pieces, the reconstruction pass), never a probe's."""
 
 import pytest
@@ -187,21 +187,53 @@ def test_a_row_alone_keeps_what_it_keeps_in_a_batch():
         assert torch.equal(generate(model, ids[row:row + 1], max_new_tokens=4, cache=alone)[0], batch[row])
 
 
-def test_the_reconstruction_pass_takes_word_spans():
-    """kvzip (kernel 1): the pass's scores (nothing evicted) are the plain pass's raised to their words' best, and
-    its probe calls leave no ids behind."""
+def kvzip_ranked(model, ids, tok, policy, probe):
+    """Read ``ids`` under ``policy`` (late, nothing evicted), then rank it by the pass over ``probe``."""
+    cache = read_prompt(model, ids, tok, policy, budget=400, prefill="late")
+    with torch.inference_mode():
+        rank_by_probes(model, cache, [probe])
+    return cache
+
+
+def test_the_reconstruction_pass_is_never_spanned():
+    """kvzip: where the pass ranks (a prompt within probe_upto), words=1 scores every slot exactly as
+    without it, and its probe calls leave no ids behind."""
     model, ids, tok = model_and_ids(n=120, batch=1)
     probe = random_ids(40, batch=1, seed=2)
-    caches = []
-    for words in (0, 1):
-        cache = read_prompt(model, ids, tok, f"kvzip:words={words}", budget=400, prefill="late")
-        with torch.inference_mode():
-            rank_by_probes(model, cache, [probe])
-        caches.append(cache)
-    record = caches[1].row_budgets.words
+    plain, spanned = (kvzip_ranked(model, ids, tok, f"kvzip:question=4,probe_upto=200{words}", probe)
+                      for words in ("", ",words=1"))
+    record = spanned.row_budgets.words
     assert torch.equal(record.ids[:, :120], ids) and bool((record.ids[:, 120:] == -1).all())
-    for mine, theirs in zip(caches[0].layers, caches[1].layers, strict=True):
-        torch.testing.assert_close(theirs.score, span_max(mine.score, mine.score, record.of(mine.ordinal), mine.valid))
+    numbers = record.of(plain.layers[0].ordinal)
+    assert not torch.equal(span_max(plain.layers[0].score, plain.layers[0].score, numbers, plain.layers[0].valid),
+                           plain.layers[0].score)  # spans would have changed these scores
+    for mine, theirs in zip(plain.layers, spanned.layers, strict=True):
+        assert torch.equal(theirs.score, mine.score)
+
+
+def test_past_probe_upto_the_questions_attention_takes_word_spans():
+    """kvzip (question_kernel 1): a prompt past probe_upto is ranked by its question's attention alone,
+    each slot raised to its word's best."""
+    model, ids, tok = model_and_ids(n=120, batch=1)
+    probe = random_ids(40, batch=1, seed=2)
+    plain, spanned = (kvzip_ranked(model, ids, tok, f"kvzip:question=4,probe_upto=16{words}", probe)
+                      for words in ("", ",words=1"))
+    record = spanned.row_budgets.words
+    changed = 0
+    for mine, theirs in zip(plain.layers, spanned.layers, strict=True):
+        expected = span_max(mine.score, mine.score, record.of(mine.ordinal), mine.valid)
+        torch.testing.assert_close(theirs.score, expected)
+        changed += int(not torch.equal(expected, mine.score))
+    assert changed == len(plain.layers)
+
+
+def test_kvzip_words_without_a_question_past_probe_upto_is_refused():
+    from h2okv.errors import H2OError
+    from h2okv.policies import make_policy
+
+    for spec in ("kvzip:words=1", "kvzip:question=32,words=1"):
+        with pytest.raises(H2OError, match="words spans the question's attention past probe_upto"):
+            make_policy(spec)
 
 
 def test_rows_taken_and_appended_keep_their_ids():

@@ -36,9 +36,11 @@ OTHER_VALUES = {"decay": 0.8, "weight": 0.5, "kernel": 3, "copies": 0.5, "window
                 "future": 16, "sinks": 2, "tail": 0, "question": 4, "tail_in_budget": 1, "heads": "shared",
                 "question_kernel": 5, "local": 1, "words": 1,
                 "probe_upto": "16,question=4"}  # probe_upto needs the question it then ranks by
+# a policy's option that needs others beside it (kvzip spans words past probe_upto only)
+OTHER_FOR = {("kvzip", "words"): "1,question=4,probe_upto=16"}
 SPECS = [*sorted(POLICIES),
-         *(f"{name}:{opt.name}={OTHER_VALUES[opt.name]}" for name, cls in sorted(POLICIES.items())
-           for opt in cls.options() if opt.name in OTHER_VALUES),
+         *(f"{name}:{opt.name}={OTHER_FOR.get((name, opt.name), OTHER_VALUES[opt.name])}"
+           for name, cls in sorted(POLICIES.items()) for opt in cls.options() if opt.name in OTHER_VALUES),
          "rkv:weight=0.5,decay=0.7"]
 HOOKS = ("accumulate", "eviction_key")  # the hooks a ScoreRule stands for
 

@@ -28,8 +28,8 @@ REFUSED = {"decay": 0.0, "heads": "all", "window": 0, "kernel": 4, "pool": "mean
            "copies": 1.0, "future": 0, "sinks": -1, "tail": -1, "question": -2, "tail_in_budget": 2, "probe_upto": -1,
            "question_kernel": 2, "local": 2, "words": 2}
 # what an option is given beside it, where it means nothing alone (kvzip ranks a prompt past probe_upto
-# by its question's attention)
-NEEDS = {"probe_upto": {"question": 4}}
+# by its question's attention, and spans words there only)
+NEEDS = {("kvzip", "probe_upto"): {"question": 4}, ("kvzip", "words"): {"question": 4, "probe_upto": 16}}
 EACH_OPTION = [(name, opt) for name, cls in POLICIES.items() for opt in cls.options()]
 
 
@@ -57,7 +57,7 @@ def test_defaults_come_from_the_fields(name):
 @pytest.mark.parametrize("name, opt", EACH_OPTION, ids=[f"{n}-{o.name}" for n, o in EACH_OPTION])
 def test_a_spec_round_trips_with_each_option_changed(name, opt):
     cls = POLICIES[name]
-    needs = NEEDS.get(opt.name, {})
+    needs = NEEDS.get((name, opt.name), {})
     by_spec = make_policy(",".join([f"{name}:{opt.name}={OTHER[opt.name]}", *(f"{k}={v}" for k, v in needs.items())]))
     by_keyword = cls(**{opt.name: OTHER[opt.name]}, **needs)
     assert getattr(by_spec, opt.name) == OTHER[opt.name] != opt.default

@@ -18,10 +18,10 @@ def test_the_default_keeps_the_floor_for_a_short_chat_prompt():
 
 def test_a_server_recipe_sets_policy_prefill_and_share():
     prompt = EvictionDefaults.from_options(recipe="prompt", budget=0.2)
-    assert (prompt.policy, prompt.prefill, prompt.settings.recent_share) == ("kvzip:question=32,probe_upto=2560,question_kernel=31", "late", 0.01)
+    assert (prompt.policy, prompt.prefill, prompt.settings.recent_share) == ("kvzip:question=32,probe_upto=2560,question_kernel=31,words=1", "late", 0.01)
     assert prompt.describe()["recipe"] == "prompt"
     # 20% of 2000 tokens, 1% of it recent; each part rounds down
-    assert prompt.resolve(2000) == ("kvzip:question=32,probe_upto=2560,question_kernel=31", int(0.2 * 0.99 * 2000), int(0.2 * 0.01 * 2000))
+    assert prompt.resolve(2000) == ("kvzip:question=32,probe_upto=2560,question_kernel=31,words=1", int(0.2 * 0.99 * 2000), int(0.2 * 0.01 * 2000))
     bounded = EvictionDefaults.from_options(recipe="bounded")  # no budget: the recipe's 20%
     assert bounded.resolve(1000) == ("snapkv:window=32,kernel=31,pool=max,words=1", 184, 15)
     # flags beside the recipe replace its parts
@@ -58,7 +58,7 @@ def test_a_recipes_head_split_reaches_the_caches_of_its_own_policy_only():
     assert EvictionDefaults.from_options(recipe="document", policy="h2o").cache_options() == {}
     assert EvictionDefaults.from_options(recipe="bounded").cache_options() == {}
     assert EvictionDefaults.from_options(recipe="prompt").cache_options() == {
-        "kvzip:question=32,probe_upto=2560,question_kernel=31": {"head_budgets": "layers", "head_floor": 0.0}}
+        "kvzip:question=32,probe_upto=2560,question_kernel=31,words=1": {"head_budgets": "layers", "head_floor": 0.0}}
     assert "head_budgets" not in EvictionDefaults().describe()
     smoothed = EvictionDefaults.from_options(recipe="document", policy="kvzip:kernel=7")
     assert smoothed.cache_options() == {"kvzip:kernel=7": {"head_budgets": "layers", "head_floor": 0.0}}

@@ -155,11 +155,8 @@ DEV_PIECES = [
     # middle, as bounded's; past its cut the question's attention alone ranks, pooled over 31 tokens
     # (3k: +5.0, SE 5.0, a UUID kept; 6k: every answer the same; 2k, run beside these as `eval
     # longctx --split dev --samples 5`: -7.9, SE 2.9, values and questions lost where the pass ranks)
-    *(dev(f"prompt-words-{label}", "--policies", PROMPT_POLICY + ",words=1", *RECONSTRUCTION_CACHE, context=context)
+    *(dev(f"prompt-words-{label}", "--policies", PROMPT_POLICY, *RECONSTRUCTION_CACHE, context=context)
       for label, context in (("3k", "3072"), ("6k", "6144"))),
-    # `document` with word spans: its 8k misses are several values (7-digit numbers, one word each);
-    # over `prompt`'s pass at 2k word spans lost values (above), so this is a screen, not a candidate yet
-    dev("document-words-6k", "--policies", "kvzip:words=1", *RECONSTRUCTION_CACHE, "--question", "agnostic"),
     dev("prompt-question-only-3k", *QUESTION_ONLY, context="3072"),
     dev("prompt-pass-3k", *PASS, context="3072"),
 ]

@@ -475,7 +475,9 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
             best = torch.maximum(best, self.score)
         best = torch.where(self.valid, best, torch.zeros_like(best))
         pooled = self.config.policy.smooth_probe(best, self.ordinal, self.valid, probed)
-        self.score.copy_(self._spans(pooled, best, self.ordinal, self.valid))
+        # word spans raise the question's attention only: the pass scores every token of a word by
+        # how the model repeats it, and spans over it lift whole filler words (policies/kvzip.py)
+        self.score.copy_(pooled if probed else self._spans(pooled, best, self.ordinal, self.valid))
 
     def stop_probe(self) -> None:
         self.probe.best = None

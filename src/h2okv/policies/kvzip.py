@@ -90,7 +90,10 @@ class KVzipPolicy(ReconstructionPolicy, HeavyHitters):
     question_kernel: int = option(1, check=lambda v: v >= 1 and v % 2 == 1, must_be="an odd number >= 1",
                                   shown=False)
     local: int = option(0, choices=(0, 1), shown=False)
-    # 1: after the pool, every token of a word ranks at least at the word's best unpooled score (core/words.py)
+    # 1: where the question's attention ranks alone (past probe_upto), every token of a word ranks at
+    # least at the word's best unpooled score (core/words.py). Never over the pass: it scores each token
+    # by how the model repeats it already, and spans only lift whole filler words into the budget (dev
+    # 2k, `prompt`: 80.3 against 88.2, several values and questions lost; docs/RESULTS.md)
     words: int = option(0, choices=(0, 1), shown=False)
     heads: str = heads_option()
 
@@ -99,6 +102,9 @@ class KVzipPolicy(ReconstructionPolicy, HeavyHitters):
         if self.probe_upto and not self.question:
             raise H2OError(f"{self.name} probe_upto ranks a longer prompt by its question's attention alone: "
                            f"give question=W too")
+        if self.words and not self.probe_upto:
+            raise H2OError(f"{self.name} words spans the question's attention past probe_upto, never the pass: "
+                           f"give question=W and probe_upto=N too")
 
     def runs_probe(self, prompt_tokens: int) -> bool:
         """Whether a prompt of this many tokens is ranked by the reconstruction pass (``probe_upto``);
