@@ -105,8 +105,9 @@ PIECES = [
     *(recipe(r, "8192", "1", model="qwen2.5-1.5b") for r in ("bounded", "prompt", "document")),
     # 32k, the memory families once each, so every recipe as it is now has an accuracy there (full-mem
     # holds full's; bounded-mem holds bounded read in one call, before it streamed and spanned words):
-    # cheapest first; `document` reads each prompt about three times
-    *(recipe(r, "32768", "1", tasks=MEMORY_FAMILIES) for r in ("bounded", "prompt", "document")),
+    # cheapest first; `document` reads each prompt about three times. 32,640 tokens: a 32,768-token
+    # prompt leaves Qwen2.5 no position for its answer (`eval longctx` refuses it; the plots say 32k)
+    *(recipe(r, "32640", "1", tasks=MEMORY_FAMILIES) for r in ("bounded", "prompt", "document")),
 ]
 
 
