@@ -13,7 +13,16 @@ from h2okv.cli import main
 from h2okv.eval.longctx.metric import clean_prediction, score, string_match_all, string_match_part
 from h2okv.eval.longctx.prompt import Frame
 from h2okv.eval.longctx.qa import QA_TASKS
-from h2okv.eval.longctx.rows import config_label, make_row, merge_rows, read_rows, row_key, write_rows
+from h2okv.eval.longctx.rows import (
+    config_label,
+    make_row,
+    merge_rows,
+    model_name,
+    read_rows,
+    resume_keys,
+    row_key,
+    write_rows,
+)
 from h2okv.eval.longctx.runner import (
     GridSpec,
     check_positions,
@@ -142,6 +151,23 @@ def row(**over):
                 chunk_size=512, metric="string_match_all", score=0.5, answer="x", references=["x"], haystack="filler",
                 seed=0, model="m", max_new_tokens=8, seconds=1.0)
     return make_row(**{**base, **over})
+
+
+def test_rows_of_two_models_never_replace_each_other_and_resume_only_their_own():
+    # the same cell (task, length, sample, configuration) run on two models: two rows, where one key
+    # let the later file's 1.5B rows replace the 0.5B's (and the by-length table drop a model)
+    small = "/cache/Qwen2.5-Coder-0.5B-Instruct-491400064-transformers-5.24.0-v2"
+    large = "/cache/Qwen2.5-Coder-1.5B-Instruct.Q4_K_M-1117320768-transformers-5.24.0-v2"
+    merged = merge_rows([row(model=small, score=1.0)], [row(model=large, score=0.0)])
+    assert sorted(r["score"] for r in merged) == [0.0, 1.0]
+    # one model converted under another transformers version, on another machine: one model, a later row wins
+    again = merge_rows([row(model=small, score=1.0)], [row(model="/other/" + small.rsplit("/", 1)[1].replace(
+        "5.24.0", "5.23.0"), score=0.5)])
+    assert [r["score"] for r in again] == [0.5]
+    assert model_name(row(model=large)) == "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M"
+    # a file holding both: a 0.5B run skips the 0.5B's cells only
+    assert resume_keys(merged, small) == {row_key(row())}
+    assert resume_keys([row(model=large)], small) == set()
 
 
 def test_rows_merge_later_wins_and_keys_name_the_configuration(tmp_path):

@@ -11,7 +11,8 @@ from h2okv.eval.longctx.rows import make_row
 from h2okv.recipes import RECIPES
 
 
-def row(policy, task, context, sample, score, recipe=None, device=None, dtype=None, options=None, **costs):
+def row(policy, task, context, sample, score, recipe=None, device=None, dtype=None, options=None, model="m",
+        **costs):
     """A row; a recipe's carries the policy and options the recipe stands for (as eval longctx
     writes them), overlaid with ``options``."""
     cache_options = {}
@@ -22,7 +23,7 @@ def row(policy, task, context, sample, score, recipe=None, device=None, dtype=No
     return make_row(task=task, context=context, sample=sample, question="aware", policy=policy,
                     budget=1.0 if policy == "full" else 0.2, cache_options=cache_options, recipe=recipe, chunk_size=512,
                     metric="string_match_all", score=score, answer="", references=[], haystack="stories", seed=1,
-                    split="test", model="m", max_new_tokens=8, seconds=1.0, device=device, dtype=dtype, **costs)
+                    split="test", model=model, max_new_tokens=8, seconds=1.0, device=device, dtype=dtype, **costs)
 
 
 def rows():
@@ -92,6 +93,17 @@ def test_another_device_is_its_own_line_against_its_own_full():
     on_gpu = entry(summary, "recipe bounded (cuda bfloat16)", 2048)
     assert on_gpu["of_full"] == 0.0 and entry(summary, "recipe bounded", 2048)["of_full"] == pytest.approx(1.0)
     assert entry(summary, "full (cuda bfloat16)", 2048)["prefill_x"] == 1.0
+
+
+def test_another_model_is_its_own_line_against_its_own_full():
+    # the 1.5B's rows at a length the 0.5B ran too: the same (task, sample) cells are other prompts
+    # read by another model, so they neither merge into the 0.5B's lines nor are measured against its full
+    large = [row("full", "a", 2048, 0, 0.5, model="/c/big"), row(None, "a", 2048, 0, 0.25, recipe="bounded", model="/c/big")]
+    summary = by_length(rows() + large)
+    assert entry(summary, "full", 2048)["average"] == 75.0  # the small model's, unchanged
+    assert entry(summary, "full (big)", 2048)["average"] == 50.0
+    assert entry(summary, "recipe bounded (big)", 2048)["of_full"] == pytest.approx(0.5)
+    assert entry(summary, "recipe bounded", 2048)["of_full"] == pytest.approx(1.0)
 
 
 def test_table_and_plot(tmp_path):

@@ -205,7 +205,7 @@ def run_grid(args, model, tokenizer, spec) -> int:
 
     from h2okv.eval.longctx.report import models_of, plot_scores, tables
     from h2okv.eval.longctx.reuse import run_reuse_grid
-    from h2okv.eval.longctx.rows import merge_rows, row_key, write_rows
+    from h2okv.eval.longctx.rows import merge_rows, resume_keys, write_rows
     from h2okv.eval.longctx.runner import run_grid as one_question_grid
     from h2okv.generation import new_cache
 
@@ -223,7 +223,7 @@ def run_grid(args, model, tokenizer, spec) -> int:
 
     start = time.perf_counter()
     grid = run_reuse_grid if spec.questions > 1 else one_question_grid  # several: reuse vs fresh
-    found = grid(model, tokenizer, spec, done={row_key(r) for r in kept}, on_rows=save,
+    found = grid(model, tokenizer, spec, done=resume_keys(kept, model.name_or_path), on_rows=save,
                  meta=run_meta(model))
     asked = (f"{spec.questions} questions per context, reuse vs fresh" if spec.questions > 1
              else f"question {spec.question}")

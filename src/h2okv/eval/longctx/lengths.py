@@ -22,30 +22,40 @@ promises is read off it (``bounded``'s memory flat in the length, the others gro
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 
 from h2okv.eval.longctx.report import figure_with_legend, legend_columns, models_of, shared_legend
 from h2okv.eval.longctx.report import label as config_of
-from h2okv.eval.longctx.rows import questions_of
+from h2okv.eval.longctx.rows import model_name, questions_of
 from h2okv.eval.output import format_table
 from h2okv.eval.plots import policy_color, save_figure
 
 FULL = "full"
 
 
-def label(row: dict) -> str:
+def label(row: dict, main_model: str | None = None) -> str:
     """The configuration, and where it ran when not on the CPU in float32 (another machine's seconds,
-    another dtype's scores)."""
+    another dtype's scores) or on another model than ``main_model`` (another model's scores)."""
     config = config_of(row)
     where = [v for v, usual in ((row.get("device"), "cpu"), (row.get("dtype"), "float32")) if v and v != usual]
+    if main_model is not None and model_name(row) != main_model:
+        where.insert(0, model_name(row))
     return f"{config} ({' '.join(where)})" if where else config
 
 
+def main_model(rows: list[dict]) -> str:
+    """The model most rows ran: its lines go unlabelled, another model's name theirs."""
+    return Counter(model_name(r) for r in rows).most_common(1)[0][0]
+
+
 def _groups(rows: list[dict]) -> dict[tuple, list[dict]]:
-    """``{(config, context): rows}`` of the one-question rows."""
+    """``{(config, context): rows}`` of the one-question rows; each model's rows a group of their own
+    (their ``(task, sample)`` cells are other prompts, scored by another model)."""
+    main = main_model(rows) if rows else None
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         if questions_of(row) == 1:
-            groups.setdefault((label(row), int(row["context"])), []).append(row)
+            groups.setdefault((label(row, main), int(row["context"])), []).append(row)
     return groups
 
 

@@ -8,9 +8,7 @@ question mode is named with N ("reuse, 4 per context").
 
 from __future__ import annotations
 
-import re
-
-from h2okv.eval.longctx.rows import config_label, questions_of
+from h2okv.eval.longctx.rows import config_label, model_name, questions_of
 from h2okv.eval.output import format_table
 from h2okv.eval.plots import policy_color, pyplot, save_figure
 from h2okv.recipes import RECIPES
@@ -20,9 +18,7 @@ MARKERS = "osD^vP*X"
 
 def models_of(rows: list[dict]) -> str:
     """The models' folder names, for titles (``.../SmolLM2-135M-Instruct.Q4_1-...`` -> that name)."""
-    names = {str(r.get("model") or "?").rstrip("/").rsplit("/", 1)[-1] for r in rows}
-    # a converted GGUF's folder ends in "-<bytes>-transformers-<version>-v<N>": not part of the name
-    return ", ".join(sorted(re.sub(r"-\d+-transformers-[\w.]+-v\d+$", "", name) for name in names))
+    return ", ".join(sorted({model_name(r) for r in rows}))
 
 
 def question_label(row: dict) -> str:

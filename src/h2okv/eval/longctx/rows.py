@@ -7,12 +7,14 @@ test-split row never stand for each other, ``splits.py``), the question mode, th
 (policy, budget, cache options), the task, the context length, the sample and, for several questions over one context
 (``--questions-per-context N``: question mode ``reuse`` or ``fresh``), N and the question's index. A grid split across sessions writes
 several files; ``merge_rows`` joins them, a later file's row replacing an earlier one's with the
-same key.
+same key and model (``model_name``: a 1.5B row never replaces the 0.5B's of the same cell). The key
+leaves the model out because a run resumes only its own model's rows (``resume_keys``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 ROW_FIELDS = (
@@ -125,13 +127,28 @@ def questions_of(row: dict) -> int:
     return int(row.get("questions", 1))
 
 
+def model_name(row: dict) -> str:
+    """The model a row ran, by its folder's name: a converted GGUF's folder ends in
+    ``-<bytes>-transformers-<version>-v<N>``, which is left out, so rows converted under two
+    transformers versions (and on two machines) name one model."""
+    name = str(row.get("model") or "?").rstrip("/").rsplit("/", 1)[-1]
+    return re.sub(r"-\d+-transformers-[\w.]+-v\d+$", "", name)
+
+
 def merge_rows(*groups: list[dict]) -> list[dict]:
-    """All rows of ``groups``, one per key, in first-seen order; a later duplicate wins."""
+    """All rows of ``groups``, one per key and model, in first-seen order; a later duplicate wins."""
     merged: dict[tuple, dict] = {}
     for group in groups:
         for row in group:
-            merged[row_key(row)] = row
+            merged[(model_name(row), *row_key(row))] = row
     return list(merged.values())
+
+
+def resume_keys(rows: list[dict], model: str) -> set[tuple]:
+    """The keys of the cells ``rows`` already hold for ``model`` (a path or folder name): a file
+    that also holds another model's rows keeps them, and its cells are not this model's."""
+    mine = model_name({"model": model})
+    return {row_key(r) for r in rows if model_name(r) == mine}
 
 
 def read_rows(path: str | Path) -> list[dict]:
