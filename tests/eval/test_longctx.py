@@ -13,6 +13,7 @@ from h2okv.cli import main
 from h2okv.eval.longctx.metric import clean_prediction, score, string_match_all, string_match_part
 from h2okv.eval.longctx.prompt import Frame
 from h2okv.eval.longctx.qa import QA_TASKS
+from h2okv.eval.longctx.report import summarize
 from h2okv.eval.longctx.rows import (
     config_label,
     make_row,
@@ -168,6 +169,9 @@ def test_rows_of_two_models_never_replace_each_other_and_resume_only_their_own()
     # a file holding both: a 0.5B run skips the 0.5B's cells only
     assert resume_keys(merged, small) == {row_key(row())}
     assert resume_keys([row(model=large)], small) == set()
+    # and the plain summary keeps them apart, each named by its model
+    assert sorted(s["config"] for s in summarize(merged)) == [
+        "h2o (Qwen2.5-Coder-0.5B-Instruct)", "h2o (Qwen2.5-Coder-1.5B-Instruct.Q4_K_M)"]
 
 
 def test_rows_merge_later_wins_and_keys_name_the_configuration(tmp_path):

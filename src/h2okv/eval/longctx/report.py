@@ -40,15 +40,18 @@ def recipe_settings(name: str | None) -> dict | None:
     return recipe.settings if recipe else None
 
 
-def group_key(row: dict) -> tuple:
-    return question_label(row), label(row), float(row["budget"]), int(row["context"])
+def group_key(row: dict, by_model: bool = False) -> tuple:
+    config = f"{label(row)} ({model_name(row)})" if by_model else label(row)
+    return question_label(row), config, float(row["budget"]), int(row["context"])
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """One entry per (question, configuration, budget, context): per-task scores and their average."""
+    """One entry per (question, configuration, budget, context): per-task scores and their average;
+    with rows of several models, per model too (the configuration names it)."""
+    by_model = len({model_name(r) for r in rows}) > 1
     groups: dict[tuple, dict[str, list[float]]] = {}
     for row in rows:
-        groups.setdefault(group_key(row), {}).setdefault(row["task"], []).append(float(row["score"]))
+        groups.setdefault(group_key(row, by_model), {}).setdefault(row["task"], []).append(float(row["score"]))
     summary = []
     for (question, config, budget, context), by_task in groups.items():
         scores = {task: 100 * sum(s) / len(s) for task, s in by_task.items()}
