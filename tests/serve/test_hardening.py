@@ -282,10 +282,14 @@ def test_trickled_body_is_a_408_and_frees_the_connection(server):
 @pytest.fixture(scope="module")
 def rolling_server(checkpoint, tmp_path_factory):
     """The probe's server with rolling positions: an evicting request's max_tokens is not bound by
-    the context, so a stream can outlast whatever a test waits for, on any machine."""
+    the context, so a stream can outlast whatever a test waits for, on any machine. Without the
+    probe's --request-timeout (60 s): on a loaded machine the 3 MB prompt below took longer than
+    that to tokenise, and the stream it must outlast was ended by the server's clock, not the test."""
+    at = PROBE_FLAGS.index("--request-timeout")
+    flags = PROBE_FLAGS[:at] + PROBE_FLAGS[at + 2:]
     log = tmp_path_factory.mktemp("rolling_server") / "server.log"
     with ServerProcess(["--model", str(checkpoint), "--served-model-name", NAME, "--log-level", "warning",
-                        *PROBE_FLAGS, "--positions", "rolling"], log_path=log) as process:
+                        *flags, "--positions", "rolling"], log_path=log) as process:
         process.wait_healthy(timeout=STARTUP_S)
         yield process.url
 
