@@ -6,7 +6,7 @@ import json
 import pytest
 
 from h2okv.cli import main
-from h2okv.eval.longctx.lengths import by_length, length_table, plot_lengths
+from h2okv.eval.longctx.lengths import by_length, length_table, plot_lengths, tick_labels
 from h2okv.eval.longctx.rows import make_row
 from h2okv.recipes import RECIPES
 
@@ -104,6 +104,10 @@ def test_another_model_is_its_own_line_against_its_own_full():
     assert entry(summary, "full (big)", 2048)["average"] == 50.0
     assert entry(summary, "recipe bounded (big)", 2048)["of_full"] == pytest.approx(0.5)
     assert entry(summary, "recipe bounded", 2048)["of_full"] == pytest.approx(1.0)
+
+
+def test_two_lengths_that_read_alike_are_labelled_once():
+    assert tick_labels([512, 2048, 32640, 32768]) == ["512", "2k", "32k", ""]
 
 
 def test_table_and_plot(tmp_path):

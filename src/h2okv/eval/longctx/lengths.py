@@ -212,7 +212,7 @@ def plot_lengths(summary: list[dict], path, title: str):
         ax.set_xscale("log", base=2)
         if log:
             ax.set_yscale("log")
-        ax.set_xticks(contexts, labels=[f"{round(c / 1024)}k" if c >= 1024 else str(c) for c in contexts])
+        ax.set_xticks(contexts, labels=tick_labels(contexts))
         ax.minorticks_off() if not log else None
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel(axis, fontsize=9)
@@ -220,6 +220,13 @@ def plot_lengths(summary: list[dict], path, title: str):
     shared_legend(legend_ax, axes, legend_columns(4.4 * len(PANELS)))
     fig.suptitle(title, fontsize=10)
     return save_figure(fig, path)
+
+
+def tick_labels(contexts: list[int]) -> list[str]:
+    """``2k``, ``4k``, ...; two lengths a label apart (32,640 and 32,768 both read ``32k``) label once,
+    where two labels would print over each other."""
+    labels = [f"{round(c / 1024)}k" if c >= 1024 else str(c) for c in contexts]
+    return [label if label not in labels[:i] else "" for i, label in enumerate(labels)]
 
 
 def title_of(rows: list[dict]) -> str:
