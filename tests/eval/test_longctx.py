@@ -198,6 +198,13 @@ def test_a_recipe_row_departs_only_where_its_cut_ranks_otherwise():
     assert config_label("kvzip:question=32", options, "prompt", now, 4096) == "recipe prompt [kvzip:question=32]"
     assert config_label("kvzip:question=8", options, "prompt", now, 2048) == "recipe prompt [kvzip:question=8]"
     assert config_label(old_cut, options, "prompt", now) == f"recipe prompt [{old_cut}]"  # no length: as written
+    # word spans reach only past the cut (kvzip never spans the pass): a row without them departs
+    # from today's recipe past its cut only
+    spans = {**now, "policy": now["policy"] + ",words=1"}
+    assert config_label("kvzip:question=32", options, "prompt", spans, 2048) == "recipe prompt"
+    assert config_label(now["policy"], options, "prompt", spans, 4096) == f"recipe prompt [{now['policy']}]"
+    assert config_label("kvzip:words=1", options, "document", {"policy": "kvzip", "prefill": "late"}, 2048) \
+        == "recipe document [kvzip:words=1]"
 
 
 def test_agnostic_full_answers_like_aware_full_and_evicts_before_the_question(essay):

@@ -63,8 +63,8 @@ def config_label(policy: str, cache_options: dict | None, recipe: str | None = N
 
 def ranking_at(policy: str, context: int | None) -> str:
     """``policy`` as it ranks a prompt of ``context`` tokens: kvzip's ``probe_upto=N`` runs the
-    reconstruction pass up to N tokens and its ``question_kernel`` pools only past them, so two
-    cuts on the same side of the length rank alike (``kvzip:question=32`` and
+    reconstruction pass up to N tokens and its ``question_kernel`` pools (and ``words`` spans) only
+    past them, so two cuts on the same side of the length rank alike (``kvzip:question=32`` and
     ``kvzip:question=32,probe_upto=2560,question_kernel=31`` at 2k; cuts 2,560 and 4,096 at 8k)."""
     name, _, spec = policy.partition(":")
     if name != "kvzip" or context is None:
@@ -72,7 +72,10 @@ def ranking_at(policy: str, context: int | None) -> str:
     options = dict(part.split("=", 1) for part in spec.split(",") if "=" in part)
     upto = int(options.pop("probe_upto", 0))
     if not upto or context <= upto:
-        options.pop("question_kernel", None)  # the pass ranks; the kernel pools only past the cut
+        # the pass ranks: the kernel pools, and word spans span, only the question's attention past the cut
+        options.pop("question_kernel", None)
+        if upto:
+            options.pop("words", None)
     else:
         options["probe_upto"] = "below"  # past the cut: the question's attention alone
     return f"{name}:{','.join(f'{k}={v}' for k, v in sorted(options.items()))}" if options else name
