@@ -70,9 +70,13 @@ def peer(runner: str, name: str, context: str, *flags: str) -> tuple[str, str, l
 
 
 def recipe(name: str, context: str, samples: str, tasks: str = FAMILIES,
-           model: str = "qwen2.5-0.5b") -> tuple[str, str, list[str]]:
+           model: str = "qwen2.5-0.5b", label: str = "") -> tuple[str, str, list[str]]:
+    """A recipe's rows at one length; ``label`` names a re-run of the recipe as it is now, in its own
+    JSON, where the piece's first rows ran an earlier version (a JSON resumes: the same name would
+    keep the old rows)."""
     mode = ["--question", "agnostic"] if name == "document" else []
     suffix = "" if model == "qwen2.5-0.5b" else f"-{model.removeprefix('qwen2.5-')}"
+    suffix += f"-{label}" if label else ""
     return piece(f"{name}-{context}{suffix}", "--policies", "none", "--recipe", name, "--contexts", context,
                  "--samples", samples, "--tasks", tasks, *mode, model=model)
 
@@ -110,6 +114,12 @@ PIECES = [
     # prompt leaves Qwen2.5 no position for its answer (`eval longctx` refuses it; the plots say 32k)
     piece("full-32640", "--policies", "full", "--contexts", "32640", "--samples", "1", "--tasks", MEMORY_FAMILIES),
     *(recipe(r, "32640", "1", tasks=MEMORY_FAMILIES) for r in ("bounded", "prompt", "document")),
+    # re-runs of the recipes as they are now, on the same prompts, where a piece above ran before a
+    # change: `prompt` at 8k and 16k before word spans past its cut (words=1), `document` at 2k
+    # before its tail was held flat (KV 22-33% of full's; answers expected the same, as `prompt`'s)
+    recipe("prompt", "8192", "2", label="words"),
+    recipe("document", "2048", "3", label="flat"),
+    recipe("prompt", "16384", "1", label="words"),
 ]
 
 
