@@ -54,9 +54,18 @@ def test_a_whole_name_runs_that_piece_alone_a_prefix_all_it_starts(grid, monkeyp
         return [line.split(":")[0] for line in capsys.readouterr().out.splitlines()]
 
     assert listed("prompt-8192") == ["prompt-8192"]  # not also prompt-8192-1.5b
-    assert listed("prompt-8192-") == ["prompt-8192-1.5b"]
+    assert listed("prompt-8192-") == ["prompt-8192-1.5b", "prompt-8192-words"]
     assert set(listed("full-8k")) == {"full-8k"}
     assert set(listed("full-")) >= {"full-2k", "full-8k", "full-8k-1.5b"}
+
+
+def test_a_re_run_of_a_recipe_writes_its_own_json_on_the_same_prompts(grid):
+    # a JSON resumes: a re-run under the first piece's name would keep the rows of the old recipe
+    pieces = {name: argv for name, _, argv in grid.PIECES}
+    rerun, first = pieces["prompt-8192-words"], pieces["prompt-8192"]
+    assert flag(rerun, "--json") == "prompt-8192-words.json" != flag(first, "--json")
+    for option in ("--contexts", "--samples", "--tasks", "--split", "--recipe"):
+        assert flag(rerun, option) == flag(first, option)
 
 
 def test_dev_pieces_run_a_length_the_test_split_never_runs(grid):
