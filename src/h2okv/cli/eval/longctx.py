@@ -270,14 +270,11 @@ def merge(args) -> int:
 
 
 def export(args, model, tokenizer, spec) -> int:
+    from h2okv.cli.eval._export import write_export
     from h2okv.eval.longctx.runner import export_prompts
-    from h2okv.eval.output import write_json
 
-    # the folder the model was loaded from: for built-in GGUF models, the converted checkpoint
     exported = export_prompts(model.name_or_path, tokenizer, spec)
-    write_json(exported, args.export_prompts)
-    print(f"wrote {len(exported['prompts'])} prompts of {exported['model']} to {args.export_prompts}")
-    return 0
+    return write_export(exported, args.export_prompts, f"{len(exported['prompts'])} prompts")
 
 
 def by_length(args, rows: list[dict]) -> int:

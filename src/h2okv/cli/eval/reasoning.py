@@ -138,12 +138,9 @@ def run(args) -> int:
 
 
 def export(args, model, tokenizer, setup, problems, budgets) -> int:
-    from h2okv.eval.output import write_json
+    from h2okv.cli.eval._export import write_export
     from h2okv.eval.reasoning import export_prompts
     from h2okv.serve.outputs import eos_ids
 
-    # the folder the model was loaded from: for built-in GGUF models, the converted checkpoint
     exported = export_prompts(model.name_or_path, tokenizer, setup, problems, budgets, eos_ids(model, tokenizer))
-    write_json(exported, args.export_prompts)
-    print(f"wrote {len(problems)} {args.task} prompts of {exported['model_path']} to {args.export_prompts}")
-    return 0
+    return write_export(exported, args.export_prompts, f"{len(problems)} {args.task} prompts", "model_path")
