@@ -54,7 +54,7 @@ def test_a_whole_name_runs_that_piece_alone_a_prefix_all_it_starts(grid, monkeyp
         return [line.split(":")[0] for line in capsys.readouterr().out.splitlines()]
 
     assert listed("prompt-8192") == ["prompt-8192"]  # not also prompt-8192-1.5b
-    assert listed("prompt-8192-") == ["prompt-8192-1.5b", "prompt-8192-words"]
+    assert listed("prompt-8192-") == ["prompt-8192-1.5b", "prompt-8192-words", "prompt-8192-1.5b-words"]
     assert set(listed("full-8k")) == {"full-8k"}
     assert set(listed("full-")) >= {"full-2k", "full-8k", "full-8k-1.5b"}
 

@@ -120,6 +120,8 @@ PIECES = [
     recipe("prompt", "8192", "2", label="words"),
     recipe("document", "2048", "3", label="flat"),
     recipe("prompt", "16384", "1", label="words"),
+    # the 1.5B's 8k rows of the two recipes that span words, before they did
+    *(recipe(r, "8192", "1", model="qwen2.5-1.5b", label="words") for r in ("bounded", "prompt")),
 ]
 
 
