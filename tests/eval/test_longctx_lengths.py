@@ -6,7 +6,7 @@ import json
 import pytest
 
 from h2okv.cli import main
-from h2okv.eval.longctx.lengths import by_length, length_table, plot_lengths, tick_labels
+from h2okv.eval.longctx.lengths import by_length, length_table, paired_difference, plot_lengths, tick_labels
 from h2okv.eval.longctx.rows import make_row
 from h2okv.recipes import RECIPES
 
@@ -106,6 +106,20 @@ def test_another_model_is_its_own_line_against_its_own_full():
     assert entry(summary, "recipe bounded", 2048)["of_full"] == pytest.approx(1.0)
 
 
+def test_the_paired_difference_is_taken_on_the_prompts_both_ran():
+    summary = by_length(rows())
+    same = entry(summary, "recipe bounded", 2048)
+    assert (same["paired"], same["paired_se"]) == (0.0, 0.0)
+    # at 4096 family b lost half on both shared samples (-25 each), a nothing; the third sample,
+    # which full never ran, does not count: RULER's average of the differences is -12.5, and the
+    # SE is that of the four shared prompts' mean (sd 14.43 / 2)
+    longer = entry(summary, "recipe bounded", 4096)
+    assert longer["paired"] == pytest.approx(-12.5) and longer["paired_se"] == pytest.approx(25 / 3**0.5 / 2)
+    assert entry(summary, "full", 2048)["paired"] is None  # full against itself: nothing to say
+    assert paired_difference({("a", 0): 1.0}, {("b", 0): 1.0}) is None
+    assert paired_difference({("a", 0): 1.0}, {("a", 0): 0.0}) == (100.0, None, 1)
+
+
 def test_two_lengths_that_read_alike_are_labelled_once():
     assert tick_labels([512, 2048, 32640, 32768]) == ["512", "2k", "32k", ""]
 
@@ -114,7 +128,7 @@ def test_table_and_plot(tmp_path):
     summary = by_length(rows())
     table = length_table(summary, markdown=True).splitlines()
     assert table[0].startswith("| config | context |") and len(table) == 2 + len(summary)
-    assert "| recipe bounded | 4096 | 6 | 41.7 | 17.2 | 83% | b (50%) | 50 | 20% | 5.0 | 0.17 | - |" in table
+    assert "| recipe bounded | 4096 | 6 | 41.7 | 17.2 | 83% | -12.5 (7.2) | b (50%) | 50 | 20% | 5.0 | 0.17 | - |" in table
     assert plot_lengths(summary, tmp_path / "lengths.png", "t").stat().st_size > 10_000
 
 

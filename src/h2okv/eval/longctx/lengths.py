@@ -8,7 +8,8 @@ Per length and configuration:
   ran, and its standard error ``se`` (the tasks' sample variances; none with one sample a task);
   ``of_full``: that average over full's average on the *same* cells (task, sample), so a
   configuration run on fewer samples is compared on its own prompts; ``lowest``: the family with
-  the lowest share of full's score (a family full scores 0 on has no share);
+  the lowest share of full's score (a family full scores 0 on has no share); ``paired``: its
+  average less full's on those cells, and ``paired_se`` (``paired_difference``);
 - the costs the rows carry (``runner.Costs``), as medians over the prompts: peak process memory
   above what was held before the batch (``peak_mib``), the KV bytes held at the end against a
   full cache's (``kv_fraction``), and the seconds to the first token and after it; ``prefill_x``:
@@ -88,6 +89,21 @@ def standard_error(scores: dict[tuple, float]) -> float | None:
     return 100 * variance**0.5 / len(by_task)
 
 
+def paired_difference(mine: dict[tuple, float], theirs: dict[tuple, float]) -> tuple[float, float | None, int] | None:
+    """``(difference, se, n)``: RULER's average of ``mine`` less ``theirs`` over the ``n`` cells
+    (task, sample) both ran, x 100, and its standard error, that of a mean over the prompts (the
+    differences' ``sd / sqrt(n)``, each prompt one draw). Unlike the tasks' own variances it exists
+    with one sample a family (16k, 32k), and a difference on the same prompts is what tells two
+    configurations apart where their averages' SEs overlap. None when no cell is shared; no SE for
+    a single cell."""
+    shared = {cell: mine[cell] - theirs[cell] for cell in mine if cell in theirs}
+    if not shared:
+        return None
+    difference, _ = ruler_average(shared)
+    se = 100 * statistics.stdev(shared.values()) / len(shared) ** 0.5 if len(shared) > 1 else None
+    return difference, se, len(shared)
+
+
 def _median(rows: list[dict], field: str) -> float | None:
     values = [float(r[field]) for r in rows if r.get(field) is not None]
     return statistics.median(values) if values else None
@@ -101,7 +117,7 @@ def by_length(rows: list[dict]) -> list[dict]:
     for (config, context), scores in cells.items():
         average, means = ruler_average(scores)
         entry = {"config": config, "context": context, "prompts": len(scores), "tasks": len(means), "average": average,
-                 "se": standard_error(scores), "of_full": None, "lowest": None}
+                 "se": standard_error(scores), "of_full": None, "lowest": None, "paired": None, "paired_se": None}
         # full on the same device and dtype: a bfloat16 recipe is measured against a bfloat16 full
         full = cells.get((full_of(config), context))
         if not is_full(config) and full:
@@ -114,6 +130,7 @@ def by_length(rows: list[dict]) -> list[dict]:
                 if shares:
                     task = min(shares, key=shares.get)
                     entry["lowest"] = (task, shares[task])
+                entry["paired"], entry["paired_se"], _ = paired_difference(shared, full)
         for field in ("peak_mib", "kv_fraction", "prefill_s", "decode_s"):
             entry[field] = _median(groups[config, context], field)
         out.append(entry)
@@ -141,10 +158,17 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _paired(entry: dict) -> str:
+    if entry["paired"] is None:
+        return "-"
+    return f"{entry['paired']:+.1f} ({_fmt(entry['paired_se'], '.1f')})"
+
+
 def length_table(summary: list[dict], markdown: bool = False) -> str:
-    headers = ["config", "context", "prompts", "average", "SE", "of full", "lowest family (of full)", "peak MiB",
-               "KV of full", "prefill s", "prefill x full", "decode s"]
+    headers = ["config", "context", "prompts", "average", "SE", "of full", "vs full, paired (SE)",
+               "lowest family (of full)", "peak MiB", "KV of full", "prefill s", "prefill x full", "decode s"]
     lines = [[e["config"], e["context"], e["prompts"], _fmt(e["average"], ".1f"), _fmt(e["se"], ".1f"), _fmt(e["of_full"], ".0%"),
+              _paired(e),
               f"{e['lowest'][0]} ({e['lowest'][1]:.0%})" if e["lowest"] else "-", _fmt(e["peak_mib"], ".0f"),
               _fmt(e["kv_fraction"], ".0%"), _fmt(e["prefill_s"], ".1f"), _fmt(e["prefill_x"], ".2f"),
               _fmt(e["decode_s"], ".1f")] for e in summary]
