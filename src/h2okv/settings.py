@@ -288,6 +288,9 @@ class CacheSettings:
             raise H2OError(f"head_budgets must be one of {', '.join(HEAD_SPLITS)}, got {mode!r}")
         if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0.0 <= floor <= 1.0:
             raise H2OError(f"head_floor must be a number in [0, 1], got {floor!r}")
+        if getattr(policy, "ceiling", 0) and mode != "layers":
+            raise H2OError(f"policy {policy.spec!r} caps each head's share of the whole cache's slots: give "
+                           f"head_budgets=layers (--head-budgets layers)")
         if mode == "uniform":
             return
         if mode == "layers" and not policy.ranks_by_reconstruction:

@@ -61,13 +61,16 @@ def test_the_shares_are_uneven(spec, prefill):
     assert layer.head_heavy[0].tolist() == [len(heads) - 3 for heads in kept]
 
 
-def brute_allocate(key, candidate, heavy, sinks, floor):
-    """``allocate`` for one row as a loop: own best first, then the best of all heads."""
+def brute_allocate(key, candidate, heavy, sinks, floor, ceiling=0.0):
+    """``allocate`` for one row as a loop: own best first, then the best of all heads (each head's
+    own best ``ceil(ceiling * choice)`` at most, with a ceiling)."""
     heads = key.shape[0]
     choice = max(heavy - sinks, 0)
     picks, rest = [], []
     for h in range(heads):
         values = sorted((float(x) for x, c in zip(key[h], candidate[h], strict=True) if c), reverse=True)
+        if ceiling:
+            values = values[:math.ceil(choice * ceiling)]
         picks.append(min(int(choice * floor), len(values)))
         rest += [(-x, h) for x in values[picks[h]:]]
     for _, h in sorted(rest)[:max(0, min(heads * choice, sum(picks) + len(rest)) - sum(picks))]:
@@ -76,23 +79,38 @@ def brute_allocate(key, candidate, heavy, sinks, floor):
     return [sinks + p + spare // heads + (h < spare % heads) for h, p in enumerate(picks)]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(heads=st.integers(1, 5), n=st.integers(0, 24), heavy=st.integers(1, 12), sinks=st.integers(0, 3),
-       floor=st.sampled_from([0.0, 0.2, 0.5, 1.0]), seed=st.integers(0, 2**16))
-def test_allocation_keeps_the_total_and_feeds_every_head(heads, n, heavy, sinks, floor, seed):
+       floor=st.sampled_from([0.0, 0.2, 0.5, 1.0]), ceiling=st.sampled_from([0.0, 1.0, 1.5, 3.0]),
+       seed=st.integers(0, 2**16))
+def test_allocation_keeps_the_total_and_feeds_every_head(heads, n, heavy, sinks, floor, ceiling, seed):
     """Each row's shares add up to heads x heavy; each head gets at least the sinks plus its floor
-    (or all its candidates, when it has fewer); a loop computes the same shares."""
+    (or all its candidates, when it has fewer), and with a ceiling chooses no more than its own
+    best ceil(ceiling x choice) (spare slots spread evenly hold no token); a loop computes the same
+    shares."""
     sinks = min(sinks, heavy)
     g = torch.Generator().manual_seed(seed)
     key = torch.randn(2, heads, n, generator=g)
     candidate = torch.rand(2, heads, n, generator=g) < 0.8
     heavy_t, sinks_t = torch.tensor([heavy, heavy]), torch.tensor([sinks, sinks])
-    shares = allocate(key, candidate, heavy_t, sinks_t, floor)
+    shares = allocate(key, candidate, heavy_t, sinks_t, floor, ceiling)
     assert shares.sum(-1).tolist() == [heads * heavy] * 2
     floor_n = int((heavy - sinks) * floor)
     assert bool((shares >= sinks + torch.minimum(candidate.sum(-1), torch.tensor(floor_n))).all())
     for row in range(2):
-        assert shares[row].tolist() == brute_allocate(key[row], candidate[row], heavy, sinks, floor)
+        assert shares[row].tolist() == brute_allocate(key[row], candidate[row], heavy, sinks, floor, ceiling)
+
+
+def test_a_ceiling_gives_what_a_head_would_have_hogged_to_the_next_best():
+    """Head 0's candidates all outrank head 1's: with no ceiling it takes all 10 of the 12 it can;
+    capped at 1.5 uniform choices (ceil(1.5 x 6) = 9) it takes 9 and head 1 the rest; at 1 every
+    head takes its own choice, the uniform split."""
+    key = torch.cat([torch.arange(10, 20.0)[None], torch.arange(0, 10.0)[None]])[None]  # [1, 2, 10]
+    candidate = torch.ones(1, 2, 10, dtype=torch.bool)
+    six, none = torch.tensor([6]), torch.tensor([0])
+    assert allocate(key, candidate, six, none, 0.0).tolist() == [[10, 2]]
+    assert allocate(key, candidate, six, none, 0.0, 1.5).tolist() == [[9, 3]]
+    assert allocate(key, candidate, six, none, 0.0, 1.0).tolist() == [[6, 6]]
 
 
 def test_a_head_that_needs_more_gets_more():
@@ -200,6 +218,8 @@ def test_late_adaptive_prefill_is_a_full_prefill():
     ({"policy": "h2o", "head_budgets": "per-head"}, "head_budgets must be one of uniform, adaptive"),
     ({"policy": "h2o", "head_floor": 1.5}, "head_floor must be a number in [0, 1]"),
     ({"policy": "h2o", "head_floor": math.nan}, "head_floor must be a number in [0, 1]"),
+    ({"policy": "kvzip:ceiling=2", "prefill": "late"}, "give head_budgets=layers"),
+    ({"policy": "kvzip:ceiling=0.5", "prefill": "late", "head_budgets": "layers"}, "ceiling must be 0 (none)"),
 ])
 def test_bad_head_budgets_are_one_line_errors(options, message):
     with pytest.raises(H2OError) as err:

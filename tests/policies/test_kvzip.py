@@ -243,6 +243,28 @@ def test_layers_share_the_whole_caches_slots_by_rank():
         H2OCache(gqa_model(), policy="snapkv", heavy=8, recent=4, prefill="late", head_budgets="layers")
 
 
+def test_a_ceiling_caps_each_head_of_the_whole_caches_split():
+    """``kvzip:ceiling=C`` with head_budgets=layers: no head keeps more than its own best
+    ``ceil(C x (heavy - sinks))`` besides its sinks and recent window, the cache's total is kept,
+    and at C=1 every head keeps its own best ``heavy - sinks``: the uniform split, token for token."""
+    torch.manual_seed(4)
+    ids, heavy, recent = torch.randint(2, 90, (1, 60)), 10, 4
+    free = heavy - SINKS
+    shared = read_and_rank(gqa_model(), ids, heavy=heavy, recent=recent, head_budgets="layers", head_floor=0.0,
+                           policy="kvzip:tail=0")
+    widest = max(int(layer.live_slots()[0].max()) for layer in shared.layers)
+    assert widest > SINKS + recent + 1.5 * free  # uncapped, some head takes more than the cap below
+    capped = read_and_rank(gqa_model(), ids, heavy=heavy, recent=recent, head_budgets="layers", head_floor=0.0,
+                           policy="kvzip:tail=0,ceiling=1.5")
+    live = torch.stack([layer.live_slots()[0] for layer in capped.layers])
+    assert int(live.max()) <= SINKS + recent + 9 and int(live.sum()) == 2 * 2 * (heavy + recent)
+    assert [kept(layer) for layer in capped.layers] != [kept(layer) for layer in shared.layers]
+    one = read_and_rank(gqa_model(), ids, heavy=heavy, recent=recent, head_budgets="layers", head_floor=0.0,
+                        policy="kvzip:tail=0,ceiling=1")
+    uniform = read_and_rank(gqa_model(), ids, heavy=heavy, recent=recent, policy="kvzip:tail=0")
+    assert [kept(layer) for layer in one.layers] == [kept(layer) for layer in uniform.layers]
+
+
 def test_errors_are_one_line():
     model, ids = gqa_model(), torch.randint(2, 90, (1, 30))
     with pytest.raises(H2OError, match="prefill=late"):

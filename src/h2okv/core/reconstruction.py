@@ -174,7 +174,7 @@ def rank_by_probes(model, cache, calls: list[torch.Tensor], spans: list[tuple[in
                 keys, candidates = zip(*(layer.ranking() for layer in cache.layers), strict=True)
                 first = cache.layers[0]
                 shares = allocate_layers(list(keys), list(candidates), first.ranked_heavy(), first.sinks,
-                                         cache.head_floor)
+                                         cache.head_floor, cache.policy.ceiling)
             for layer, share in zip(cache.layers, shares, strict=True):
                 layer.rank_by_probe(share)
     finally:

@@ -58,6 +58,12 @@ same. The server hands each probe call's span to its executor (``prompt_probes``
 `document` with it on the dev split at 6k scored 74.7 against 81.4 (paired -6.7, SE 5.8, 20 prompts;
 several questions and a key lost), at 1.16x the prefill.
 
+``ceiling=C`` (0, the default: none; else a number >= 1), with the cache-wide split
+(``head_budgets=layers``): no (layer, KV head) takes more than its own best ``C`` times a uniform
+head's share of the prompt, and what it would have taken goes to the next best of the others
+(``core/head_budget.py``). Shared out whole, a head that copies the prompt keeps nearly all of it.
+Not a default: a candidate screened on the dev split.
+
 A cache with this policy must be ranked by ``h2okv.reconstruct`` before it decodes: a forward call
 after the prompt without one is a one-line error, never a silent full cache.
 """
@@ -95,6 +101,7 @@ class KVzipPolicy(ReconstructionPolicy, HeavyHitters):
     # by how the model repeats it already, and spans only lift whole filler words into the budget (dev
     # 2k, `prompt`: 80.3 against 88.2, several values and questions lost; docs/RESULTS.md)
     words: int = option(0, choices=(0, 1), shown=False)
+    ceiling: float = option(0.0, check=lambda v: v == 0 or v >= 1, must_be="0 (none) or a number >= 1", shown=False)
     heads: str = heads_option()
 
     def __post_init__(self):
