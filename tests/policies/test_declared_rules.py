@@ -34,7 +34,7 @@ RANK_RULES = {"score": lambda score, ordinal, n, keys, rule: score,
 # an option that changes a policy's rule is held to its hooks too (a new option needs one here)
 OTHER_VALUES = {"decay": 0.8, "weight": 0.5, "kernel": 3, "copies": 0.5, "window": 8, "pool": "max", "chunk": 4,
                 "future": 16, "sinks": 2, "tail": 0, "question": 4, "tail_in_budget": 1, "heads": "shared",
-                "question_kernel": 5, "local": 1, "words": 1,
+                "question_kernel": 5, "local": 1, "words": 1, "ceiling": 2,
                 "probe_upto": "16,question=4"}  # probe_upto needs the question it then ranks by
 # a policy's option that needs others beside it (kvzip spans words past probe_upto only)
 OTHER_FOR = {("kvzip", "words"): "1,question=4,probe_upto=16"}
