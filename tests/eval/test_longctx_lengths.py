@@ -139,6 +139,13 @@ def test_cli_by_length(tmp_path, capsys):
     assert main(["eval", "longctx", "--merge", str(pieces), "--by-length", "--markdown", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     assert "| recipe bounded | 2048 | 4 | 75.0 | 0.0 | 100% |" in out and plot.is_file()
+    # --contexts keeps the rows of those lengths only (32,640 beside older 32,768-token rows)
+    assert main(["eval", "longctx", "--merge", str(pieces), "--by-length", "--markdown", "--contexts", "4096",
+                 "--plot", ""]) == 0
+    out = capsys.readouterr().out
+    assert "| recipe bounded | 4096 |" in out and "| 2048 |" not in out
+    assert main(["eval", "longctx", "--merge", str(pieces), "--by-length", "--contexts", "512", "--plot", ""]) == 2
+    assert "the files hold no rows of those --contexts" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [

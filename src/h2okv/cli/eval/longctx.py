@@ -46,7 +46,8 @@ def register(kinds) -> None:
                         "2k-8k by default: report here, never tune); sets --haystack, --seed and the default --contexts "
                         "(see docs/guides/evaluation.md, 'Choosing and reporting')")
     p.add_argument("--contexts", type=int_list, default=None,
-                   help=f"exact prompt lengths in tokens (default: the split's, else {DEFAULT_CONTEXTS})")
+                   help=f"exact prompt lengths in tokens (default: the split's, else {DEFAULT_CONTEXTS}); with "
+                        "--merge, only the rows of these lengths")
     p.add_argument("--samples", type=positive_int, default=5, help="prompts per task and context (default: 5)")
     p.add_argument("--policies", default=None, help=f"comma-separated policy specs (default: {DEFAULT_POLICIES}; full with "
                    "--recipe; none: the recipes alone, e.g. a piece whose full rows another run has); kvzip ranks "
@@ -257,8 +258,10 @@ def merge(args) -> int:
     if missing:
         raise H2OError(f"--merge: no such file: {', '.join(missing)}")
     rows = read_row_files(args.merge)
+    if args.contexts:  # e.g. 32,640 beside older 32,768-token rows, which both read "32k" on a plot
+        rows = [row for row in rows if int(row["context"]) in set(args.contexts)]
     if not rows:
-        raise H2OError("--merge: the files hold no rows")
+        raise H2OError("--merge: the files hold no rows" + (" of those --contexts" if args.contexts else ""))
     if args.by_length:
         return by_length(args, rows)
     print(tables(rows))
