@@ -35,28 +35,29 @@ def scores(by_cell: dict[tuple, dict]) -> dict[tuple, float]:
 
 def compare(first: list[dict], second: list[dict]) -> str:
     a, b = cells(first), cells(second)
+    score_a, score_b = scores(a), scores(b)
     lines = []
-    for name, rows in (("first", a), ("second", b)):
-        average, _ = ruler_average(scores(rows))
+    for name, rows, by_cell in (("first", a, score_a), ("second", b, score_b)):
+        average, _ = ruler_average(by_cell)
         lines.append(f"{name}: {label(next(iter(rows.values())))}: {average:.1f} ({len(rows)} prompts)")
-    paired = paired_difference(scores(b), scores(a))
+    paired = paired_difference(score_b, score_a)
     if paired is None:
         return "\n".join([*lines, "no prompt in common: nothing to pair"])
     difference, se, n = paired
     se_text = "-" if se is None else f"{se:.1f}"
     lines.append(f"second less first on the {n} prompts both ran: {difference:+.1f} (SE {se_text})")
     shared = [cell for cell in a if cell in b]
-    _, first_tasks = ruler_average({cell: float(a[cell]["score"]) for cell in shared})
-    _, second_tasks = ruler_average({cell: float(b[cell]["score"]) for cell in shared})
+    _, first_tasks = ruler_average({cell: score_a[cell] for cell in shared})
+    _, second_tasks = ruler_average({cell: score_b[cell] for cell in shared})
     moved = [f"{task} {first_tasks[task]:.0f} -> {second_tasks[task]:.0f}" for task in first_tasks
              if abs(first_tasks[task] - second_tasks[task]) > 1e-9]
     lines.append("families that moved: " + (", ".join(moved) if moved else "none"))
-    changed = [cell for cell in shared if float(a[cell]["score"]) != float(b[cell]["score"])]
+    changed = [cell for cell in shared if score_a[cell] != score_b[cell]]
     lines.append(f"answers whose score changed: {len(changed)} of {n}")
     for cell in sorted(changed):
         task, (sample, context) = cell
-        lines.append(f"  {task} sample {sample} at {context}: {float(a[cell]['score']):.2f} {a[cell]['answer']!r} -> "
-                     f"{float(b[cell]['score']):.2f} {b[cell]['answer']!r}")
+        lines.append(f"  {task} sample {sample} at {context}: {score_a[cell]:.2f} {a[cell]['answer']!r} -> "
+                     f"{score_b[cell]:.2f} {b[cell]['answer']!r}")
     return "\n".join(lines)
 
 

@@ -259,7 +259,8 @@ def merge(args) -> int:
         raise H2OError(f"--merge: no such file: {', '.join(missing)}")
     rows = read_row_files(args.merge)
     if args.contexts:  # e.g. 32,640 beside older 32,768-token rows, which both read "32k" on a plot
-        rows = [row for row in rows if int(row["context"]) in set(args.contexts)]
+        kept = set(args.contexts)
+        rows = [row for row in rows if int(row["context"]) in kept]
     if not rows:
         raise H2OError("--merge: the files hold no rows" + (" of those --contexts" if args.contexts else ""))
     if args.by_length:
