@@ -79,6 +79,11 @@ def register(kinds) -> None:
                    "(default: 0; not with --split)")
     p.add_argument("--batch", type=positive_int, default=None, help="at most this many prompts per forward (default: "
                    "all of a cell's; 1 gives each row its own peak memory)")
+    p.add_argument("--fresh-process", action="store_true",
+                   help="read each batch (with --batch 1, each prompt) in a process of its own that loads the model "
+                        "and runs malloc so that freed tensors leave at once: its peak memory is its own, the same run "
+                        "after run, not shaped by what was held and freed before (a model load per batch, prefill "
+                        "1.2-1.5x slower: take times from a run without it; rows say peak_process: fresh)")
     add_threads_arg(p)
     p.add_argument("--json", default=None, help="rows, one per sample (and question), rewritten after each cell; rows already in "
                    "the file are kept and their cells skipped (resume, or a grid run in pieces)")
@@ -133,6 +138,9 @@ def run(args) -> int:
         raise H2OError("--markdown is the --by-length table's form: add --by-length")
     if args.merge:
         return merge(args)
+    if args.fresh_process and (args.questions_per_context > 1 or args.export_prompts):
+        raise H2OError("--fresh-process reads one question per context in a process of its own: leave out "
+                       + ("--questions-per-context" if args.questions_per_context > 1 else "--export-prompts"))
     from h2okv.core.cache import DEFAULT_CHUNK
     from h2okv.eval.longctx.runner import GridSpec
     from h2okv.recipes import parse_recipes
@@ -204,6 +212,7 @@ def check_many_questions(args, tasks: list[str]) -> None:
 def run_grid(args, model, tokenizer, spec) -> int:
     import time
 
+    from h2okv.eval.longctx.fresh_process import ModelLoad
     from h2okv.eval.longctx.report import models_of, plot_scores, tables
     from h2okv.eval.longctx.reuse import run_reuse_grid
     from h2okv.eval.longctx.rows import merge_rows, resume_keys, write_rows
@@ -224,8 +233,9 @@ def run_grid(args, model, tokenizer, spec) -> int:
 
     start = time.perf_counter()
     grid = run_reuse_grid if spec.questions > 1 else one_question_grid  # several: reuse vs fresh
+    fresh = {"fresh": ModelLoad(args.model, args.device, args.dtype, args.threads)} if args.fresh_process else {}
     found = grid(model, tokenizer, spec, done=resume_keys(kept, model.name_or_path), on_rows=save,
-                 meta=run_meta(model))
+                 meta=run_meta(model), **fresh)
     asked = (f"{spec.questions} questions per context, reuse vs fresh" if spec.questions > 1
              else f"question {spec.question}")
     print(f"Long-context tasks, {spec.haystack} haystack, {asked}, {spec.samples} samples per cell")

@@ -35,8 +35,11 @@ KV_GROUP_LABELLED_BY_BITS = 32
 
 # two devices are one cell to the resume logic, but reports tell them apart; ``settings``: the
 # cache's CacheSettings as plain data (``describe()``), every keyword the recipe or defaults filled in
+# ``peak_process``: "fresh" where the batch ran in a process of its own (``fresh_process.py``), so
+# its ``peak_mib`` is not shaped by what the grid's process ran before it
 OPTIONAL_FIELDS = ("recipe", "questions", "question_index", "prefill_tokens", "split",
-                   "prefill_s", "decode_s", "peak_mib", "kv_fraction", "kv_share_16bit", "batch", "device", "dtype", "settings")
+                   "prefill_s", "decode_s", "peak_mib", "kv_fraction", "kv_share_16bit", "batch", "device", "dtype", "settings",
+                   "peak_process")
 
 
 # the options a recipe row's coding suffix names (never a departure from the recipe)

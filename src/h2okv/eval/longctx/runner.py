@@ -35,6 +35,7 @@ from h2okv.core.cache import DEFAULT_CHUNK
 from h2okv.core.compat import cache_arg
 from h2okv.errors import H2OError
 from h2okv.eval.haystack import Haystack
+from h2okv.eval.longctx.fresh_process import ModelLoad, in_fresh_process
 from h2okv.eval.longctx.metric import score
 from h2okv.eval.longctx.prompt import Frame, LongPrompt
 from h2okv.eval.longctx.rows import make_row, row_key
@@ -194,23 +195,50 @@ def config_cache(model, spec: GridSpec, config: Config):
     return new_cache(model, config.policy, config.budget, chunk_size=spec.chunk_size, seed=spec.seed, **config.options)
 
 
-def run_config(model, tokenizer, prompts, spec: GridSpec, config: Config, meta: dict) -> list[dict]:
-    """The rows of one configuration on one (task, context)'s prompts."""
+def run_config(model, tokenizer, prompts, spec: GridSpec, config: Config, meta: dict,
+               fresh: ModelLoad | None = None) -> list[dict]:
+    """The rows of one configuration on one (task, context)'s prompts; ``fresh``: each batch read
+    in a process of its own that loads the model so (``fresh_process.py``: a peak not shaped by
+    what this process ran before), its rows marked ``peak_process: "fresh"``."""
     rows = []
     chat_head = len(Frame(tokenizer, spec.chat).head)
     for group in batches(prompts, spec.question, spec.batch):
         max_new = spec.max_new_tokens or group[0].max_new_tokens
-        cache, costs = config_cache(model, spec, config), Costs()
-        # what the cache was built with, in full (h2okv.settings): a row says what ran, not only its label
-        settings = cache.settings.describe() if hasattr(cache, "settings") else None
-        start = time.perf_counter()
-        answers = generate_answers(model, tokenizer, group, cache, spec.question, max_new, chat_head, costs)
-        seconds = (time.perf_counter() - start) / len(group)
-        del cache  # the next group's peak must not count this one's cache
+        if fresh is not None:
+            answers, costs, settings = in_fresh_process(answer_loaded, fresh, group, spec, config, chat_head, max_new)
+            seconds = (costs.prefill_s + costs.decode_s) / len(group)  # the answer's, not the child's start and load
+        else:
+            answers, costs, settings, seconds = answer_here(model, tokenizer, group, spec, config, chat_head, max_new)
         rows += [prompt_row(p, answer, spec, config, spec.question, meta, max_new_tokens=max_new,
-                            seconds=round(seconds, 3), settings=settings, **costs.per_row(len(group)))
+                            seconds=round(seconds, 3), settings=settings,
+                            peak_process="fresh" if fresh is not None else None, **costs.per_row(len(group)))
                  for p, answer in zip(group, answers, strict=True)]
     return sorted(rows, key=lambda r: r["sample"])
+
+
+def answer_here(model, tokenizer, group, spec: GridSpec, config: Config, chat_head: int, max_new: int):
+    """``(answers, costs, settings, seconds per prompt)`` of one batch, read in this process."""
+    cache, costs = config_cache(model, spec, config), Costs()
+    # what the cache was built with, in full (h2okv.settings): a row says what ran, not only its label
+    settings = cache.settings.describe() if hasattr(cache, "settings") else None
+    start = time.perf_counter()
+    answers = generate_answers(model, tokenizer, group, cache, spec.question, max_new, chat_head, costs)
+    seconds = (time.perf_counter() - start) / len(group)
+    del cache  # the next group's peak must not count this one's cache
+    return answers, costs, settings, seconds
+
+
+def answer_loaded(load: ModelLoad, group, spec: GridSpec, config: Config, chat_head: int, max_new: int):
+    """``answer_here`` in a process that holds no model yet (``fresh_process.py``): the model loaded
+    as ``load`` says and warmed up as ``run_grid`` does, then ``(answers, costs, settings)``."""
+    from h2okv.models import load_model
+
+    if load.threads:
+        torch.set_num_threads(load.threads)
+    model, tokenizer = load_model(load.name, device=load.device, dtype=load.dtype)
+    warm_up(model)
+    answers, costs, settings, _ = answer_here(model, tokenizer, group, spec, config, chat_head, max_new)
+    return answers, costs, settings
 
 
 def prompt_row(p: LongPrompt, answer: str, spec: GridSpec, config: Config, question: str, meta: dict, **fields) -> dict:
@@ -257,9 +285,10 @@ def check_positions(model, prompts: list[LongPrompt], max_new_tokens: int | None
 
 
 def run_grid(model, tokenizer, spec: GridSpec, done: set[tuple] = frozenset(), on_rows=None, progress=True,
-             meta: dict | None = None) -> list[dict]:
+             meta: dict | None = None, fresh: ModelLoad | None = None) -> list[dict]:
     """Every (task, context, configuration) cell not in ``done``; ``on_rows(rows)`` after each. One
-    question per context (several: ``reuse.run_reuse_grid``, which builds on this module)."""
+    question per context (several: ``reuse.run_reuse_grid``, which builds on this module).
+    ``fresh``: each batch in a process of its own (``run_config``)."""
     if spec.questions > 1:
         raise ValueError("run_grid asks one question per context; run_reuse_grid asks several")
     prompts = grid_prompts(tokenizer, spec)
@@ -273,7 +302,7 @@ def run_grid(model, tokenizer, spec: GridSpec, done: set[tuple] = frozenset(), o
             bar.set_postfix_str(f"{task} {context} {config.name}")
             # only the samples not in the file: a cell cut short, or grown by a larger --samples, runs the rest
             missing = [p for p in prompts[task, context] if sample_key(spec, task, context, config, p.sample) not in done]
-            rows = run_config(model, tokenizer, missing, spec, config, meta or {})
+            rows = run_config(model, tokenizer, missing, spec, config, meta or {}, fresh)
             found += rows
             if on_rows is not None:
                 on_rows(rows)
