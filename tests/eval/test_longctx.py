@@ -313,6 +313,7 @@ def test_cli_end_to_end_resume_merge_and_export(tmp_path, tiny_run, capsys):
     assert all(0.0 <= r["score"] <= 1.0 and r["question"] == "aware" for r in rows)
     assert png.read_bytes()[:4] == b"\x89PNG" and "average" in capsys.readouterr().out
     calls = len(fed)
+    assert calls == 3 + 12  # one warm-up per configuration (warm_config), then one generate per prompt
     assert main(["eval", "longctx", *grid, "--policies", "full,local", "--budgets", "0.3,0.6",
                  "--json", str(out), "--plot", ""]) == 0
     assert len(fed) == calls and "12 rows already there" in capsys.readouterr().out  # resumed: nothing ran
@@ -322,7 +323,7 @@ def test_cli_end_to_end_resume_merge_and_export(tmp_path, tiny_run, capsys):
     grown_out.write_text(out.read_text())
     assert main(["eval", "longctx", *grown, "--policies", "full,local", "--budgets", "0.3,0.6",
                  "--json", str(grown_out), "--plot", ""]) == 0
-    assert len(fed) == calls + 2 * 3  # one more sample per cell: only it ran, not the cell's first two again
+    assert len(fed) == calls + 3 + 2 * 3  # the warm-ups, one more sample per cell: not the cell's first two again
     more = json.loads(grown_out.read_text())
     assert len(more) == 18 and sorted(r["sample"] for r in more if r["task"] == "fwe") == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     other = tmp_path / "agnostic.json"
@@ -355,7 +356,7 @@ def test_cli_recipes_alone_run_no_full_rows(tmp_path, tiny_run):
     # each row records the settings its cache was built with: the budget split as the recipe splits it
     for r in rows:
         assert (r["settings"]["heavy_ratio"], r["settings"]["recent_ratio"]) == pytest.approx((0.3 * 0.922, 0.3 * 0.078))
-    assert len(fed) == 4  # one generate per prompt: no full run beside the recipe's
+    assert len(fed) == 1 + 4  # the recipe's warm-up, then one generate per prompt: no full run beside the recipe's
 
 
 def test_cli_kv_bits_quantize_every_row_and_name_the_recipe_rows(tmp_path, tiny_run):
@@ -512,6 +513,8 @@ def test_kvzip_reads_ranks_by_reconstruction_then_answers(tmp_path, tiny_run, qu
                  "--json", str(out), "--plot", ""]) == 0
     rows = json.loads(out.read_text())
     assert len(rows) == 4 and {r["policy"] for r in rows} == {"kvzip"}
+    (warm_length, *_), *ranked = ranked  # first the configuration's warm-up: its prompt's first 600 tokens
+    assert warm_length < 799  # shorter than the measured prompts
     assert len(ranked) >= 2  # one ranking per batch: both tasks ran
     for length, start, slots, budget in ranked:
         assert start == 0  # Chars has no chat template: nothing to leave out
