@@ -59,6 +59,12 @@ def test_an_error_in_the_fresh_process_is_raised_here_as_one_line(tmp_path, tiny
     assert "\n" not in str(err.value)
 
 
+def test_a_bug_in_the_fresh_process_is_raised_here_with_its_traceback():
+    with pytest.raises(ValueError, match="invalid literal") as err:
+        in_fresh_process(int, "not a number")
+    assert any("in the fresh process" in note and "Traceback" in note for note in err.value.__notes__)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--questions-per-context", "2", "--tasks", "niah_multikey_1"], "leave out --questions-per-context"),
     (["--export-prompts", "p.json"], "leave out --export-prompts"),

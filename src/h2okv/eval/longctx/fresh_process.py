@@ -27,8 +27,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from h2okv.errors import H2OError
 
 # glibc reads these when a process starts: blocks of 128 KiB and more mapped on their own (a fixed
 # threshold, which glibc then never raises) and one arena, so freed tensors leave the RSS at once
@@ -48,11 +51,35 @@ class ModelLoad:
 
 def in_fresh_process(function, *args):
     """``function(*args)`` in a spawned process with ``EXACT_MALLOC``, which exits after it; its
-    error, if any, is raised here."""
+    error, if any, is raised here (a bug's with the child's traceback as a note)."""
+    spawn = multiprocessing.get_context("spawn")
+    receive, send = spawn.Pipe(duplex=False)  # a pipe, not a pool: nothing left for the resource tracker
+    child = spawn.Process(target=_call, args=(send, function, args), daemon=True)
     with environment(EXACT_MALLOC):  # the child's environment is this one's at its start
-        pool = multiprocessing.get_context("spawn").Pool(processes=1, maxtasksperchild=1)
-    with pool:
-        return pool.apply(function, args)
+        child.start()
+    send.close()
+    try:
+        ok, value, trace = receive.recv()
+    except EOFError:  # killed (out of memory, a signal) before it could answer
+        child.join()
+        raise H2OError(f"the fresh process ended without an answer (exit code {child.exitcode})") from None
+    finally:
+        receive.close()
+    child.join()
+    if ok:
+        return value
+    if not isinstance(value, H2OError):
+        value.add_note(f"in the fresh process:\n{trace}")
+    raise value
+
+
+def _call(send, function, args) -> None:
+    try:
+        send.send((True, function(*args), None))
+    except BaseException as exc:  # every failure goes back to the parent, which raises it
+        send.send((False, exc, traceback.format_exc()))
+    finally:
+        send.close()
 
 
 @contextmanager
