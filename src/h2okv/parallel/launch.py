@@ -32,6 +32,7 @@ import tempfile
 import time
 import traceback
 
+from h2okv.environment import environment
 from h2okv.errors import H2OError, print_error
 from h2okv.parallel.ranks import (
     RankInfo,
@@ -241,17 +242,9 @@ def _spawn(args, body, tp: int, timeout: float, signals_to_rank0: bool = False) 
     cpu = not (getattr(args, "device", "cpu") or "cpu").startswith("cuda")
     # CPU ranks must not see GPUs (see ``hide_gpus_from_cpu_rank``)
     hidden = {"CUDA_VISIBLE_DEVICES": ""} if cpu else {}
-    saved = {k: os.environ.get(k) for k in hidden}
-    os.environ.update(hidden)
-    try:
+    with environment(hidden):
         procs = mp.start_processes(_rank_main, args=(args, body, tp, port, timeout, errors, signals_to_rank0),
                                    nprocs=tp, join=False, start_method="spawn")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     failure = None
     restore = _forward_signals(procs.processes[0].pid) if signals_to_rank0 else {}
     try:

@@ -26,11 +26,10 @@ it is opt-in: ``h2okv eval longctx --fresh-process``.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import traceback
-from contextlib import contextmanager
 from dataclasses import dataclass
 
+from h2okv.environment import environment
 from h2okv.errors import H2OError
 
 # glibc reads these when a process starts: blocks of 128 KiB and more mapped on their own (a fixed
@@ -80,18 +79,3 @@ def _call(send, function, args) -> None:
         send.send((False, exc, traceback.format_exc()))
     finally:
         send.close()
-
-
-@contextmanager
-def environment(values: dict):
-    """``os.environ`` with ``values`` set, restored after."""
-    before = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
