@@ -15,7 +15,7 @@ def flag(argv, name):
     return argv[argv.index(name) + 1]
 
 
-@pytest.mark.parametrize("pieces", ["PIECES", "DEV_PIECES"])
+@pytest.mark.parametrize("pieces", ["PIECES", "DEV_PIECES", "PEAK_PIECES"])
 def test_pieces_have_unique_names_and_their_own_json(grid, pieces):
     pieces = getattr(grid, pieces)
     names = [name for name, _, _ in pieces]
@@ -24,6 +24,17 @@ def test_pieces_have_unique_names_and_their_own_json(grid, pieces):
         assert runner in grid.RUNNERS
         written = flag(argv, "--export-prompts") if name.startswith("prompts-") else flag(argv, "--json")
         assert written == f"{name}.json"
+
+
+def test_peak_pieces_read_one_prompt_a_process_beside_full_at_each_length(grid):
+    peaks = [(name, argv) for name, _, argv in grid.PEAK_PIECES]
+    assert not {name for name, _, _ in grid.PIECES} & {name for name, _ in peaks}
+    assert peaks and all("--fresh-process" in argv and flag(argv, "--batch") == "1" for _, argv in peaks)
+    lengths = {flag(argv, "--contexts") for _, argv in peaks}
+    for length in lengths:  # every recipe's peak has full's beside it, on the same prompts
+        here = [argv for _, argv in peaks if flag(argv, "--contexts") == length]
+        assert {flag(argv, "--tasks") for argv in here} == {grid.MEMORY_FAMILIES}
+        assert sum(flag(argv, "--policies") == "full" for argv in here) == 1 and len(here) == 1 + len(grid.RECIPES)
 
 
 def test_each_peer_reads_an_export_made_before_it_at_its_length(grid):

@@ -10,6 +10,7 @@ whatever recipe is chosen later), then the recipes, then the long lengths.
     .venv/bin/python tools/measure/longctx_grid.py --only full-2k  # one piece (its name, else a prefix)
     .venv/bin/python tools/measure/longctx_grid.py --list          # the pieces and their commands
     .venv/bin/python tools/measure/longctx_grid.py --split dev     # the dev pieces, 3k and 6k (choosing)
+    .venv/bin/python tools/measure/longctx_grid.py --peaks         # peaks, each prompt in a fresh process
 
 A run from a frozen checkout (so edits in the working tree cannot change a piece half-way):
 ``git worktree add /tmp/grid HEAD; PYTHONPATH=/tmp/grid/src .venv/bin/python
@@ -81,6 +82,14 @@ def recipe(name: str, context: str, samples: str, tasks: str = FAMILIES,
                  "--samples", samples, "--tasks", tasks, *mode, model=model)
 
 
+def peak(config: str, context: str) -> tuple[str, str, list[str]]:
+    """``full`` or a recipe on the memory families at one length, each prompt in a fresh process."""
+    which = ["--policies", "full"] if config == "full" else ["--policies", "none", "--recipe", config]
+    mode = ["--question", "agnostic"] if config == "document" else []
+    return piece(f"peak-{config}-{context}", *which, "--contexts", context, "--samples", "1", "--tasks",
+                 MEMORY_FAMILIES, *mode, "--fresh-process")
+
+
 PIECES = [
     piece("full-2k", "--policies", "full", "--contexts", "2048", "--samples", "3", "--tasks", FAMILIES),
     *(recipe(r, "2048", "3") for r in RECIPES),
@@ -123,6 +132,15 @@ PIECES = [
     # the 1.5B's 8k rows of the two recipes that span words, before they did
     *(recipe(r, "8192", "1", model="qwen2.5-1.5b", label="words") for r in ("bounded", "prompt")),
 ]
+
+
+# Peaks the same run after run (``--peaks``): each prompt read in a process of its own
+# (--fresh-process), the memory families once a length, in a folder of their own (their rows share
+# keys with the pieces above, whose times they must not replace in a --merge: a fresh process reads
+# 1.2-1.5x slower). Every piece above read its peak in the grid's own process, which moves it 2-4x
+# with what that process held before (docs/RESULTS.md, Known misses).
+PEAK_OUT = ROOT / "docs" / "results" / "longctx" / "peak"
+PEAK_PIECES = [peak(config, context) for context in ("2048", "8192", "16384") for config in ("full", *RECIPES)]
 
 
 # The dev split at lengths the test split never runs (3k and 6k, essays, seed 0): where a recipe is
@@ -190,10 +208,14 @@ def main() -> int:
                         help=f"the pieces' JSON folder (default: {OUT}, with --split dev {DEV_OUT})")
     parser.add_argument("--split", choices=("test", "dev"), default="test",
                         help="test: the reported grid; dev: the 6k pieces recipes are chosen on")
+    parser.add_argument("--peaks", action="store_true",
+                        help=f"the peak pieces instead: test prompts, each in a process of its own (default --out {PEAK_OUT})")
     args = parser.parse_args()
-    args.out = args.out or (DEV_OUT if args.split == "dev" else OUT)
+    if args.peaks and args.split == "dev":
+        parser.error("--peaks reads test prompts: leave out --split dev")
+    args.out = args.out or (PEAK_OUT if args.peaks else DEV_OUT if args.split == "dev" else OUT)
     args.out.mkdir(parents=True, exist_ok=True)
-    pieces = DEV_PIECES if args.split == "dev" else PIECES
+    pieces = PEAK_PIECES if args.peaks else DEV_PIECES if args.split == "dev" else PIECES
     # a piece's whole name picks it alone (``prompt-8192`` is not also ``prompt-8192-1.5b``)
     exact = [p for p in pieces if p[0] == args.only]
     chosen = exact or [p for p in pieces if args.only is None or p[0].startswith(args.only)]
