@@ -5,7 +5,8 @@ before (``bench.memory.measure_peak``). What that reads depends on what the proc
 and freed before: the same code and prompt read 75-103 MiB late in a long grid and 366-463 MiB
 in a fresh process (docs/RESULTS.md, Known misses), since the allocator hands back, or keeps,
 earlier pages by its own rules. A fresh process has one history, always the same (start, load
-the model, one warm-up forward), so its peak compares across runs, recipes and code versions.
+the model, one warm-up forward, one short answer under the configuration: ``runner.warm_config``),
+so its peak compares across runs, recipes and code versions.
 
 A fresh process alone is not enough: glibc's malloc serves a block from its heap or maps it on
 its own by a threshold it raises as big blocks are freed (up to 32 MiB), and which blocks stay in
@@ -18,9 +19,9 @@ price is time: a mapped block is zero-filled on each first touch, so prefill rea
 here. Take times from a run without ``--fresh-process``; take peaks from one with it.
 
 The child is *spawned* (a fork would inherit the parent's heap, which is the history we want
-gone), loads the model itself with the run's arguments (``runner.answer_loaded``), answers one batch and returns the answers,
-their costs and the cache's settings. It costs a model load per batch (seconds for the 0.5B), so
-it is opt-in: ``h2okv eval longctx --fresh-process``.
+gone), loads the model itself with the run's arguments (``runner.answer_loaded``), answers one
+batch and returns the answers, their costs and the cache's settings. It costs a model load per
+batch (seconds for the 0.5B), so it is opt-in: ``h2okv eval longctx --fresh-process``.
 """
 
 from __future__ import annotations
