@@ -75,7 +75,7 @@ def recipe(name: str, context: str, samples: str, tasks: str = FAMILIES,
     """A recipe's rows at one length; ``label`` names a re-run of the recipe as it is now, in its own
     JSON, where the piece's first rows ran an earlier version (a JSON resumes: the same name would
     keep the old rows)."""
-    mode = ["--question", "agnostic"] if name == "document" else []
+    mode = question_mode(name)
     suffix = "" if model == "qwen2.5-0.5b" else f"-{model.removeprefix('qwen2.5-')}"
     suffix += f"-{label}" if label else ""
     return piece(f"{name}-{context}{suffix}", "--policies", "none", "--recipe", name, "--contexts", context,
@@ -85,9 +85,13 @@ def recipe(name: str, context: str, samples: str, tasks: str = FAMILIES,
 def peak(config: str, context: str) -> tuple[str, str, list[str]]:
     """``full`` or a recipe on the memory families at one length, each prompt in a fresh process."""
     which = ["--policies", "full"] if config == "full" else ["--policies", "none", "--recipe", config]
-    mode = ["--question", "agnostic"] if config == "document" else []
     return piece(f"peak-{config}-{context}", *which, "--contexts", context, "--samples", "1", "--tasks",
-                 MEMORY_FAMILIES, *mode, "--fresh-process")
+                 MEMORY_FAMILIES, *question_mode(config), "--fresh-process")
+
+
+def question_mode(recipe_name: str) -> list[str]:
+    """``document`` compresses the context before its question (agnostic); the others read both."""
+    return ["--question", "agnostic"] if recipe_name == "document" else []
 
 
 PIECES = [

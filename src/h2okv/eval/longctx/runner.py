@@ -319,13 +319,13 @@ def run_grid(model, tokenizer, spec: GridSpec, done: set[tuple] = frozenset(), o
         warm_up(model)
     found = []
     with tqdm(total=len(todo), desc=f"longctx ({spec.question})", unit="cell", disable=not progress) as bar:
-        warmed = set()
+        warmed, chat_head = set(), len(Frame(tokenizer, spec.chat).head)
         for task, context, config in todo:
             bar.set_postfix_str(f"{task} {context} {config.name}")
             # only the samples not in the file: a cell cut short, or grown by a larger --samples, runs the rest
             missing = [p for p in prompts[task, context] if sample_key(spec, task, context, config, p.sample) not in done]
             if fresh is None and repr(config) not in warmed:  # a fresh process warms itself
-                warm_config(model, tokenizer, spec, config, missing[0], len(Frame(tokenizer, spec.chat).head))
+                warm_config(model, tokenizer, spec, config, missing[0], chat_head)
                 warmed.add(repr(config))
             rows = run_config(model, tokenizer, missing, spec, config, meta or {}, fresh)
             found += rows
