@@ -35,7 +35,8 @@ RANK_RULES = {"score": lambda score, ordinal, n, keys, rule: score,
 OTHER_VALUES = {"decay": 0.8, "weight": 0.5, "kernel": 3, "copies": 0.5, "window": 8, "pool": "max", "chunk": 4,
                 "future": 16, "sinks": 2, "tail": 0, "question": 4, "tail_in_budget": 1, "heads": "shared",
                 "question_kernel": 5, "local": 1, "words": 1, "ceiling": 2,
-                "probe_upto": "16,question=4"}  # probe_upto needs the question it then ranks by
+                "probe_upto": "16,question=4",  # probe_upto needs the question it then ranks by
+                "question_share": "0.5,question=4"}  # so does the share it reserves
 # a policy's option that needs others beside it (kvzip spans words past probe_upto only)
 OTHER_FOR = {("kvzip", "words"): "1,question=4,probe_upto=16"}
 SPECS = [*sorted(POLICIES),

@@ -424,3 +424,31 @@ def test_question_kernel_pools_the_question_scores_of_a_long_prompt():
 def test_probe_upto_needs_the_question():
     with pytest.raises(H2OError, match="probe_upto .* give question=W"):
         H2OCache(gqa_model(), policy="kvzip:probe_upto=100", heavy=10, recent=4, prefill="late")
+
+
+def test_question_share_keeps_the_questions_own_picks_first():
+    """``kvzip:question=W,question_share=F``: where the pass ranks, each head keeps its best
+    ``F * heavy`` tokens by the question's attention alone first, then the pass's (and question's)
+    best: the reference's picks raised above every probability. The kept sets differ from the
+    option's absence (else the test proves nothing)."""
+    torch.manual_seed(0)
+    ids, heavy, recent = torch.randint(2, 90, (1, 120)), 20, 4
+    cache = read_and_rank(gqa_model(), ids, heavy=heavy, recent=recent, policy="kvzip:question=1,question_share=0.5")
+    question, best = question_only_scores(ids, 1), reference_scores(ids, question=1)
+    want = []
+    for layer_question, layer_best in zip(question, best, strict=True):
+        heads = []
+        for q, s in zip(layer_question, layer_best.clone(), strict=True):
+            s[q.topk(heavy // 2).indices] += 1.0
+            s[:SINKS] = s[120 - recent:] = float("inf")
+            heads.append(sorted(s.topk(heavy + recent).indices.tolist()))
+        want.append(heads)
+    assert [kept(layer) for layer in cache.layers] == want
+    assert want != reference_kept(ids, heavy, recent, question=1)
+
+
+def test_question_share_needs_the_question_and_a_share_in_range():
+    with pytest.raises(H2OError, match="question_share .* give question=W"):
+        H2OCache(gqa_model(), policy="kvzip:question_share=0.5", heavy=10, recent=4, prefill="late")
+    with pytest.raises(H2OError, match="question_share"):
+        H2OCache(gqa_model(), policy="kvzip:question=2,question_share=1.5", heavy=10, recent=4, prefill="late")

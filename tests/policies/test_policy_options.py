@@ -19,17 +19,17 @@ ORDER = {"full": (), "h2o": ("decay", "heads"), "local": (), "sink": (), "random
          "snapkv": ("window", "kernel", "pool", "chunk", "decay", "words", "heads"), "knorm": ("heads",),
          "rkv": ("weight", "decay", "kernel", "copies", "heads"), "expected": ("future", "sinks", "heads"),
          "kvzip": ("kernel", "tail", "question", "tail_in_budget", "probe_upto", "question_kernel", "local",
-                   "words", "ceiling", "heads")}
+                   "words", "ceiling", "question_share", "heads")}
 # a valid value other than the default, and one its check refuses, for every option
 OTHER = {"decay": 0.75, "heads": "shared", "window": 8, "kernel": 3, "pool": "max", "chunk": 4, "weight": 0.5,
          "copies": 0.5, "future": 16, "sinks": 2, "tail": 12, "question": 4, "tail_in_budget": 1, "probe_upto": 4096,
-         "question_kernel": 31, "local": 1, "words": 1, "ceiling": 2.5}
+         "question_kernel": 31, "local": 1, "words": 1, "ceiling": 2.5, "question_share": 0.5}
 REFUSED = {"decay": 0.0, "heads": "all", "window": 0, "kernel": 4, "pool": "mean", "chunk": -1, "weight": 1.5,
            "copies": 1.0, "future": 0, "sinks": -1, "tail": -1, "question": -2, "tail_in_budget": 2, "probe_upto": -1,
-           "question_kernel": 2, "local": 2, "words": 2, "ceiling": 0.5}
+           "question_kernel": 2, "local": 2, "words": 2, "ceiling": 0.5, "question_share": 1.5}
 # what an option is given beside it, where it means nothing alone (kvzip ranks a prompt past probe_upto
 # by its question's attention, and spans words there only)
-NEEDS = {("kvzip", "probe_upto"): {"question": 4}, ("kvzip", "words"): {"question": 4, "probe_upto": 16}}
+NEEDS = {("kvzip", "probe_upto"): {"question": 4}, ("kvzip", "question_share"): {"question": 4}, ("kvzip", "words"): {"question": 4, "probe_upto": 16}}
 EACH_OPTION = [(name, opt) for name, cls in POLICIES.items() for opt in cls.options()]
 
 

@@ -474,10 +474,29 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         if self.config.policy.question:  # the question's attention, set by _attend_late
             best = torch.maximum(best, self.score)
         best = torch.where(self.valid, best, torch.zeros_like(best))
+        question = self.score if probed and self.config.policy.question_share else None
         pooled = self.config.policy.smooth_probe(best, self.ordinal, self.valid, probed)
         # word spans raise the question's attention only: the pass scores every token of a word by
         # how the model repeats it, and spans over it lift whole filler words (policies/kvzip.py)
-        self.score.copy_(pooled if probed else self._spans(pooled, best, self.ordinal, self.valid))
+        pooled = pooled if probed else self._spans(pooled, best, self.ordinal, self.valid)
+        if question is not None:
+            pooled = pooled + self._question_picks(question)
+        self.score.copy_(pooled)
+
+    def _question_picks(self, question: torch.Tensor) -> torch.Tensor:
+        """``[B, H, cap]`` 1.0 on each head's best ``question_share`` of the row's heavy slots by the
+        question's attention (``question``, pooled and spanned as past ``probe_upto``), else 0:
+        added to the pass's scores (probabilities, at most 1) they rank first, in each head and in
+        a cache-wide split alike."""
+        policy = self.config.policy
+        raw = torch.where(self.valid, question, torch.zeros_like(question))
+        pooled = self._spans(policy.smooth_probe(raw, self.ordinal, self.valid, False), raw, self.ordinal, self.valid)
+        pooled = pooled.masked_fill(~self.valid, -1.0)
+        picks = (self.ranked_heavy().float() * policy.question_share).long()  # [B]
+        order = pooled.argsort(dim=-1, descending=True, stable=True)
+        place = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=self.device)
+                                                 .expand_as(order))
+        return ((place < picks[:, None, None]) & self.valid).float()
 
     def stop_probe(self) -> None:
         self.probe.best = None

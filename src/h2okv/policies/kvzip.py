@@ -42,6 +42,18 @@ probability the probe's queries *or the question's* give it. Reconstruction keep
 needs to repeat the context (a whole UUID, a list it must count over); the question's attention
 keeps what it asks about, and the question itself.
 
+``question_share=F`` (default 0; needs ``question=W``): where the pass ranks, each head first keeps
+its best ``F`` of the row's heavy slots by the question's attention alone (pooled over
+``question_kernel`` tokens, and over words with ``words=1``, as past ``probe_upto``), then the rest
+by the larger score as above. On the probe's scale a token the model repeats scores near 1, above
+what a question gives almost any token, so without a share the question's window decides little:
+on the dev split (0.5B, 2k, 20%) a several-questions needle's digits were kept in ~20% of the
+(layer, head)s, as the filler was, where ``bounded``'s question ranking kept them in 55-89%.
+Not a default: ``prompt`` with ``question_share=0.5`` kept those digits in 33-50% of the heads, and
+on the dev split's 50 prompts scored 87.3 against 88.2 (paired -0.9, SE 1.7): several questions 70
+-> 75, fwe 53 -> 60, but several values 95 -> 80 and cwe 64 -> 58, the share taken from the heads
+the pass fills whole (``results/longctx/dev/prompt-qshare0.5-2k.json``).
+
 ``probe_upto=N`` (default 0: always) runs the reconstruction only for a prompt of at most ``N``
 tokens; a longer one is ranked by the question's attention alone (``question=W``), each token then
 taking the best score of the ``question_kernel`` tokens around it (odd, default 1), as ``snapkv``'s
@@ -104,6 +116,12 @@ class KVzipPolicy(ReconstructionPolicy, HeavyHitters):
     # 2k, `prompt`: 80.3 against 88.2, several values and questions lost; docs/RESULTS.md)
     words: int = option(0, choices=(0, 1), shown=False)
     ceiling: float = option(0.0, check=lambda v: v == 0 or v >= 1, must_be="0 (none) or a number >= 1", shown=False)
+    # a share of each head's heavy slots the question's attention picks first, where the pass ranks
+    # (its pool and word spans as past probe_upto); the pass ranks the rest. Why: on the probe's
+    # scale every token the model repeats scores near 1, above any question's probability, so the
+    # question changed almost nothing the pass kept (dev 2k: a needle's digits in 20% of the heads,
+    # the filler's share; docs/RESULTS.md)
+    question_share: float = option(0.0, check=lambda v: 0 <= v <= 1, must_be="a number in [0, 1]", shown=False)
     heads: str = heads_option()
 
     def __post_init__(self):
@@ -111,6 +129,8 @@ class KVzipPolicy(ReconstructionPolicy, HeavyHitters):
         if self.probe_upto and not self.question:
             raise H2OError(f"{self.name} probe_upto ranks a longer prompt by its question's attention alone: "
                            f"give question=W too")
+        if self.question_share and not self.question:
+            raise H2OError(f"{self.name} question_share reserves slots for the question's attention: give question=W too")
         if self.words and not self.probe_upto:
             raise H2OError(f"{self.name} words spans the question's attention past probe_upto, never the pass: "
                            f"give question=W and probe_upto=N too")
