@@ -34,6 +34,14 @@ import math
 import torch
 
 
+def head_places(value: torch.Tensor) -> torch.Tensor:
+    """``[B, H, N]``: each slot's place in its own head's order of ``value`` ``[B, H, N]``, best
+    first (0); ties go to the lower slot. ``place < k`` marks a head's best ``k``."""
+    order = value.argsort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(value.shape[-1], device=value.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, ranks)
+
+
 def allocate(key: torch.Tensor, candidate: torch.Tensor, heavy: torch.Tensor, sinks: torch.Tensor,
              floor: float, ceiling: float = 0.0) -> torch.Tensor:
     """Heavy slots per (row, head) ``[B, H]``; every row's sum is ``H * heavy``.
@@ -55,8 +63,7 @@ def allocate(key: torch.Tensor, candidate: torch.Tensor, heavy: torch.Tensor, si
     value = key.float().masked_fill(~candidate, -math.inf)
 
     # each head's own best floor_n candidates
-    order = value.argsort(dim=-1, descending=True, stable=True)
-    place = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=device).expand(b, h, n))
+    place = head_places(value)
     floored = candidate & (place < floor_n[:, None, None])
     picks = floored.sum(-1)  # [B, H]
     if ceiling:  # past a head's own best ceil_n, its candidates are no candidates

@@ -19,7 +19,7 @@ from transformers.cache_utils import CacheLayerMixin
 from h2okv.core.attention import set_pending
 from h2okv.core.budget import RowBudgets
 from h2okv.core.decode import choose_stepper
-from h2okv.core.head_budget import allocate
+from h2okv.core.head_budget import allocate, head_places
 from h2okv.core.quant import SlotCoding
 from h2okv.core.reconstruction import check_probe_call, probe_attention
 from h2okv.core.scan import can_scan, token_scan
@@ -493,10 +493,7 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         pooled = self._spans(policy.smooth_probe(raw, self.ordinal, self.valid, False), raw, self.ordinal, self.valid)
         pooled = pooled.masked_fill(~self.valid, -1.0)
         picks = (self.ranked_heavy().float() * policy.question_share).long()  # [B]
-        order = pooled.argsort(dim=-1, descending=True, stable=True)
-        place = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=self.device)
-                                                 .expand_as(order))
-        return ((place < picks[:, None, None]) & self.valid).float()
+        return ((head_places(pooled) < picks[:, None, None]) & self.valid).float()
 
     def stop_probe(self) -> None:
         self.probe.best = None
