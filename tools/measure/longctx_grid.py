@@ -11,6 +11,7 @@ whatever recipe is chosen later), then the recipes, then the long lengths.
     .venv/bin/python tools/measure/longctx_grid.py --list          # the pieces and their commands
     .venv/bin/python tools/measure/longctx_grid.py --split dev     # the dev pieces, 3k and 6k (choosing)
     .venv/bin/python tools/measure/longctx_grid.py --peaks         # peaks, each prompt in a fresh process
+    .venv/bin/python tools/measure/longctx_grid.py --qa            # real questions, four a document
 
 A run from a frozen checkout (so edits in the working tree cannot change a piece half-way):
 ``git worktree add /tmp/grid HEAD; PYTHONPATH=/tmp/grid/src .venv/bin/python
@@ -147,6 +148,26 @@ PEAK_OUT = ROOT / "docs" / "results" / "longctx" / "peak"
 PEAK_PIECES = [peak(config, context) for context in ("2048", "8192", "16384") for config in ("full", *RECIPES)]
 
 
+# Real questions over real documents, several a document (``--qa``): SQuAD's and DROP's gold
+# paragraphs among distractors, a CoQA story among other stories with its conversation's turns, and
+# planted facts of five forms in the test haystack; four questions a context, each graded by its
+# data set's F1. Every configuration runs both modes: ``reuse`` (the document read once, compressed
+# before any question, the four answered from copies of that state: a user's document chat) and
+# ``fresh`` (each question read with the document, question-aware). Nothing was tuned on them.
+QA_OUT = ROOT / "docs" / "results" / "longctx" / "qa"
+QA_TASKS = "qa_squad,qa_drop,qa_coqa,facts"
+
+
+def qa(config: str, context: str = "2048", samples: str = "4") -> tuple[str, str, list[str]]:
+    which = ["--policies", "full"] if config == "full" else ["--policies", "none", "--recipe", config]
+    return piece(f"qa-{config}-{context}", *which, "--contexts", context, "--samples", samples, "--tasks", QA_TASKS,
+                 "--questions-per-context", "4")
+
+
+# full and the one-prefill recipe first; the reconstruction recipes read each document ~3 times
+QA_PIECES = [qa(config) for config in ("full", "bounded", "prompt", "document")]
+
+
 # The dev split at lengths the test split never runs (3k and 6k, essays, seed 0): where a recipe is
 # chosen for long prompts (docs/guides/evaluation.md, "Choosing and reporting"). Two samples a family.
 DEV_OUT = ROOT / "docs" / "results" / "longctx" / "dev"
@@ -212,14 +233,18 @@ def main() -> int:
                         help=f"the pieces' JSON folder (default: {OUT}, with --split dev {DEV_OUT})")
     parser.add_argument("--split", choices=("test", "dev"), default="test",
                         help="test: the reported grid; dev: the 6k pieces recipes are chosen on")
-    parser.add_argument("--peaks", action="store_true",
-                        help=f"the peak pieces instead: test prompts, each in a process of its own (default --out {PEAK_OUT})")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--peaks", action="store_true",
+                       help=f"the peak pieces instead: test prompts, each in a process of its own (default --out {PEAK_OUT})")
+    which.add_argument("--qa", action="store_true",
+                       help=f"the real-question pieces instead: SQuAD, DROP, CoQA and planted facts, four questions "
+                            f"a document, test split (default --out {QA_OUT})")
     args = parser.parse_args()
-    if args.peaks and args.split == "dev":
-        parser.error("--peaks reads test prompts: leave out --split dev")
-    args.out = args.out or (PEAK_OUT if args.peaks else DEV_OUT if args.split == "dev" else OUT)
+    if (args.peaks or args.qa) and args.split == "dev":
+        parser.error(f"--{'peaks' if args.peaks else 'qa'} reads test prompts: leave out --split dev")
+    args.out = args.out or (PEAK_OUT if args.peaks else QA_OUT if args.qa else DEV_OUT if args.split == "dev" else OUT)
     args.out.mkdir(parents=True, exist_ok=True)
-    pieces = PEAK_PIECES if args.peaks else DEV_PIECES if args.split == "dev" else PIECES
+    pieces = PEAK_PIECES if args.peaks else QA_PIECES if args.qa else DEV_PIECES if args.split == "dev" else PIECES
     # a piece's whole name picks it alone (``prompt-8192`` is not also ``prompt-8192-1.5b``)
     exact = [p for p in pieces if p[0] == args.only]
     chosen = exact or [p for p in pieces if args.only is None or p[0].startswith(args.only)]
