@@ -461,6 +461,16 @@ def test_plot_of_one_budget_is_bars_per_task_with_full_as_a_level_in_both_questi
     assert {t.get_text() for t in axes[1].texts} == {"0"}  # a bar of height 0 is labelled
     assert [t.get_text() for t in legend_ax.get_legend().get_texts()] == ["full", "h2o", "tova"]
     assert_legend_covers_no_panel(axes, legend_ax)
+    assert axes[0].get_ylabel() == "RULER score (mean over samples)"
+
+
+def test_bars_of_real_questions_alone_are_labelled_f1():
+    """RULER's families score by their own metric; the real-question tasks (SQuAD, DROP, CoQA, facts)
+    by F1: a panel of those alone says so, a panel mixing both keeps RULER's name."""
+    from h2okv.eval.longctx import report
+
+    assert report.score_name(["qa_squad", "qa_drop", "qa_coqa", "facts"]) == "F1 x 100"
+    assert report.score_name(["qa_squad", "vt"]) == "RULER score"
 
 
 def test_plot_of_several_budgets_is_lines_with_the_legend_outside(monkeypatch):

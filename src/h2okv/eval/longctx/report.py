@@ -8,6 +8,7 @@ question mode is named with N ("reuse, 4 per context").
 
 from __future__ import annotations
 
+from h2okv.eval.longctx.qa import QA_TASKS
 from h2okv.eval.longctx.rows import config_label, model_name, questions_of
 from h2okv.eval.output import format_table
 from h2okv.eval.plots import policy_color, pyplot, save_figure
@@ -258,7 +259,12 @@ def _task_bars(ax, here: list[dict], full: list[dict], tasks: list[str], styles:
     ax.set_xticks(range(len(groups)), labels=groups, fontsize=8)
     ax.set_xlim(-0.5, len(groups) - 0.5)
     ax.set_ylim(0, 105)
-    ax.set_ylabel("RULER score (mean over samples)")
+    ax.set_ylabel(score_name(tasks) + " (mean over samples)")
+
+
+def score_name(tasks: list[str]) -> str:
+    """What the bars measure: RULER's score, or the data sets' F1 where every task is a real question's."""
+    return "F1 x 100" if tasks and all(task in QA_TASKS for task in tasks) else "RULER score"
 
 
 def _budget_lines(ax, here: list[dict], full: list[dict], budgets: list[float], styles: dict) -> None:
