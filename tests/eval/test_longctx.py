@@ -400,6 +400,26 @@ def test_grid_prompts_are_what_the_export_holds(essay):
     assert [p["context_ids"] + p["question_ids"] for p in exported["prompts"]] == [
         p.ids for p in grid_prompts(tok, spec)["vt", 900]]
     assert torch.tensor([len(p["question_ids"]) for p in exported["prompts"]]).min() > 0
+    assert all("questions" not in p for p in exported["prompts"])
+
+
+def test_several_questions_are_exported_one_prompt_each_over_the_contexts_the_grid_reads(essay):
+    """With several questions a context, the export holds each question over its context as the
+    reuse grid builds them (the same ids), with its index: a peer's rows then pair with ours."""
+    from h2okv.eval.longctx.reuse import question_sets
+    from h2okv.eval.longctx.runner import export_prompts
+
+    tok = Chars()
+    spec = GridSpec(tasks=["vt"], contexts=[900], samples=2, policies=["full"], budgets=[0.2], haystack=essay,
+                    questions=3)
+    exported = export_prompts("m", tok, spec)["prompts"]
+    sets = question_sets(tok, spec)["vt", 900]
+    assert [p["context_ids"] + p["question_ids"] for p in exported] == [p.ids for one in sets for p in one]
+    assert [(p["sample"], p["questions"], p["question_index"]) for p in exported] == [
+        (s, 3, i) for s in range(2) for i in range(3)]
+    # a context's three prompts share their context and differ in the question
+    first = exported[:3]
+    assert len({tuple(p["context_ids"]) for p in first}) == 1 and len({tuple(p["question_ids"]) for p in first}) == 3
 
 
 def test_missing_essays_package_is_a_one_line_error(monkeypatch):

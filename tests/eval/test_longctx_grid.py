@@ -15,14 +15,14 @@ def flag(argv, name):
     return argv[argv.index(name) + 1]
 
 
-@pytest.mark.parametrize("pieces", ["PIECES", "DEV_PIECES", "PEAK_PIECES"])
+@pytest.mark.parametrize("pieces", ["PIECES", "DEV_PIECES", "PEAK_PIECES", "QA_PIECES"])
 def test_pieces_have_unique_names_and_their_own_json(grid, pieces):
     pieces = getattr(grid, pieces)
     names = [name for name, _, _ in pieces]
     assert len(names) == len(set(names))
     for name, runner, argv in pieces:
         assert runner in grid.RUNNERS
-        written = flag(argv, "--export-prompts") if name.startswith("prompts-") else flag(argv, "--json")
+        written = flag(argv, "--export-prompts") if "prompts-" in name else flag(argv, "--json")
         assert written == f"{name}.json"
 
 
@@ -37,10 +37,11 @@ def test_peak_pieces_read_one_prompt_a_process_beside_full_at_each_length(grid):
         assert sum(flag(argv, "--policies") == "full" for argv in here) == 1 and len(here) == 1 + len(grid.RECIPES)
 
 
-def test_each_peer_reads_an_export_made_before_it_at_its_length(grid):
+@pytest.mark.parametrize("pieces", ["PIECES", "QA_PIECES"])
+def test_each_peer_reads_an_export_made_before_it_at_its_length(grid, pieces):
     exported = []
-    for name, runner, argv in grid.PIECES:
-        if name.startswith("prompts-"):
+    for name, runner, argv in getattr(grid, pieces):
+        if "prompts-" in name:
             exported.append(flag(argv, "--export-prompts"))
             assert flag(argv, "--split") == "test"
         elif runner != "h2okv":
@@ -48,6 +49,16 @@ def test_each_peer_reads_an_export_made_before_it_at_its_length(grid):
             assert argv[0].split("-")[-1] == f"{name.rsplit('-', 1)[-1]}.json"
         else:
             assert flag(argv, "--split") == "test"  # the grid reports; it never runs dev prompts
+
+
+def test_qa_pieces_ask_four_questions_a_document_of_the_same_prompts(grid):
+    """Every QA piece of ours reads the same documents (tasks, length, samples, four questions), and
+    the peers read the export of exactly those."""
+    ours = [argv for name, runner, argv in grid.QA_PIECES if runner == "h2okv"]
+    assert len({(flag(a, "--tasks"), flag(a, "--contexts"), flag(a, "--samples"), flag(a, "--questions-per-context"))
+                for a in ours}) == 1
+    assert all(flag(a, "--questions-per-context") == "4" and flag(a, "--tasks") == grid.QA_TASKS for a in ours)
+    assert {flag(a, "--policies") for a in ours if "--export-prompts" not in a} == {"full", "none", "h2o"}
 
 
 def test_unknown_piece_is_a_one_line_error(grid, monkeypatch, capsys):

@@ -120,7 +120,7 @@ def test_reuse_answers_equal_a_fresh_two_call_read_per_question(name, essay):
         (["--questions-per-context", "0"], "must be a positive integer"),
         (["--tasks", "vt,cwe", "--questions-per-context", "2"], "cwe ask(s) one question of the whole text"),
         (["--questions-per-context", "2", "--question", "agnostic"], "leave out --question"),  # default tasks: all fit
-        (["--tasks", "vt", "--questions-per-context", "2", "--export-prompts", "x.json"], "leave out --questions-per"),
+        (["--tasks", "vt", "--questions-per-context", "2", "--fresh-process"], "leave out --questions-per-context"),
     ],
 )
 def test_cli_bad_question_counts_exit_2_in_one_line(argv, message, capsys):

@@ -104,6 +104,38 @@ def test_longctx_export_is_read_token_identical_and_scored_as_h2okv_scores(adapt
     assert fed == []
 
 
+def test_several_questions_a_context_give_rows_that_pair_with_the_reuse_grids(adapter, tmp_path):
+    """An export of several questions a context: with no press the adapter's rows are ``eval longctx
+    --questions-per-context``'s full rows, mode for mode (the context compressed before the question
+    is ``reuse``, read with it ``fresh``), each with its question's index; a second run resumes."""
+    from char_tokenizers import Chars
+    from h2okv.eval.longctx.reuse import run_reuse_grid
+    from h2okv.eval.longctx.rows import row_key
+    from h2okv.eval.longctx.runner import GridSpec, export_prompts
+
+    class EosChars(Chars):
+        eos_token_id = None  # h2okv.ask reads it
+
+    tok, model = EosChars(), tiny_model("llama", seed=6, max_position_embeddings=2048)
+    model.generation_config.eos_token_id = None
+    spec = GridSpec(tasks=["niah_single_1"], contexts=[700], samples=2, policies=["full"], budgets=[0.2],
+                    haystack="filler", max_new_tokens=4, questions=2)
+    ours = {(r["question"], r["sample"], r["question_index"]): r for r in run_reuse_grid(model, tok, spec, progress=False)}
+    exported = export_prompts("m", tok, spec)
+    out = tmp_path / "kvpress.json"
+    modes = ["question-out", "question-compressed"]
+    rows = adapter.run_longctx(exported, ["full"], modes, [0.2], "m", models={"sdpa": (model, tok)}, out=str(out))
+    assert len(rows) == len(ours) == 8
+    for row in rows:
+        mine = ours[row["question"], row["sample"], row["question_index"]]
+        assert row["questions"] == 2 and row["policy"] == "kvpress-full"
+        assert (row["answer"], row["score"]) == (mine["answer"], mine["score"])
+    assert {r["question"] for r in rows} == {"reuse", "fresh"}
+    assert len({row_key(r) for r in rows}) == 8  # each question its own cell: none replaces another in a merge
+    assert adapter.run_longctx(exported, ["full"], modes, [0.2], "m", models={"sdpa": (model, tok)},
+                               out=str(out)) == rows
+
+
 def test_longctx_run_stopped_mid_press_resumes_from_the_prompts_it_wrote(adapter, tmp_path, monkeypatch):
     """Each prompt's row is written as soon as it is answered: a press killed after two prompts
     leaves two rows, and the rerun answers only the other prompts (KVzip on the 1.5B model takes

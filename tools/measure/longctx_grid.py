@@ -57,17 +57,17 @@ def piece(name: str, *flags: str, model: str = "qwen2.5-0.5b", split: str = "tes
     return name, "h2okv", argv
 
 
-def prompts(context: str, samples: str) -> tuple[str, str, list[str]]:
+def prompts(context: str, samples: str, tasks: str = FAMILIES, *flags: str, name: str = "prompts") -> tuple[str, str, list[str]]:
     """The test prompts at one length, exported for the peers (the same token ids as our rows)."""
-    name = f"prompts-{context}"
+    name = f"{name}-{context}"
     argv = ["eval", "longctx", "--model", "qwen2.5-0.5b", "--split", "test", "--contexts", context, "--samples",
-            samples, "--tasks", FAMILIES, "--export-prompts", f"{name}.json"]
+            samples, "--tasks", tasks, *flags, "--export-prompts", f"{name}.json"]
     return name, "h2okv", argv
 
 
-def peer(runner: str, name: str, context: str, *flags: str) -> tuple[str, str, list[str]]:
-    """A peer on the exported prompts, one thread, resumed from its own JSON."""
-    return f"{name}-{context}", runner, [f"prompts-{context}.json", "--budgets", "0.2", "--threads", "1",
+def peer(runner: str, name: str, context: str, *flags: str, prompts: str = "prompts") -> tuple[str, str, list[str]]:
+    """A peer on the exported prompts (``{prompts}-{context}.json``), one thread, resumed from its own JSON."""
+    return f"{name}-{context}", runner, [f"{prompts}-{context}.json", "--budgets", "0.2", "--threads", "1",
                                          "--json", f"{name}-{context}.json", *flags]
 
 
@@ -164,8 +164,18 @@ def qa(config: str, context: str = "2048", samples: str = "4") -> tuple[str, str
                  "--questions-per-context", "4")
 
 
-# full and the one-prefill recipe first; the reconstruction recipes read each document ~3 times
-QA_PIECES = [qa(config) for config in ("full", "bounded", "prompt", "document")]
+# full and the one-prefill recipe first; the reconstruction recipes read each document ~3 times.
+# Then the same prompts for kvpress (each question over its document): its best press on the dev
+# split (ChunkKV around SnapKV) with the question read (fresh), KVzip with the document compressed
+# first (reuse: a press compresses it alike for every question); vanilla h2o, the paper's policy.
+QA_PIECES = [
+    *(qa(config) for config in ("full", "bounded", "prompt", "document")),
+    prompts("2048", "4", QA_TASKS, "--questions-per-context", "4", name="qa-prompts"),
+    peer("kvpress", "qa-kvpress-chunkkv", "2048", "--presses", "chunkkv-snapkv", "--modes", "aware", prompts="qa-prompts"),
+    peer("kvpress", "qa-kvpress-kvzip", "2048", "--presses", "kvzip", "--modes", "agnostic", prompts="qa-prompts"),
+    piece("qa-h2o-2048", "--policies", "h2o", "--contexts", "2048", "--samples", "4", "--tasks", QA_TASKS,
+          "--questions-per-context", "4"),
+]
 
 
 # The dev split at lengths the test split never runs (3k and 6k, essays, seed 0): where a recipe is
@@ -255,7 +265,7 @@ def main() -> int:
         if args.list:
             print(f"{name}: (in {args.out}) {shlex.join(command)}")
             continue
-        if name.startswith("prompts-") and (args.out / f"{name}.json").exists():
+        if "prompts-" in name and (args.out / f"{name}.json").exists():
             continue  # an export is written whole once; the peers resume from their own JSON
         if not Path(command[0]).exists():
             print(f"== {name}: {command[0]} is missing (run `{MAKE_TARGET.get(runner, 'make install')}`); stopping",

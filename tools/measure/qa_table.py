@@ -57,10 +57,11 @@ def table(rows: list[dict]) -> str:
                 difference, paired_se, _ = found
                 paired = f"{difference:+.1f}" + (f" ({paired_se:.1f})" if paired_se is not None else "")
         here = [r for r in rows if (label(r), r["question"], int(r["context"])) == (config, mode, context)]
-        tokens = statistics.median(int(r["prefill_tokens"]) for r in here)
+        read = [int(r["prefill_tokens"]) for r in here if "prefill_tokens" in r]  # a peer's rows have none
+        tokens = f"{statistics.median(read):,.0f}" if read else "-"
         seconds = statistics.median(float(r["seconds"]) for r in here)
         cells = [config, mode, str(context), str(len(scores)), *(f"{means[t]:.1f}" if t in means else "-" for t in tasks),
-                 f"{average:.1f}" + (f" ({se:.1f})" if se is not None else ""), share, paired, f"{tokens:,.0f}",
+                 f"{average:.1f}" + (f" ({se:.1f})" if se is not None else ""), share, paired, tokens,
                  f"{seconds:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

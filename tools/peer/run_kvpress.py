@@ -52,6 +52,20 @@ LONGCTX_FORMAT = "h2okv-longctx-prompts/1"
 REASONING_FORMAT = "h2okv-reasoning-prompts/1"
 MODES = {"question-compressed": "", "question-out": "-qout"}
 QUESTION_OF_MODE = {"question-compressed": "aware", "question-out": "agnostic"}  # eval longctx's names
+# ... and its names with several questions a context (``--questions-per-context``): the context
+# compressed before the question is ``reuse`` (a press compresses it the same way for each of them,
+# so the answers are those of one compressed state shared), read with it ``fresh``
+MANY_QUESTIONS_OF_MODE = {"question-compressed": "fresh", "question-out": "reuse"}
+
+
+def question_of(mode: str, prompt: dict) -> str:
+    """The row's ``question`` field for a prompt read in ``mode``."""
+    return (MANY_QUESTIONS_OF_MODE if prompt.get("questions", 1) > 1 else QUESTION_OF_MODE)[mode]
+
+
+def several_questions(prompt: dict) -> dict:
+    """A prompt's ``questions`` and ``question_index`` (of several a context), for its row and key."""
+    return {f: prompt[f] for f in ("questions", "question_index") if f in prompt}
 MODE_OF_NAME = {**{m: m for m in MODES}, **{q: m for m, q in QUESTION_OF_MODE.items()}}
 LONGCTX_DIR = Path(__file__).resolve().parents[2] / "src" / "h2okv" / "eval" / "longctx"
 PRESSES = ["full", "knorm", "tova", "snapkv", "streaming", "observed", "expected", "adakv-snapkv", "kvzip",
@@ -226,8 +240,8 @@ def longctx_rows(exported: dict, prompts: list[dict], answers: list[str], policy
     cache's keywords are the row's cache options (its own cell and label)."""
     metric, rows = load_by_path("metric"), load_by_path("rows")
     return [rows.make_row(
-        task=p["task"], context=p["context"], sample=p["sample"], question=QUESTION_OF_MODE[mode], policy=policy,
-        budget=budget, cache_options=dict(quantized or {}), **fields,
+        task=p["task"], context=p["context"], sample=p["sample"], question=question_of(mode, p), policy=policy,
+        budget=budget, cache_options=dict(quantized or {}), **fields, **several_questions(p),
         chunk_size=len(p["context_ids"]) + (len(p["question_ids"]) if mode == "question-compressed" else 0),
         metric=p["metric"], score=metric.score(p["metric"], a, p["references"]), answer=a, references=p["references"],
         haystack=exported["haystack"], seed=exported["seed"], model=exported["model"],
@@ -250,8 +264,9 @@ def run_longctx(exported: dict, presses: list[str], modes: list[str], budgets: l
             for mode in modes:
                 policy = f"kvpress-{name}"
                 todo = [p for p in exported["prompts"] if table.row_key({
-                    "haystack": exported["haystack"], "seed": exported["seed"], "question": QUESTION_OF_MODE[mode], "policy": policy, "budget": budget, "cache_options": dict(quantized or {}),
-                    "task": p["task"], "context": p["context"], "sample": p["sample"]}) not in done]
+                    "haystack": exported["haystack"], "seed": exported["seed"], "question": question_of(mode, p),
+                    "policy": policy, "budget": budget, "cache_options": dict(quantized or {}),
+                    "task": p["task"], "context": p["context"], "sample": p["sample"], **several_questions(p)}) not in done]
                 if not todo:
                     continue
                 attention = "eager" if name == "observed" else "sdpa"  # ObservedAttention needs the weights

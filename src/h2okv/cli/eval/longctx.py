@@ -98,7 +98,8 @@ def register(kinds) -> None:
     p.add_argument("--markdown", action="store_true", help="with --by-length: the table as Markdown")
     p.add_argument("--export-prompts", default=None, metavar="FILE",
                    help="write the grid's prompts (token ids, references, model folder) as JSON for "
-                        "tools/peer/run_kvpress.py, and run nothing")
+                        "tools/peer/run_kvpress.py, and run nothing; with --questions-per-context N, each of a "
+                        "context's N questions as a prompt of its own")
     p.set_defaults(func=run)
 
 
@@ -205,8 +206,6 @@ def check_many_questions(args, tasks: list[str]) -> None:
     if n > 1 and args.question:
         raise H2OError(f"--questions-per-context {n} runs both modes itself (reuse: the context read once, "
                        "question-agnostic; fresh: each question read with it, question-aware): leave out --question")
-    if n > 1 and args.export_prompts:
-        raise H2OError("--export-prompts exports one question per context: leave out --questions-per-context")
 
 
 def run_grid(args, model, tokenizer, spec) -> int:

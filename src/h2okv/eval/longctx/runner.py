@@ -338,14 +338,27 @@ def run_grid(model, tokenizer, spec: GridSpec, done: set[tuple] = frozenset(), o
 EXPORT_FORMAT = "h2okv-longctx-prompts/1"
 
 
+def _exported(tokenizer, spec: GridSpec) -> list[LongPrompt]:
+    """The prompts an export holds: the grid's, or with several questions a context each question
+    over its context (the same contexts ``--questions-per-context`` reads; a prompt's ``index`` is
+    its question's), in the order the grid reads them."""
+    if spec.questions == 1:
+        return [p for group in grid_prompts(tokenizer, spec).values() for p in group]
+    from h2okv.eval.longctx.reuse import question_sets  # reuse imports this module
+
+    return [p for sets in question_sets(tokenizer, spec).values() for one in sets for p in one]
+
+
 def export_prompts(model_path: str, tokenizer, spec: GridSpec) -> dict:
     """The grid's prompts as plain JSON for a peer (``tools/peer/run_kvpress.py``): token ids split
-    at the question, the references and metric each answer is scored with, and how to decode."""
+    at the question, the references and metric each answer is scored with, and how to decode; with
+    several questions a context, each prompt's ``questions`` and ``question_index`` too."""
     prompts = [
         {"task": p.task, "context": p.context, "sample": p.sample, "context_ids": p.ids[: p.question],
          "question_ids": p.ids[p.question :], "references": p.references, "metric": p.metric,
-         "max_new_tokens": spec.max_new_tokens or p.max_new_tokens}
-        for group in grid_prompts(tokenizer, spec).values() for p in group
+         "max_new_tokens": spec.max_new_tokens or p.max_new_tokens,
+         **({"questions": spec.questions, "question_index": p.index} if spec.questions > 1 else {})}
+        for p in _exported(tokenizer, spec)
     ]
     return {"format": EXPORT_FORMAT, "model": model_path, "haystack": spec.haystack, "seed": spec.seed,
             "chat": spec.chat, "budgets": list(spec.budgets), "decoding": "greedy",
