@@ -49,6 +49,14 @@ def test_a_document_is_the_mean_of_its_answers_and_errors_are_over_documents(too
     assert lines["full", "reuse"].split("|")[6].strip() == "75.0 (25.0)"
 
 
+def test_the_share_of_full_is_taken_on_the_documents_both_read(tool, tmp_path, capsys):
+    # full read two tasks; a piece cut short read only the first, at full's score there
+    full = [row("a", 0, i, 1.0) for i in (0, 1)] + [row("b", 0, i, 0.0) for i in (0, 1)]
+    part = [row("a", 0, i, 1.0, policy="h2o") for i in (0, 1)]
+    cells = [c.strip() for c in table_lines(tool, tmp_path, capsys, full + part)["h2o", "reuse"].strip("|").split("|")]
+    assert cells[5] == "-" and cells[7] == "100%" and cells[8] == "+0.0"  # not 100 / 50 = 200% against full's two tasks
+
+
 def test_modes_are_compared_with_full_in_the_same_mode_only(tool, tmp_path, capsys):
     rows = [row("a", s, i, 1.0, mode="fresh", tokens=8192) for s in (0, 1) for i in (0, 1)]
     rows += [row("a", s, i, 0.5, mode="reuse", policy="h2o") for s in (0, 1) for i in (0, 1)]

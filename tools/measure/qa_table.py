@@ -49,9 +49,12 @@ def table(rows: list[dict]) -> str:
         se = standard_error(scores)
         full = docs.get(("full", mode, context))
         share, paired = "-", "-"
-        if full is not None and config != "full":
-            full_average, _ = ruler_average(full)
-            share = f"{average / full_average:.0%}" if full_average else "-"
+        shared = {doc: score for doc, score in (full or {}).items() if doc in scores}
+        if shared and config != "full":
+            # full's average on the same documents: a piece cut short holds fewer tasks than full's
+            mine, _ = ruler_average({doc: scores[doc] for doc in shared})
+            full_average, _ = ruler_average(shared)
+            share = f"{mine / full_average:.0%}" if full_average else "-"
             found = paired_difference(scores, full)
             if found is not None:
                 difference, paired_se, _ = found
