@@ -58,3 +58,74 @@ def test_text_questions_and_clear_errors():
         ask(model, tok, cache, context, "w5")
     with pytest.raises(H2OError, match="at least one token"):
         ask(model, tok, cache, context, ["w5", []])
+
+
+def kept(cache) -> list[set[int]]:
+    """Each layer's kept ordinals (row 0, KV head 0)."""
+    return [set(layer.read("ordinal")[0, 0][layer.read("valid")[0, 0]].tolist()) for layer in cache.layers]
+
+
+@pytest.mark.parametrize("prefill", ["chunked", "late"])
+def test_a_context_held_for_its_question_is_ranked_as_if_read_with_it(prefill):
+    """A policy ranked by a call's last 32 queries holds a context read before its question: nothing
+    is evicted by the read, and the question's call ranks all of it. With a question as long as the
+    window that is one call of context and question: the same kept slots, the same answer."""
+    model, tok = tiny_model("llama"), word_tokenizer()
+    context, question = random_ids(48, seed=3), random_ids(40, seed=5)[0].tolist()
+    settings = dict(policy="snapkv:kernel=31,pool=max,words=1", prefill=prefill, budget=16, budget_floor=0,
+                    recent_share=0.078, tokenizer=tok)
+    held = H2OCache(model, **settings)
+    read_context(model, tok, held, context)
+    assert all(len(k) == 48 for k in kept(held))  # the whole context, until the question is read
+    ids = torch.cat([context, torch.tensor([question])], dim=1)
+    one = H2OCache(model, **settings)
+    answers = []
+    for cache in (held, one):
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
+                                 do_sample=False, pad_token_id=tok.pad_token_id, **cache_arg(cache))
+        answers.append(out[0, ids.shape[1]:].tolist())
+    assert kept(held) == kept(one) and all(len(k) == 16 for k in kept(held))  # brought down to the budget
+    assert answers[0] == answers[1]
+
+
+def test_the_bounded_recipe_holds_a_context_and_each_copy_is_ranked_by_its_question(monkeypatch):
+    """``bounded`` (streamed) holds too: ``ask``'s copies are each brought to the budget by their
+    own question (the answers as a fresh cache gives them in two calls: the test above), and the
+    held cache stays whole, to be asked again."""
+    model, tok = tiny_model("llama"), word_tokenizer()
+    context = random_ids(48, seed=3)
+    cache = H2OCache(model, recipe="bounded", budget=16, budget_floor=0, tokenizer=tok)
+    read_context(model, tok, cache, context)
+    copies = []
+    original = H2OCache.take_rows
+
+    def recorded(self, rows):
+        copies.append(original(self, rows))
+        return copies[-1]
+
+    monkeypatch.setattr(H2OCache, "take_rows", recorded)
+    ask_ids(model, tok, cache, context, [random_ids(20, seed=7)[0].tolist()] * 2, max_new_tokens=2)
+    assert all(len(k) == 48 for k in kept(cache))
+    live = {int(layer.read("valid")[row, 0].sum()) for layer in copies[0].layers for row in range(2)}
+    assert live == {16}  # every copy at its budget after its question and answer (68 tokens read)
+
+
+def test_hold_false_compresses_the_context_now_and_hold_true_where_it_cannot_is_one_line():
+    model, tok = tiny_model("llama"), word_tokenizer()
+    context = random_ids(48, seed=3)
+    now = H2OCache(model, recipe="bounded", budget=16, budget_floor=0, tokenizer=tok)
+    read_context(model, tok, now, context, hold=False)
+    assert all(len(k) == 16 for k in kept(now))  # ranked by the context's own end
+    for settings, reason in ((dict(policy="h2o", budget=16), "does not rank a call by its last queries"),
+                             (dict(recipe="document", budget=0.25), "does not rank a call by its last queries"),
+                             (dict(policy="full"), "keeps everything"),
+                             (dict(policy="snapkv", budget=16, head_budgets="adaptive"), "hold needs 'uniform'")):
+        cache = H2OCache(model, budget_floor=0, **settings) if "budget" in settings else H2OCache(model, **settings)
+        with pytest.raises(H2OError, match=reason) as error:
+            read_context(model, tok, cache, context, hold=True)
+        assert "\n" not in str(error.value)
+    again = H2OCache(model, recipe="bounded", budget=16, budget_floor=0, tokenizer=tok)
+    read_context(model, tok, again, context)
+    with pytest.raises(H2OError, match="has read tokens already"):
+        read_context(model, tok, again, context, hold=True)

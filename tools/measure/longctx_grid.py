@@ -158,9 +158,10 @@ QA_OUT = ROOT / "docs" / "results" / "longctx" / "qa"
 QA_TASKS = "qa_squad,qa_drop,qa_coqa,facts"
 
 
-def qa(config: str, context: str = "2048", samples: str = "4") -> tuple[str, str, list[str]]:
+def qa(config: str, context: str = "2048", samples: str = "4", label: str = "") -> tuple[str, str, list[str]]:
+    """``label``: a re-run in a JSON of its own (a JSON resumes: the same name would keep old rows)."""
     which = ["--policies", "full"] if config == "full" else ["--policies", "none", "--recipe", config]
-    return piece(f"qa-{config}-{context}", *which, "--contexts", context, "--samples", samples, "--tasks", QA_TASKS,
+    return piece(f"qa-{config}-{context}" + (f"-{label}" if label else ""), *which, "--contexts", context, "--samples", samples, "--tasks", QA_TASKS,
                  "--questions-per-context", "4")
 
 
@@ -175,6 +176,9 @@ QA_PIECES = [
     peer("kvpress", "qa-kvpress-kvzip", "2048", "--presses", "kvzip", "--modes", "agnostic", prompts="qa-prompts"),
     piece("qa-h2o-2048", "--policies", "h2o", "--contexts", "2048", "--samples", "4", "--tasks", QA_TASKS,
           "--questions-per-context", "4"),
+    # bounded's reuse rows again once read_context held the document for its question (qa-bounded-2048
+    # compressed it at once, ranked by its own end); its fresh rows, which hold nothing, were copied in
+    qa("bounded", label="held"),
 ]
 
 

@@ -43,6 +43,7 @@ import torch
 from h2okv.chat import chat_frame, encode_text
 from h2okv.core.compat import cache_arg, without_grad
 from h2okv.core.head_budget import allocate_layers
+from h2okv.core.held import hold_rows, release, wants_hold
 from h2okv.documents import read_arguments
 from h2okv.errors import H2OError
 
@@ -183,23 +184,34 @@ def rank_by_probes(model, cache, calls: list[torch.Tensor], spans: list[tuple[in
             layer.stop_probe()
 
 
-def read_context(model, tokenizer, cache=None, context=None, start: int | None = None) -> None:
-    """Read ``context`` into ``cache`` before any question exists, and leave it compressed to its
-    budget: ready for questions read afterwards (``h2okv.ask``, or ``model.generate(input_ids=context
-    + question, cache=cache)``, which feeds only what is new). ``context`` is text or chat messages
-    (through the tokenizer's chat template, ``h2okv.documents``) or token ids (``[rows, tokens]``, or
-    one list).
+def read_context(model, tokenizer, cache=None, context=None, start: int | None = None,
+                 hold: bool | None = None) -> None:
+    """Read ``context`` into ``cache`` before any question exists: ready for questions read
+    afterwards (``h2okv.ask``, or ``model.generate(input_ids=context + question, cache=cache)``,
+    which feeds only what is new). ``context`` is text or chat messages (through the tokenizer's
+    chat template, ``h2okv.documents``) or token ids (``[rows, tokens]``, or one list).
 
-    Any policy works; one that ranks by reconstruction (``kvzip``, the ``document`` recipe) is
-    ranked here by ``reconstruct``, which needs the ``tokenizer`` (None will do otherwise, for ids).
-    ``start`` leaves a chat template's head out of the repeated text (default: found from the
-    tokenizer's template). The order ``(model, cache, context, tokenizer)`` still works, with a
-    DeprecationWarning, for one release."""
+    Any policy works. Most leave the context compressed to its budget; one that ranks by
+    reconstruction (``kvzip``, the ``document`` recipe) is ranked here by ``reconstruct``, which
+    needs the ``tokenizer`` (None will do otherwise, for ids). One that ranks a call by its last
+    queries (``snapkv``, the ``bounded`` recipe) is **held** instead (``hold``, default: where the
+    cache can, ``core/held.py``): read evicting nothing, it is ranked by the question's call, each
+    of ``ask``'s copies by its own question, and brought down to the budget then; until then the
+    cache holds the whole context. ``hold=False`` compresses it now, ranked by its own end;
+    ``hold=True`` where the cache cannot is a one-line ``H2OError``. ``start`` leaves a chat
+    template's head out of the repeated text (default: found from the tokenizer's template). The
+    order ``(model, cache, context, tokenizer)`` still works, with a DeprecationWarning, for one
+    release."""
     tokenizer, cache, document = read_arguments(tokenizer, cache, context)
     ids = document.ids.to(model.device)
+    held = wants_hold(cache, hold)
+    if held:
+        hold_rows(cache, ids.shape[0])
     with without_grad(cache):
         model(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_arg(cache), use_cache=True,
               logits_to_keep=1)
+        if held:
+            release(cache, ids.shape[1])
         if not cache.policy.ranks_by_reconstruction:
             return
         if tokenizer is None:

@@ -64,6 +64,7 @@ import torch
 
 from h2okv.core.cache import PREFILL_MODES, H2OCache
 from h2okv.core.compat import cache_arg
+from h2okv.core.held import HOLD_ALL  # a sequence held whole evicts nothing (``open``)
 from h2okv.core.reconstruction import rank_by_probes
 from h2okv.policies import policy_class
 from h2okv.serve.batch import DecodeBatch
@@ -71,7 +72,6 @@ from h2okv.serve.eviction import EVERY_POLICY
 from h2okv.serve.memory import bytes_per_slot
 
 PAD_ID = 0  # what pads feed; masked out, so any id would do
-HOLD_ALL = 1 << 30  # a budget no prompt reaches: a sequence held whole evicts nothing (``open``)
 
 
 @dataclass
