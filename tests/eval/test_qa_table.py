@@ -74,7 +74,12 @@ def test_missing_bad_or_one_question_files_are_refused_in_one_line(tool, tmp_pat
     assert tool.main([str(tmp_path / "missing.json")]) == 2
     assert tool.main([str(bad)]) == 2
     assert tool.main([single]) == 2
+    twice = write(tmp_path / "twice.json", [row("a", 0, 0, 1.0), row("a", 0, 1, 0.0)])
+    rerun = write(tmp_path / "rerun.json", [row("a", 0, 0, 0.0)])
+    assert tool.main([twice, rerun]) == 2  # a re-run beside its first run would be averaged with it
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"qa_table: no such file: {tmp_path / 'missing.json'}",
                    f"qa_table: {bad} does not hold eval longctx rows",
-                   "qa_table: no rows of several questions a document (eval longctx --questions-per-context N)"]
+                   "qa_table: no rows of several questions a document (eval longctx --questions-per-context N)",
+                   f"qa_table: {rerun} repeats 1 answers of an earlier file (one run a configuration: give the run "
+                   "to report)"]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from h2okv.eval.longctx.lengths import paired_difference, ruler_average, standard_error
 from h2okv.eval.longctx.report import label
-from h2okv.eval.longctx.rows import questions_of, read_rows
+from h2okv.eval.longctx.rows import questions_of, read_rows, row_key
 
 MODES = ("reuse", "fresh")
 
@@ -74,16 +74,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("files", nargs="+", type=Path, help="eval longctx --questions-per-context JSON files")
     args = parser.parse_args(argv)
-    rows = []
+    rows, seen = [], set()
     for path in args.files:
         if not path.is_file():
             print(f"qa_table: no such file: {path}", file=sys.stderr)
             return 2
         try:
-            rows += [r for r in read_rows(path) if questions_of(r) > 1]
+            here = [r for r in read_rows(path) if questions_of(r) > 1]
         except ValueError as error:
             print(f"qa_table: {error}", file=sys.stderr)
             return 2
+        keys = {row_key(r) for r in here}
+        if keys & seen:  # two runs of one configuration would be averaged as one
+            print(f"qa_table: {path} repeats {len(keys & seen)} answers of an earlier file (one run a "
+                  f"configuration: give the run to report)", file=sys.stderr)
+            return 2
+        rows, seen = rows + here, seen | keys
     if not rows:
         print("qa_table: no rows of several questions a document (eval longctx --questions-per-context N)",
               file=sys.stderr)
