@@ -129,3 +129,17 @@ def test_hold_false_compresses_the_context_now_and_hold_true_where_it_cannot_is_
     read_context(model, tok, again, context)
     with pytest.raises(H2OError, match="has read tokens already"):
         read_context(model, tok, again, context, hold=True)
+
+
+def test_a_question_agnostic_read_ahead_is_never_held():
+    """The evaluations' agnostic mode compresses a context before its question exists, whatever the
+    policy: ``read_ahead`` with an end never holds (else ``bounded``'s agnostic rows would rank by
+    the question, and be question-aware rows in all but name)."""
+    from h2okv.generation import read_ahead
+
+    model, tok = tiny_model("llama"), word_tokenizer()
+    ids = torch.cat([random_ids(48, seed=3), random_ids(10, seed=4)], dim=1)
+    cache = H2OCache(model, recipe="bounded", budget=16, budget_floor=0, tokenizer=tok)
+    with torch.inference_mode():
+        read_ahead(model, tok, cache, ids, end=48)
+    assert all(len(k) == 16 for k in kept(cache))

@@ -55,7 +55,8 @@ def new_cache(model, policy: str | None, fraction: float | None = None, chunk_si
 
 def read_ahead(model, tokenizer, cache, ids: torch.Tensor, end: int | None = None, chat_head: int = 0) -> None:
     """Before ``generate``: read ``ids[:, :end]`` into ``cache``, which evicts to its budget before
-    the rest exists (a question-agnostic context); ``generate`` then reads only what is left.
+    the rest exists (a question-agnostic context: never held for the question, ``core/held.py``);
+    ``generate`` then reads only what is left.
 
     A policy ranked by reconstruction (``kvzip``) always reads ahead, all but the prompt's last
     token when ``end`` is None, and is ranked by ``reconstruct`` (which repeats the context from
@@ -63,7 +64,8 @@ def read_ahead(model, tokenizer, cache, ids: torch.Tensor, end: int | None = Non
     ``torch.inference_mode``."""
     if end is None and not cache.policy.ranks_by_reconstruction:
         return
-    read_context(model, tokenizer, cache, ids[:, : ids.shape[1] - 1 if end is None else end], start=chat_head)
+    read_context(model, tokenizer, cache, ids[:, : ids.shape[1] - 1 if end is None else end], start=chat_head,
+                 hold=False)
 
 
 def read_in_pieces(model, cache, ids: torch.Tensor, window: int) -> None:

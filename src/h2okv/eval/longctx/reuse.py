@@ -1,10 +1,12 @@
 """``--questions-per-context N``: N questions over one compressed context, each graded with its
 family's metric, in two modes per configuration:
 
-- ``reuse``: the context alone read once into the cache, which compresses it before any question
-  exists (``h2okv.read_context``; ranked by reconstruction for ``kvzip`` / recipe ``document``),
-  then the N questions answered from copies of that one state, as rows of one batch (``h2okv.ask``).
-  Each answer is the one a fresh cache gives reading the context, then that question (two calls);
+- ``reuse``: the context alone read once into the cache (``h2okv.read_context``), then the N
+  questions answered from copies of that one state, as rows of one batch (``h2okv.ask``). Most
+  policies compress it before any question exists (ranked by reconstruction for ``kvzip`` / recipe
+  ``document``); one ranked by a call's last queries (``snapkv``, recipe ``bounded``) holds it whole
+  until each question ranks its own copy (``core/held.py``). Each answer is the one a fresh cache
+  gives reading the context, then that question (two calls);
 - ``fresh``: each question read with its context into a fresh cache, question-aware (the grid's
   ``aware`` path), the N prompts of a context as one batch.
 
