@@ -491,6 +491,9 @@ def test_bars_of_real_questions_alone_are_labelled_f1():
 
     assert report.score_name(["qa_squad", "qa_drop", "qa_coqa", "facts"]) == "F1 x 100"
     assert report.score_name(["qa_squad", "vt"]) == "RULER score"
+    assert report.tasks_name([{"task": "qa_drop"}, {"task": "facts"}]) == "Real questions"
+    assert report.tasks_name([{"task": "vt"}]) == "RULER-style tasks"
+    assert report.tasks_name([{"task": "vt"}, {"task": "facts"}]) == "RULER-style tasks and real questions"
 
 
 def test_plot_of_several_budgets_is_lines_with_the_legend_outside(monkeypatch):

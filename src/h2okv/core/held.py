@@ -5,7 +5,7 @@ recipe: ``Policy.ranks_upfront``) keeps what the end of the call asks for. Read 
 exists, a document is then ranked by its own last sentences, and the question that comes later
 finds what those needed: on the test split's real questions (SQuAD, DROP, CoQA, planted facts, four
 a document; 0.5B, 2k, 20%) `bounded` so kept 39% of full's F1, where reading each question with its
-document kept 96% (docs/RESULTS.md). Held, the context is read evicting nothing, and the budget is
+document kept 96%, and holding it 95% at a quarter of those prompt tokens (docs/RESULTS.md). Held, the context is read evicting nothing, and the budget is
 set once it has been read: nothing is evicted then, and the next call of two tokens or more (the
 question, on the cache or on each of ``h2okv.ask``'s copies) ranks everything held with its own
 queries and brings each row down to the budget. Read chunked or late, that keeps what one call of

@@ -212,7 +212,7 @@ def run_grid(args, model, tokenizer, spec) -> int:
     import time
 
     from h2okv.eval.longctx.fresh_process import ModelLoad
-    from h2okv.eval.longctx.report import models_of, plot_scores, tables
+    from h2okv.eval.longctx.report import models_of, plot_scores, tables, tasks_name
     from h2okv.eval.longctx.reuse import run_reuse_grid
     from h2okv.eval.longctx.rows import merge_rows, resume_keys, write_rows
     from h2okv.eval.longctx.runner import run_grid as one_question_grid
@@ -243,7 +243,7 @@ def run_grid(args, model, tokenizer, spec) -> int:
     if args.json:
         print(f"wrote {args.json}")
     if args.plot and rows:
-        title = f"RULER-style tasks, {spec.haystack} haystack, {models_of(rows)}"
+        title = f"{tasks_name(rows)}, {spec.haystack} haystack, {models_of(rows)}"
         print(f"wrote {plot_scores(rows, args.plot, title)}")
     return 0
 
@@ -260,7 +260,7 @@ def read_row_files(paths: list[str]) -> list[dict]:
 def merge(args) -> int:
     from pathlib import Path
 
-    from h2okv.eval.longctx.report import models_of, plot_scores, tables
+    from h2okv.eval.longctx.report import models_of, plot_scores, tables, tasks_name
     from h2okv.eval.longctx.rows import write_rows
 
     missing = [p for p in args.merge if not Path(p).is_file()]
@@ -278,7 +278,7 @@ def merge(args) -> int:
     if args.json:
         print(f"wrote {write_rows(rows, args.json)} ({len(rows)} rows)")
     if args.plot:
-        print(f"wrote {plot_scores(rows, args.plot, f'RULER-style tasks, {models_of(rows)}')}")
+        print(f"wrote {plot_scores(rows, args.plot, f'{tasks_name(rows)}, {models_of(rows)}')}")
     return 0
 
 

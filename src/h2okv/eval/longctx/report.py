@@ -262,6 +262,12 @@ def _task_bars(ax, here: list[dict], full: list[dict], tasks: list[str], styles:
     ax.set_ylabel(score_name(tasks) + " (mean over samples)")
 
 
+def tasks_name(rows: list[dict]) -> str:
+    """What a plot's title calls the rows' tasks: real questions, RULER-style tasks, or both."""
+    real = {r["task"] in QA_TASKS for r in rows}
+    return "Real questions" if real == {True} else "RULER-style tasks" if real == {False} else "RULER-style tasks and real questions"
+
+
 def score_name(tasks: list[str]) -> str:
     """What the bars measure: RULER's score, or the data sets' F1 where every task is a real question's."""
     return "F1 x 100" if tasks and all(task in QA_TASKS for task in tasks) else "RULER score"
