@@ -143,3 +143,19 @@ def test_a_question_agnostic_read_ahead_is_never_held():
     with torch.inference_mode():
         read_ahead(model, tok, cache, ids, end=48)
     assert all(len(k) == 16 for k in kept(cache))
+
+
+def test_a_held_context_refuses_a_one_token_question_in_one_line_and_then_ranks_a_longer_one():
+    """A single token (a decode step) could evict one slot of the whole context, not bring it to
+    the budget: refused in one line, on the cache and on its copies; two tokens rank it as usual."""
+    model, tok = tiny_model("llama"), word_tokenizer()
+    context = random_ids(48, seed=3)
+    cache = H2OCache(model, recipe="bounded", budget=16, budget_floor=0, tokenizer=tok)
+    read_context(model, tok, cache, context)
+    with pytest.raises(H2OError, match="two tokens or more") as error:
+        ask_ids(model, tok, cache, context, [[5]], max_new_tokens=2)
+    assert "\n" not in str(error.value)
+    with pytest.raises(H2OError, match="two tokens or more"), torch.inference_mode():
+        model(input_ids=torch.tensor([[5]]), **cache_arg(cache.take_rows([0])))  # a copy holds it too
+    assert ask_ids(model, tok, cache, context, [[5, 6]], max_new_tokens=2)
+    assert all(len(k) == 48 for k in kept(cache))  # still held: the copies were ranked, not the cache

@@ -69,6 +69,9 @@ class RowBudgets:
         self.sinks: torch.Tensor | None = None  # protected first tokens per row
         # each row's token ids by ordinal, for a policy that pools by words (core/words.py)
         self.words: WordRecord | None = WordRecord() if policy.words else None
+        # a context held whole, its budget set and nothing ranked yet (core/held.py): only a call of
+        # two tokens or more (the question) ranks what is held and brings it down to the budget
+        self.awaiting_question = False
 
     @property
     def rows(self) -> int:
@@ -125,6 +128,7 @@ class RowBudgets:
             twin.heavy, twin.recent, twin.sinks = (t.index_select(0, index) for t in (self.heavy, self.recent, self.sinks))
         if self.words is not None:
             twin.words = self.words.select(index)
+        twin.awaiting_question = self.awaiting_question
         return twin
 
     def extend(self, other: RowBudgets) -> None:

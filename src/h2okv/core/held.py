@@ -5,8 +5,10 @@ recipe: ``Policy.ranks_upfront``) keeps what the end of the call asks for. Read 
 exists, a document is then ranked by its own last sentences, and the question that comes later
 finds what those needed: on the test split's real questions (SQuAD, DROP, CoQA, planted facts, four
 a document; 0.5B, 2k, 20%) `bounded` so kept 39% of full's F1, where reading each question with its
-document kept 96%, and holding it 95% at a quarter of those prompt tokens (docs/RESULTS.md). Held, the context is read evicting nothing, and the budget is
-set once it has been read: nothing is evicted then, and the next call of two tokens or more (the
+document kept 96%, and holding it 95% at a quarter of those prompt tokens (docs/RESULTS.md).
+
+Held, the context is read evicting nothing, and the budget is set once it has been read: nothing
+is evicted then, and the next call of two tokens or more (the
 question, on the cache or on each of ``h2okv.ask``'s copies) ranks everything held with its own
 queries and brings each row down to the budget. Read chunked or late, that keeps what one call of
 document and question keeps (tested); streamed (``bounded``), the held slots are pooled in prompt
@@ -59,3 +61,15 @@ def release(cache, length: int) -> None:
     """After the read of ``length`` tokens a row: each row takes its budget (of that length, for a
     fraction); nothing is evicted until the next call of two tokens or more ranks what is held."""
     cache.set_budgets([cache.row_budgets.spec.resolve(length)] * cache.rows)
+    cache.row_budgets.awaiting_question = True  # a one-token call is refused until then (SlotLayer.attend)
+
+
+def check_call(rows, tokens: int) -> None:
+    """A call of ``tokens`` on a layer whose rows' context is held (``RowBudgets``): one of two or
+    more ranks it, and the wait is over; a single token (a decode step) could evict one slot of the
+    whole context, not bring it down to the budget, so it is a one-line error."""
+    if tokens >= 2:
+        rows.awaiting_question = False
+        return
+    raise H2OError("this cache holds a context whole for its question (read_context held it): read a question "
+                   "of two tokens or more first, or read the context with read_context(..., hold=False)")

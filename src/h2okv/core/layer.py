@@ -20,6 +20,7 @@ from h2okv.core.attention import set_pending
 from h2okv.core.budget import RowBudgets
 from h2okv.core.decode import choose_stepper
 from h2okv.core.head_budget import allocate, head_places
+from h2okv.core.held import check_call
 from h2okv.core.quant import SlotCoding
 from h2okv.core.reconstruction import check_probe_call, probe_attention
 from h2okv.core.scan import can_scan, token_scan
@@ -262,6 +263,8 @@ class SlotLayer(SlotStorage, CacheLayerMixin):
         we read padding from it and nothing else: causality among new tokens and the model's
         sliding window are applied from the slots' ordinals.
         """
+        if self.rows.awaiting_question:  # a context held for its question (core/held.py)
+            check_call(self.rows, query.shape[2])
         if self.coding is not None:  # the call's tokens as their slots will give them back (quant.py)
             key_new, value_new = self._as_stored(key_new, value_new, new_mask)
         if self.probe.best is not None:
