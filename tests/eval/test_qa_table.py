@@ -83,3 +83,15 @@ def test_missing_bad_or_one_question_files_are_refused_in_one_line(tool, tmp_pat
                    "qa_table: no rows of several questions a document (eval longctx --questions-per-context N)",
                    f"qa_table: {rerun} repeats 1 answers of an earlier file (one run a configuration: give the run "
                    "to report)"]
+
+
+def test_eval_longctx_tables_take_a_peers_rows_without_prompt_tokens():
+    """``eval longctx --merge`` over ours and kvpress's several-question rows: a peer's rows count no
+    prompt tokens (it reads each question with its document), shown as '-' instead of a KeyError."""
+    from h2okv.eval.longctx.report import tables
+
+    peer = [{k: v for k, v in row("a", s, i, 1.0, mode="fresh", policy="kvpress-chunkkv-snapkv").items()
+             if k != "prefill_tokens"} for s in (0, 1) for i in (0, 1)]
+    ours = [row("a", s, i, 0.5, mode="fresh") for s in (0, 1) for i in (0, 1)]
+    line = next(line for line in tables(peer + ours).splitlines() if "kvpress" in line)
+    assert "100.0" in line and line.split()[-1] == "-"

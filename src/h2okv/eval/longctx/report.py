@@ -103,7 +103,8 @@ REUSE_FORMATS = ("{}", "{:.1f}", "{:.1f}", "{:.0f}", "{:.0f}")
 def reuse_line(by_mode: dict[str, list[dict]]) -> list:
     """``[samples, reuse score, fresh score, reuse tokens, fresh tokens]``, None for a mode not run."""
     def mean(mode: str, field: str):
-        found = by_mode.get(mode)
+        # a peer's rows count no prompt tokens (kvpress reads each question with its document anyway)
+        found = [r for r in by_mode.get(mode, ()) if r.get(field) is not None]
         return sum(float(r[field]) for r in found) / len(found) if found else None
 
     samples = max(len({r["sample"] for r in found}) for found in by_mode.values())
