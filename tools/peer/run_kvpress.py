@@ -56,6 +56,10 @@ QUESTION_OF_MODE = {"question-compressed": "aware", "question-out": "agnostic"} 
 # compressed before the question is ``reuse`` (a press compresses it the same way for each of them,
 # so the answers are those of one compressed state shared), read with it ``fresh``
 MANY_QUESTIONS_OF_MODE = {"question-compressed": "fresh", "question-out": "reuse"}
+MODE_OF_NAME = {**{m: m for m in MODES}, **{q: m for m, q in QUESTION_OF_MODE.items()}}
+LONGCTX_DIR = Path(__file__).resolve().parents[2] / "src" / "h2okv" / "eval" / "longctx"
+PRESSES = ["full", "knorm", "tova", "snapkv", "streaming", "observed", "expected", "adakv-snapkv", "kvzip",
+           "chunkkv-snapkv"]
 
 
 def question_of(mode: str, prompt: dict) -> str:
@@ -66,10 +70,6 @@ def question_of(mode: str, prompt: dict) -> str:
 def several_questions(prompt: dict) -> dict:
     """A prompt's ``questions`` and ``question_index`` (of several a context), for its row and key."""
     return {f: prompt[f] for f in ("questions", "question_index") if f in prompt}
-MODE_OF_NAME = {**{m: m for m in MODES}, **{q: m for m, q in QUESTION_OF_MODE.items()}}
-LONGCTX_DIR = Path(__file__).resolve().parents[2] / "src" / "h2okv" / "eval" / "longctx"
-PRESSES = ["full", "knorm", "tova", "snapkv", "streaming", "observed", "expected", "adakv-snapkv", "kvzip",
-           "chunkkv-snapkv"]
 
 
 def make_press(name: str, ratio: float):
