@@ -33,21 +33,12 @@ from h2okv.eval.longctx.runner import (
     check_positions,
     config_cache,
     generate_answers,
-    haystack_source,
     prompt_row,
+    question_sets,
 )
-from h2okv.eval.longctx.tasks import build_question_sets, check_questions
 from h2okv.questions import ask
 
 MODES = ("reuse", "fresh")
-
-
-def question_sets(tokenizer, spec: GridSpec) -> dict[tuple[str, int], list[list[LongPrompt]]]:
-    """Per (task, context): per sample, N prompts over one shared context."""
-    check_questions(spec.tasks, spec.questions)
-    frame, haystacks = Frame(tokenizer, spec.chat), haystack_source(tokenizer, spec.haystack)
-    return {(t, c): build_question_sets(frame, haystacks, t, c, spec.samples, spec.seed, spec.questions)
-            for t in spec.tasks for c in spec.contexts}
 
 
 def reuse_answers(model, tokenizer, prompts: list[LongPrompt], cache, max_new_tokens: int, chat_head: int = 0) -> list[str]:

@@ -40,7 +40,7 @@ from h2okv.eval.longctx.metric import score
 from h2okv.eval.longctx.prompt import Frame, LongPrompt
 from h2okv.eval.longctx.rows import make_row, row_key
 from h2okv.eval.longctx.splits import split_of
-from h2okv.eval.longctx.tasks import build_prompts
+from h2okv.eval.longctx.tasks import build_prompts, build_question_sets, check_questions
 from h2okv.generation import new_cache, read_ahead
 from h2okv.policies import policy_class
 from h2okv.recipes import recipe_runs
@@ -106,6 +106,14 @@ class Config:
 def haystack_source(tokenizer, spec: str):
     """Task haystack kind ("essay": the run's ``spec``; "filler") -> a ``Haystack``, each built once."""
     return functools.lru_cache(maxsize=None)(lambda kind: Haystack(tokenizer, spec if kind == "essay" else "filler"))
+
+
+def question_sets(tokenizer, spec: GridSpec) -> dict[tuple[str, int], list[list[LongPrompt]]]:
+    """Per (task, context): per sample, N prompts over one shared context (``--questions-per-context``)."""
+    check_questions(spec.tasks, spec.questions)
+    frame, haystacks = Frame(tokenizer, spec.chat), haystack_source(tokenizer, spec.haystack)
+    return {(t, c): build_question_sets(frame, haystacks, t, c, spec.samples, spec.seed, spec.questions)
+            for t in spec.tasks for c in spec.contexts}
 
 
 def grid_prompts(tokenizer, spec: GridSpec) -> dict[tuple[str, int], list[LongPrompt]]:
@@ -344,8 +352,6 @@ def _exported(tokenizer, spec: GridSpec) -> list[LongPrompt]:
     its question's), in the order the grid reads them."""
     if spec.questions == 1:
         return [p for group in grid_prompts(tokenizer, spec).values() for p in group]
-    from h2okv.eval.longctx.reuse import question_sets  # reuse imports this module
-
     return [p for sets in question_sets(tokenizer, spec).values() for one in sets for p in one]
 
 
