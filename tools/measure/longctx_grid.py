@@ -153,17 +153,19 @@ PEAK_PIECES = [peak(config, context) for context in ("2048", "8192", "16384") fo
 # Real questions over real documents, several a document (``--qa``): SQuAD's and DROP's gold
 # paragraphs among distractors, a CoQA story among other stories with its conversation's turns, and
 # planted facts of five forms in the test haystack; four questions a context, each graded by its
-# data set's F1. Every configuration runs both modes: ``reuse`` (the document read once, compressed
-# before any question, the four answered from copies of that state: a user's document chat) and
-# ``fresh`` (each question read with the document, question-aware). Nothing was tuned on them.
+# data set's F1. Every configuration runs both modes: ``reuse`` (the document read once, the four
+# answered from copies of that state: a user's document chat; compressed before any question, or
+# for ``bounded`` held whole until each question ranks its copy) and ``fresh`` (each question read
+# with the document, question-aware). Nothing was tuned on them.
 QA_OUT = ROOT / "docs" / "results" / "longctx" / "qa"
 QA_TASKS = "qa_squad,qa_drop,qa_coqa,facts"
 
 
 def qa(config: str, context: str = "2048", samples: str = "4", label: str = "", fresh: bool = False) -> tuple[str, str, list[str]]:
-    """``label``: a re-run in a JSON of its own (a JSON resumes: the same name would keep old rows);
-    ``fresh``: the fresh split (``FRESH_QA``) instead of the test split."""
-    which = ["--policies", "full"] if config == "full" else ["--policies", "none", "--recipe", config]
+    """``config``: a recipe, or a policy (``full``, ``h2o``); ``label``: a re-run in a JSON of its own
+    (a JSON resumes: the same name would keep old rows); ``fresh``: the fresh split (``FRESH_QA``)
+    instead of the test split."""
+    which = ["--policies", "none", "--recipe", config] if config in RECIPES else ["--policies", config]
     name = f"qa-{config}-{context}" + (f"-{label}" if label else "")
     return piece(name, *which, "--contexts", context, "--samples", samples, "--tasks", QA_TASKS,
                  "--questions-per-context", "4", *(FRESH_QA if fresh else ()), split=None if fresh else "test")
@@ -184,8 +186,7 @@ QA_PIECES = [
     prompts("2048", "4", QA_TASKS, "--questions-per-context", "4", name="qa-prompts"),
     peer("kvpress", "qa-kvpress-chunkkv", "2048", "--presses", "chunkkv-snapkv", "--modes", "aware", prompts="qa-prompts"),
     peer("kvpress", "qa-kvpress-kvzip", "2048", "--presses", "kvzip", "--modes", "agnostic", prompts="qa-prompts"),
-    piece("qa-h2o-2048", "--policies", "h2o", "--contexts", "2048", "--samples", "4", "--tasks", QA_TASKS,
-          "--questions-per-context", "4"),
+    qa("h2o"),
     # bounded's reuse rows again once read_context held the document for its question (qa-bounded-2048
     # compressed it at once, ranked by its own end); its fresh rows, which hold nothing, were copied in
     qa("bounded", label="held"),

@@ -8,8 +8,9 @@ the same mode (``lengths.paired_difference``)::
 
     python tools/measure/qa_table.py docs/results/longctx/qa/*.json
 
-Modes: ``reuse`` reads the document once, compressed before any question (the four answered from
-copies of that state), ``fresh`` reads each question with the document (question-aware).
+Modes: ``reuse`` reads the document once (the four answered from copies of that state; compressed
+before any question, or held whole until each question ranks its copy: ``core/held.py``),
+``fresh`` reads each question with the document (question-aware).
 """
 
 from __future__ import annotations
