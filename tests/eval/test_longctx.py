@@ -406,8 +406,7 @@ def test_grid_prompts_are_what_the_export_holds(essay):
 def test_several_questions_are_exported_one_prompt_each_over_the_contexts_the_grid_reads(essay):
     """With several questions a context, the export holds each question over its context as the
     reuse grid builds them (the same ids), with its index: a peer's rows then pair with ours."""
-    from h2okv.eval.longctx.runner import question_sets
-    from h2okv.eval.longctx.runner import export_prompts
+    from h2okv.eval.longctx.runner import export_prompts, question_sets
 
     tok = Chars()
     spec = GridSpec(tasks=["vt"], contexts=[900], samples=2, policies=["full"], budgets=[0.2], haystack=essay,
