@@ -8,9 +8,9 @@ a document; 0.5B, 2k, 20%) `bounded` so kept 39% of full's F1, where reading eac
 document kept 96%, and holding it 95% at a quarter of those prompt tokens (docs/RESULTS.md).
 
 Held, the context is read evicting nothing, and the budget is set once it has been read: nothing
-is evicted then, and the next call of two tokens or more (the
-question, on the cache or on each of ``h2okv.ask``'s copies) ranks everything held with its own
-queries and brings each row down to the budget. Read chunked or late, that keeps what one call of
+is evicted then, and the next call of two tokens or more (the question, on the cache or on each of
+``h2okv.ask``'s copies) ranks everything held with its own queries and brings each row down to the
+budget. Read chunked or late, that keeps what one call of
 document and question keeps (tested); streamed (``bounded``), the held slots are pooled in prompt
 order once more, as streamed pieces are (``SlotLayer._prefill_scores``). The server holds a chat's
 history so (``serve/engine.py``, ``Engine.held_history``).
@@ -26,12 +26,19 @@ from h2okv.errors import H2OError
 HOLD_ALL = 1 << 30  # a budget no prompt reaches: a row held whole evicts nothing
 
 
+def ranks_by_question(policy) -> bool:
+    """Whether ``policy`` (a class or an instance) ranks a call by the call's last queries, so that a
+    context held whole is ranked by the question read after it: the library's ``read_context`` and
+    the server's held history (``Engine.held_history``) hold for such a policy only."""
+    return policy.ranks_upfront and not policy.ranks_by_reconstruction
+
+
 def can_hold(cache) -> str | None:
     """Why ``cache`` cannot hold a context for its question (a one-line reason), None when it can."""
     policy = cache.policy
     if not policy.evicts:
         return f"policy {policy.spec!r} keeps everything"
-    if policy.ranks_by_reconstruction or not policy.ranks_upfront:
+    if not ranks_by_question(policy):
         return (f"policy {policy.spec!r} does not rank a call by its last queries (only such a policy, "
                 f"snapkv or the bounded recipe, ranks a held context by its question)")
     if cache.head_budgets != "uniform":

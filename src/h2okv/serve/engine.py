@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from h2okv.core.budget import BudgetSpec
+from h2okv.core.held import ranks_by_question
 from h2okv.core.positions import check_positions
 from h2okv.core.reconstruction import prompt_probes
 from h2okv.errors import H2OError
@@ -826,7 +827,7 @@ class Engine:
         if self.prefixes is None or request.heavy is None or cut is None or not 2 <= cut <= prompt - 2:
             return None
         cls = policy_class(request.policy)
-        if not cls.ranks_upfront or cls.ranks_by_reconstruction or self.whole_prompts:
+        if not ranks_by_question(cls) or self.whole_prompts:
             return None
         if self.cache_options.get(request.policy, {}).get("head_budgets", "uniform") != "uniform":
             return None  # the server's extra keywords for the policy's caches: a recipe's head split
