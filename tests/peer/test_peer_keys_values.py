@@ -2,9 +2,7 @@
 argument errors, its budget mapping against h2okv's, its decoding loop on a scripted model, and its
 rows, which have kvpress's reasoning rows' shape, resume, and merge in ``reasoning-report``."""
 
-import importlib.util
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,21 +11,15 @@ import torch
 from h2okv.core.budget import BudgetSpec
 from h2okv.eval.reasoning import EXPORT_FORMAT, config_label
 from source_imports import top_level_imports
+from tool_scripts import TOOLS, load_tool
 
-RUNNER = Path(__file__).resolve().parents[2] / "tools" / "peer" / "run_keys_values.py"
-KVPRESS = RUNNER.parent / "decoding_kvpress.py"
+RUNNER = TOOLS / "peer" / "run_keys_values.py"
 
-
-def load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def runner():
-    return load(RUNNER, "run_keys_values")
+    return load_tool("peer/run_keys_values.py")
 
 
 @pytest.fixture
@@ -174,7 +166,7 @@ def test_decoding_ends_as_eval_reasoning_and_counts_kv(runner, script, stop, cac
     gpt = ScriptedGPT(script, cache_length)
     normed = []
     gpt.transformer.ln_f.register_forward_hook(lambda *args: normed.append(gpt.calls))
-    cut = load(KVPRESS, "decoding_kvpress").cut_at_stop
+    cut = load_tool("peer/decoding_kvpress.py").cut_at_stop
     result = runner.decode_problem(ScriptedLongContext(gpt), CharTokenizer(), {"prompt_ids": [5, 6, 7], "stop": stop},
                                    5, {9}, cut)
     assert result["token_ids"] == tokens and result["finish"] == finish
@@ -210,7 +202,7 @@ def test_rows_have_kvpress_shape_resume_and_merge(runner, exported, tmp_path):
     piece = runner.run(data, [128, None], 0.5, str(out), fake_decoder(calls))
     assert calls == [(128, 64, 1), (128, 64, 2), (None, 0, 0), (None, 0, 1), (None, 0, 2)]  # 0 @ 128 skipped
     assert piece == json.loads(out.read_text()) and piece["setup"] == {**data["setup"], "batch_size": 1}
-    kvpress = load(KVPRESS, "decoding_kvpress")
+    kvpress = load_tool("peer/decoding_kvpress.py")
     for row in piece["rows"]:
         problem = data["problems"][row["id"]]
         result = {"token_ids": [4] * (row["id"] + 1), "finish": "eos", "kv_bytes": 100 * (row["id"] + 1),

@@ -3,7 +3,6 @@
 eviction config each pipeline gets, the rows (they merge with ``eval longctx``'s and resume), the
 reasoning piece, the one-time IR export, and the one-line errors."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -15,21 +14,15 @@ from h2okv.core.budget import BudgetSpec
 from h2okv.eval.longctx.report import summarize, summary_table
 from h2okv.eval.longctx.rows import OPTIONAL_FIELDS, ROW_FIELDS, make_row, merge_rows
 from source_imports import top_level_imports
+from tool_scripts import TOOLS, load_tool
 
-RUNNER = Path(__file__).resolve().parents[2] / "tools" / "peer" / "run_openvino.py"
-KVPRESS = RUNNER.parent / "decoding_kvpress.py"
+RUNNER = TOOLS / "peer" / "run_openvino.py"
 
-
-def load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def runner():
-    return load(RUNNER, "run_openvino")
+    return load_tool("peer/run_openvino.py")
 
 
 def exit_line(capsys, call) -> str:
@@ -251,7 +244,7 @@ def test_reasoning_piece_has_kvpress_rows_and_resumes(runner, tmp_path):
     sizes = {"max_cache_size": 128, "start_size": 32, "recent_size": 64}
     assert calls == [("h2o-sum", sizes, 200, 5, {9}, ["Q:"]), ("h2o-sum", sizes, 201, 5, {9}, ["Q:"]),
                      ("full", None, 200, 5, {9}, ["Q:"]), ("full", None, 201, 5, {9}, ["Q:"])]
-    kvpress = load(KVPRESS, "decoding_kvpress")
+    kvpress = load_tool("peer/decoding_kvpress.py")
     for row in piece["rows"]:
         problem = exported["problems"][row["id"]]
         assert row == kvpress.reasoning_row(piece["setup"], problem, answer(row["policy"][9:], None, problem["prompt_ids"],
@@ -324,7 +317,7 @@ def test_bad_inputs_are_one_line_errors(runner, tmp_path, capsys):
 
 
 def test_speed_table_compares_each_engine_with_its_own_full():
-    speed = load(RUNNER.parent / "speed_openvino.py", "speed_openvino")
+    speed = load_tool("peer/speed_openvino.py")
     rows = [{"engine": e, "context": 1024, "policy": p, "budget": b, "prefill_s": t, "steps": 32, "decode_s": d,
              "kv_fraction": k}
             for e, p, b, t, d, k in [("h2okv", "full", 1.0, 4.0, 8.0, 1.0), ("h2okv", "h2o", 0.2, 5.0, 4.0, 0.2),
