@@ -111,34 +111,6 @@ def test_the_bounded_recipe_holds_a_context_and_each_copy_is_ranked_by_its_quest
     assert live == {16}  # every copy at its budget after its question and answer (68 tokens read)
 
 
-@pytest.mark.parametrize("recipe", ["bounded", None])
-def test_a_held_context_capped_at_a_fraction_keeps_that_share_until_its_question(recipe):
-    """``hold=0.5``: the read keeps half the context (ranked by its own end), the question's call
-    brings it to the budget; a ceiling at or below the budget is the budget (compressed at once)."""
-    model, tok = tiny_model("llama"), word_tokenizer()
-    context, question = random_ids(48, seed=3), random_ids(20, seed=5)
-    settings = dict(recipe="bounded") if recipe else dict(policy="snapkv:kernel=7", prefill="late")
-    capped = H2OCache(model, budget=16, budget_floor=0, tokenizer=tok, **settings)
-    read_context(model, tok, capped, context, hold=0.5)
-    assert all(len(k) == 24 for k in kept(capped))
-    with torch.inference_mode():
-        model(input_ids=question, **cache_arg(capped))
-    assert all(len(k) == 16 for k in kept(capped))
-    low, now = (H2OCache(model, budget=16, budget_floor=0, tokenizer=tok, **settings) for _ in range(2))
-    read_context(model, tok, low, context, hold=0.1)
-    read_context(model, tok, now, context, hold=False)
-    assert kept(low) == kept(now) and all(len(k) == 16 for k in kept(low))
-
-
-@pytest.mark.parametrize("hold", [0, 1.5, -0.2, "half"])
-def test_a_hold_that_is_no_fraction_is_a_one_line_error(hold):
-    model, tok = tiny_model("llama"), word_tokenizer()
-    cache = H2OCache(model, recipe="bounded", budget=16, budget_floor=0, tokenizer=tok)
-    with pytest.raises(H2OError, match=r"fraction of the context in \(0, 1\]") as error:
-        read_context(model, tok, cache, random_ids(48, seed=3), hold=hold)
-    assert "\n" not in str(error.value) and cache.get_seq_length() == 0
-
-
 def test_hold_false_compresses_the_context_now_and_hold_true_where_it_cannot_is_one_line():
     model, tok = tiny_model("llama"), word_tokenizer()
     context = random_ids(48, seed=3)

@@ -16,10 +16,7 @@ order once more, as streamed pieces are (``SlotLayer._prefill_scores``). The ser
 history so (``serve/engine.py``, ``Engine.held_history``).
 
 The cost is memory: until a question is read the cache holds the whole context's K/V (``ask``'s
-copies, and every answer, are at the budget). ``hold=F`` (a fraction in (0, 1)) caps that: the read
-keeps at most F of the context, ranked by its own end as a compressed read is, and the question then
-ranks what is left down to the budget (a ceiling at or below the budget is the budget: compressed
-at once). A fraction of a budget is taken of the context.
+copies, and every answer, are at the budget). A fraction of a budget is taken of the context.
 """
 
 from __future__ import annotations
@@ -53,35 +50,18 @@ def can_hold(cache) -> str | None:
     return None
 
 
-def check_hold(hold) -> bool | float | None:
-    """``hold`` as ``read_context`` takes it (None, a bool, or a fraction of the context in (0, 1]),
-    else a one-line ``H2OError``; a fraction of 1 is ``True`` (the whole context)."""
-    if hold is None or isinstance(hold, bool):
-        return hold
-    if not isinstance(hold, (int, float)) or not 0 < hold <= 1:
-        raise H2OError(f"read_context(hold=...) takes True, False, None or a fraction of the context in "
-                       f"(0, 1] to hold at most until the question; got {hold!r}")
-    return True if hold == 1 else float(hold)
-
-
-def wants_hold(cache, hold: bool | float | None) -> bool:
-    """Whether ``read_context`` holds the context: ``hold`` None holds where the cache can; True (or
-    a fraction) where it cannot is a one-line ``H2OError``; False never holds (compressed at once)."""
+def wants_hold(cache, hold: bool | None) -> bool:
+    """Whether ``read_context`` holds the context: ``hold`` None holds where the cache can; True
+    where it cannot is a one-line ``H2OError``; False never holds (the context compressed at once)."""
     reason = can_hold(cache)
-    if hold is not None and hold is not False and reason is not None:
-        raise H2OError(f"read_context(hold={hold!r}): {reason}")
+    if hold and reason is not None:
+        raise H2OError(f"read_context(hold=True): {reason}")
     return bool(hold if hold is not None else reason is None)
 
 
-def hold_rows(cache, rows: int, length: int, ceiling: float | None = None) -> None:
-    """Before the read of ``length`` tokens a row: every row's budget is one no context reaches, or
-    with ``ceiling`` (a fraction) that share of the context: the budget's recent part, the rest
-    heavy, and never below the budget itself."""
-    if ceiling is None:
-        cache.row_budgets.fix([(HOLD_ALL, 1)] * rows)
-        return
-    heavy, recent = cache.row_budgets.spec.resolve(length)
-    cache.row_budgets.fix([(max(heavy, int(ceiling * length) - recent), recent)] * rows)
+def hold_rows(cache, rows: int) -> None:
+    """Before the read: every row's budget is one no context reaches."""
+    cache.row_budgets.fix([(HOLD_ALL, 1)] * rows)
 
 
 def release(cache, length: int) -> None:

@@ -43,7 +43,7 @@ import torch
 from h2okv.chat import chat_frame, encode_text
 from h2okv.core.compat import cache_arg, without_grad
 from h2okv.core.head_budget import allocate_layers
-from h2okv.core.held import check_hold, hold_rows, release, wants_hold
+from h2okv.core.held import hold_rows, release, wants_hold
 from h2okv.documents import read_arguments
 from h2okv.errors import H2OError
 
@@ -185,7 +185,7 @@ def rank_by_probes(model, cache, calls: list[torch.Tensor], spans: list[tuple[in
 
 
 def read_context(model, tokenizer, cache=None, context=None, start: int | None = None,
-                 hold: bool | float | None = None) -> None:
+                 hold: bool | None = None) -> None:
     """Read ``context`` into ``cache`` before any question exists: ready for questions read
     afterwards (``h2okv.ask``, or ``model.generate(input_ids=context + question, cache=cache)``,
     which feeds only what is new). ``context`` is text or chat messages (through the tokenizer's
@@ -198,17 +198,15 @@ def read_context(model, tokenizer, cache=None, context=None, start: int | None =
     cache can, ``core/held.py``): read evicting nothing, it is ranked by the question's call, each
     of ``ask``'s copies by its own question, and brought down to the budget then; until then the
     cache holds the whole context. ``hold=False`` compresses it now, ranked by its own end;
-    ``hold=True`` where the cache cannot is a one-line ``H2OError``; ``hold=0.5`` holds at most half
-    the context until the question (the read ranks it down to that by its own end). ``start`` leaves a chat
+    ``hold=True`` where the cache cannot is a one-line ``H2OError``. ``start`` leaves a chat
     template's head out of the repeated text (default: found from the tokenizer's template). The
     order ``(model, cache, context, tokenizer)`` still works, with a DeprecationWarning, for one
     release."""
     tokenizer, cache, document = read_arguments(tokenizer, cache, context)
     ids = document.ids.to(model.device)
-    hold = check_hold(hold)
     held = wants_hold(cache, hold)
     if held:
-        hold_rows(cache, ids.shape[0], ids.shape[1], None if hold is None or hold is True else hold)
+        hold_rows(cache, ids.shape[0])
     with without_grad(cache):
         model(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_arg(cache), use_cache=True,
               logits_to_keep=1)
