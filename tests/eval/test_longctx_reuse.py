@@ -119,7 +119,6 @@ def test_reuse_answers_equal_a_fresh_two_call_read_per_question(name, essay):
     [
         (["--questions-per-context", "0"], "must be a positive integer"),
         (["--tasks", "vt,cwe", "--questions-per-context", "2"], "cwe ask(s) one question of the whole text"),
-        (["--questions-per-context", "2", "--question", "agnostic"], "leave out --question"),  # default tasks: all fit
         (["--tasks", "vt", "--questions-per-context", "2", "--fresh-process"], "leave out --questions-per-context"),
     ],
 )
@@ -165,3 +164,23 @@ def test_cli_rows_of_both_modes_resume_and_merge(tmp_path, monkeypatch, essay, c
     assert main(["eval", "longctx", "--merge", str(out), "--json", str(merged), "--plot", str(png)]) == 0
     assert json.loads(merged.read_text()) == rows and png.read_bytes()[:4] == b"\x89PNG"
     assert "tokens fresh" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("question, mode", [("agnostic", "reuse"), ("aware", "fresh")])
+def test_cli_question_picks_one_mode_of_several_questions(question, mode, tmp_path, monkeypatch, essay, capsys):
+    """``--question`` with N questions a context runs one mode: agnostic the context read once for
+    them (reuse), aware each question read with it (fresh); the same answers as both modes' run."""
+    model = tiny_model("llama", seed=3, max_position_embeddings=2048)
+    model.generation_config.eos_token_id = None
+    monkeypatch.setattr(h2okv.models, "load_model", lambda *a, **k: (model, EosChars()))
+    argv = ["eval", "longctx", "--tasks", "vt", "--contexts", "700", "--samples", "1", "--haystack", essay,
+            "--max-new-tokens", "3", "--policies", "h2o", "--budgets", "0.3", "--questions-per-context", "2",
+            "--plot", ""]
+    both, one = tmp_path / "both.json", tmp_path / "one.json"
+    assert main([*argv, "--json", str(both)]) == 0
+    assert main([*argv, "--json", str(one), "--question", question]) == 0
+    assert f"2 questions per context, {mode}," in capsys.readouterr().out
+    rows = json.loads(one.read_text())
+    assert {r["question"] for r in rows} == {mode} and len(rows) == 2
+    untimed = lambda rs: [{k: v for k, v in r.items() if k != "seconds"} for r in rs]  # noqa: E731
+    assert untimed(rows) == untimed(r for r in json.loads(both.read_text()) if r["question"] == mode)

@@ -26,6 +26,8 @@ DEFAULT_POLICIES = "full,h2o"
 DEFAULT_BUDGETS = "0.2"
 DEFAULT_CONTEXTS = "1024"
 DEFAULT_PLOT = "results/longctx.png"
+# with --questions-per-context > 1, the modes --question runs (eval/longctx/reuse.py): both by default
+QUESTION_MODES = {None: ("reuse", "fresh"), "agnostic": ("reuse",), "aware": ("fresh",)}
 
 
 EXAMPLES = examples(
@@ -57,8 +59,9 @@ def register(kinds) -> None:
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"cache budgets as fractions of the prompt (default: {DEFAULT_BUDGETS})")
     p.add_argument("--question", choices=("aware", "agnostic"), default=None,
                    help="aware: the question is read and compressed with the context; agnostic: the context is "
-                        "compressed alone, the question read after (default: aware; not with "
-                        "--questions-per-context > 1, which runs both)")
+                        "compressed alone, the question read after (default: aware); with "
+                        "--questions-per-context > 1 both run unless this picks one (agnostic: the "
+                        "context read once for its questions, aware: each question read with it)")
     p.add_argument("--questions-per-context", type=positive_int, default=1, metavar="N",
                    help="N > 1: each context holds N items, each asked in its own question, every answer graded; "
                         "per configuration, reuse (the context read once question-agnostically, the N questions "
@@ -160,6 +163,7 @@ def run(args) -> int:
         question=args.question or "aware", seed=seed, haystack=check_haystack(haystack),
         chunk_size=args.chunk_size or DEFAULT_CHUNK, cache_options=parse_cache_options(args.cache_option),
         max_new_tokens=args.max_new_tokens, chat=not args.no_chat, recipes=recipes, questions=args.questions_per_context,
+        modes=QUESTION_MODES[args.question],
         coding=slot_coding_of(args),
     )
     from h2okv.models import load_model
@@ -201,11 +205,7 @@ def check_many_questions(args, tasks: list[str]) -> None:
     """One-line errors, before the model loads, for what several questions per context rule out."""
     from h2okv.eval.longctx.tasks import check_questions
 
-    n = args.questions_per_context
-    check_questions(tasks, n)
-    if n > 1 and args.question:
-        raise H2OError(f"--questions-per-context {n} runs both modes itself (reuse: the context read once, "
-                       "question-agnostic; fresh: each question read with it, question-aware): leave out --question")
+    check_questions(tasks, args.questions_per_context)
 
 
 def run_grid(args, model, tokenizer, spec) -> int:
@@ -235,7 +235,7 @@ def run_grid(args, model, tokenizer, spec) -> int:
     fresh = {"fresh": ModelLoad(args.model, args.device, args.dtype, args.threads)} if args.fresh_process else {}
     found = grid(model, tokenizer, spec, done=resume_keys(kept, model.name_or_path), on_rows=save,
                  meta=run_meta(model), **fresh)
-    asked = (f"{spec.questions} questions per context, reuse vs fresh" if spec.questions > 1
+    asked = (f"{spec.questions} questions per context, {' vs '.join(spec.modes)}" if spec.questions > 1
              else f"question {spec.question}")
     print(f"Long-context tasks, {spec.haystack} haystack, {asked}, {spec.samples} samples per cell")
     print(tables(rows))

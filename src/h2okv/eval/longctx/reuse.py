@@ -38,12 +38,10 @@ from h2okv.eval.longctx.runner import (
 )
 from h2okv.questions import ask
 
-MODES = ("reuse", "fresh")
-
 
 def reuse_answers(model, tokenizer, prompts: list[LongPrompt], cache, max_new_tokens: int, chat_head: int = 0) -> list[str]:
-    """The shared context read once, compressed question-agnostically, then every question
-    answered from its own copy of that state (``h2okv.ask``)."""
+    """The shared context read once (compressed before any question, or held for it:
+    ``read_context``), then every question answered from its own copy of that state (``h2okv.ask``)."""
     context = prompts[0].ids[: prompts[0].question]
     read_context(model, tokenizer, cache, context, start=chat_head)
     return ask(model, tokenizer, cache, context, [p.ids[p.question :] for p in prompts], max_new_tokens=max_new_tokens)
@@ -91,7 +89,7 @@ def run_reuse_grid(model, tokenizer, spec: GridSpec, done=frozenset(), on_rows=N
     """Every (task, context, configuration, mode) cell not in ``done``; ``on_rows(rows)`` after each."""
     sets = question_sets(tokenizer, spec)
     check_positions(model, [p for group in sets.values() for one in group for p in one], spec.max_new_tokens)
-    todo = [(t, c, config, mode) for (t, c) in sets for config in spec.configs() for mode in MODES
+    todo = [(t, c, config, mode) for (t, c) in sets for config in spec.configs() for mode in spec.modes
             if not cell_keys(spec, t, c, config, mode) <= done]
     found = []
     desc = f"longctx ({spec.questions} questions per context)"

@@ -64,6 +64,7 @@ class GridSpec:
     chat: bool = True
     recipes: list[str] = field(default_factory=list)  # run beside the policies, each with its own settings
     questions: int = 1  # questions per context: > 1 runs reuse vs fresh (reuse.py)
+    modes: tuple[str, ...] = ("reuse", "fresh")  # with questions > 1: the modes run (--question picks one)
     batch: int | None = None  # the most prompts one forward reads (None: a cell's whole group)
     #: quantized slots for every configuration, full's and the recipes' too (``settings.slot_coding_keywords``;
     #: empty: the model's dtype). Part of each row's cache options, so a quantized row is its own cell
