@@ -191,6 +191,8 @@ QA_PIECES = [
     # compressed it at once, ranked by its own end); its fresh rows, which hold nothing, were copied in
     qa("bounded", label="held"),
     *(qa(config, label="fresh", fresh=True) for config in ("full", "bounded")),
+    # `prompt` on the same fresh documents: whether it trails `bounded` on real questions there too
+    qa("prompt", label="fresh", fresh=True),
 ]
 
 
