@@ -458,6 +458,13 @@ def longctx_rows(points, task="vt"):
              "model": model} for q, p, b, s, t in ((*point, task) if len(point) == 4 else point for point in points)]
 
 
+def test_a_panel_of_several_questions_a_context_names_its_mode_in_words(monkeypatch):
+    rows = longctx_rows([("reuse", "full", 1.0, 1.0), ("reuse", "h2o", 0.2, 0.5), ("fresh", "h2o", 0.2, 0.25)])
+    axes, _ = plotted(monkeypatch, rows)
+    assert [ax.get_title() for ax in axes] == ["2048 tokens, each question read with it, 20% budget",
+                                               "2048 tokens, context read once, 20% budget"]
+
+
 def test_plot_of_one_budget_is_bars_per_task_with_full_as_a_level_in_both_question_modes(monkeypatch):
     """One budget: a group of bars per task and the average, one bar per configuration; full (measured
     aware only: no eviction, so the mode cannot change it) a dashed level over each group of both

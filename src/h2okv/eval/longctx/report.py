@@ -134,6 +134,15 @@ def method_color(config: str) -> str | None:
     return policy_color(PEER_METHODS.get(name, name))
 
 
+# several questions a context (eval/longctx/reuse.py): its two modes in a panel's words
+MODE_WORDS = {"reuse": "context read once", "fresh": "each question read with it"}
+
+
+def mode_words(question: str) -> str:
+    """A panel's question mode in words: ``question aware``, ``context read once``..."""
+    return MODE_WORDS.get(question, f"question {question}")
+
+
 def plot_scores(rows: list[dict], path, title: str):
     """The scores, one panel per (question mode, context), one legend for all panels below them.
 
@@ -162,10 +171,10 @@ def plot_scores(rows: list[dict], path, title: str):
         if bars:
             _task_bars(ax, here, full, tasks, styles)
             budget = f", {budgets[0]:.0%} budget" if budgets else ""
-            ax.set_title(f"{context} tokens, question {question}{budget}", fontsize=10)
+            ax.set_title(f"{context} tokens, {mode_words(question)}{budget}", fontsize=10)
         else:
             _budget_lines(ax, here, full, budgets, styles)
-            ax.set_title(f"{context} tokens, question {question}", fontsize=10)
+            ax.set_title(f"{context} tokens, {mode_words(question)}", fontsize=10)
     shared_legend(legend_ax, axes, 1 if len(panels) == 1 else legend_columns(width * len(panels)))
     fig.suptitle(title, fontsize=10)
     return save_figure(fig, path)
