@@ -161,14 +161,16 @@ QA_OUT = ROOT / "docs" / "results" / "longctx" / "qa"
 QA_TASKS = "qa_squad,qa_drop,qa_coqa,facts"
 
 
-def qa(config: str, context: str = "2048", samples: str = "4", label: str = "", fresh: bool = False) -> tuple[str, str, list[str]]:
+def qa(config: str, context: str = "2048", samples: str = "4", label: str = "", fresh: bool = False,
+       once: bool = False) -> tuple[str, str, list[str]]:
     """``config``: a recipe, or a policy (``full``, ``h2o``); ``label``: a re-run in a JSON of its own
     (a JSON resumes: the same name would keep old rows); ``fresh``: the fresh split (``FRESH_QA``)
-    instead of the test split."""
+    instead of the test split; ``once``: the document read once only (reuse rows, no fresh ones)."""
     which = ["--policies", "none", "--recipe", config] if config in RECIPES else ["--policies", config]
     name = f"qa-{config}-{context}" + (f"-{label}" if label else "")
     return piece(name, *which, "--contexts", context, "--samples", samples, "--tasks", QA_TASKS,
-                 "--questions-per-context", "4", *(FRESH_QA if fresh else ()), split=None if fresh else "test")
+                 "--questions-per-context", "4", *(FRESH_QA if fresh else ()), *(("--question", "agnostic") if once else ()),
+                 split=None if fresh else "test")
 
 
 # the protocol's rule 4: held reading (read_context's hold) came after the test split's bounded
@@ -193,6 +195,8 @@ QA_PIECES = [
     *(qa(config, label="fresh", fresh=True) for config in ("full", "bounded")),
     # `prompt` on the same fresh documents: whether it trails `bounded` on real questions there too
     qa("prompt", label="fresh", fresh=True),
+    # a user's document is longer than 2k: read once at 8k, two documents a data set
+    *(qa(config, "8192", "2", label="once", once=True) for config in ("full", "bounded")),
 ]
 
 
