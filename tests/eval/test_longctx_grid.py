@@ -55,14 +55,14 @@ def test_each_peer_reads_an_export_made_before_it_at_its_length(grid, pieces):
 
 def test_qa_pieces_ask_four_questions_a_document_of_the_same_prompts(grid):
     """Every QA piece of ours at one length reads the same documents (tasks, samples, four
-    questions), and the peers read the export of exactly those; at 8k, full and `bounded` each read
+    questions), and the peers read the export of exactly those; at 8k, full and two recipes each read
     them once, nothing else."""
     ours = [argv for name, runner, argv in grid.QA_PIECES if runner == "h2okv"]
     for length in ("2048", "8192"):
         here = [a for a in ours if flag(a, "--contexts") == length]
         assert len({(flag(a, "--tasks"), flag(a, "--samples"), flag(a, "--questions-per-context")) for a in here}) == 1
     long = [a for a in ours if flag(a, "--contexts") == "8192"]
-    assert len(long) == 2 and all(flag(a, "--question") == "agnostic" for a in long)
+    assert len(long) == 3 and all(flag(a, "--question") == "agnostic" for a in long)
     assert all(flag(a, "--questions-per-context") == "4" and flag(a, "--tasks") == grid.QA_TASKS for a in ours)
     assert {flag(a, "--policies") for a in ours if "--export-prompts" not in a} == {"full", "none", "h2o"}
 

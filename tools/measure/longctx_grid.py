@@ -196,7 +196,7 @@ QA_PIECES = [
     # `prompt` on the same fresh documents: whether it trails `bounded` on real questions there too
     qa("prompt", label="fresh", fresh=True),
     # a user's document is longer than 2k: read once at 8k, two documents a data set
-    *(qa(config, "8192", "2", label="once", once=True) for config in ("full", "bounded")),
+    *(qa(config, "8192", "2", label="once", once=True) for config in ("full", "bounded", "prompt")),
 ]
 
 
