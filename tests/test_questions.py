@@ -1,6 +1,8 @@
 """``h2okv.ask``: one context read once, many questions answered from copies of its state, as rows
 of one batch; each answer is what a fresh cache gives reading the context, then that question."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -109,6 +111,22 @@ def test_the_bounded_recipe_holds_a_context_and_each_copy_is_ranked_by_its_quest
     assert all(len(k) == 48 for k in kept(cache))
     live = {int(layer.read("valid")[row, 0].sum()) for layer in copies[0].layers for row in range(2)}
     assert live == {16}  # every copy at its budget after its question and answer (68 tokens read)
+
+
+def test_a_context_ranked_by_its_own_end_warns_with_what_to_use_instead():
+    """``kvzip`` past ``probe_upto`` (the ``prompt`` recipe past 2,560 tokens) ranks a context read
+    alone by its last queries: the context's own end. A warning says so; within the pass's reach,
+    or held (``bounded``), there is none."""
+    model, tok = tiny_model("llama"), word_tokenizer()
+    context = random_ids(48, seed=3)
+    policy = "kvzip:question=8,probe_upto=32,question_kernel=3"
+    past = H2OCache(model, policy=policy, budget=16, budget_floor=0, prefill="late")
+    with pytest.warns(UserWarning, match="recipe='bounded'"):
+        read_context(model, tok, past, context)
+    for settings, ids in ((dict(policy=policy, prefill="late"), context[:, :30]), (dict(recipe="bounded"), context)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            read_context(model, tok, H2OCache(model, budget=16, budget_floor=0, tokenizer=tok, **settings), ids)
 
 
 def test_hold_false_compresses_the_context_now_and_hold_true_where_it_cannot_is_one_line():

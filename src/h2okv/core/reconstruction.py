@@ -43,7 +43,7 @@ import torch
 from h2okv.chat import chat_frame, encode_text
 from h2okv.core.compat import cache_arg, without_grad
 from h2okv.core.head_budget import allocate_layers
-from h2okv.core.held import hold_rows, release, wants_hold
+from h2okv.core.held import hold_rows, release, wants_hold, warn_if_ranked_by_its_end
 from h2okv.documents import read_arguments
 from h2okv.errors import H2OError
 
@@ -207,6 +207,8 @@ def read_context(model, tokenizer, cache=None, context=None, start: int | None =
     held = wants_hold(cache, hold)
     if held:
         hold_rows(cache, ids.shape[0])
+    else:
+        warn_if_ranked_by_its_end(cache, ids.shape[1])
     with without_grad(cache):
         model(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_arg(cache), use_cache=True,
               logits_to_keep=1)
