@@ -8,6 +8,7 @@ import torch
 
 from h2okv import H2OCache, H2OError, read_context
 from h2okv.core.compat import cache_arg
+from h2okv.generation import read_ahead
 from h2okv.questions import ask, ask_ids
 from h2okv.tools.tiny import random_ids, tiny_model, word_tokenizer
 
@@ -127,6 +128,9 @@ def test_a_context_ranked_by_its_own_end_warns_with_what_to_use_instead():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             read_context(model, tok, H2OCache(model, budget=16, budget_floor=0, tokenizer=tok, **settings), ids)
+    with warnings.catch_warnings(), torch.inference_mode():  # generate's read of a prompt whose end is its question
+        warnings.simplefilter("error")
+        read_ahead(model, tok, H2OCache(model, policy=policy, budget=16, budget_floor=0, prefill="late"), context)
 
 
 def test_hold_false_compresses_the_context_now_and_hold_true_where_it_cannot_is_one_line():

@@ -12,7 +12,7 @@ from transformers import DynamicCache, LogitsProcessorList, TextStreamer
 from h2okv.core.budget import DEFAULT_RECENT_SHARE, fraction_keywords, slots_keywords
 from h2okv.core.cache import DEFAULT_CHUNK, H2OCache
 from h2okv.core.compat import cache_arg
-from h2okv.core.reconstruction import read_context
+from h2okv.core.reconstruction import read_context, read_ids
 from h2okv.errors import H2OError
 from h2okv.settings import CacheSettings
 from h2okv.window import check_fits, context_window
@@ -64,8 +64,11 @@ def read_ahead(model, tokenizer, cache, ids: torch.Tensor, end: int | None = Non
     ``torch.inference_mode``."""
     if end is None and not cache.policy.ranks_by_reconstruction:
         return
-    read_context(model, tokenizer, cache, ids[:, : ids.shape[1] - 1 if end is None else end], start=chat_head,
-                 hold=False)
+    context = ids[:, : ids.shape[1] - 1 if end is None else end].to(model.device)
+    if end is not None:  # a question-agnostic context: ranked by its own end, as the user asked
+        read_context(model, tokenizer, cache, context, start=chat_head, hold=False)
+    else:  # the prompt with its question: its end is the question, nothing to warn of
+        read_ids(model, tokenizer, cache, context, start=chat_head, hold=False)
 
 
 def read_in_pieces(model, cache, ids: torch.Tensor, window: int) -> None:

@@ -41,10 +41,10 @@ def read_prompt(model, tokenizer, cache, ids: torch.Tensor) -> torch.Tensor:
     """The prompt's read, as ``generate`` does it: a policy ranked by reconstruction reads all but
     the last token and is ranked (``read_context``), then the last token; others read it whole.
     Returns the last position's logits."""
-    from h2okv.core.reconstruction import read_context
+    from h2okv.core.reconstruction import read_ids
 
     if cache.policy.ranks_by_reconstruction:
-        read_context(model, tokenizer, cache, ids[:, :-1])
+        read_ids(model, tokenizer, cache, ids[:, :-1])
         ids = ids[:, -1:]
     out = model(input_ids=ids, **cache_arg(cache), use_cache=True, logits_to_keep=1)
     return out.logits[:, -1]

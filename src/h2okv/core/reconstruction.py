@@ -201,14 +201,22 @@ def read_context(model, tokenizer, cache=None, context=None, start: int | None =
     ``hold=True`` where the cache cannot is a one-line ``H2OError``. ``start`` leaves a chat
     template's head out of the repeated text (default: found from the tokenizer's template). The
     order ``(model, cache, context, tokenizer)`` still works, with a DeprecationWarning, for one
-    release."""
+    release. A context this cache would rank by its own end (``kvzip`` past ``probe_upto``: the
+    ``prompt`` recipe past 2,560 tokens) is read with a warning that names what to use instead."""
     tokenizer, cache, document = read_arguments(tokenizer, cache, context)
     ids = document.ids.to(model.device)
+    if not wants_hold(cache, hold):
+        warn_if_ranked_by_its_end(cache, ids.shape[1])
+    read_ids(model, tokenizer, cache, ids, start, hold)
+
+
+def read_ids(model, tokenizer, cache, ids: torch.Tensor, start: int | None = None, hold: bool | None = None) -> None:
+    """``read_context``'s read of ``[rows, tokens]`` ids on ``model``'s device, without its warning:
+    for a prompt whose end is its question (``generate``'s read-ahead, the benchmarks), where
+    ranking by that end is what the policy is for."""
     held = wants_hold(cache, hold)
     if held:
         hold_rows(cache, ids.shape[0])
-    else:
-        warn_if_ranked_by_its_end(cache, ids.shape[1])
     with without_grad(cache):
         model(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_arg(cache), use_cache=True,
               logits_to_keep=1)
