@@ -68,7 +68,7 @@ def read_ahead(model, tokenizer, cache, ids: torch.Tensor, end: int | None = Non
     if end is not None:  # a question-agnostic context: ranked by its own end, as the user asked
         read_context(model, tokenizer, cache, context, start=chat_head, hold=False)
     else:  # the prompt with its question: its end is the question, nothing to warn of
-        read_ids(model, tokenizer, cache, context, start=chat_head, hold=False)
+        read_ids(model, tokenizer, cache, context, start=chat_head)
 
 
 def read_in_pieces(model, cache, ids: torch.Tensor, window: int) -> None:

@@ -16,7 +16,6 @@ from tool_scripts import TOOLS, load_tool
 RUNNER = TOOLS / "peer" / "run_keys_values.py"
 
 
-
 @pytest.fixture(scope="module")
 def runner():
     return load_tool("peer/run_keys_values.py")

@@ -19,7 +19,6 @@ from tool_scripts import TOOLS, load_tool
 RUNNER = TOOLS / "peer" / "run_openvino.py"
 
 
-
 @pytest.fixture(scope="module")
 def runner():
     return load_tool("peer/run_openvino.py")

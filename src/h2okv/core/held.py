@@ -88,8 +88,8 @@ def warn_if_ranked_by_its_end(cache, length: int) -> None:
     """A policy that ranks a context this long by its last queries alone, read before its question
     and not held (``kvzip`` with ``question=W`` past ``probe_upto``: the ``prompt`` recipe past
     2,560 tokens), keeps what the context's own end asks for: on the test split's real questions at
-    8k, read once, `prompt` kept 60% of full's F1 where `bounded`, held, kept 93%. Warned once a
-    call, with what to use instead."""
+    8k, read once, `prompt` kept 60% of full's F1 where `bounded`, held, kept 93%. The warning
+    names what to use instead."""
     policy = cache.policy
     runs_probe = getattr(policy, "runs_probe", None)
     if runs_probe is None or not getattr(policy, "question", 0) or runs_probe(length):
@@ -98,4 +98,3 @@ def warn_if_ranked_by_its_end(cache, length: int) -> None:
                   f"last queries alone, so read before its question it keeps what the context's own end asks "
                   f"for; for a document read once use recipe='bounded' (held for its question) or 'document'",
                   UserWarning, stacklevel=3)
-

@@ -205,16 +205,16 @@ def read_context(model, tokenizer, cache=None, context=None, start: int | None =
     ``prompt`` recipe past 2,560 tokens) is read with a warning that names what to use instead."""
     tokenizer, cache, document = read_arguments(tokenizer, cache, context)
     ids = document.ids.to(model.device)
-    if not wants_hold(cache, hold):
-        warn_if_ranked_by_its_end(cache, ids.shape[1])
-    read_ids(model, tokenizer, cache, ids, start, hold)
-
-
-def read_ids(model, tokenizer, cache, ids: torch.Tensor, start: int | None = None, hold: bool | None = None) -> None:
-    """``read_context``'s read of ``[rows, tokens]`` ids on ``model``'s device, without its warning:
-    for a prompt whose end is its question (``generate``'s read-ahead, the benchmarks), where
-    ranking by that end is what the policy is for."""
     held = wants_hold(cache, hold)
+    if not held:
+        warn_if_ranked_by_its_end(cache, ids.shape[1])
+    read_ids(model, tokenizer, cache, ids, start, held)
+
+
+def read_ids(model, tokenizer, cache, ids: torch.Tensor, start: int | None = None, held: bool = False) -> None:
+    """``read_context``'s read of ``[rows, tokens]`` ids on ``model``'s device, ``held`` as
+    ``wants_hold`` decided it, without the warning: for a prompt whose end is its question
+    (``generate``'s read-ahead, the benchmarks), where ranking by that end is what the policy is for."""
     if held:
         hold_rows(cache, ids.shape[0])
     with without_grad(cache):
